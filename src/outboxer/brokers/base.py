@@ -1,0 +1,253 @@
+"""The Publisher port: the base class owns the public behaviour, adapters fill in primitives.
+
+An adapter implements ``_connect``, ``_close`` and either ``_publish_one``
+(awaits the broker's confirmation of one message) or ``_publish_wave`` (a
+whole wave at once, for brokers that pipeline). Everything else lives here:
+per-key ordering, timeouts, error classification, connection state and counters.
+
+Ordering. A batch is cut into *waves*: wave ``n`` holds the ``n``-th message of
+every key plus, in wave 0, every keyless message. The messages of one wave are
+independent, so they are all in flight at once; wave ``n + 1`` starts only
+after wave ``n`` is confirmed. If a key's message fails, the key's later
+messages in the batch are *skipped* (not attempted), so a retry can never be
+overtaken by its successor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, ClassVar
+from urllib.parse import parse_qsl, urlsplit
+
+from outboxer.errors import BrokerUnavailableError, ConfigError, PublishError
+from outboxer.message import Message
+
+logger = logging.getLogger("outboxer.publisher")
+
+
+class OutcomeKind(StrEnum):
+    PUBLISHED = "published"
+    FAILED = "failed"
+    SKIPPED = "skipped"  # not attempted: an earlier message of its key failed
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What became of one message of a batch."""
+
+    kind: OutcomeKind
+    error: str | None = None
+    #: For FAILED: whether trying again later may succeed.
+    retryable: bool = True
+
+    @property
+    def published(self) -> bool:
+        return self.kind is OutcomeKind.PUBLISHED
+
+
+PUBLISHED = Outcome(OutcomeKind.PUBLISHED)
+SKIPPED = Outcome(OutcomeKind.SKIPPED, "not attempted: an earlier message of the same key failed")
+
+
+@dataclass
+class PublisherStats:
+    published: int = 0
+    failed: int = 0
+    skipped: int = 0
+    batches: int = 0
+    publish_seconds: float = 0.0
+    connects: int = 0
+    errors_by_type: dict[str, int] = field(default_factory=dict)
+
+
+def waves(messages: Sequence[Message]) -> list[list[int]]:
+    """Indexes of ``messages`` cut into waves (see the module docstring)."""
+    result: list[list[int]] = [[]]
+    depth: dict[str, int] = {}
+    for index, message in enumerate(messages):
+        if message.key is None:
+            result[0].append(index)
+            continue
+        level = depth.get(message.key, 0)
+        depth[message.key] = level + 1
+        if level == len(result):
+            result.append([])
+        result[level].append(index)
+    return result
+
+
+def parse_options(url: str) -> tuple[Any, dict[str, str]]:
+    """Split a broker URL into its parts and its query-string options."""
+    parts = urlsplit(url)
+    return parts, dict(parse_qsl(parts.query, keep_blank_values=True))
+
+
+class Publisher(ABC):
+    """Publishes outbox messages to one broker; a message counts only once confirmed."""
+
+    #: URL schemes this adapter serves, e.g. ("amqp", "amqps").
+    schemes: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        routes: Mapping[str, str] | None = None,
+        publish_timeout: float = 30.0,
+    ) -> None:
+        if publish_timeout <= 0:
+            raise ConfigError("publish_timeout must be positive")
+        self.url = url
+        #: Outbox topic -> broker destination (exchange routing key, stream, subject…).
+        self.routes: dict[str, str] = dict(routes or {})
+        self.publish_timeout = publish_timeout
+        self.stats = PublisherStats()
+        self._connected = False
+
+    # ----- primitives for adapters ---------------------------------------------------------
+
+    @abstractmethod
+    async def _connect(self) -> None:
+        """Open connections; raise if the broker is unreachable."""
+
+    @abstractmethod
+    async def _close(self) -> None:
+        """Release connections; must not raise for an already broken connection."""
+
+    async def _publish_one(self, message: Message) -> None:
+        """Publish one message and return once the broker confirmed it, else raise."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither _publish_one nor _publish_wave")
+
+    async def _publish_wave(self, messages: Sequence[Message]) -> list[BaseException | None]:
+        """Publish independent messages together; one result per message (None = confirmed)."""
+        results = await asyncio.gather(
+            *(self._publish_one(message) for message in messages), return_exceptions=True
+        )
+        return [result if isinstance(result, BaseException) else None for result in results]
+
+    def is_connection_error(self, exc: BaseException) -> bool:
+        """Whether ``exc`` means the connection is gone (the relay reconnects before going on)."""
+        return isinstance(exc, BrokerUnavailableError | ConnectionError | OSError | asyncio.TimeoutError)
+
+    def is_retryable(self, exc: BaseException) -> bool:
+        """Whether publishing the same message again later may succeed."""
+        if isinstance(exc, PublishError):
+            return exc.retryable
+        return True  # unknown failures are retried; max_attempts bounds them
+
+    # ----- public behaviour ---------------------------------------------------------------
+
+    def destination_for(self, message: Message) -> str:
+        """The broker-side name for a message's topic (the topic itself unless routed)."""
+        return self.routes.get(message.topic, message.topic)
+
+    @property
+    def connected(self) -> bool:
+        return self._connected
+
+    async def connect(self) -> None:
+        if self._connected:
+            return
+        try:
+            await self._connect()
+        except PublishError:
+            raise
+        except Exception as exc:
+            raise BrokerUnavailableError(f"cannot connect to {self.safe_url}: {describe(exc)}") from exc
+        self._connected = True
+        self.stats.connects += 1
+
+    async def close(self) -> None:
+        self._connected = False
+        await self._close()
+
+    async def __aenter__(self) -> Publisher:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    @property
+    def safe_url(self) -> str:
+        """The URL without its password, for logs and errors."""
+        parts = urlsplit(self.url)
+        if parts.password:
+            netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+            parts = parts._replace(netloc=netloc)
+        return parts.geturl()
+
+    async def publish_batch(self, messages: Sequence[Message]) -> list[Outcome]:
+        """Publish a batch; one Outcome per message, in the same order.
+
+        Never raises for a broker failure: every failure is an Outcome, so the
+        relay can record it on the message.
+        """
+        outcomes: list[Outcome | None] = [None] * len(messages)
+        failed_keys: set[str] = set()
+        started = time.perf_counter()
+        if not self._connected:
+            for index in range(len(messages)):
+                outcomes[index] = Outcome(OutcomeKind.FAILED, f"not connected to {self.safe_url}")
+        for wave in waves(messages) if self._connected else []:
+            todo: list[int] = []
+            for index in wave:
+                key = messages[index].key
+                if key is not None and key in failed_keys:
+                    outcomes[index] = SKIPPED
+                else:
+                    todo.append(index)
+            if not todo:
+                continue
+            results = await self._publish_wave_with_timeout([messages[i] for i in todo])
+            for index, error in zip(todo, results, strict=True):
+                if error is None:
+                    outcomes[index] = PUBLISHED
+                    continue
+                key = messages[index].key
+                if key is not None:
+                    failed_keys.add(key)
+                self.stats.errors_by_type[type(error).__name__] = (
+                    self.stats.errors_by_type.get(type(error).__name__, 0) + 1
+                )
+                if self.is_connection_error(error):
+                    self._connected = False
+                outcomes[index] = Outcome(OutcomeKind.FAILED, describe(error), self.is_retryable(error))
+        final = [outcome or SKIPPED for outcome in outcomes]
+        self.stats.batches += 1
+        self.stats.publish_seconds += time.perf_counter() - started
+        for outcome in final:
+            if outcome.kind is OutcomeKind.PUBLISHED:
+                self.stats.published += 1
+            elif outcome.kind is OutcomeKind.FAILED:
+                self.stats.failed += 1
+            else:
+                self.stats.skipped += 1
+        return final
+
+    async def _publish_wave_with_timeout(
+        self, messages: Sequence[Message]
+    ) -> list[BaseException | None]:
+        try:
+            results = await asyncio.wait_for(self._publish_wave(messages), self.publish_timeout)
+        except TimeoutError:
+            error = TimeoutError(f"broker did not confirm within {self.publish_timeout}s")
+            return [error] * len(messages)
+        except Exception as exc:  # an adapter bug or a dropped connection: fail the wave, keep the relay
+            logger.warning("publish wave failed: %s", describe(exc))
+            return [exc] * len(messages)
+        if len(results) != len(messages):
+            raise RuntimeError(f"{type(self).__name__}._publish_wave returned {len(results)} results for {len(messages)} messages")
+        return results
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: message`` (bounded), as recorded in last_error."""
+    text = str(exc) or repr(exc)
+    return f"{type(exc).__name__}: {text}"[:2000]

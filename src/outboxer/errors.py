@@ -1,0 +1,57 @@
+"""One exception hierarchy, so callers can catch ``OutboxerError`` or one branch of it."""
+
+from __future__ import annotations
+
+
+class OutboxerError(Exception):
+    """Base class of every error outboxer raises on purpose."""
+
+
+class ConfigError(OutboxerError, ValueError):
+    """A setting, URL or configuration file is invalid."""
+
+
+class MissingDependencyError(ConfigError, ImportError):
+    """An optional driver is not installed; the message names the extra to install."""
+
+    def __init__(self, package: str, extra: str) -> None:
+        super().__init__(
+            f"{package} is not installed; install it with: pip install 'outboxer[{extra}]'"
+        )
+        self.package = package
+        self.extra = extra
+
+
+class PayloadError(OutboxerError, ValueError):
+    """A message's payload, headers, topic or key cannot be stored as given.
+
+    Raised by the write path before any SQL runs, so nothing is half-written.
+    """
+
+
+class DuplicateMessageError(OutboxerError):
+    """A message with this id already exists for this destination."""
+
+
+class StoreError(OutboxerError):
+    """The database rejected or could not run an outbox statement."""
+
+
+class PublishError(OutboxerError):
+    """A broker did not confirm a message.
+
+    ``retryable`` tells the relay whether to try again later (FAILED with
+    backoff) or to give up at once (ABANDONED): a broker that rejects a message
+    as too large will reject it again.
+    """
+
+    def __init__(self, message: str, *, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+class BrokerUnavailableError(PublishError):
+    """The broker cannot be reached; every message of the batch is retryable."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retryable=True)

@@ -1,0 +1,177 @@
+"""Messages, their states, payload encoding and time-ordered ids."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from outboxer.errors import PayloadError
+
+DEFAULT_DESTINATION = "default"
+
+#: Header names that carry the envelope on brokers without a native field for it.
+HEADER_ID = "outboxer-id"
+HEADER_TOPIC = "outboxer-topic"
+HEADER_KEY = "outboxer-key"
+HEADER_CREATED_AT = "outboxer-created-at"
+HEADER_CONTENT_TYPE = "content-type"
+
+JSON = "application/json"
+TEXT = "text/plain; charset=utf-8"
+BINARY = "application/octet-stream"
+
+MAX_TOPIC_LENGTH = 255
+MAX_KEY_LENGTH = 255
+
+
+class Status(StrEnum):
+    """The states of an outbox row; see DESIGN.md for the transitions."""
+
+    PENDING = "PENDING"
+    PROCESSING = "PROCESSING"
+    PUBLISHED = "PUBLISHED"
+    FAILED = "FAILED"
+    ABANDONED = "ABANDONED"
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One outbox message for one destination, as stored and as published."""
+
+    id: uuid.UUID
+    topic: str
+    payload: bytes
+    key: str | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+    content_type: str = JSON
+    destination: str = DEFAULT_DESTINATION
+    created_at: datetime | None = None
+    attempts: int = 0
+    #: The store's position of the row (None until stored and claimed).
+    seq: int | None = None
+
+    def envelope_headers(self) -> dict[str, str]:
+        """User headers plus the envelope fields, for brokers that only have headers."""
+        carried = dict(self.headers)
+        carried[HEADER_ID] = str(self.id)
+        carried[HEADER_TOPIC] = self.topic
+        carried[HEADER_CONTENT_TYPE] = self.content_type
+        if self.key is not None:
+            carried[HEADER_KEY] = self.key
+        if self.created_at is not None:
+            carried[HEADER_CREATED_AT] = self.created_at.isoformat()
+        return carried
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-safe view (payload decoded as text when it is text) for files and logs."""
+        body: Any
+        if self.content_type == JSON:
+            body = json.loads(self.payload)
+        elif self.content_type.startswith("text/"):
+            body = self.payload.decode("utf-8")
+        else:
+            body = self.payload.hex()
+        return {
+            "id": str(self.id),
+            "topic": self.topic,
+            "key": self.key,
+            "headers": dict(self.headers),
+            "content_type": self.content_type,
+            "destination": self.destination,
+            "created_at": self.created_at.isoformat() if self.created_at else None,
+            "payload": body,
+        }
+
+
+def encode_payload(payload: object, content_type: str | None = None) -> tuple[bytes, str]:
+    """Turn a dict, list, str or bytes into stored bytes and a content type.
+
+    Raises PayloadError for anything else, and for dicts or lists that JSON
+    cannot represent, so the caller learns before any SQL runs.
+    """
+    if isinstance(payload, bytes | bytearray | memoryview):
+        return bytes(payload), content_type or BINARY
+    if isinstance(payload, str):
+        return payload.encode("utf-8"), content_type or TEXT
+    if isinstance(payload, dict | list):
+        try:
+            encoded = json.dumps(
+                payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+            )
+        except (TypeError, ValueError) as exc:
+            raise PayloadError(f"payload is not JSON-serializable: {exc}") from exc
+        return encoded.encode("utf-8"), content_type or JSON
+    raise PayloadError(
+        f"payload must be dict, list, str or bytes, not {type(payload).__name__}"
+    )
+
+
+def validate_envelope(
+    topic: object, key: object, headers: object
+) -> tuple[str, str | None, dict[str, str]]:
+    """Check topic, key and headers at the boundary; return them normalised."""
+    if not isinstance(topic, str) or not topic or len(topic) > MAX_TOPIC_LENGTH:
+        raise PayloadError(f"topic must be a non-empty string of at most {MAX_TOPIC_LENGTH} characters")
+    if key is not None and (not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH):
+        raise PayloadError(f"key must be None or a non-empty string of at most {MAX_KEY_LENGTH} characters")
+    if headers is None:
+        return topic, key, {}
+    if not isinstance(headers, Mapping):
+        raise PayloadError(f"headers must be a mapping of str to str, not {type(headers).__name__}")
+    for name, value in headers.items():
+        if not isinstance(name, str) or not isinstance(value, str) or not name:
+            raise PayloadError(f"headers must map non-empty str to str; got {name!r}: {value!r}")
+    return topic, key, dict(headers)
+
+
+def coerce_message_id(message_id: object) -> uuid.UUID:
+    if message_id is None:
+        return uuid7()
+    if isinstance(message_id, uuid.UUID):
+        return message_id
+    if isinstance(message_id, str):
+        try:
+            return uuid.UUID(message_id)
+        except ValueError as exc:
+            raise PayloadError(f"message_id is not a UUID: {message_id!r}") from exc
+    raise PayloadError(f"message_id must be a UUID or a UUID string, not {type(message_id).__name__}")
+
+
+_uuid7_lock = threading.Lock()
+_uuid7_last = [0, 0]  # last millisecond, last 12-bit counter
+
+
+def uuid7() -> uuid.UUID:
+    """A UUIDv7 (RFC 9562): 48-bit Unix milliseconds, then random bits.
+
+    Ids made in one process are strictly increasing: within one millisecond a
+    12-bit counter (seeded randomly) takes the place of rand_a, so ids sort in
+    creation order, which keeps the primary-key index append-only.
+    """
+    with _uuid7_lock:
+        millis = time.time_ns() // 1_000_000
+        last_millis, counter = _uuid7_last
+        if millis <= last_millis:
+            millis = last_millis
+            counter += 1
+            if counter > 0xFFF:  # counter overflow: borrow the next millisecond
+                millis += 1
+                counter = int.from_bytes(os.urandom(2), "big") & 0x7FF
+        else:
+            counter = int.from_bytes(os.urandom(2), "big") & 0x7FF
+        _uuid7_last[0], _uuid7_last[1] = millis, counter
+    rand_b = int.from_bytes(os.urandom(8), "big") & ((1 << 62) - 1)
+    value = (millis & ((1 << 48) - 1)) << 80
+    value |= 0x7 << 76
+    value |= counter << 64
+    value |= 0b10 << 62
+    value |= rand_b
+    return uuid.UUID(int=value)

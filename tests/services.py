@@ -1,0 +1,61 @@
+"""Where the real services live, and what a test does when one is missing.
+
+Under ``CI=true`` a missing service fails the test; locally it skips with the reason.
+Tests that stop a service start it again with the same command ``scripts/services.sh`` uses.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+
+import pytest
+
+HOST = "127.0.0.1"
+PORTS = {
+    "postgresql": 5432,
+    "mariadb": 3306,
+    "redis": 6379,
+    "rabbitmq": 5672,
+    "mosquitto": 1883,
+    "nats": 4222,
+}
+START = {
+    "postgresql": "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql | head -n1) main start",
+    "redis": 'redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no --dir /var/lib/redis --logfile /var/log/redis/ci.log',
+    "rabbitmq": "rabbitmq-server -detached",
+    "mosquitto": "mosquitto -d -c /etc/mosquitto/mosquitto.conf",
+    "nats": "start-stop-daemon --start --oknodo --background --exec /usr/sbin/nats-server -- -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server -l /var/log/nats-server.log",
+    "mariadb": "start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd",
+}
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def port_open(port: int, host: str = HOST, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def require(name: str) -> None:
+    """Fail (CI) or skip (locally) the calling test unless service ``name`` answers."""
+    if port_open(PORTS[name]):
+        return
+    message = f"{name} is not reachable on {HOST}:{PORTS[name]} (run scripts/services.sh)"
+    if IN_CI:
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def start(name: str, timeout: float = 90.0) -> None:
+    """Start a service this test stopped, and wait until its port answers."""
+    subprocess.run(START[name], shell=True, check=False, capture_output=True)
+    deadline = time.monotonic() + timeout
+    while not port_open(PORTS[name]):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} did not come back on port {PORTS[name]}")
+        time.sleep(0.2)
