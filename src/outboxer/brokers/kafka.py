@@ -1,0 +1,313 @@
+"""``kafka://host:9092[,host2:9092]?option=value``: Apache Kafka through confluent-kafka (librdkafka).
+
+A message counts as published once its delivery report says the partition
+leader appended it with ``acks=all`` (every in-sync replica has it). The
+producer is idempotent, so librdkafka's own retries neither duplicate nor
+reorder messages within a partition while many are in flight.
+
+librdkafka is a threaded C library: ``produce()`` only enqueues, and delivery
+reports are served by ``poll()``. A background thread polls and hands every
+report to the event loop with ``call_soon_threadsafe``; the event loop never
+blocks on the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+from urllib.parse import unquote, urlencode
+
+from confluent_kafka import KafkaError, KafkaException, Producer
+
+from outboxer.brokers.base import Publisher, parse_options
+from outboxer.errors import ConfigError, PublishError
+from outboxer.message import Message
+
+logger = logging.getLogger("outboxer.kafka")
+
+#: Settings the delivery guarantee depends on; a different value is a ConfigError.
+ENFORCED = {"acks": ("all", "-1"), "enable.idempotence": ("true",)}
+
+#: Error codes a later attempt cannot fix: the broker refuses this message for good.
+PERMANENT_ERRORS = frozenset(
+    getattr(KafkaError, name)
+    for name in (
+        "MSG_SIZE_TOO_LARGE", "INVALID_MSG", "INVALID_MSG_SIZE", "INVALID_RECORD",
+        "INVALID_TIMESTAMP", "INVALID_REQUIRED_ACKS", "RECORD_LIST_TOO_LARGE",
+        "TOPIC_AUTHORIZATION_FAILED", "CLUSTER_AUTHORIZATION_FAILED", "TOPIC_EXCEPTION",
+        "POLICY_VIOLATION", "UNSUPPORTED_FOR_MESSAGE_FORMAT", "_INVALID_ARG", "_BAD_MSG",
+    )
+    if hasattr(KafkaError, name)
+)
+
+#: Error codes that mean no broker could be reached (the relay reconnects first).
+CONNECTION_ERRORS = frozenset(
+    getattr(KafkaError, name)
+    for name in (
+        "_TRANSPORT", "_ALL_BROKERS_DOWN", "_MSG_TIMED_OUT", "_TIMED_OUT", "_TIMED_OUT_QUEUE",
+        "_RESOLVE", "_SSL", "_AUTHENTICATION", "NETWORK_EXCEPTION", "_DESTROY", "_FATAL",
+        "_PURGE_QUEUE", "_PURGE_INFLIGHT",
+    )
+    if hasattr(KafkaError, name)
+)
+
+_SECRET_WORDS = ("password", "secret")
+
+#: librdkafka logs of the offline configuration check go nowhere.
+_quiet = logging.getLogger("outboxer.kafka.config-check")
+_quiet.propagate = False
+_quiet.addHandler(logging.NullHandler())
+
+
+class KafkaPublishError(PublishError):
+    """A message Kafka did not confirm, with librdkafka's error code and name."""
+
+    def __init__(self, error: KafkaError) -> None:
+        code = error.code()
+        self.code = code
+        self.name = error.name()
+        self.fatal = error.fatal()
+        #: No broker reachable, or the producer is unusable: reconnect before going on.
+        self.connection = self.fatal or code in CONNECTION_ERRORS
+        retryable = self.fatal or code not in PERMANENT_ERRORS
+        super().__init__(f"{self.name}: {error.str()}", retryable=retryable)
+
+
+def kafka_error(exc: BaseException) -> BaseException:
+    """Turn what ``produce()`` raised into a PublishError (a bad argument is permanent)."""
+    if isinstance(exc, KafkaException) and exc.args and isinstance(exc.args[0], KafkaError):
+        return KafkaPublishError(exc.args[0])
+    if isinstance(exc, TypeError | ValueError):
+        return PublishError(f"kafka cannot carry this message: {exc}", retryable=False)
+    return exc
+
+
+class KafkaPublisher(Publisher):
+    """Publishes each message to the Kafka topic ``destination_for(message)``.
+
+    Options (URL query string or keyword arguments; keywords win):
+
+    - ``connect_timeout`` (seconds, default 10): how long ``connect()`` waits
+      for the cluster's metadata before it reports the broker unreachable.
+    - any librdkafka producer property, e.g. ``?linger.ms=20&compression.type=lz4``,
+      or as a ``config`` dict. ``message.timeout.ms`` defaults to
+      ``publish_timeout``; ``acks=all`` and ``enable.idempotence=true`` are fixed.
+    """
+
+    schemes = ("kafka",)
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        routes: Mapping[str, str] | None = None,
+        publish_timeout: float = 30.0,
+        connect_timeout: float | None = None,
+        config: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(url, routes=routes, publish_timeout=publish_timeout)
+        parts, options = parse_options(url)
+        userinfo, _, hosts = parts.netloc.rpartition("@")
+        if not hosts:
+            raise ConfigError(f"kafka URL needs bootstrap servers: {url!r} (kafka://host:9092)")
+        # connect_timeout is outboxer's; every other query parameter goes to librdkafka.
+        url_timeout = options.pop("connect_timeout", "10")
+        self.connect_timeout = _positive_float(
+            "connect_timeout", connect_timeout if connect_timeout is not None else url_timeout
+        )
+
+        settings: dict[str, Any] = {"bootstrap.servers": hosts}
+        if userinfo:
+            username, _, password = userinfo.partition(":")
+            settings["sasl.username"] = unquote(username)
+            settings["sasl.password"] = unquote(password)
+        settings["message.timeout.ms"] = max(1, int(publish_timeout * 1000))
+        settings.update(options)
+        settings.update(config or {})
+        for name, allowed in ENFORCED.items():
+            value = str(settings.get(name, allowed[0])).lower()
+            if value not in allowed:
+                raise ConfigError(
+                    f"kafka option {name}={settings[name]!r} is not allowed: outboxer needs "
+                    f"{name}={allowed[0]} to count a message as published only once every "
+                    "in-sync replica has it, in order"
+                )
+            settings[name] = allowed[0]
+        settings["logger"] = logger
+        _check_config(settings)
+        #: The librdkafka configuration, as passed to ``confluent_kafka.Producer``.
+        self.config = settings
+        self._producer: Producer | None = None
+        self._poller: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._fatal: KafkaError | None = None
+
+    @property
+    def safe_url(self) -> str:
+        """The URL without passwords or secrets (in the user part or in the query)."""
+        parts, options = parse_options(self.url)
+        userinfo, _, hosts = parts.netloc.rpartition("@")
+        if userinfo:
+            hosts = f"{userinfo.partition(':')[0]}:***@{hosts}"
+        query = urlencode(
+            {k: "***" if any(w in k.lower() for w in _SECRET_WORDS) else v for k, v in options.items()},
+            safe="*,",
+        )
+        safe: str = parts._replace(netloc=hosts, query=query).geturl()
+        return safe
+
+    # ----- connection ------------------------------------------------------------------------
+
+    async def _connect(self) -> None:
+        if self._producer is not None and self._fatal is None:
+            # librdkafka reconnects by itself: keep the producer (and what it still
+            # holds in flight), only check that the cluster answers again.
+            await self._check_cluster(self._producer)
+            return
+        await self._close()
+        self._fatal = None
+        producer = Producer({**self.config, "error_cb": self._on_error})
+        self._producer = producer
+        self._stop = threading.Event()
+        self._poller = threading.Thread(
+            target=_poll_until, args=(producer, self._stop), name="outboxer-kafka-poll", daemon=True
+        )
+        self._poller.start()
+        await self._check_cluster(producer)
+
+    async def _check_cluster(self, producer: Producer) -> None:
+        """A fresh metadata request (cached answers do not count): is a broker up?"""
+        try:
+            await asyncio.to_thread(producer.list_topics, None, self.connect_timeout)
+        except KafkaException as exc:
+            raise ConnectionError(f"no Kafka broker answered within {self.connect_timeout}s: {exc}") from exc
+
+    async def _close(self) -> None:
+        producer, poller = self._producer, self._poller
+        self._producer = self._poller = None
+        if producer is None:
+            return
+        self._stop.set()
+        await asyncio.to_thread(_shutdown, producer, poller)
+
+    def _on_error(self, error: KafkaError) -> None:
+        """librdkafka's error callback (poll thread): client-level errors, e.g. all brokers down."""
+        if error.fatal():
+            self._fatal = error
+            logger.error("kafka producer hit a fatal error, it will be rebuilt: %s", error)
+        else:
+            logger.info("kafka: %s", error)
+
+    # ----- publishing ------------------------------------------------------------------------
+
+    async def _publish_wave(self, messages: Sequence[Message]) -> list[BaseException | None]:
+        producer = self._producer
+        if producer is None:
+            raise ConnectionError("kafka publisher is not connected")
+        if self._fatal is not None:
+            raise KafkaPublishError(self._fatal)
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[None]] = []
+        for message in messages:
+            future: asyncio.Future[None] = loop.create_future()
+            futures.append(future)
+            try:
+                await self._produce(producer, message, functools.partial(_deliver, loop, future))
+            except (KafkaException, TypeError, ValueError) as exc:  # refused: not in flight
+                future.set_exception(kafka_error(exc))
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        return [result if isinstance(result, BaseException) else None for result in results]
+
+    async def _produce(
+        self, producer: Producer, message: Message, on_delivery: Callable[[KafkaError | None, Any], None]
+    ) -> None:
+        headers: list[tuple[str, str | bytes | None]] = [
+            (name, value.encode("utf-8")) for name, value in message.envelope_headers().items()
+        ]
+        key = message.key.encode("utf-8") if message.key is not None else None
+        while True:
+            try:
+                producer.produce(
+                    self.destination_for(message), message.payload, key,
+                    headers=headers, on_delivery=on_delivery,
+                )
+                return
+            except BufferError:  # the local queue is full: let the poll thread drain it
+                await asyncio.sleep(0.01)
+
+    def is_connection_error(self, exc: BaseException) -> bool:
+        if isinstance(exc, KafkaPublishError):
+            return exc.connection
+        return super().is_connection_error(exc)
+
+
+def _deliver(
+    loop: asyncio.AbstractEventLoop, future: asyncio.Future[None], error: KafkaError | None, _message: Any
+) -> None:
+    """Delivery report (poll thread): resolve the message's future on the event loop."""
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+        loop.call_soon_threadsafe(_resolve, future, error)
+
+
+def _resolve(future: asyncio.Future[None], error: KafkaError | None) -> None:
+    if future.done():  # the wave timed out and was cancelled
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(KafkaPublishError(error))
+
+
+def _poll_until(producer: Producer, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            producer.poll(0.1)
+        except Exception:  # a callback raised; keep serving the others
+            logger.exception("kafka poll failed")
+
+
+def _shutdown(producer: Producer, poller: threading.Thread | None) -> None:
+    """Stop polling and drop what is still queued (the relay retries it), then destroy."""
+    if poller is not None:
+        poller.join()
+    try:
+        producer.purge(in_queue=True, in_flight=True, blocking=False)
+        producer.flush(1.0)  # serves the purged messages' delivery reports
+        close = getattr(producer, "close", None)  # confluent-kafka >= 2.x; else garbage collected
+        if close is not None:
+            close()
+    except Exception:  # closing a broken producer must not raise
+        logger.debug("kafka producer did not close cleanly", exc_info=True)
+
+
+def _positive_float(name: str, value: object) -> float:
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ConfigError(f"kafka option {name} must be a number of seconds, not {value!r}") from None
+    if number <= 0:
+        raise ConfigError(f"kafka option {name} must be positive, not {value!r}")
+    return number
+
+
+def _check_config(settings: Mapping[str, Any]) -> None:
+    """Let librdkafka validate the configuration now, without connecting anywhere."""
+    offline = {k: v for k, v in settings.items() if k != "bootstrap.servers" and not k.startswith("test.mock.")}
+    offline["logger"] = _quiet
+    try:
+        producer = Producer(offline)
+    except KafkaException as exc:
+        raise ConfigError(f"invalid kafka configuration: {kafka_error(exc)}") from None
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"invalid kafka configuration: {exc}") from None
+    close = getattr(producer, "close", None)
+    if close is not None:
+        close()
+
+
+__all__ = ["KafkaPublishError", "KafkaPublisher", "kafka_error"]
