@@ -172,7 +172,7 @@ class PublisherContract(ABC):
             if not publisher.connected:
                 try:
                     await publisher.connect()
-                except Exception:
+                except Exception:  # noqa: BLE001 -- the server is still restarting
                     await asyncio.sleep(0.5)
                     continue
             [outcome] = await publisher.publish_batch([message])

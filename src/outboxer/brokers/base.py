@@ -239,7 +239,7 @@ class Publisher(ABC):
         except TimeoutError:
             error = TimeoutError(f"broker did not confirm within {self.publish_timeout}s")
             return [error] * len(messages)
-        except Exception as exc:  # an adapter bug or a dropped connection: fail the wave, keep the relay
+        except Exception as exc:  # noqa: BLE001 -- an adapter bug or a dropped connection: fail the wave, keep the relay
             logger.warning("publish wave failed: %s", describe(exc))
             return [exc] * len(messages)
         if len(results) != len(messages):

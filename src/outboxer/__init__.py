@@ -1,0 +1,65 @@
+"""outboxer: the transactional outbox and inbox for Python.
+
+Write your rows and ``enqueue`` a message in one transaction; ``outboxer relay``
+publishes it to your broker, at least once and in order per key.
+"""
+
+from outboxer.brokers import Publisher, create_publisher
+from outboxer.brokers.base import Outcome, OutcomeKind
+from outboxer.config import DestinationSettings, Settings, load_settings
+from outboxer.enqueue import (
+    Outbox,
+    configure,
+    enqueue,
+    enqueue_async,
+    enqueue_many,
+    enqueue_many_async,
+)
+from outboxer.errors import (
+    BrokerUnavailableError,
+    ConfigError,
+    DuplicateMessageError,
+    MissingDependencyError,
+    OutboxerError,
+    PayloadError,
+    PublishError,
+    StoreError,
+)
+from outboxer.message import Message, Status, uuid7
+from outboxer.relay import Relay, RelayStats
+from outboxer.retry import Backoff
+from outboxer.stores import Store, create_store
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "Backoff",
+    "BrokerUnavailableError",
+    "ConfigError",
+    "DestinationSettings",
+    "DuplicateMessageError",
+    "Message",
+    "MissingDependencyError",
+    "Outbox",
+    "OutboxerError",
+    "Outcome",
+    "OutcomeKind",
+    "PayloadError",
+    "PublishError",
+    "Publisher",
+    "Relay",
+    "RelayStats",
+    "Settings",
+    "Status",
+    "Store",
+    "StoreError",
+    "configure",
+    "create_publisher",
+    "create_store",
+    "enqueue",
+    "enqueue_async",
+    "enqueue_many",
+    "enqueue_many_async",
+    "load_settings",
+    "uuid7",
+]

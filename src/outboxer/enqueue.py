@@ -1,0 +1,332 @@
+"""The write path: add messages to the outbox on the caller's connection.
+
+``enqueue`` and friends run one INSERT inside the caller's transaction and never
+commit: if the caller rolls back, the message never existed. The connection's
+type picks the SQL dialect and the driver's parameter style.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from outboxer.errors import ConfigError
+from outboxer.message import (
+    DEFAULT_DESTINATION,
+    Message,
+    coerce_message_id,
+    encode_payload,
+    validate_envelope,
+)
+from outboxer.stores.base import check_identifier
+from outboxer.stores.sqlfiles import queries, quote_ident, render, to_numbered, to_pyformat
+
+SUPPORTED = (
+    "sync: psycopg.Connection, sqlite3.Connection, SQLAlchemy Connection or Session; "
+    "async: psycopg.AsyncConnection, asyncpg.Connection (or pool connection), "
+    "SQLAlchemy AsyncConnection or AsyncSession"
+)
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One message as INSERT parameters."""
+
+    message: Message
+
+    def params(self, dialect: str) -> dict[str, Any]:
+        m = self.message
+        return {
+            "id": str(m.id) if dialect == "sqlite" else m.id,
+            "destination": m.destination,
+            "topic": m.topic,
+            "key": m.key,
+            "payload": m.payload,
+            "content_type": m.content_type,
+            "headers": json.dumps(dict(m.headers), separators=(",", ":"), ensure_ascii=False),
+        }
+
+
+@dataclass(frozen=True)
+class Outbox:
+    """An outbox table: its names and the destinations each message is recorded for.
+
+    ``outboxer.enqueue`` uses ``Outbox()``; make your own to use other names or
+    several destinations::
+
+        outbox = Outbox(schema="billing", destinations=("internal", "partner"))
+        outbox.enqueue(conn, "invoice.paid", {"id": 7}, key="invoice-7")
+    """
+
+    schema: str = "outboxer"
+    table: str = "outbox"
+    destinations: tuple[str, ...] = (DEFAULT_DESTINATION,)
+    _cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        check_identifier("schema", self.schema)
+        check_identifier("table", self.table)
+        if not self.destinations:
+            raise ConfigError("an Outbox needs at least one destination")
+
+    # ----- building rows ------------------------------------------------------------------
+
+    def build(self, topic: str, payload: object, *, key: str | None = None,
+              headers: Mapping[str, str] | None = None, message_id: object = None,
+              content_type: str | None = None,
+              destinations: Sequence[str] | None = None) -> list[Message]:
+        """Validate and encode one message, one copy per destination. Raises PayloadError."""
+        topic, key, clean_headers = validate_envelope(topic, key, headers)
+        body, kind = encode_payload(payload, content_type)
+        identifier = coerce_message_id(message_id)
+        targets = tuple(destinations) if destinations is not None else self.destinations
+        if not targets or not all(isinstance(d, str) and d for d in targets):
+            raise ConfigError("destinations must be a non-empty list of destination names")
+        return [
+            Message(id=identifier, topic=topic, payload=body, key=key, headers=clean_headers,
+                    content_type=kind, destination=destination)
+            for destination in targets
+        ]
+
+    # ----- SQL per dialect and driver -----------------------------------------------------
+
+    def _sql(self, dialect: str, name: str) -> str:
+        cache_key = f"{dialect}:{name}"
+        if cache_key not in self._cache:
+            if dialect == "sqlite":
+                tokens = {"outbox": quote_ident(self.table)}
+            else:
+                tokens = {"outbox": f"{quote_ident(self.schema)}.{quote_ident(self.table)}"}
+            self._cache[cache_key] = render(queries(dialect)[name], tokens)
+        sql: str = self._cache[cache_key]
+        return sql
+
+    # ----- sync --------------------------------------------------------------------------
+
+    def enqueue(self, conn: Any, topic: str, payload: object, *, key: str | None = None,
+                headers: Mapping[str, str] | None = None, message_id: object = None,
+                content_type: str | None = None,
+                destinations: Sequence[str] | None = None) -> Message:
+        """Add one message in the caller's transaction; return it (with its id)."""
+        messages = self.build(topic, payload, key=key, headers=headers, message_id=message_id,
+                              content_type=content_type, destinations=destinations)
+        self._write(conn, messages)
+        return messages[0]
+
+    def enqueue_many(self, conn: Any, items: Iterable[Mapping[str, Any]]) -> list[Message]:
+        """Add several messages (each a mapping of ``enqueue``'s arguments) in one round trip."""
+        built = [self.build(**dict(item)) for item in items]
+        self._write(conn, [m for copies in built for m in copies])
+        return [copies[0] for copies in built]
+
+    def _write(self, conn: Any, messages: Sequence[Message]) -> None:
+        driver = detect(conn)
+        if driver.is_async:
+            raise TypeError(f"{driver.name} is an async connection: use `await enqueue_async(...)`")
+        if not messages:
+            return
+        driver.write(self, conn, messages)
+
+    # ----- async -------------------------------------------------------------------------
+
+    async def enqueue_async(self, conn: Any, topic: str, payload: object, *, key: str | None = None,
+                            headers: Mapping[str, str] | None = None, message_id: object = None,
+                            content_type: str | None = None,
+                            destinations: Sequence[str] | None = None) -> Message:
+        messages = self.build(topic, payload, key=key, headers=headers, message_id=message_id,
+                              content_type=content_type, destinations=destinations)
+        await self._write_async(conn, messages)
+        return messages[0]
+
+    async def enqueue_many_async(self, conn: Any, items: Iterable[Mapping[str, Any]]) -> list[Message]:
+        built = [self.build(**dict(item)) for item in items]
+        await self._write_async(conn, [m for copies in built for m in copies])
+        return [copies[0] for copies in built]
+
+    async def _write_async(self, conn: Any, messages: Sequence[Message]) -> None:
+        driver = detect(conn)
+        if not driver.is_async:
+            raise TypeError(f"{driver.name} is a sync connection: use `enqueue(...)`")
+        if messages:
+            await driver.write_async(self, conn, messages)
+
+
+# ----- drivers ------------------------------------------------------------------------------
+
+
+def _many_params(messages: Sequence[Message]) -> dict[str, list[Any]]:
+    rows = [_Row(m).params("postgres") for m in messages]
+    return {
+        "ids": [r["id"] for r in rows], "destinations": [r["destination"] for r in rows],
+        "topics": [r["topic"] for r in rows], "keys": [r["key"] for r in rows],
+        "payloads": [r["payload"] for r in rows], "content_types": [r["content_type"] for r in rows],
+        "headers": [r["headers"] for r in rows],
+    }
+
+
+class _Driver:
+    name = "?"
+    is_async = False
+    dialect = "postgres"
+
+    def write(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> None:
+        raise NotImplementedError
+
+    async def write_async(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> None:
+        raise NotImplementedError
+
+
+class _Psycopg(_Driver):
+    name = "psycopg.Connection"
+
+    def write(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> None:
+        if len(messages) == 1:
+            conn.execute(_pyformat(outbox._sql("postgres", "insert")), _Row(messages[0]).params("postgres"))
+        else:
+            conn.execute(_pyformat(outbox._sql("postgres", "insert_many")), _many_params(messages))
+
+
+class _PsycopgAsync(_Driver):
+    name = "psycopg.AsyncConnection"
+    is_async = True
+
+    async def write_async(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> None:
+        if len(messages) == 1:
+            await conn.execute(_pyformat(outbox._sql("postgres", "insert")), _Row(messages[0]).params("postgres"))
+        else:
+            await conn.execute(_pyformat(outbox._sql("postgres", "insert_many")), _many_params(messages))
+
+
+class _Asyncpg(_Driver):
+    name = "asyncpg.Connection"
+    is_async = True
+
+    async def write_async(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> None:
+        if len(messages) == 1:
+            sql, names = _numbered(outbox._sql("postgres", "insert"))
+            params = _Row(messages[0]).params("postgres")
+        else:
+            sql, names = _numbered(outbox._sql("postgres", "insert_many"))
+            params = _many_params(messages)
+        await conn.execute(sql, *(params[name] for name in names))
+
+
+class _Sqlite(_Driver):
+    name = "sqlite3.Connection"
+    dialect = "sqlite"
+
+    def write(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> None:
+        sql = outbox._sql("sqlite", "insert")
+        if conn.isolation_level is None and not conn.in_transaction:
+            # Autocommit mode would commit each row on its own; outboxer never commits for you.
+            raise TypeError("sqlite3 connection is in autocommit mode and no transaction is open: "
+                            "run BEGIN first, or use the default isolation_level")
+        conn.executemany(sql, [_Row(m).params("sqlite") for m in messages])
+
+
+class _SqlAlchemy(_Driver):
+    """Connection or Session; SQL goes through ``text()`` so the dialect's driver binds it."""
+
+    def __init__(self, name: str, is_async: bool) -> None:
+        self.name = name
+        self.is_async = is_async
+
+    @staticmethod
+    def _dialect_of(conn: Any) -> str:
+        bind = conn.get_bind() if hasattr(conn, "get_bind") else conn
+        name = str(bind.dialect.name)
+        if name in ("postgresql",):
+            return "postgres"
+        if name == "sqlite":
+            return "sqlite"
+        raise TypeError(f"SQLAlchemy dialect {name!r} is not supported by outboxer yet")
+
+    def _statement(self, outbox: Outbox, dialect: str, messages: Sequence[Message]) -> tuple[Any, Any]:
+        from sqlalchemy import text
+
+        if dialect == "postgres" and len(messages) > 1:
+            return text(outbox._sql(dialect, "insert_many")), _many_params(messages)
+        params = [_Row(m).params(dialect) for m in messages]
+        return text(outbox._sql(dialect, "insert")), params if len(params) > 1 else params[0]
+
+    def write(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> None:
+        statement, params = self._statement(outbox, self._dialect_of(conn), messages)
+        conn.execute(statement, params)
+
+    async def write_async(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> None:
+        statement, params = self._statement(outbox, self._dialect_of(conn), messages)
+        await conn.execute(statement, params)
+
+
+@functools.cache
+def _pyformat(sql: str) -> str:
+    return to_pyformat(sql)
+
+
+@functools.cache
+def _numbered(sql: str) -> tuple[str, tuple[str, ...]]:
+    return to_numbered(sql)
+
+
+def detect(conn: Any) -> _Driver:
+    """Which driver ``conn`` belongs to, by its class (no driver is imported for this)."""
+    for cls in type(conn).__mro__:
+        module, name = cls.__module__, cls.__qualname__
+        root = module.split(".", 1)[0]
+        if root == "psycopg":
+            if name == "Connection":
+                return _Psycopg()
+            if name == "AsyncConnection":
+                return _PsycopgAsync()
+        elif root == "asyncpg" and name in ("Connection", "PoolConnectionProxy"):
+            return _Asyncpg()
+        elif root == "sqlite3" and name == "Connection":
+            return _Sqlite()
+        elif root == "sqlalchemy":
+            if name in ("Connection", "Session"):
+                return _SqlAlchemy(f"sqlalchemy {name}", is_async=False)
+            if name in ("AsyncConnection", "AsyncSession"):
+                return _SqlAlchemy(f"sqlalchemy {name}", is_async=True)
+    raise TypeError(f"unsupported connection type {type(conn).__module__}.{type(conn).__qualname__}; "
+                    f"outboxer supports {SUPPORTED}")
+
+
+DEFAULT_OUTBOX = Outbox()
+
+
+def configure(*, schema: str = "outboxer", table: str = "outbox",
+              destinations: Sequence[str] = (DEFAULT_DESTINATION,)) -> Outbox:
+    """Set the names and destinations that the module-level ``enqueue`` functions use."""
+    global DEFAULT_OUTBOX
+    DEFAULT_OUTBOX = Outbox(schema=schema, table=table, destinations=tuple(destinations))
+    return DEFAULT_OUTBOX
+
+
+def enqueue(conn: Any, topic: str, payload: object, *, key: str | None = None,
+            headers: Mapping[str, str] | None = None, message_id: object = None,
+            content_type: str | None = None, destinations: Sequence[str] | None = None) -> Message:
+    """Add a message to the default outbox in the caller's transaction (never commits)."""
+    return DEFAULT_OUTBOX.enqueue(conn, topic, payload, key=key, headers=headers,
+                                  message_id=message_id, content_type=content_type,
+                                  destinations=destinations)
+
+
+async def enqueue_async(conn: Any, topic: str, payload: object, *, key: str | None = None,
+                        headers: Mapping[str, str] | None = None, message_id: object = None,
+                        content_type: str | None = None,
+                        destinations: Sequence[str] | None = None) -> Message:
+    """Async twin of :func:`enqueue` for asyncpg, psycopg async and SQLAlchemy async."""
+    return await DEFAULT_OUTBOX.enqueue_async(conn, topic, payload, key=key, headers=headers,
+                                              message_id=message_id, content_type=content_type,
+                                              destinations=destinations)
+
+
+def enqueue_many(conn: Any, items: Iterable[Mapping[str, Any]]) -> list[Message]:
+    return DEFAULT_OUTBOX.enqueue_many(conn, items)
+
+
+async def enqueue_many_async(conn: Any, items: Iterable[Mapping[str, Any]]) -> list[Message]:
+    return await DEFAULT_OUTBOX.enqueue_many_async(conn, items)

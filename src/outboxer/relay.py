@@ -1,0 +1,327 @@
+"""The relay: claim a batch, publish it, settle it; wake on commit, poll as a fallback.
+
+One relay process serves every configured destination of one outbox table, with
+``concurrency`` claim-publish-settle loops per destination. Many relays may run
+on one table: the claim query keeps them from owning the same row or overtaking
+a key's earlier message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from outboxer.brokers import Publisher, create_publisher
+from outboxer.brokers.base import Outcome, OutcomeKind
+from outboxer.config import Settings
+from outboxer.envelope import strip_envelope
+from outboxer.message import Message
+from outboxer.retry import Backoff
+from outboxer.stores import Failure, Store, create_store
+
+logger = logging.getLogger("outboxer.relay")
+
+#: Backoff for the relay's own trouble (database or broker unreachable), not per message.
+OUTAGE_BACKOFF = Backoff(base=0.2, multiplier=2.0, cap=15.0, jitter=0.25)
+
+
+@dataclass
+class RelayStats:
+    claimed: int = 0
+    published: int = 0
+    failed: int = 0
+    abandoned_now: int = 0
+    released: int = 0
+    lost: int = 0
+    batches: int = 0
+    cleaned: int = 0
+    claim_seconds: float = 0.0
+    publish_seconds: float = 0.0
+    settle_seconds: float = 0.0
+    store_errors: int = 0
+    broker_reconnects: int = 0
+    started_at: float = field(default_factory=time.time)
+
+    def as_dict(self) -> dict[str, float | int]:
+        return dict(self.__dict__)
+
+
+class Relay:
+    """Moves committed outbox rows to their brokers: at least once, in order per key."""
+
+    def __init__(self, store: Store, publishers: Mapping[str, Publisher],
+                 settings: Settings | None = None, *,
+                 envelopes: Mapping[str, str] | None = None) -> None:
+        if not publishers:
+            raise ValueError("a relay needs at least one destination publisher")
+        self.store = store
+        self.publishers = dict(publishers)
+        self.settings = settings or Settings()
+        self.envelopes = dict(envelopes or {})
+        self.backoff = self.settings.backoff
+        self.stats = RelayStats()
+        self._stopping = asyncio.Event()
+        self._in_flight: dict[str, int] = dict.fromkeys(self.publishers, 0)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Relay:
+        store = create_store(settings.require_db(), schema=settings.schema, table=settings.table)
+        if not settings.destinations:
+            from outboxer.errors import ConfigError
+
+            raise ConfigError("no broker: pass --broker URL, set OUTBOXER_BROKER, or name destinations in outboxer.toml")
+        publishers = {
+            name: create_publisher(dest.broker, routes=dest.routes,
+                                   publish_timeout=settings.publish_timeout, **dest.options)
+            for name, dest in settings.destinations.items()
+        }
+        envelopes = {name: dest.envelope for name, dest in settings.destinations.items()}
+        return cls(store, publishers, settings, envelopes=envelopes)
+
+    @property
+    def relay_id(self) -> str:
+        return self.settings.relay_id
+
+    # ----- lifecycle -------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop claiming; batches in flight are published and settled, then ``run`` returns."""
+        if not self._stopping.is_set():
+            logger.info("relay %s stopping: finishing batches in flight", self.relay_id)
+        self._stopping.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop)
+
+    async def run(self) -> RelayStats:
+        """Run until ``stop()`` (or, with ``exit_when_idle``, until nothing is due)."""
+        await self._connect_store()
+        logger.info("relay %s started: destinations %s, batch %d, concurrency %d",
+                    self.relay_id, ", ".join(self.publishers), self.settings.batch_size,
+                    self.settings.concurrency)
+        loops = [
+            asyncio.create_task(self._loop(name), name=f"outboxer-{name}-{n}")
+            for name in self.publishers for n in range(self.settings.concurrency)
+        ]
+        cleanup = asyncio.create_task(self._cleanup_loop(), name="outboxer-cleanup")
+        try:
+            await asyncio.gather(*loops)
+        finally:
+            self._stopping.set()
+            for task in loops:
+                task.cancel()
+            cleanup.cancel()
+            await asyncio.gather(*loops, cleanup, return_exceptions=True)
+            for publisher in self.publishers.values():
+                with contextlib.suppress(Exception):
+                    await publisher.close()
+            await self.store.close()
+            logger.info("relay %s stopped: %s", self.relay_id, self.stats.as_dict())
+        return self.stats
+
+    async def drain(self) -> RelayStats:
+        """Publish everything that is due now, then return (``--exit-when-idle``)."""
+        self.settings = _with(self.settings, exit_when_idle=True)
+        return await self.run()
+
+    # ----- the loop --------------------------------------------------------------------------
+
+    async def _connect_store(self) -> None:
+        failures = 0
+        while True:
+            try:
+                await self.store.connect()
+                return
+            except Exception as exc:  # the database may be starting: keep trying, never exit
+                failures += 1
+                self.stats.store_errors += 1
+                delay = OUTAGE_BACKOFF.delay(failures)
+                logger.warning("database unreachable (%s); retrying in %.1fs", exc, delay)
+                if await self._sleep(delay):
+                    raise asyncio.CancelledError from exc
+
+    async def _ensure_publisher(self, destination: str) -> bool:
+        """Connect the destination's publisher, backing off while the broker is down.
+
+        Returns False if the relay was asked to stop meanwhile.
+        """
+        publisher = self.publishers[destination]
+        failures = 0
+        while not publisher.connected:
+            try:
+                await publisher.connect()
+                if failures:
+                    logger.info("destination %s: broker %s is back", destination, publisher.safe_url)
+                self.stats.broker_reconnects += 1
+            except Exception as exc:  # noqa: BLE001 -- broker outage: log, back off, try again
+                failures += 1
+                delay = OUTAGE_BACKOFF.delay(failures)
+                logger.warning("destination %s: broker unreachable (%s); retrying in %.1fs",
+                               destination, exc, delay)
+                if await self._sleep(delay):
+                    return False
+        return True
+
+    async def _loop(self, destination: str) -> None:
+        settings = self.settings
+        store_failures = 0
+        while not self.stopping:
+            if not await self._ensure_publisher(destination):
+                return
+            self.store.reset_wakeup()
+            started = time.perf_counter()
+            try:
+                batch = await self.store.claim(destination, self.relay_id, settings.batch_size,
+                                               settings.lock_timeout, settings.abandoned_blocks_key)
+            except Exception as exc:  # noqa: BLE001 -- database outage: log, back off, resume by itself
+                store_failures += 1
+                self.stats.store_errors += 1
+                delay = OUTAGE_BACKOFF.delay(store_failures)
+                logger.warning("destination %s: claim failed (%s); retrying in %.1fs",
+                               destination, exc, delay)
+                await self._sleep(delay)
+                continue
+            store_failures = 0
+            self.stats.claim_seconds += time.perf_counter() - started
+            if not batch:
+                if settings.exit_when_idle and self._in_flight[destination] == 0:
+                    return
+                await self._wait_for_work(settings.poll_interval if not settings.exit_when_idle else 0.05)
+                continue
+            self._in_flight[destination] += 1
+            try:
+                await self._process(destination, batch)
+            finally:
+                self._in_flight[destination] -= 1
+
+    async def _process(self, destination: str, batch: Sequence[Message]) -> None:
+        self.stats.claimed += len(batch)
+        self.stats.batches += 1
+        publisher = self.publishers[destination]
+        outgoing = batch
+        if self.envelopes.get(destination) == "stripped":
+            outgoing = [strip_envelope(message) for message in batch]
+        started = time.perf_counter()
+        try:
+            outcomes = await publisher.publish_batch(outgoing)
+        except asyncio.CancelledError:
+            # Cancelled mid-publish (forced shutdown): nothing is known, give the rows back.
+            await asyncio.shield(self._settle(destination, batch, [None] * len(batch)))
+            raise
+        self.stats.publish_seconds += time.perf_counter() - started
+        await self._settle(destination, batch, outcomes)
+
+    async def _settle(self, destination: str, batch: Sequence[Message],
+                      outcomes: Sequence[Outcome | None]) -> None:
+        published: list[int] = []
+        failed: list[Failure] = []
+        released: list[int] = []
+        for message, outcome in zip(batch, outcomes, strict=True):
+            assert message.seq is not None
+            if outcome is None or outcome.kind is OutcomeKind.SKIPPED:
+                released.append(message.seq)
+            elif outcome.kind is OutcomeKind.PUBLISHED:
+                published.append(message.seq)
+            else:
+                permanent = not outcome.retryable
+                failed.append(Failure(message.seq, outcome.error or "unknown error",
+                                      self.backoff.delay(message.attempts + 1), permanent))
+                if permanent or message.attempts + 1 >= self.settings.max_attempts:
+                    self.stats.abandoned_now += 1
+                    logger.error("destination %s: message %s (topic %s) abandoned after %d attempt(s): %s",
+                                 destination, message.id, message.topic, message.attempts + 1, outcome.error)
+                else:
+                    logger.warning("destination %s: message %s (topic %s) failed, attempt %d: %s",
+                                   destination, message.id, message.topic, message.attempts + 1, outcome.error)
+        # Settling must not be given up lightly: the broker already has these messages.
+        # Retry until the database answers; if this relay dies first, the lock expires and
+        # another relay publishes them again (a duplicate, never a loss).
+        failures = 0
+        started = time.perf_counter()
+        while True:
+            try:
+                result = await self.store.settle(destination, self.relay_id, published, failed,
+                                                 released, self.settings.max_attempts)
+                break
+            except Exception as exc:  # noqa: BLE001 -- database outage during settle
+                failures += 1
+                self.stats.store_errors += 1
+                delay = OUTAGE_BACKOFF.delay(failures)
+                if self.stopping and failures > 3:
+                    logger.error("destination %s: could not record %d outcomes (%s); their locks "
+                                 "expire and they will be published again", destination, len(batch), exc)
+                    return
+                logger.warning("destination %s: settle failed (%s); retrying in %.1fs", destination, exc, delay)
+                await asyncio.sleep(delay)
+        self.stats.settle_seconds += time.perf_counter() - started
+        self.stats.published += result.published
+        self.stats.failed += result.failed
+        self.stats.released += result.released
+        self.stats.lost += result.lost
+        if result.lost:
+            logger.warning("destination %s: %d message(s) were taken over by another relay after "
+                           "this relay's lock expired; raise --lock-timeout if publishing is slow",
+                           destination, result.lost)
+
+    async def _wait_for_work(self, timeout: float) -> None:
+        waiter = asyncio.create_task(self.store.wait_for_wakeup(timeout))
+        stopper = asyncio.create_task(self._stopping.wait())
+        try:
+            await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (waiter, stopper):
+                task.cancel()
+            await asyncio.gather(waiter, stopper, return_exceptions=True)
+        if waiter.done() and not waiter.cancelled() and waiter.exception() is not None:
+            logger.warning("waiting for wake-ups failed: %s", waiter.exception())
+            await self._sleep(timeout)
+
+    async def _sleep(self, seconds: float) -> bool:
+        """Sleep, or return early (True) when the relay is asked to stop."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+        return self.stopping
+
+    # ----- retention -------------------------------------------------------------------------
+
+    async def _cleanup_loop(self) -> None:
+        while not self.stopping:
+            try:
+                self.stats.cleaned += await cleanup(self.store, self.settings)
+            except Exception as exc:  # noqa: BLE001 -- retention can wait for the next round
+                logger.warning("cleanup failed: %s", exc)
+            if await self._sleep(self.settings.cleanup_interval):
+                return
+
+
+async def cleanup(store: Store, settings: Settings, max_batches: int = 100) -> int:
+    """Delete finished rows past their retention in bounded batches; return how many."""
+    deleted = 0
+    for status, retention in (("PUBLISHED", settings.published_retention),
+                              ("ABANDONED", settings.abandoned_retention)):
+        for _ in range(max_batches):
+            count = await store.cleanup(status, retention, settings.cleanup_batch)
+            deleted += count
+            if count < settings.cleanup_batch:
+                break
+            await asyncio.sleep(0)  # let the relay's loops run between batches
+    if deleted:
+        logger.info("cleanup deleted %d finished message(s)", deleted)
+    return deleted
+
+
+def _with(settings: Settings, **changes: object) -> Settings:
+    import dataclasses
+
+    return dataclasses.replace(settings, **changes)  # type: ignore[arg-type]

@@ -1,0 +1,53 @@
+"""Exponential backoff with jitter, for failed publishes and for the relay's own outages."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from outboxer.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Delay before attempt ``n + 1`` after ``n`` failures: ``base * multiplier**(n-1)``,
+    capped at ``cap``, then spread by ±``jitter`` (a fraction) so that messages that
+    failed together do not all retry in the same instant. Never above ``cap``.
+    """
+
+    base: float = 1.0
+    multiplier: float = 2.0
+    cap: float = 300.0
+    jitter: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.base <= 0:
+            raise ConfigError("backoff base must be positive")
+        if self.multiplier < 1:
+            raise ConfigError("backoff multiplier must be at least 1")
+        if self.cap < self.base:
+            raise ConfigError("backoff cap must be at least the base delay")
+        if not 0 <= self.jitter < 1:
+            raise ConfigError("backoff jitter must be a fraction in [0, 1)")
+
+    def nominal(self, failures: int) -> float:
+        """The delay before jitter after ``failures`` (>= 1) failed attempts."""
+        exponent = max(failures, 1) - 1
+        # Stop multiplying once past the cap: multiplier**exponent overflows for large counts.
+        delay = self.base
+        for _ in range(exponent):
+            delay *= self.multiplier
+            if delay >= self.cap:
+                return self.cap
+        return min(delay, self.cap)
+
+    def delay(self, failures: int, rand: Callable[[], float] = random.random) -> float:
+        nominal = self.nominal(failures)
+        spread = nominal * self.jitter * (2.0 * rand() - 1.0)
+        return min(max(nominal + spread, 0.0), self.cap)
+
+    def bounds(self, failures: int) -> tuple[float, float]:
+        """The smallest and largest delay ``delay(failures)`` can return."""
+        nominal = self.nominal(failures)
+        return nominal * (1 - self.jitter), min(nominal * (1 + self.jitter), self.cap)

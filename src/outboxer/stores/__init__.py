@@ -1,0 +1,34 @@
+"""Stores, one module per database, chosen by URL scheme."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+from urllib.parse import urlsplit
+
+from outboxer.errors import ConfigError
+from outboxer.stores.base import DestinationStatus, Failure, SettleResult, Store
+
+#: URL scheme -> (module, class).
+REGISTRY: dict[str, tuple[str, str]] = {
+    "postgresql": ("outboxer.stores.postgres", "PostgresStore"),
+    "postgres": ("outboxer.stores.postgres", "PostgresStore"),
+    "postgresql+asyncpg": ("outboxer.stores.postgres", "PostgresStore"),
+    "postgresql+psycopg": ("outboxer.stores.postgres", "PostgresStore"),
+    "sqlite": ("outboxer.stores.sqlite", "SqliteStore"),
+}
+
+
+def create_store(url: str, **options: Any) -> Store:
+    """A store for the database at ``url`` (its scheme picks the adapter), not yet connected."""
+    scheme = urlsplit(url).scheme.lower()
+    if scheme not in REGISTRY:
+        raise ConfigError(
+            f"unknown database URL scheme {scheme!r} in {url!r}; known: {', '.join(sorted(REGISTRY))}"
+        )
+    module_name, class_name = REGISTRY[scheme]
+    cls: type[Store] = getattr(importlib.import_module(module_name), class_name)
+    return cls(url, **options)
+
+
+__all__ = ["REGISTRY", "DestinationStatus", "Failure", "SettleResult", "Store", "create_store"]

@@ -1,0 +1,156 @@
+"""The Store port: one adapter per database, the relay and the CLI speak only to this."""
+
+from __future__ import annotations
+
+import re
+import zlib
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from outboxer.errors import ConfigError
+from outboxer.message import Message
+from outboxer.stores.sqlfiles import quote_ident
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,40}$")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failed publish to record: seq, error text, backoff delay, permanent or not."""
+
+    seq: int
+    error: str
+    delay: float
+    permanent: bool
+
+
+@dataclass
+class SettleResult:
+    published: int = 0
+    failed: int = 0
+    released: int = 0
+    #: Rows this relay no longer owned (its lock expired and another relay took them).
+    lost: int = 0
+
+
+@dataclass
+class DestinationStatus:
+    destination: str
+    counts: dict[str, int] = field(default_factory=dict)
+    oldest_pending_age: float | None = None
+    retried: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def retry_rate(self) -> float:
+        """Share of the rows in the table that needed more than one attempt."""
+        return self.retried / self.total if self.total else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "destination": self.destination,
+            "counts": dict(self.counts),
+            "oldest_pending_age_seconds": self.oldest_pending_age,
+            "retry_rate": round(self.retry_rate, 4),
+            "abandoned": self.counts.get("ABANDONED", 0),
+        }
+
+
+def check_identifier(kind: str, name: str) -> str:
+    if not _IDENTIFIER.match(name):
+        raise ConfigError(
+            f"{kind} name {name!r} must start with a letter or underscore and hold only "
+            "letters, digits and underscores (at most 41 characters)"
+        )
+    return name
+
+
+class Store(ABC):
+    """An outbox table in one database."""
+
+    dialect: str
+
+    def __init__(self, url: str, *, schema: str = "outboxer", table: str = "outbox") -> None:
+        self.url = url
+        self.schema = check_identifier("schema", schema)
+        self.table = check_identifier("table", table)
+
+    # Names used in the SQL files.
+    def tokens(self) -> dict[str, str]:
+        return {
+            "schema": quote_ident(self.schema),
+            "table_raw": self.table,
+            "outbox": f"{quote_ident(self.schema)}.{quote_ident(self.table)}",
+            "migrations": f"{quote_ident(self.schema)}.{quote_ident(self.table + '_migrations')}",
+            "channel_literal": "'" + self.channel + "'",
+        }
+
+    @property
+    def channel(self) -> str:
+        """The LISTEN/NOTIFY channel of this table."""
+        return f"outboxer_{self.schema}_{self.table}"[:63]
+
+    def lock_key(self, destination: str) -> int:
+        """A stable 63-bit key for the per-destination claim lock."""
+        return zlib.crc32(f"outboxer:{self.schema}.{self.table}:{destination}".encode())
+
+    @abstractmethod
+    async def connect(self) -> None: ...
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+    @abstractmethod
+    def schema_sql(self) -> str:
+        """The whole DDL, for teams that run their own migrations."""
+
+    @abstractmethod
+    async def apply_schema(self) -> list[str]:
+        """Create or upgrade the schema; return the migrations applied now."""
+
+    @abstractmethod
+    async def claim(self, destination: str, relay_id: str, limit: int, lock_seconds: float,
+                    abandoned_blocks: bool) -> list[Message]:
+        """Lock up to ``limit`` due rows for ``relay_id``, in publish order."""
+
+    @abstractmethod
+    async def settle(self, destination: str, relay_id: str, published: Sequence[int],
+                     failed: Sequence[Failure], released: Sequence[int],
+                     max_attempts: int) -> SettleResult:
+        """Record a batch's outcomes in one transaction, one statement per outcome."""
+
+    @abstractmethod
+    async def cleanup(self, status: str, retention: float, limit: int) -> int:
+        """Delete up to ``limit`` rows of ``status`` older than ``retention`` seconds."""
+
+    @abstractmethod
+    async def status(self) -> list[DestinationStatus]: ...
+
+    @abstractmethod
+    async def list_messages(self, statuses: Sequence[str], limit: int) -> list[dict[str, object]]: ...
+
+    @abstractmethod
+    async def requeue(self, destinations: Sequence[str], statuses: Sequence[str],
+                      ids: Sequence[str] | None) -> int: ...
+
+    def reset_wakeup(self) -> None:
+        """Forget earlier wake-ups; called just before a claim, so none is missed after it."""
+        return None
+
+    async def wait_for_wakeup(self, timeout: float) -> bool:
+        """Sleep until new messages may be there or ``timeout`` passes; True if woken early."""
+        import asyncio
+
+        await asyncio.sleep(timeout)
+        return False
+
+    async def __aenter__(self) -> Store:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

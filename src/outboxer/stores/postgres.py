@@ -1,0 +1,252 @@
+"""PostgreSQL store for the relay, on asyncpg.
+
+The write path (``outboxer.enqueue``) does not use this class: it runs the same
+``insert`` query on the caller's own connection, whatever its driver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from outboxer.errors import MissingDependencyError, StoreError
+from outboxer.message import Message
+from outboxer.stores.base import DestinationStatus, Failure, SettleResult, Store
+from outboxer.stores.sqlfiles import migrations, queries, render, to_numbered
+
+logger = logging.getLogger("outboxer.store")
+
+_MIGRATIONS_TABLE = """
+CREATE SCHEMA IF NOT EXISTS {schema};
+CREATE TABLE IF NOT EXISTS {migrations} (
+    version    integer PRIMARY KEY,
+    name       text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
+"""
+
+
+def _asyncpg() -> Any:
+    try:
+        import asyncpg
+    except ImportError as exc:
+        raise MissingDependencyError("asyncpg", "postgres") from exc
+    return asyncpg
+
+
+def asyncpg_dsn(url: str) -> str:
+    """asyncpg accepts postgresql:// and postgres:// only."""
+    for prefix in ("postgresql+asyncpg://", "postgresql+psycopg://", "postgresql+psycopg2://"):
+        if url.startswith(prefix):
+            return "postgresql://" + url[len(prefix):]
+    return url
+
+
+class PostgresStore(Store):
+    dialect = "postgres"
+
+    def __init__(self, url: str, *, schema: str = "outboxer", table: str = "outbox",
+                 pool_size: int = 4) -> None:
+        super().__init__(url, schema=schema, table=table)
+        self.pool_size = pool_size
+        self._pool: Any = None
+        self._listener: Any = None
+        self._wakeup = asyncio.Event()
+        tokens = self.tokens()
+        self._sql: dict[str, tuple[str, tuple[str, ...]]] = {
+            name: to_numbered(render(sql, tokens)) for name, sql in queries("postgres").items()
+        }
+
+    # ----- connections ---------------------------------------------------------------------
+
+    async def connect(self) -> None:
+        if self._pool is not None:
+            return
+        asyncpg = _asyncpg()
+        try:
+            self._pool = await asyncpg.create_pool(
+                asyncpg_dsn(self.url), min_size=1, max_size=self.pool_size,
+                command_timeout=60, server_settings={"application_name": "outboxer-relay"},
+            )
+        except (OSError, asyncpg.PostgresError) as exc:
+            raise StoreError(f"cannot connect to PostgreSQL: {exc}") from exc
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            listener, self._listener = self._listener, None
+            if not listener.is_closed():
+                await listener.close()
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            await pool.close()
+
+    def _args(self, name: str, params: dict[str, Any]) -> tuple[str, list[Any]]:
+        sql, names = self._sql[name]
+        return sql, [params[n] for n in names]
+
+    # ----- schema --------------------------------------------------------------------------
+
+    def schema_sql(self) -> str:
+        tokens = self.tokens()
+        parts = [render(_MIGRATIONS_TABLE, tokens).strip()]
+        for migration in migrations("postgres"):
+            parts.append(render(migration.sql, tokens).strip())
+            parts.append(
+                f"INSERT INTO {tokens['migrations']} (version, name) VALUES "
+                f"({migration.version}, '{migration.name}') ON CONFLICT DO NOTHING;"
+            )
+        return "\n\n".join(parts) + "\n"
+
+    async def apply_schema(self) -> list[str]:
+        await self.connect()
+        tokens = self.tokens()
+        applied: list[str] = []
+        async with self._pool.acquire() as conn, conn.transaction():
+            # One schema change at a time, whoever runs it.
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", self.lock_key("schema"))
+            await conn.execute(render(_MIGRATIONS_TABLE, tokens))
+            done = {row["version"] for row in await conn.fetch(f"SELECT version FROM {tokens['migrations']}")}
+            for migration in migrations("postgres"):
+                if migration.version in done:
+                    continue
+                await conn.execute(render(migration.sql, tokens))
+                await conn.execute(
+                    f"INSERT INTO {tokens['migrations']} (version, name) VALUES ($1, $2)",
+                    migration.version, migration.name,
+                )
+                applied.append(migration.name)
+        return applied
+
+    # ----- the relay's statements ----------------------------------------------------------
+
+    async def claim(self, destination: str, relay_id: str, limit: int, lock_seconds: float,
+                    abandoned_blocks: bool) -> list[Message]:
+        sql, args = self._args("claim", {
+            "destination": destination, "relay_id": relay_id, "limit": limit,
+            "lock_seconds": float(lock_seconds), "abandoned_blocks": abandoned_blocks,
+        })
+        lock_sql, lock_args = self._args("claim_lock", {"lock_key": self.lock_key(destination)})
+        async with self._pool.acquire() as conn, conn.transaction():
+            await conn.execute(lock_sql, *lock_args)
+            rows = await conn.fetch(sql, *args)
+        rows = sorted(rows, key=lambda row: (row["txid"], row["seq"]))
+        return [
+            Message(
+                id=row["id"], topic=row["topic"], payload=bytes(row["payload"]), key=row["key"],
+                headers=json.loads(row["headers"]), content_type=row["content_type"],
+                destination=row["destination"], created_at=row["created_at"],
+                attempts=row["attempts"], seq=row["seq"],
+            )
+            for row in rows
+        ]
+
+    async def settle(self, destination: str, relay_id: str, published: Sequence[int],
+                     failed: Sequence[Failure], released: Sequence[int],
+                     max_attempts: int) -> SettleResult:
+        result = SettleResult()
+        lock_sql, lock_args = self._args("settle_lock", {"lock_key": self.lock_key(destination)})
+        async with self._pool.acquire() as conn, conn.transaction():
+            await conn.execute(lock_sql, *lock_args)
+            if published:
+                sql, args = self._args("settle_published", {"seqs": list(published), "relay_id": relay_id})
+                result.published = _count(await conn.execute(sql, *args))
+            if failed:
+                sql, args = self._args("settle_failed", {
+                    "seqs": [f.seq for f in failed], "errors": [f.error for f in failed],
+                    "delays": [float(f.delay) for f in failed],
+                    "permanent": [f.permanent for f in failed],
+                    "max_attempts": max_attempts, "relay_id": relay_id,
+                })
+                result.failed = _count(await conn.execute(sql, *args))
+            if released:
+                sql, args = self._args("release", {"seqs": list(released), "relay_id": relay_id})
+                result.released = _count(await conn.execute(sql, *args))
+        expected = len(published) + len(failed) + len(released)
+        result.lost = expected - result.published - result.failed - result.released
+        return result
+
+    async def cleanup(self, status: str, retention: float, limit: int) -> int:
+        sql, args = self._args("cleanup", {"status": status, "retention": float(retention), "limit": limit})
+        async with self._pool.acquire() as conn:
+            return _count(await conn.execute(sql, *args))
+
+    # ----- operations ----------------------------------------------------------------------
+
+    async def status(self) -> list[DestinationStatus]:
+        sql, args = self._args("counts", {})
+        async with self._pool.acquire() as conn:
+            rows = await conn.fetch(sql, *args)
+        return _fold_counts(rows)
+
+    async def horizon_lag(self) -> float:
+        sql, args = self._args("horizon_lag", {})
+        async with self._pool.acquire() as conn:
+            return float(await conn.fetchval(sql, *args) or 0.0)
+
+    async def list_messages(self, statuses: Sequence[str], limit: int) -> list[dict[str, object]]:
+        sql, args = self._args("list", {"statuses": list(statuses), "limit": limit})
+        async with self._pool.acquire() as conn:
+            return [dict(row) for row in await conn.fetch(sql, *args)]
+
+    async def requeue(self, destinations: Sequence[str], statuses: Sequence[str],
+                      ids: Sequence[str] | None) -> int:
+        sql, args = self._args("requeue", {
+            "destinations": list(destinations), "statuses": list(statuses),
+            "ids": [uuid.UUID(i) for i in ids] if ids is not None else None,
+        })
+        lock_sql, _ = self._sql["settle_lock"]
+        async with self._pool.acquire() as conn, conn.transaction():
+            for destination in destinations:
+                await conn.execute(lock_sql, self.lock_key(destination))
+            return _count(await conn.execute(sql, *args))
+
+    # ----- wake-ups ------------------------------------------------------------------------
+
+    def reset_wakeup(self) -> None:
+        self._wakeup.clear()
+
+    async def _ensure_listener(self) -> None:
+        if self._listener is not None and not self._listener.is_closed():
+            return
+        asyncpg = _asyncpg()
+        self._listener = await asyncpg.connect(
+            asyncpg_dsn(self.url), server_settings={"application_name": "outboxer-relay-listen"})
+        await self._listener.add_listener(self.channel, self._on_notify)
+        # Anything committed before LISTEN took effect was not announced: look once.
+        self._wakeup.set()
+
+    def _on_notify(self, *_: object) -> None:
+        self._wakeup.set()
+
+    async def wait_for_wakeup(self, timeout: float) -> bool:
+        try:
+            await self._ensure_listener()
+        except Exception as exc:  # noqa: BLE001 -- asyncpg's errors too: poll instead, never stop the relay
+            self._listener = None
+            logger.warning("cannot LISTEN for wake-ups, polling instead: %s", exc, exc_info=False)
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+
+def _count(command_tag: str) -> int:
+    """Rows affected, from a command tag like ``UPDATE 12`` or ``DELETE 3``."""
+    return int(command_tag.rsplit(" ", 1)[-1])
+
+
+def _fold_counts(rows: Sequence[Any]) -> list[DestinationStatus]:
+    by_destination: dict[str, DestinationStatus] = {}
+    for row in rows:
+        entry = by_destination.setdefault(row["destination"], DestinationStatus(row["destination"]))
+        entry.counts[row["status"]] = int(row["count"])
+        entry.retried += int(row["retried"] or 0)
+        if row["status"] in ("PENDING", "FAILED", "PROCESSING") and row["oldest_age"] is not None:
+            age = float(row["oldest_age"])
+            entry.oldest_pending_age = max(entry.oldest_pending_age or 0.0, age)
+    return sorted(by_destination.values(), key=lambda s: s.destination)

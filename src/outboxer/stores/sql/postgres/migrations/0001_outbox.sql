@@ -1,0 +1,65 @@
+-- Migration 0001: the outbox table, its indexes and the wake-up trigger.
+-- Tokens in braces are replaced with quoted names from the settings.
+
+CREATE SCHEMA IF NOT EXISTS {schema};
+
+CREATE TABLE {outbox} (
+    -- Order of enqueue inside one transaction.
+    seq             bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    -- The writing transaction. Publish order is (txid, seq): a sequence value is taken
+    -- before commit, so seq alone is not commit order; see the claim query.
+    txid            xid8 NOT NULL DEFAULT pg_current_xact_id(),
+    id              uuid NOT NULL,
+    destination     text NOT NULL DEFAULT 'default',
+    topic           text NOT NULL,
+    key             text,
+    payload         bytea NOT NULL,
+    content_type    text NOT NULL,
+    headers         jsonb NOT NULL DEFAULT '{}',
+    status          text NOT NULL DEFAULT 'PENDING'
+                    CHECK (status IN ('PENDING', 'PROCESSING', 'PUBLISHED', 'FAILED', 'ABANDONED')),
+    attempts        integer NOT NULL DEFAULT 0,
+    next_attempt_at timestamptz NOT NULL DEFAULT now(),
+    last_error      text,
+    locked_by       text,
+    locked_until    timestamptz,
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    updated_at      timestamptz NOT NULL DEFAULT now(),
+    published_at    timestamptz,
+    -- One copy of a message per destination; a caller-chosen id cannot be enqueued twice.
+    CONSTRAINT {table_raw}_id_destination_key UNIQUE (id, destination)
+);
+
+-- The claim walks unfinished rows of one destination in publish order. Partial, so the
+-- index is as small as the backlog, however many published rows retention still keeps.
+CREATE INDEX {table_raw}_ready_idx ON {outbox} (destination, txid, seq)
+    WHERE status IN ('PENDING', 'FAILED', 'PROCESSING');
+
+-- The rows that can hold back later rows of their key: in flight, backing off, or abandoned
+-- (when abandoned rows block). Few rows match, so the per-candidate probe is cheap.
+CREATE INDEX {table_raw}_blocking_idx ON {outbox} (destination, key, txid, seq)
+    WHERE key IS NOT NULL AND status IN ('PROCESSING', 'FAILED', 'ABANDONED');
+
+-- Retention deletes finished rows oldest first, per status.
+CREATE INDEX {table_raw}_finished_idx ON {outbox} (status, updated_at)
+    WHERE status IN ('PUBLISHED', 'ABANDONED');
+
+-- An outbox churns: every row is inserted, updated twice and deleted. Vacuum it early.
+ALTER TABLE {outbox} SET (
+    autovacuum_vacuum_scale_factor = 0.02,
+    autovacuum_analyze_scale_factor = 0.02,
+    autovacuum_vacuum_insert_scale_factor = 0.05
+);
+
+-- Wake idle relays on commit. FOR EACH STATEMENT fires once per INSERT statement, not per
+-- row, and PostgreSQL folds identical notifications of one transaction into one, so a
+-- transaction that enqueues many messages sends one NOTIFY.
+CREATE FUNCTION {schema}.{table_raw}_notify() RETURNS trigger LANGUAGE plpgsql AS $fn$
+BEGIN
+    PERFORM pg_notify({channel_literal}, '');
+    RETURN NULL;
+END
+$fn$;
+
+CREATE TRIGGER {table_raw}_notify AFTER INSERT ON {outbox}
+    FOR EACH STATEMENT EXECUTE FUNCTION {schema}.{table_raw}_notify();

@@ -1,0 +1,150 @@
+-- PostgreSQL queries, one named block each. Parameters are :name; tokens in braces are
+-- replaced with quoted names from the settings.
+
+-- name: insert
+-- -> PENDING. Runs on the caller's connection, inside the caller's transaction.
+INSERT INTO {outbox} (id, destination, topic, key, payload, content_type, headers)
+VALUES (CAST(:id AS uuid), :destination, :topic, :key, :payload, :content_type, CAST(:headers AS jsonb))
+
+-- name: insert_many
+-- -> PENDING for every row; unnest keeps the array order, so seq follows the caller's order.
+INSERT INTO {outbox} (id, destination, topic, key, payload, content_type, headers)
+SELECT m.id, m.destination, m.topic, m.key, m.payload, m.content_type, CAST(m.headers AS jsonb)
+FROM unnest(CAST(:ids AS uuid[]), CAST(:destinations AS text[]), CAST(:topics AS text[]),
+            CAST(:keys AS text[]), CAST(:payloads AS bytea[]), CAST(:content_types AS text[]),
+            CAST(:headers AS text[]))
+     AS m(id, destination, topic, key, payload, content_type, headers)
+
+-- name: claim_lock
+-- Claims of one destination run one at a time (a transaction-scoped lock, held for one
+-- short statement). Settles take the same lock shared. Together this means a claim never
+-- sees a row half-way through another relay's claim or settle, which SKIP LOCKED alone
+-- cannot promise: it would skip such a row and could claim the row behind it, same key.
+SELECT pg_advisory_xact_lock(CAST(:lock_key AS bigint))
+
+-- name: settle_lock
+SELECT pg_advisory_xact_lock_shared(CAST(:lock_key AS bigint))
+
+-- name: claim
+-- PENDING | FAILED (due) | PROCESSING (lock expired) -> PROCESSING, locked by this relay.
+-- Invariants kept by the WHERE clause:
+--  * a row is due: its next attempt has come, or its relay's lock expired (that relay died);
+--  * a keyed row is claimed only when no earlier row of its key blocks it: in flight
+--    elsewhere, backing off, or abandoned when abandoned rows block. Earlier rows that
+--    are due themselves come first in (txid, seq) order, so they are in this same batch;
+--  * a keyed row is claimed only once every transaction that might still add an earlier
+--    row of its key has ended: rows are ordered by (txid, seq) and only rows written by
+--    transactions older than the snapshot's xmin are taken. Any transaction still running,
+--    or not yet holding an xid, will get an xid at or above xmin, so it sorts after them.
+--    Keyless rows need no order and skip this wait.
+WITH horizon AS (
+    SELECT pg_snapshot_xmin(pg_current_snapshot()) AS xmin
+), due AS (
+    SELECT o.seq
+    FROM {outbox} AS o, horizon AS h
+    WHERE o.destination = :destination
+      AND o.status IN ('PENDING', 'FAILED', 'PROCESSING')
+      AND CASE o.status WHEN 'PROCESSING' THEN o.locked_until < now()
+                        ELSE o.next_attempt_at <= now() END
+      AND (o.key IS NULL OR (
+            o.txid < h.xmin
+            AND NOT EXISTS (
+                SELECT 1 FROM {outbox} AS b
+                WHERE b.destination = o.destination
+                  AND b.key = o.key
+                  AND b.status IN ('PROCESSING', 'FAILED', 'ABANDONED')
+                  AND (b.txid, b.seq) < (o.txid, o.seq)
+                  AND CASE b.status WHEN 'PROCESSING' THEN b.locked_until >= now()
+                                    WHEN 'FAILED' THEN b.next_attempt_at > now()
+                                    ELSE CAST(:abandoned_blocks AS boolean) END)))
+    ORDER BY o.txid, o.seq
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {outbox} AS t
+SET status = 'PROCESSING',
+    locked_by = :relay_id,
+    locked_until = now() + make_interval(secs => CAST(:lock_seconds AS float8)),
+    -- Taking over an expired lock: the previous attempt died with its relay, so it counts.
+    attempts = t.attempts + CASE WHEN t.status = 'PROCESSING' THEN 1 ELSE 0 END,
+    last_error = CASE WHEN t.status = 'PROCESSING'
+                      THEN 'lock expired: relay ' || coalesce(t.locked_by, '?') || ' died or stalled'
+                      ELSE t.last_error END,
+    updated_at = now()
+FROM due
+WHERE t.seq = due.seq
+RETURNING t.seq, CAST(CAST(t.txid AS text) AS bigint) AS txid, t.id, t.destination, t.topic,
+          t.key, t.payload, t.content_type, CAST(t.headers AS text) AS headers, t.attempts,
+          t.created_at
+
+-- name: settle_published
+-- PROCESSING -> PUBLISHED, only by the relay holding the lock: a relay whose expired lock
+-- was taken over changes nothing (its copy was a duplicate; the new owner decides).
+UPDATE {outbox}
+SET status = 'PUBLISHED', published_at = now(), updated_at = now(),
+    locked_by = NULL, locked_until = NULL
+WHERE seq = ANY(CAST(:seqs AS bigint[])) AND status = 'PROCESSING' AND locked_by = :relay_id
+
+-- name: settle_failed
+-- PROCESSING -> FAILED (attempts + 1, due again after its backoff), or -> ABANDONED when the
+-- failure is permanent or the attempts are used up. Only by the relay holding the lock.
+UPDATE {outbox} AS t
+SET attempts = t.attempts + 1,
+    last_error = f.error,
+    status = CASE WHEN f.permanent OR t.attempts + 1 >= :max_attempts
+                  THEN 'ABANDONED' ELSE 'FAILED' END,
+    next_attempt_at = now() + make_interval(secs => f.delay),
+    locked_by = NULL, locked_until = NULL, updated_at = now()
+FROM unnest(CAST(:seqs AS bigint[]), CAST(:errors AS text[]), CAST(:delays AS float8[]),
+            CAST(:permanent AS boolean[])) AS f(seq, error, delay, permanent)
+WHERE t.seq = f.seq AND t.status = 'PROCESSING' AND t.locked_by = :relay_id
+
+-- name: release
+-- PROCESSING -> claimable again without counting an attempt (never tried: shutdown, or an
+-- earlier message of its key failed). Only by the relay holding the lock.
+UPDATE {outbox}
+SET status = CASE WHEN attempts > 0 THEN 'FAILED' ELSE 'PENDING' END,
+    next_attempt_at = now(), locked_by = NULL, locked_until = NULL, updated_at = now()
+WHERE seq = ANY(CAST(:seqs AS bigint[])) AND status = 'PROCESSING' AND locked_by = :relay_id
+
+-- name: cleanup
+-- PUBLISHED | ABANDONED -> deleted once older than the retention; at most :limit rows a
+-- statement, so no statement runs long or holds many locks; SKIP LOCKED passes over rows
+-- an operator is changing.
+DELETE FROM {outbox}
+WHERE seq IN (
+    SELECT seq FROM {outbox}
+    WHERE status = :status
+      AND updated_at < now() - make_interval(secs => CAST(:retention AS float8))
+    ORDER BY updated_at
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED)
+
+-- name: requeue
+-- ABANDONED | FAILED -> PENDING, due now, attempts reset: an operator's decision.
+UPDATE {outbox}
+SET status = 'PENDING', attempts = 0, next_attempt_at = now(), updated_at = now()
+WHERE destination = ANY(CAST(:destinations AS text[]))
+  AND status = ANY(CAST(:statuses AS text[]))
+  AND (CAST(:ids AS uuid[]) IS NULL OR id = ANY(CAST(:ids AS uuid[])))
+
+-- name: counts
+SELECT destination, status, count(*) AS count,
+       count(*) FILTER (WHERE attempts > 0) AS retried,
+       EXTRACT(EPOCH FROM now() - min(created_at)) AS oldest_age
+FROM {outbox}
+GROUP BY destination, status
+
+-- name: list
+SELECT seq, id, destination, topic, key, status, attempts, last_error, locked_by,
+       created_at, updated_at, next_attempt_at, published_at
+FROM {outbox}
+WHERE status = ANY(CAST(:statuses AS text[]))
+ORDER BY txid, seq
+LIMIT :limit
+
+-- name: horizon_lag
+-- How far the oldest running transaction holds back keyed rows (seconds), for status.
+SELECT coalesce(EXTRACT(EPOCH FROM now() - min(xact_start)), 0) AS lag
+FROM pg_stat_activity
+WHERE backend_xid IS NOT NULL OR backend_xmin IS NOT NULL

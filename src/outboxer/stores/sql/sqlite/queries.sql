@@ -1,0 +1,95 @@
+-- SQLite queries, one named block each (see the PostgreSQL file for the invariants; they
+-- are the same, without the transaction horizon: one writer at a time means seq order is
+-- commit order). :now is passed in so one statement uses one clock reading.
+
+-- name: insert
+INSERT INTO {outbox} (id, destination, topic, key, payload, content_type, headers)
+VALUES (:id, :destination, :topic, :key, :payload, :content_type, :headers)
+
+-- name: claim
+-- PENDING | FAILED (due) | PROCESSING (lock expired) -> PROCESSING, locked by this relay.
+-- Runs inside BEGIN IMMEDIATE, so no other writer interleaves.
+UPDATE {outbox}
+SET status = 'PROCESSING',
+    locked_by = :relay_id,
+    locked_until = :now + :lock_seconds,
+    attempts = attempts + CASE WHEN status = 'PROCESSING' THEN 1 ELSE 0 END,
+    last_error = CASE WHEN status = 'PROCESSING'
+                      THEN 'lock expired: relay ' || coalesce(locked_by, '?') || ' died or stalled'
+                      ELSE last_error END,
+    updated_at = :now
+WHERE seq IN (
+    SELECT o.seq FROM {outbox} AS o
+    WHERE o.destination = :destination
+      AND o.status IN ('PENDING', 'FAILED', 'PROCESSING')
+      AND CASE o.status WHEN 'PROCESSING' THEN o.locked_until < :now
+                        ELSE o.next_attempt_at <= :now END
+      AND (o.key IS NULL OR NOT EXISTS (
+            SELECT 1 FROM {outbox} AS b
+            WHERE b.destination = o.destination
+              AND b.key = o.key
+              AND b.status IN ('PROCESSING', 'FAILED', 'ABANDONED')
+              AND b.seq < o.seq
+              AND CASE b.status WHEN 'PROCESSING' THEN b.locked_until >= :now
+                                WHEN 'FAILED' THEN b.next_attempt_at > :now
+                                ELSE :abandoned_blocks END))
+    ORDER BY o.seq
+    LIMIT :limit)
+RETURNING seq, seq AS txid, id, destination, topic, key, payload, content_type, headers,
+          attempts, created_at
+
+-- name: settle_published
+-- PROCESSING -> PUBLISHED, only by the relay holding the lock.
+UPDATE {outbox}
+SET status = 'PUBLISHED', published_at = :now, updated_at = :now,
+    locked_by = NULL, locked_until = NULL
+WHERE seq = :seq AND status = 'PROCESSING' AND locked_by = :relay_id
+
+-- name: settle_failed
+-- PROCESSING -> FAILED with backoff, or ABANDONED (permanent, or attempts used up).
+UPDATE {outbox}
+SET attempts = attempts + 1,
+    last_error = :error,
+    status = CASE WHEN :permanent OR attempts + 1 >= :max_attempts THEN 'ABANDONED' ELSE 'FAILED' END,
+    next_attempt_at = :now + :delay,
+    locked_by = NULL, locked_until = NULL, updated_at = :now
+WHERE seq = :seq AND status = 'PROCESSING' AND locked_by = :relay_id
+
+-- name: release
+-- PROCESSING -> claimable again without counting an attempt.
+UPDATE {outbox}
+SET status = CASE WHEN attempts > 0 THEN 'FAILED' ELSE 'PENDING' END,
+    next_attempt_at = :now, locked_by = NULL, locked_until = NULL, updated_at = :now
+WHERE seq = :seq AND status = 'PROCESSING' AND locked_by = :relay_id
+
+-- name: cleanup
+-- PUBLISHED | ABANDONED -> deleted once older than the retention, :limit rows a statement.
+DELETE FROM {outbox}
+WHERE seq IN (
+    SELECT seq FROM {outbox}
+    WHERE status = :status AND updated_at < :now - :retention
+    ORDER BY updated_at
+    LIMIT :limit)
+
+-- name: counts
+SELECT destination, status, count(*) AS count,
+       sum(CASE WHEN attempts > 0 THEN 1 ELSE 0 END) AS retried,
+       :now - min(created_at) AS oldest_age
+FROM {outbox}
+GROUP BY destination, status
+
+-- name: list
+SELECT seq, id, destination, topic, key, status, attempts, last_error, locked_by,
+       created_at, updated_at, next_attempt_at, published_at
+FROM {outbox}
+WHERE status IN (SELECT value FROM json_each(:statuses))
+ORDER BY seq
+LIMIT :limit
+
+-- name: requeue
+-- ABANDONED | FAILED -> PENDING, due now, attempts reset: an operator's decision.
+UPDATE {outbox}
+SET status = 'PENDING', attempts = 0, next_attempt_at = :now, updated_at = :now
+WHERE destination IN (SELECT value FROM json_each(:destinations))
+  AND status IN (SELECT value FROM json_each(:statuses))
+  AND (:ids IS NULL OR id IN (SELECT value FROM json_each(:ids)))

@@ -1,0 +1,245 @@
+"""SQLite store: the embedded default, for the demo and for single-process applications.
+
+SQLite has one writer at a time, so seq order is commit order. The relay runs
+each statement on its own connection in a worker thread; wake-ups come from
+``PRAGMA data_version``, which changes when another connection commits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+from outboxer.errors import ConfigError, StoreError
+from outboxer.message import Message
+from outboxer.stores.base import DestinationStatus, Failure, SettleResult, Store
+from outboxer.stores.sqlfiles import migrations, queries, quote_ident, render
+
+T = TypeVar("T")
+
+_MIGRATIONS_TABLE = """
+CREATE TABLE IF NOT EXISTS {migrations} (
+    version    INTEGER PRIMARY KEY,
+    name       TEXT NOT NULL,
+    applied_at REAL NOT NULL DEFAULT ((julianday('now') - 2440587.5) * 86400.0)
+);
+"""
+
+
+def sqlite_path(url: str) -> str:
+    """``sqlite:///relative.db`` or ``sqlite:////absolute.db`` (SQLAlchemy's convention)."""
+    for prefix in ("sqlite+aiosqlite:///", "sqlite+pysqlite:///", "sqlite:///"):
+        if url.startswith(prefix):
+            path = url[len(prefix):].split("?", 1)[0]
+            if not path:
+                raise ConfigError(f"sqlite URL needs a file path: {url!r}")
+            return path
+    raise ConfigError(f"not a sqlite URL: {url!r} (expected sqlite:///path.db)")
+
+
+def open_connection(path: str) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+    conn.execute("PRAGMA journal_mode = WAL")  # readers do not block the writer
+    conn.execute("PRAGMA synchronous = FULL")  # a confirmed enqueue survives power loss
+    conn.execute("PRAGMA busy_timeout = 30000")
+    return conn
+
+
+def _timestamp(value: float | None) -> datetime | None:
+    return datetime.fromtimestamp(value, UTC) if value is not None else None
+
+
+class SqliteStore(Store):
+    dialect = "sqlite"
+
+    def __init__(self, url: str, *, schema: str = "outboxer", table: str = "outbox") -> None:
+        super().__init__(url, schema=schema, table=table)
+        self.path = sqlite_path(url)
+        self._conn: sqlite3.Connection | None = None
+        self._lock = threading.Lock()
+        self._data_version: int | None = None
+        tokens = self.tokens()
+        self._sql = {name: render(sql, tokens) for name, sql in queries("sqlite").items()}
+
+    def tokens(self) -> dict[str, str]:
+        # SQLite has no schemas: the table lives in the main database.
+        return {
+            "table_raw": self.table,
+            "outbox": quote_ident(self.table),
+            "migrations": quote_ident(self.table + "_migrations"),
+        }
+
+    @property
+    def channel(self) -> str:
+        return self.path
+
+    async def connect(self) -> None:
+        if self._conn is None:
+            if self.path != ":memory:":
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            self._conn = await asyncio.to_thread(open_connection, self.path)
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            conn, self._conn = self._conn, None
+            await asyncio.to_thread(conn.close)
+
+    async def _run(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        await self.connect()
+        conn = self._conn
+        assert conn is not None
+
+        def locked() -> T:
+            with self._lock:
+                try:
+                    return work(conn)
+                except sqlite3.Error as exc:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    raise StoreError(f"SQLite: {exc}") from exc
+
+        return await asyncio.to_thread(locked)
+
+    # ----- schema --------------------------------------------------------------------------
+
+    def schema_sql(self) -> str:
+        tokens = self.tokens()
+        parts = [render(_MIGRATIONS_TABLE, tokens).strip()]
+        for migration in migrations("sqlite"):
+            parts.append(render(migration.sql, tokens).strip())
+            parts.append(
+                f"INSERT OR IGNORE INTO {tokens['migrations']} (version, name) "
+                f"VALUES ({migration.version}, '{migration.name}');"
+            )
+        return "\n\n".join(parts) + "\n"
+
+    async def apply_schema(self) -> list[str]:
+        tokens = self.tokens()
+
+        def work(conn: sqlite3.Connection) -> list[str]:
+            applied = []
+            conn.execute("BEGIN IMMEDIATE")
+            for statement in _statements(render(_MIGRATIONS_TABLE, tokens)):
+                conn.execute(statement)
+            done = {row[0] for row in conn.execute(f"SELECT version FROM {tokens['migrations']}")}
+            for migration in migrations("sqlite"):
+                if migration.version in done:
+                    continue
+                for statement in _statements(render(migration.sql, tokens)):
+                    conn.execute(statement)
+                conn.execute(f"INSERT INTO {tokens['migrations']} (version, name) VALUES (?, ?)",
+                             (migration.version, migration.name))
+                applied.append(migration.name)
+            conn.execute("COMMIT")
+            return applied
+
+        return await self._run(work)
+
+    # ----- the relay's statements ----------------------------------------------------------
+
+    async def claim(self, destination: str, relay_id: str, limit: int, lock_seconds: float,
+                    abandoned_blocks: bool) -> list[Message]:
+        params = {"destination": destination, "relay_id": relay_id, "limit": limit,
+                  "lock_seconds": lock_seconds, "abandoned_blocks": abandoned_blocks,
+                  "now": time.time()}
+
+        def work(conn: sqlite3.Connection) -> list[Any]:
+            conn.execute("BEGIN IMMEDIATE")
+            rows = conn.execute(self._sql["claim"], params).fetchall()
+            conn.execute("COMMIT")
+            return rows
+
+        rows = sorted(await self._run(work), key=lambda row: row[0])
+        return [
+            Message(id=uuid.UUID(row[2]), destination=row[3], topic=row[4], key=row[5],
+                    payload=bytes(row[6]), content_type=row[7], headers=json.loads(row[8]),
+                    attempts=row[9], created_at=_timestamp(row[10]), seq=row[0])
+            for row in rows
+        ]
+
+    async def settle(self, destination: str, relay_id: str, published: Sequence[int],
+                     failed: Sequence[Failure], released: Sequence[int],
+                     max_attempts: int) -> SettleResult:
+        now = time.time()
+
+        def work(conn: sqlite3.Connection) -> SettleResult:
+            result = SettleResult()
+            conn.execute("BEGIN IMMEDIATE")
+            cursor = conn.executemany(self._sql["settle_published"], [
+                {"seq": seq, "relay_id": relay_id, "now": now} for seq in published])
+            result.published = max(cursor.rowcount, 0)
+            cursor = conn.executemany(self._sql["settle_failed"], [
+                {"seq": f.seq, "error": f.error, "delay": f.delay, "permanent": f.permanent,
+                 "max_attempts": max_attempts, "relay_id": relay_id, "now": now} for f in failed])
+            result.failed = max(cursor.rowcount, 0)
+            cursor = conn.executemany(self._sql["release"], [
+                {"seq": seq, "relay_id": relay_id, "now": now} for seq in released])
+            result.released = max(cursor.rowcount, 0)
+            conn.execute("COMMIT")
+            return result
+
+        result = await self._run(work)
+        result.lost = len(published) + len(failed) + len(released) - (
+            result.published + result.failed + result.released)
+        return result
+
+    async def cleanup(self, status: str, retention: float, limit: int) -> int:
+        params = {"status": status, "retention": retention, "limit": limit, "now": time.time()}
+        return await self._run(lambda conn: conn.execute(self._sql["cleanup"], params).rowcount)
+
+    # ----- operations ----------------------------------------------------------------------
+
+    async def status(self) -> list[DestinationStatus]:
+        rows = await self._run(lambda conn: conn.execute(
+            self._sql["counts"], {"now": time.time()}).fetchall())
+        result: dict[str, DestinationStatus] = {}
+        for destination, status, count, retried, oldest_age in rows:
+            entry = result.setdefault(destination, DestinationStatus(destination))
+            entry.counts[status] = count
+            entry.retried += retried or 0
+            if status in ("PENDING", "FAILED", "PROCESSING") and oldest_age is not None:
+                entry.oldest_pending_age = max(entry.oldest_pending_age or 0.0, oldest_age)
+        return sorted(result.values(), key=lambda s: s.destination)
+
+    async def list_messages(self, statuses: Sequence[str], limit: int) -> list[dict[str, object]]:
+        def work(conn: sqlite3.Connection) -> list[dict[str, object]]:
+            cursor = conn.execute(self._sql["list"], {"statuses": json.dumps(list(statuses)), "limit": limit})
+            names = [d[0] for d in cursor.description]
+            return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+        return await self._run(work)
+
+    async def requeue(self, destinations: Sequence[str], statuses: Sequence[str],
+                      ids: Sequence[str] | None) -> int:
+        params = {"destinations": json.dumps(list(destinations)), "statuses": json.dumps(list(statuses)),
+                  "ids": json.dumps(list(ids)) if ids is not None else None, "now": time.time()}
+        return await self._run(lambda conn: conn.execute(self._sql["requeue"], params).rowcount)
+
+    # ----- wake-ups ------------------------------------------------------------------------
+
+    async def wait_for_wakeup(self, timeout: float) -> bool:
+        """Poll ``PRAGMA data_version`` (a cheap read) until another connection commits."""
+        deadline = time.monotonic() + timeout
+        while True:
+            version = await self._run(lambda conn: conn.execute("PRAGMA data_version").fetchone()[0])
+            previous, self._data_version = self._data_version, version
+            if previous is not None and version != previous:
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            await asyncio.sleep(min(0.02, remaining))
+
+
+def _statements(script: str) -> list[str]:
+    """Split a migration into statements (our migrations hold no ';' inside literals)."""
+    lines = [line for line in script.splitlines() if not line.strip().startswith("--")]
+    return [part.strip() for part in "\n".join(lines).split(";") if part.strip()]
