@@ -151,7 +151,7 @@ def _format_age(seconds: float | None) -> str:
 async def _status(args: argparse.Namespace) -> int:
     async with _store(_settings(args)) as store:
         report = [entry.as_dict() for entry in await store.status()]
-        lag = await store.horizon_lag() if hasattr(store, "horizon_lag") else None
+        lag = await store.oldest_transaction() if hasattr(store, "oldest_transaction") else None
     if args.json:
         print(json.dumps({"destinations": report, "oldest_transaction_age_seconds": lag}, indent=2))
         return EXIT_OK
@@ -166,7 +166,7 @@ async def _status(args: argparse.Namespace) -> int:
         print(f"  retry rate      {float(entry['retry_rate']) * 100:.1f}%")
         print(f"  abandoned       {entry['abandoned']}")
     if lag:
-        print(f"oldest open transaction: {_format_age(lag)} (keyed messages wait for it)")
+        print(f"oldest open writing transaction: {_format_age(lag)}")
     return EXIT_OK
 
 

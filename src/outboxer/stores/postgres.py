@@ -133,7 +133,7 @@ class PostgresStore(Store):
         async with self._pool.acquire() as conn, conn.transaction():
             await conn.execute(lock_sql, *lock_args)
             rows = await conn.fetch(sql, *args)
-        rows = sorted(rows, key=lambda row: (row["txid"], row["seq"]))
+        rows = sorted(rows, key=lambda row: row["seq"])
         return [
             Message(
                 id=row["id"], topic=row["topic"], payload=bytes(row["payload"]), key=row["key"],
@@ -182,8 +182,9 @@ class PostgresStore(Store):
             rows = await conn.fetch(sql, *args)
         return _fold_counts(rows)
 
-    async def horizon_lag(self) -> float:
-        sql, args = self._args("horizon_lag", {})
+    async def oldest_transaction(self) -> float:
+        """Seconds the oldest open writing transaction has run (it may hold a key's lock)."""
+        sql, args = self._args("oldest_transaction", {})
         async with self._pool.acquire() as conn:
             return float(await conn.fetchval(sql, *args) or 0.0)
 

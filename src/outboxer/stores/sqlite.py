@@ -159,9 +159,9 @@ class SqliteStore(Store):
 
         rows = sorted(await self._run(work), key=lambda row: row[0])
         return [
-            Message(id=uuid.UUID(row[2]), destination=row[3], topic=row[4], key=row[5],
-                    payload=bytes(row[6]), content_type=row[7], headers=json.loads(row[8]),
-                    attempts=row[9], created_at=_timestamp(row[10]), seq=row[0])
+            Message(id=uuid.UUID(row[1]), destination=row[2], topic=row[3], key=row[4],
+                    payload=bytes(row[5]), content_type=row[6], headers=json.loads(row[7]),
+                    attempts=row[8], created_at=_timestamp(row[9]), seq=row[0])
             for row in rows
         ]
 

@@ -3,17 +3,32 @@
 
 -- name: insert
 -- -> PENDING. Runs on the caller's connection, inside the caller's transaction.
+-- Per-key order = commit order: before the row takes its seq, the transaction takes a
+-- lock on its key, held until it commits or rolls back. A second writer of the same key
+-- waits there, so it takes a larger seq only after the first one's row is visible, and a
+-- relay can never publish a key's later row while an earlier one is still uncommitted.
+-- Writers of different keys, and keyless messages, never wait for each other.
 INSERT INTO {outbox} (id, destination, topic, key, payload, content_type, headers)
-VALUES (CAST(:id AS uuid), :destination, :topic, :key, :payload, :content_type, CAST(:headers AS jsonb))
+SELECT CAST(:id AS uuid), :destination, :topic, m.key, :payload, :content_type,
+       CAST(:headers AS jsonb)
+FROM (SELECT CAST(:key AS text) AS key) AS m
+LEFT JOIN LATERAL (
+    SELECT pg_advisory_xact_lock(hashtextextended('outboxer-key:' || m.key, 0))
+    WHERE m.key IS NOT NULL) AS key_lock ON true
 
 -- name: insert_many
--- -> PENDING for every row; unnest keeps the array order, so seq follows the caller's order.
+-- -> PENDING for every row, in the caller's order (unnest keeps it), each key locked
+-- before its row takes a seq, as in insert.
 INSERT INTO {outbox} (id, destination, topic, key, payload, content_type, headers)
 SELECT m.id, m.destination, m.topic, m.key, m.payload, m.content_type, CAST(m.headers AS jsonb)
 FROM unnest(CAST(:ids AS uuid[]), CAST(:destinations AS text[]), CAST(:topics AS text[]),
             CAST(:keys AS text[]), CAST(:payloads AS bytea[]), CAST(:content_types AS text[]),
             CAST(:headers AS text[]))
-     AS m(id, destination, topic, key, payload, content_type, headers)
+     WITH ORDINALITY AS m(id, destination, topic, key, payload, content_type, headers, position)
+LEFT JOIN LATERAL (
+    SELECT pg_advisory_xact_lock(hashtextextended('outboxer-key:' || m.key, 0))
+    WHERE m.key IS NOT NULL) AS key_lock ON true
+ORDER BY m.position
 
 -- name: claim_lock
 -- Claims of one destination run one at a time (a transaction-scoped lock, held for one
@@ -30,34 +45,28 @@ SELECT pg_advisory_xact_lock_shared(CAST(:lock_key AS bigint))
 -- Invariants kept by the WHERE clause:
 --  * a row is due: its next attempt has come, or its relay's lock expired (that relay died);
 --  * a keyed row is claimed only when no earlier row of its key blocks it: in flight
---    elsewhere, backing off, or abandoned when abandoned rows block. Earlier rows that
---    are due themselves come first in (txid, seq) order, so they are in this same batch;
---  * a keyed row is claimed only once every transaction that might still add an earlier
---    row of its key has ended: rows are ordered by (txid, seq) and only rows written by
---    transactions older than the snapshot's xmin are taken. Any transaction still running,
---    or not yet holding an xid, will get an xid at or above xmin, so it sorts after them.
---    Keyless rows need no order and skip this wait.
-WITH horizon AS (
-    SELECT pg_snapshot_xmin(pg_current_snapshot()) AS xmin
-), due AS (
+--    elsewhere, backing off, or abandoned when abandoned rows block. Earlier rows that are
+--    due themselves come first in seq order, so they are in this same batch, ahead of it;
+--  * no uncommitted row of the key can have a smaller seq than a committed one: the insert
+--    holds the key's lock until commit before it takes its seq (see insert). So a row
+--    committed late can never be overtaken: it sorts after everything visible here.
+WITH due AS (
     SELECT o.seq
-    FROM {outbox} AS o, horizon AS h
+    FROM {outbox} AS o
     WHERE o.destination = :destination
       AND o.status IN ('PENDING', 'FAILED', 'PROCESSING')
       AND CASE o.status WHEN 'PROCESSING' THEN o.locked_until < now()
                         ELSE o.next_attempt_at <= now() END
-      AND (o.key IS NULL OR (
-            o.txid < h.xmin
-            AND NOT EXISTS (
-                SELECT 1 FROM {outbox} AS b
-                WHERE b.destination = o.destination
-                  AND b.key = o.key
-                  AND b.status IN ('PROCESSING', 'FAILED', 'ABANDONED')
-                  AND (b.txid, b.seq) < (o.txid, o.seq)
-                  AND CASE b.status WHEN 'PROCESSING' THEN b.locked_until >= now()
-                                    WHEN 'FAILED' THEN b.next_attempt_at > now()
-                                    ELSE CAST(:abandoned_blocks AS boolean) END)))
-    ORDER BY o.txid, o.seq
+      AND (o.key IS NULL OR NOT EXISTS (
+            SELECT 1 FROM {outbox} AS b
+            WHERE b.destination = o.destination
+              AND b.key = o.key
+              AND b.status IN ('PROCESSING', 'FAILED', 'ABANDONED')
+              AND b.seq < o.seq
+              AND CASE b.status WHEN 'PROCESSING' THEN b.locked_until >= now()
+                                WHEN 'FAILED' THEN b.next_attempt_at > now()
+                                ELSE CAST(:abandoned_blocks AS boolean) END))
+    ORDER BY o.seq
     LIMIT :limit
     FOR UPDATE SKIP LOCKED
 )
@@ -73,9 +82,8 @@ SET status = 'PROCESSING',
     updated_at = now()
 FROM due
 WHERE t.seq = due.seq
-RETURNING t.seq, CAST(CAST(t.txid AS text) AS bigint) AS txid, t.id, t.destination, t.topic,
-          t.key, t.payload, t.content_type, CAST(t.headers AS text) AS headers, t.attempts,
-          t.created_at
+RETURNING t.seq, t.id, t.destination, t.topic, t.key, t.payload, t.content_type,
+          CAST(t.headers AS text) AS headers, t.attempts, t.created_at
 
 -- name: settle_published
 -- PROCESSING -> PUBLISHED, only by the relay holding the lock: a relay whose expired lock
@@ -140,11 +148,12 @@ SELECT seq, id, destination, topic, key, status, attempts, last_error, locked_by
        created_at, updated_at, next_attempt_at, published_at
 FROM {outbox}
 WHERE status = ANY(CAST(:statuses AS text[]))
-ORDER BY txid, seq
+ORDER BY seq
 LIMIT :limit
 
--- name: horizon_lag
--- How far the oldest running transaction holds back keyed rows (seconds), for status.
-SELECT coalesce(EXTRACT(EPOCH FROM now() - min(xact_start)), 0) AS lag
+-- name: oldest_transaction
+-- Age of the oldest open transaction that wrote something (seconds): a writer holding a
+-- key's lock that long holds back that key's later messages, so status shows it.
+SELECT coalesce(EXTRACT(EPOCH FROM now() - min(xact_start)), 0) AS age
 FROM pg_stat_activity
-WHERE backend_xid IS NOT NULL OR backend_xmin IS NOT NULL
+WHERE backend_xid IS NOT NULL AND datname = current_database()

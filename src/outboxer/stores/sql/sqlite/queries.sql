@@ -35,7 +35,7 @@ WHERE seq IN (
                                 ELSE :abandoned_blocks END))
     ORDER BY o.seq
     LIMIT :limit)
-RETURNING seq, seq AS txid, id, destination, topic, key, payload, content_type, headers,
+RETURNING seq, id, destination, topic, key, payload, content_type, headers,
           attempts, created_at
 
 -- name: settle_published

@@ -4,11 +4,10 @@
 CREATE SCHEMA IF NOT EXISTS {schema};
 
 CREATE TABLE {outbox} (
-    -- Order of enqueue inside one transaction.
+    -- Publish order. Sequence values are taken before commit, so across transactions
+    -- seq is not commit order; for one key it is, because the insert query holds a
+    -- per-key lock until commit before it takes the value (see queries.sql: insert).
     seq             bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    -- The writing transaction. Publish order is (txid, seq): a sequence value is taken
-    -- before commit, so seq alone is not commit order; see the claim query.
-    txid            xid8 NOT NULL DEFAULT pg_current_xact_id(),
     id              uuid NOT NULL,
     destination     text NOT NULL DEFAULT 'default',
     topic           text NOT NULL,
@@ -32,12 +31,12 @@ CREATE TABLE {outbox} (
 
 -- The claim walks unfinished rows of one destination in publish order. Partial, so the
 -- index is as small as the backlog, however many published rows retention still keeps.
-CREATE INDEX {table_raw}_ready_idx ON {outbox} (destination, txid, seq)
+CREATE INDEX {table_raw}_ready_idx ON {outbox} (destination, seq)
     WHERE status IN ('PENDING', 'FAILED', 'PROCESSING');
 
 -- The rows that can hold back later rows of their key: in flight, backing off, or abandoned
 -- (when abandoned rows block). Few rows match, so the per-candidate probe is cheap.
-CREATE INDEX {table_raw}_blocking_idx ON {outbox} (destination, key, txid, seq)
+CREATE INDEX {table_raw}_blocking_idx ON {outbox} (destination, key, seq)
     WHERE key IS NOT NULL AND status IN ('PROCESSING', 'FAILED', 'ABANDONED');
 
 -- Retention deletes finished rows oldest first, per status.
