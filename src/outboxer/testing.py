@@ -16,6 +16,7 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 from dataclasses import dataclass, field
 
 import pytest
@@ -266,3 +267,210 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 15.0
 
 def ids(messages: Sequence[Message]) -> list[str]:
     return [str(m.id) for m in messages]
+
+
+# ----- the store contract ------------------------------------------------------------------
+
+
+class StoreContract(ABC):
+    """The state machine every Store keeps; subclass it once per database with a real server.
+
+    A subclass provides the ``url`` fixture (a fresh database with the schema applied),
+    ``connect_sync`` (a DB-API connection for the write path and for looking at rows),
+    ``table`` (the outbox table's qualified name) and ``shift_sql`` (SQL that moves a
+    timestamp column ``seconds`` into the past).
+    """
+
+    table = "outbox"
+
+    @abstractmethod
+    def connect_sync(self, url: str) -> Any:
+        """A DB-API connection (not autocommit) to the database at ``url``."""
+
+    @abstractmethod
+    def shift_sql(self, column: str, seconds: float) -> str:
+        """An UPDATE moving ``column`` of every row ``seconds`` into the past."""
+
+    def placeholder(self) -> str:
+        return "%s"
+
+    # ----- helpers ------------------------------------------------------------------------
+
+    def enqueue(self, url: str, *items: tuple[str, str | None]) -> list[Message]:
+        """Commit one message per (topic, key), in one transaction, in order."""
+        from outboxer.enqueue import enqueue
+
+        conn = self.connect_sync(url)
+        try:
+            sent = [enqueue(conn, topic, {"n": n}, key=key) for n, (topic, key) in enumerate(items)]
+            conn.commit()
+        finally:
+            conn.close()
+        return sent
+
+    def rows(self, url: str) -> list[dict[str, Any]]:
+        conn = self.connect_sync(url)
+        try:
+            cursor = conn.cursor()
+            cursor.execute(f"SELECT seq, id, key, status, attempts, last_error, locked_by FROM {self.table} ORDER BY seq")
+            names = [d[0] for d in cursor.description]
+            return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+        finally:
+            conn.close()
+
+    def execute(self, url: str, sql: str) -> None:
+        conn = self.connect_sync(url)
+        try:
+            conn.cursor().execute(sql)
+            conn.commit()
+        finally:
+            conn.close()
+
+    @pytest.fixture
+    async def store(self, url: str) -> Any:
+        from outboxer.stores import create_store
+
+        store = create_store(url)
+        await store.connect()
+        yield store
+        await store.close()
+
+    async def claim(self, store: Any, relay: str = "relay-a", limit: int = 100,
+                    lock: float = 60.0, abandoned_blocks: bool = False) -> list[Message]:
+        return list(await store.claim("default", relay, limit, lock, abandoned_blocks))
+
+    # ----- transitions --------------------------------------------------------------------
+
+    async def test_claim_locks_due_rows_in_order_for_one_relay(self, url: str, store: Any) -> None:
+        sent = self.enqueue(url, ("t", "a"), ("t", None), ("t", "b"))
+        claimed = await self.claim(store, "relay-a")
+        assert [m.id for m in claimed] == [m.id for m in sent]
+        assert await self.claim(store, "relay-b") == []
+        rows = self.rows(url)
+        assert {r["status"] for r in rows} == {"PROCESSING"}
+        assert {r["locked_by"] for r in rows} == {"relay-a"}
+
+    async def test_published_settles_only_for_the_lock_holder(self, url: str, store: Any) -> None:
+        self.enqueue(url, ("t", "a"), ("t", "b"))
+        first, second = await self.claim(store)
+        other = await store.settle("default", "relay-other", [first.seq], [], [], 5)
+        assert other.lost == 1 and other.published == 0
+        result = await store.settle("default", "relay-a", [first.seq, second.seq], [], [], 5)
+        assert result.published == 2 and result.lost == 0
+        assert [r["status"] for r in self.rows(url)] == ["PUBLISHED", "PUBLISHED"]
+        assert {r["locked_by"] for r in self.rows(url)} == {None}
+        assert await self.claim(store) == []
+
+    async def test_failure_records_attempt_error_and_backoff(self, url: str, store: Any) -> None:
+        from outboxer.stores import Failure
+
+        self.enqueue(url, ("t", "a"))
+        [message] = await self.claim(store)
+        await store.settle("default", "relay-a", [], [Failure(message.seq, "boom", 30.0, False)], [], 5)
+        [row] = self.rows(url)
+        assert (row["status"], row["attempts"], row["last_error"]) == ("FAILED", 1, "boom")
+        assert await self.claim(store) == [], "not due before its backoff"
+        self.execute(url, self.shift_sql("next_attempt_at", 31))
+        [again] = await self.claim(store)
+        assert again.id == message.id and again.attempts == 1
+
+    async def test_attempts_used_up_or_permanent_failure_abandons(self, url: str, store: Any) -> None:
+        from outboxer.stores import Failure
+
+        self.enqueue(url, ("t", "a"), ("t", "b"))
+        first, second = await self.claim(store)
+        self.execute(url, f"UPDATE {self.table} SET attempts = 2 WHERE seq = {first.seq}")
+        await store.settle("default", "relay-a", [], [Failure(first.seq, "again", 0.0, False),
+                                                      Failure(second.seq, "too large", 0.0, True)], [], 3)
+        rows = self.rows(url)
+        assert [(r["status"], r["attempts"]) for r in rows] == [("ABANDONED", 3), ("ABANDONED", 1)]
+        assert await self.claim(store) == []
+
+    async def test_release_returns_rows_without_counting_an_attempt(self, url: str, store: Any) -> None:
+        self.enqueue(url, ("t", "a"))
+        [message] = await self.claim(store)
+        result = await store.settle("default", "relay-a", [], [], [message.seq], 5)
+        assert result.released == 1
+        [row] = self.rows(url)
+        assert (row["status"], row["attempts"], row["locked_by"]) == ("PENDING", 0, None)
+        assert [m.id for m in await self.claim(store, "relay-b")] == [message.id]
+
+    async def test_expired_lock_is_taken_over_and_counted(self, url: str, store: Any) -> None:
+        self.enqueue(url, ("t", "a"), ("t", "a"))
+        first = await self.claim(store, "relay-dead", lock=30)
+        assert len(first) == 2
+        assert await self.claim(store, "relay-b") == []
+        self.execute(url, self.shift_sql("locked_until", 31))
+        taken = await self.claim(store, "relay-b")
+        assert [m.id for m in taken] == [m.id for m in first]
+        rows = self.rows(url)
+        assert {r["locked_by"] for r in rows} == {"relay-b"}
+        assert all(r["attempts"] == 1 and "relay-dead" in r["last_error"] for r in rows)
+        late = await store.settle("default", "relay-dead", [m.seq for m in first], [], [], 5)
+        assert late.lost == 2, "the dead relay's late settle must not touch the new owner's rows"
+
+    async def test_key_waits_for_its_head(self, url: str, store: Any) -> None:
+        from outboxer.stores import Failure
+
+        self.enqueue(url, ("t", "k"), ("t", "k"), ("t", "other"), ("t", None))
+        head = await self.claim(store, "relay-a", limit=1)
+        assert head[0].key == "k"
+        rest = await self.claim(store, "relay-b")
+        assert [m.key for m in rest] == ["other", None], "k's second row waits while its head is in flight"
+        await store.settle("default", "relay-a", [], [Failure(head[0].seq, "down", 60.0, False)], [], 5)
+        assert await self.claim(store, "relay-c") == [], "k waits while its head backs off"
+        self.execute(url, self.shift_sql("next_attempt_at", 61))
+        again = await self.claim(store, "relay-c")
+        assert [m.seq for m in again] == sorted(m.seq for m in again)
+        assert [m.id for m in again][0] == head[0].id and len(again) == 2
+
+    async def test_abandoned_head_blocks_its_key_only_when_configured(self, url: str, store: Any) -> None:
+        from outboxer.stores import Failure
+
+        self.enqueue(url, ("t", "k"), ("t", "k"))
+        [head] = await self.claim(store, limit=1)
+        await store.settle("default", "relay-a", [], [Failure(head.seq, "rejected", 0.0, True)], [], 5)
+        assert await self.claim(store, abandoned_blocks=True) == []
+        [follower] = await self.claim(store, abandoned_blocks=False)
+        assert follower.seq > head.seq
+
+    async def test_cleanup_deletes_old_finished_rows_in_bounded_batches(self, url: str, store: Any) -> None:
+        from outboxer.stores import Failure
+
+        self.enqueue(url, *[("t", None)] * 5)
+        claimed = await self.claim(store)
+        await store.settle("default", "relay-a", [m.seq for m in claimed[:4]],
+                           [Failure(claimed[4].seq, "x", 0.0, True)], [], 5)
+        assert await store.cleanup("PUBLISHED", 3600, 10) == 0, "too young"
+        self.execute(url, self.shift_sql("updated_at", 7200))
+        assert await store.cleanup("PUBLISHED", 3600, 3) == 3
+        assert await store.cleanup("PUBLISHED", 3600, 3) == 1
+        assert [r["status"] for r in self.rows(url)] == ["ABANDONED"]
+        assert await store.cleanup("ABANDONED", 3600, 3) == 1
+        assert self.rows(url) == []
+
+    async def test_requeue_and_status(self, url: str, store: Any) -> None:
+        from outboxer.stores import Failure
+
+        sent = self.enqueue(url, ("t", "a"), ("t", "b"), ("t", "c"))
+        claimed = await self.claim(store, limit=2)
+        await store.settle("default", "relay-a", [claimed[0].seq],
+                           [Failure(claimed[1].seq, "no", 0.0, True)], [], 5)
+        [report] = await store.status()
+        assert report.counts == {"PUBLISHED": 1, "ABANDONED": 1, "PENDING": 1}
+        assert report.retried == 1 and report.oldest_pending_age is not None
+        listed = await store.list_messages(["ABANDONED"], 10)
+        assert [str(r["id"]) for r in listed] == [str(sent[1].id)]
+        assert await store.requeue(["default"], ["ABANDONED"], [str(sent[1].id)]) == 1
+        [row] = [r for r in self.rows(url) if str(r["id"]) == str(sent[1].id)]
+        assert (row["status"], row["attempts"]) == ("PENDING", 0)
+
+    async def test_rollback_leaves_nothing(self, url: str, store: Any) -> None:
+        from outboxer.enqueue import enqueue
+
+        conn = self.connect_sync(url)
+        enqueue(conn, "t", {"n": 1}, key="a")
+        conn.rollback()
+        conn.close()
+        assert self.rows(url) == []
+        assert await self.claim(store) == []
