@@ -58,6 +58,13 @@ class Message:
     #: The store's position of the row (None until stored and claimed).
     seq: int | None = None
 
+    @property
+    def stored_seq(self) -> int:
+        """``seq``, for a message that came from a store (raises for one that did not)."""
+        if self.seq is None:
+            raise ValueError(f"message {self.id} has no seq: it was not claimed from a store")
+        return self.seq
+
     def envelope_headers(self) -> dict[str, str]:
         """User headers plus the envelope fields, for brokers that only have headers."""
         carried = dict(self.headers)

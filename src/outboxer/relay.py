@@ -228,14 +228,13 @@ class Relay:
         failed: list[Failure] = []
         released: list[int] = []
         for message, outcome in zip(batch, outcomes, strict=True):
-            assert message.seq is not None
             if outcome is None or outcome.kind is OutcomeKind.SKIPPED:
-                released.append(message.seq)
+                released.append(message.stored_seq)
             elif outcome.kind is OutcomeKind.PUBLISHED:
-                published.append(message.seq)
+                published.append(message.stored_seq)
             else:
                 permanent = not outcome.retryable
-                failed.append(Failure(message.seq, outcome.error or "unknown error",
+                failed.append(Failure(message.stored_seq, outcome.error or "unknown error",
                                       self.backoff.delay(message.attempts + 1), permanent))
                 if permanent or message.attempts + 1 >= self.settings.max_attempts:
                     self.stats.abandoned_now += 1

@@ -16,8 +16,8 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -353,9 +353,9 @@ class StoreContract(ABC):
     async def test_published_settles_only_for_the_lock_holder(self, url: str, store: Any) -> None:
         self.enqueue(url, ("t", "a"), ("t", "b"))
         first, second = await self.claim(store)
-        other = await store.settle("default", "relay-other", [first.seq], [], [], 5)
+        other = await store.settle("default", "relay-other", [first.stored_seq], [], [], 5)
         assert other.lost == 1 and other.published == 0
-        result = await store.settle("default", "relay-a", [first.seq, second.seq], [], [], 5)
+        result = await store.settle("default", "relay-a", [first.stored_seq, second.stored_seq], [], [], 5)
         assert result.published == 2 and result.lost == 0
         assert [r["status"] for r in self.rows(url)] == ["PUBLISHED", "PUBLISHED"]
         assert {r["locked_by"] for r in self.rows(url)} == {None}
@@ -366,7 +366,7 @@ class StoreContract(ABC):
 
         self.enqueue(url, ("t", "a"))
         [message] = await self.claim(store)
-        await store.settle("default", "relay-a", [], [Failure(message.seq, "boom", 30.0, False)], [], 5)
+        await store.settle("default", "relay-a", [], [Failure(message.stored_seq, "boom", 30.0, False)], [], 5)
         [row] = self.rows(url)
         assert (row["status"], row["attempts"], row["last_error"]) == ("FAILED", 1, "boom")
         assert await self.claim(store) == [], "not due before its backoff"
@@ -379,9 +379,9 @@ class StoreContract(ABC):
 
         self.enqueue(url, ("t", "a"), ("t", "b"))
         first, second = await self.claim(store)
-        self.execute(url, f"UPDATE {self.table} SET attempts = 2 WHERE seq = {first.seq}")
-        await store.settle("default", "relay-a", [], [Failure(first.seq, "again", 0.0, False),
-                                                      Failure(second.seq, "too large", 0.0, True)], [], 3)
+        self.execute(url, f"UPDATE {self.table} SET attempts = 2 WHERE seq = {first.stored_seq}")
+        await store.settle("default", "relay-a", [], [Failure(first.stored_seq, "again", 0.0, False),
+                                                      Failure(second.stored_seq, "too large", 0.0, True)], [], 3)
         rows = self.rows(url)
         assert [(r["status"], r["attempts"]) for r in rows] == [("ABANDONED", 3), ("ABANDONED", 1)]
         assert await self.claim(store) == []
@@ -389,7 +389,7 @@ class StoreContract(ABC):
     async def test_release_returns_rows_without_counting_an_attempt(self, url: str, store: Any) -> None:
         self.enqueue(url, ("t", "a"))
         [message] = await self.claim(store)
-        result = await store.settle("default", "relay-a", [], [], [message.seq], 5)
+        result = await store.settle("default", "relay-a", [], [], [message.stored_seq], 5)
         assert result.released == 1
         [row] = self.rows(url)
         assert (row["status"], row["attempts"], row["locked_by"]) == ("PENDING", 0, None)
@@ -406,7 +406,7 @@ class StoreContract(ABC):
         rows = self.rows(url)
         assert {r["locked_by"] for r in rows} == {"relay-b"}
         assert all(r["attempts"] == 1 and "relay-dead" in r["last_error"] for r in rows)
-        late = await store.settle("default", "relay-dead", [m.seq for m in first], [], [], 5)
+        late = await store.settle("default", "relay-dead", [m.stored_seq for m in first], [], [], 5)
         assert late.lost == 2, "the dead relay's late settle must not touch the new owner's rows"
 
     async def test_key_waits_for_its_head(self, url: str, store: Any) -> None:
@@ -417,30 +417,30 @@ class StoreContract(ABC):
         assert head[0].key == "k"
         rest = await self.claim(store, "relay-b")
         assert [m.key for m in rest] == ["other", None], "k's second row waits while its head is in flight"
-        await store.settle("default", "relay-a", [], [Failure(head[0].seq, "down", 60.0, False)], [], 5)
+        await store.settle("default", "relay-a", [], [Failure(head[0].stored_seq, "down", 60.0, False)], [], 5)
         assert await self.claim(store, "relay-c") == [], "k waits while its head backs off"
         self.execute(url, self.shift_sql("next_attempt_at", 61))
         again = await self.claim(store, "relay-c")
-        assert [m.seq for m in again] == sorted(m.seq for m in again)
-        assert [m.id for m in again][0] == head[0].id and len(again) == 2
+        assert [m.stored_seq for m in again] == sorted(m.stored_seq for m in again)
+        assert next(m.id for m in again) == head[0].id and len(again) == 2
 
     async def test_abandoned_head_blocks_its_key_only_when_configured(self, url: str, store: Any) -> None:
         from outboxer.stores import Failure
 
         self.enqueue(url, ("t", "k"), ("t", "k"))
         [head] = await self.claim(store, limit=1)
-        await store.settle("default", "relay-a", [], [Failure(head.seq, "rejected", 0.0, True)], [], 5)
+        await store.settle("default", "relay-a", [], [Failure(head.stored_seq, "rejected", 0.0, True)], [], 5)
         assert await self.claim(store, abandoned_blocks=True) == []
         [follower] = await self.claim(store, abandoned_blocks=False)
-        assert follower.seq > head.seq
+        assert follower.stored_seq > head.stored_seq
 
     async def test_cleanup_deletes_old_finished_rows_in_bounded_batches(self, url: str, store: Any) -> None:
         from outboxer.stores import Failure
 
         self.enqueue(url, *[("t", None)] * 5)
         claimed = await self.claim(store)
-        await store.settle("default", "relay-a", [m.seq for m in claimed[:4]],
-                           [Failure(claimed[4].seq, "x", 0.0, True)], [], 5)
+        await store.settle("default", "relay-a", [m.stored_seq for m in claimed[:4]],
+                           [Failure(claimed[4].stored_seq, "x", 0.0, True)], [], 5)
         assert await store.cleanup("PUBLISHED", 3600, 10) == 0, "too young"
         self.execute(url, self.shift_sql("updated_at", 7200))
         assert await store.cleanup("PUBLISHED", 3600, 3) == 3
@@ -454,8 +454,8 @@ class StoreContract(ABC):
 
         sent = self.enqueue(url, ("t", "a"), ("t", "b"), ("t", "c"))
         claimed = await self.claim(store, limit=2)
-        await store.settle("default", "relay-a", [claimed[0].seq],
-                           [Failure(claimed[1].seq, "no", 0.0, True)], [], 5)
+        await store.settle("default", "relay-a", [claimed[0].stored_seq],
+                           [Failure(claimed[1].stored_seq, "no", 0.0, True)], [], 5)
         [report] = await store.status()
         assert report.counts == {"PUBLISHED": 1, "ABANDONED": 1, "PENDING": 1}
         assert report.retried == 1 and report.oldest_pending_age is not None
