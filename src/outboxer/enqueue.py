@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from outboxer.errors import ConfigError
+from outboxer.errors import ConfigError, DuplicateMessageError
 from outboxer.message import (
     DEFAULT_DESTINATION,
     Message,
@@ -128,7 +128,11 @@ class Outbox:
             raise TypeError(f"{driver.name} is an async connection: use `await enqueue_async(...)`")
         if not messages:
             return
-        driver.write(self, conn, messages)
+        try:
+            driver.write(self, conn, messages)
+        except Exception as exc:
+            _raise_duplicate(exc, messages)
+            raise
 
     # ----- async -------------------------------------------------------------------------
 
@@ -150,8 +154,27 @@ class Outbox:
         driver = detect(conn)
         if not driver.is_async:
             raise TypeError(f"{driver.name} is a sync connection: use `enqueue(...)`")
-        if messages:
+        if not messages:
+            return
+        try:
             await driver.write_async(self, conn, messages)
+        except Exception as exc:
+            _raise_duplicate(exc, messages)
+            raise
+
+
+def _raise_duplicate(exc: BaseException, messages: Sequence[Message]) -> None:
+    """Turn a driver's unique violation on (id, destination) into DuplicateMessageError."""
+    seen: BaseException | None = exc
+    while seen is not None:  # SQLAlchemy wraps the driver's error
+        name = type(seen).__name__
+        text = str(seen)
+        if name in ("UniqueViolation", "UniqueViolationError") or (
+            name == "IntegrityError" and "UNIQUE" in text and ".id" in text
+        ):
+            ids = ", ".join(sorted({str(m.id) for m in messages}))
+            raise DuplicateMessageError(f"a message with id {ids} is already in the outbox") from exc
+        seen = seen.__cause__ or getattr(seen, "orig", None)
 
 
 # ----- drivers ------------------------------------------------------------------------------

@@ -1,0 +1,209 @@
+"""The write path on every supported driver, against the real PostgreSQL and SQLite."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import uuid
+from typing import Any
+
+import pytest
+
+import outboxer
+from outboxer import PayloadError
+from outboxer.stores.sqlite import sqlite_path
+
+
+def stored(url: str) -> list[dict[str, Any]]:
+    import psycopg
+    from psycopg.rows import dict_row
+
+    with psycopg.connect(url, row_factory=dict_row) as conn:
+        return conn.execute(
+            "SELECT id, topic, key, payload, content_type, headers, status, destination "
+            "FROM outboxer.outbox ORDER BY seq").fetchall()
+
+
+def check_one(rows: list[dict[str, Any]], message: outboxer.Message) -> None:
+    assert len(rows) == 1
+    [row] = rows
+    assert row["id"] == message.id
+    assert (row["topic"], row["key"], row["status"]) == (message.topic, message.key, "PENDING")
+    assert bytes(row["payload"]) == message.payload
+    assert row["headers"] == dict(message.headers)
+
+
+def test_psycopg_commit_and_rollback(pg_url: str) -> None:
+    import psycopg
+
+    with psycopg.connect(pg_url) as conn:
+        message = outboxer.enqueue(conn, "order.placed", {"id": 1, "note": "ünïcode"}, key="order-1",
+                                   headers={"trace": "t-1"})
+        assert stored(pg_url) == [], "not visible before the caller commits"
+        conn.commit()
+        with conn.transaction(force_rollback=True):
+            outboxer.enqueue(conn, "order.placed", {"id": 2})
+    check_one(stored(pg_url), message)
+    assert json.loads(message.payload) == {"id": 1, "note": "ünïcode"}
+    assert message.content_type == "application/json"
+    assert message.id.version == 7
+
+
+def test_psycopg_enqueue_many_keeps_order(pg_url: str) -> None:
+    import psycopg
+
+    with psycopg.connect(pg_url) as conn:
+        sent = outboxer.enqueue_many(conn, [
+            {"topic": "t", "payload": {"n": n}, "key": f"k{n % 2}"} for n in range(5)
+        ] + [{"topic": "t", "payload": b"\x00raw"}])
+    rows = stored(pg_url)
+    assert [row["id"] for row in rows] == [m.id for m in sent]
+    assert bytes(rows[-1]["payload"]) == b"\x00raw" and rows[-1]["content_type"] == "application/octet-stream"
+
+
+async def test_psycopg_async(pg_url: str) -> None:
+    import psycopg
+
+    async with await psycopg.AsyncConnection.connect(pg_url) as conn:
+        message = await outboxer.enqueue_async(conn, "t", "hello", key="k")
+        await outboxer.enqueue_many_async(conn, [{"topic": "t", "payload": "a"}, {"topic": "t", "payload": "b"}])
+        await conn.commit()
+        await outboxer.enqueue_async(conn, "t", "rolled back")
+        await conn.rollback()
+    rows = stored(pg_url)
+    assert len(rows) == 3 and rows[0]["id"] == message.id
+    assert rows[0]["content_type"] == "text/plain; charset=utf-8"
+
+
+async def test_asyncpg_connection_and_pool(pg_url: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(pg_url)
+    async with conn.transaction():
+        message = await outboxer.enqueue_async(conn, "t", {"a": 1}, key="k", headers={"h": "v"})
+    try:
+        async with conn.transaction():
+            await outboxer.enqueue_async(conn, "t", {"a": 2})
+            raise RuntimeError("business failure")
+    except RuntimeError:
+        pass
+    await conn.close()
+    check_one(stored(pg_url), message)
+    pool = await asyncpg.create_pool(pg_url, min_size=1, max_size=1)
+    async with pool.acquire() as pooled, pooled.transaction():
+        await outboxer.enqueue_many_async(pooled, [{"topic": "t", "payload": [1, 2]}] * 2)
+    await pool.close()
+    assert len(stored(pg_url)) == 3
+
+
+def test_sqlalchemy_connection_and_session(pg_url: str) -> None:
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import Session
+
+    engine = create_engine(pg_url.replace("postgresql://", "postgresql+psycopg://"))
+    with engine.begin() as conn:
+        first = outboxer.enqueue(conn, "t", {"via": "connection"}, key="k")
+    with Session(engine) as session, session.begin():
+        outboxer.enqueue(session, "t", {"via": "session"}, key="k")
+        outboxer.enqueue_many(session, [{"topic": "t", "payload": "m1"}, {"topic": "t", "payload": "m2"}])
+    with Session(engine) as session:
+        outboxer.enqueue(session, "t", {"via": "rolled back"})
+        session.rollback()
+    engine.dispose()
+    rows = stored(pg_url)
+    assert [json.loads(bytes(r["payload"])).get("via") if r["content_type"] == "application/json" else None
+            for r in rows] == ["connection", "session", None, None]
+    assert rows[0]["id"] == first.id
+
+
+async def test_sqlalchemy_async_connection_and_session(pg_url: str) -> None:
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    engine = create_async_engine(pg_url.replace("postgresql://", "postgresql+asyncpg://"))
+    async with engine.begin() as conn:
+        await outboxer.enqueue_async(conn, "t", {"via": "async connection"}, key="k")
+    async with AsyncSession(engine) as session, session.begin():
+        await outboxer.enqueue_async(session, "t", {"via": "async session"}, key="k")
+        await outboxer.enqueue_many_async(session, [{"topic": "t", "payload": "x"}] * 2)
+    async with AsyncSession(engine) as session:
+        await outboxer.enqueue_async(session, "t", {"via": "rolled back"})
+        await session.rollback()
+    await engine.dispose()
+    assert len(stored(pg_url)) == 4
+
+
+def test_sqlite3_and_sqlalchemy_sqlite(sqlite_url: str) -> None:
+    from sqlalchemy import create_engine
+
+    conn = sqlite3.connect(sqlite_path(sqlite_url))
+    with conn:
+        message = outboxer.enqueue(conn, "t", {"n": 1}, key="k")
+    outboxer.enqueue(conn, "t", {"n": 2})
+    conn.rollback()
+    engine = create_engine(sqlite_url)
+    with engine.begin() as sa_conn:
+        outboxer.enqueue(sa_conn, "t", {"n": 3})
+    engine.dispose()
+    rows = conn.execute("SELECT id, payload FROM outbox ORDER BY seq").fetchall()
+    conn.close()
+    assert rows[0][0] == str(message.id)
+    assert [json.loads(r[1])["n"] for r in rows] == [1, 3]
+
+
+@pytest.mark.parametrize(("payload", "kwargs"), [
+    ({"when": object()}, {}),
+    ({"nan": float("nan")}, {}),
+    (12, {}),
+    ({"ok": 1}, {"topic": ""}),
+    ({"ok": 1}, {"headers": {"n": 1}}),
+    ({"ok": 1}, {"key": 5}),
+    ({"ok": 1}, {"message_id": "not-a-uuid"}),
+])
+def test_bad_input_raises_payload_error_before_any_sql(pg_url: str, payload: object, kwargs: dict[str, Any]) -> None:
+    import psycopg
+
+    arguments: dict[str, Any] = {"topic": "t"} | kwargs
+    with psycopg.connect(pg_url) as conn:
+        with pytest.raises(PayloadError):
+            outboxer.enqueue(conn, arguments.pop("topic"), payload, **arguments)
+        # The caller's transaction is untouched: it can go on and commit.
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        outboxer.enqueue(conn, "t", {"fine": True})
+    assert len(stored(pg_url)) == 1
+
+
+def test_unsupported_connection_names_the_supported_kinds() -> None:
+    with pytest.raises(TypeError, match=r"psycopg.Connection.*asyncpg"):
+        outboxer.enqueue(object(), "t", {"a": 1})
+
+
+async def test_sync_and_async_mixups_are_explained(pg_url: str) -> None:
+    import psycopg
+
+    with psycopg.connect(pg_url) as conn, pytest.raises(TypeError, match="enqueue\\("):
+        await outboxer.enqueue_async(conn, "t", {"a": 1})
+    async with await psycopg.AsyncConnection.connect(pg_url) as aconn:
+        with pytest.raises(TypeError, match="enqueue_async"):
+            outboxer.enqueue(aconn, "t", {"a": 1})
+
+
+def test_duplicate_message_id_is_refused(pg_url: str) -> None:
+    import psycopg
+
+    message_id = uuid.uuid4()
+    with psycopg.connect(pg_url) as conn:
+        outboxer.enqueue(conn, "t", {"a": 1}, message_id=message_id)
+    with psycopg.connect(pg_url) as conn, pytest.raises(outboxer.DuplicateMessageError):
+        outboxer.enqueue(conn, "t", {"a": 1}, message_id=str(message_id))
+
+
+def test_several_destinations_and_own_names(pg_url: str) -> None:
+    import psycopg
+
+    outbox = outboxer.Outbox(destinations=("internal", "partner"))
+    with psycopg.connect(pg_url) as conn:
+        message = outbox.enqueue(conn, "t", {"a": 1}, key="k")
+    rows = stored(pg_url)
+    assert [(r["id"], r["destination"]) for r in rows] == [(message.id, "internal"), (message.id, "partner")]
+    with pytest.raises(outboxer.ConfigError):
+        outboxer.Outbox(table="bad name; drop")
