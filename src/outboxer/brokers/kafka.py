@@ -25,6 +25,7 @@ from urllib.parse import unquote, urlencode
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from outboxer.brokers.base import Publisher, parse_options
+from outboxer.config import _float
 from outboxer.errors import ConfigError, PublishError
 from outboxer.message import Message
 
@@ -117,8 +118,9 @@ class KafkaPublisher(Publisher):
             raise ConfigError(f"kafka URL needs bootstrap servers: {url!r} (kafka://host:9092)")
         # connect_timeout is outboxer's; every other query parameter goes to librdkafka.
         url_timeout = options.pop("connect_timeout", "10")
-        self.connect_timeout = _positive_float(
-            "connect_timeout", connect_timeout if connect_timeout is not None else url_timeout
+        self.connect_timeout = _float(
+            connect_timeout if connect_timeout is not None else url_timeout,
+            "kafka option connect_timeout", 0.001, 3600,
         )
 
         settings: dict[str, Any] = {"bootstrap.servers": hosts}
@@ -283,16 +285,6 @@ def _shutdown(producer: Producer, poller: threading.Thread | None) -> None:
             close()
     except Exception:  # closing a broken producer must not raise
         logger.debug("kafka producer did not close cleanly", exc_info=True)
-
-
-def _positive_float(name: str, value: object) -> float:
-    try:
-        number = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise ConfigError(f"kafka option {name} must be a number of seconds, not {value!r}") from None
-    if number <= 0:
-        raise ConfigError(f"kafka option {name} must be positive, not {value!r}")
-    return number
 
 
 def _check_config(settings: Mapping[str, Any]) -> None:

@@ -1,0 +1,258 @@
+"""``http(s)://host/path``: POST every message to an HTTP endpoint (a webhook), through httpx.
+
+A message counts as published once the receiver answered it with a 2xx status.
+Each message is one request; the body is the payload, the envelope travels in
+``Outboxer-*`` headers and, with a ``secret``, the request is signed (see
+:mod:`outboxer.webhook_signature` for the scheme and the receiver's check).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+from collections.abc import Iterable, Mapping
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
+
+import httpx
+
+from outboxer.brokers.base import Publisher, parse_options
+from outboxer.config import _float, _int
+from outboxer.errors import BrokerUnavailableError, ConfigError, PublishError
+from outboxer.message import Message
+from outboxer.webhook_signature import HEADER_ID, HEADER_SIGNATURE, HEADER_TIMESTAMP, sign
+
+HEADER_TOPIC = "Outboxer-Topic"
+HEADER_KEY = "Outboxer-Key"
+HEADER_CREATED_AT = "Outboxer-Created-At"
+#: User headers whose names HTTP or outboxer own are sent under this prefix.
+RESERVED_PREFIX = "Outboxer-Header-"
+RESERVED_NAMES = frozenset({
+    "host", "content-length", "content-type", "content-encoding", "transfer-encoding",
+    "connection", "keep-alive", "upgrade", "te", "trailer", "expect", "proxy-connection",
+    "proxy-authorization",
+})
+
+#: Query parameters outboxer reads itself (and removes from the URL it posts to).
+OPTIONS = ("secret", "max_connections", "retry_statuses", "timeout")
+DEFAULT_RETRY_STATUSES = frozenset({408, 429, *range(500, 600)})
+DEFAULT_MAX_CONNECTIONS = 64
+DEFAULT_TIMEOUT = 10.0
+
+_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+#: Header values keep printable ASCII but ``%`` and space; the rest is percent-encoded UTF-8.
+_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%")
+
+
+class WebhookStatusError(PublishError):
+    """The receiver answered with a status other than 2xx."""
+
+    def __init__(self, status: int, url: str, excerpt: str, *, retryable: bool) -> None:
+        super().__init__(f"{url} answered HTTP {status}: {excerpt}".rstrip(": "), retryable=retryable)
+        self.status = status
+
+
+def encode_header_value(value: str) -> str:
+    """Percent-encode what an HTTP header cannot carry; plain ASCII tokens stay as they are."""
+    return quote(value, safe=_SAFE)
+
+
+def decode_header_value(value: str) -> str:
+    """The receiver's inverse of :func:`encode_header_value`."""
+    return unquote(value)
+
+
+def parse_retry_statuses(value: str | Iterable[int | str]) -> frozenset[int]:
+    """``"408,429,5xx"`` (or an iterable of ints and ``"Nxx"`` strings) -> the set of statuses."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    statuses: set[int] = set()
+    for item in items:
+        token = str(item).strip().lower()
+        if not token:
+            continue
+        if re.fullmatch(r"[1-5]xx", token):
+            base = int(token[0]) * 100
+            statuses.update(range(base, base + 100))
+        elif token.isdigit() and 100 <= int(token) <= 599:
+            statuses.add(int(token))
+        else:
+            raise ConfigError(f"webhook option retry_statuses: {item!r} is not a status (like 503) or a class (like 5xx)")
+    if any(200 <= status < 300 for status in statuses):
+        raise ConfigError("webhook option retry_statuses cannot contain 2xx statuses (they mean published)")
+    return frozenset(statuses)
+
+
+class WebhookPublisher(Publisher):
+    """POSTs each message to the URL (or to its topic's route).
+
+    Options (URL query string or keyword arguments; keywords win), removed from
+    the URL before posting; every other query parameter is sent to the receiver:
+
+    - ``secret``: signs every request (``Outboxer-Signature``); unset, nothing is signed.
+    - ``max_connections`` (default 64): requests in flight and pooled connections.
+    - ``retry_statuses`` (default ``408,429,5xx``): statuses that fail retryably;
+      any other non-2xx status fails for good.
+    - ``timeout`` (seconds, default 10): connect, read and write timeout of one request.
+    - ``headers`` (keyword only): static headers sent with every request (e.g. Authorization).
+    """
+
+    schemes = ("http", "https")
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        routes: Mapping[str, str] | None = None,
+        publish_timeout: float = 30.0,
+        secret: str | bytes | None = None,
+        max_connections: int | None = None,
+        retry_statuses: str | Iterable[int | str] | None = None,
+        timeout: float | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(url, routes=routes, publish_timeout=publish_timeout)
+        parts, options = parse_options(url)
+        if parts.scheme.lower() not in self.schemes or not parts.hostname:
+            raise ConfigError(f"webhook URL must be http(s)://host[:port]/path, not {url!r}")
+        #: The URL every unrouted message is posted to (outboxer's options removed).
+        self.endpoint: str = urlunsplit(parts._replace(query=_strip_options(parts.query), fragment=""))
+        secret = secret if secret is not None else options.get("secret")
+        self.secret: bytes | None = (secret.encode() if isinstance(secret, str) else secret) or None
+        self.max_connections = _int(
+            max_connections if max_connections is not None
+            else options.get("max_connections", DEFAULT_MAX_CONNECTIONS),
+            "webhook option max_connections", 1, 10_000,
+        )
+        statuses = retry_statuses if retry_statuses is not None else options.get("retry_statuses")
+        self.retry_statuses = (
+            DEFAULT_RETRY_STATUSES if statuses is None else parse_retry_statuses(statuses)
+        )
+        self.timeout = _float(
+            timeout if timeout is not None else options.get("timeout", DEFAULT_TIMEOUT),
+            "webhook option timeout", 0.001, 3600,
+        )
+        self.headers = dict(headers or {})
+        for name in self.headers:
+            if not _TOKEN.match(name):
+                raise ConfigError(f"webhook option headers: {name!r} is not a valid HTTP header name")
+        for topic, route in self.routes.items():
+            if "://" in route and urlsplit(route).scheme.lower() not in self.schemes:
+                raise ConfigError(f"webhook route for {topic!r} must be an http(s) URL or a path: {route!r}")
+        self._client: httpx.AsyncClient | None = None
+        self._slots: asyncio.Semaphore | None = None
+
+    @property
+    def safe_url(self) -> str:
+        """The URL without its password or secret, for logs and errors."""
+        parts = urlsplit(super().safe_url)
+        query = "&".join(
+            "secret=***" if unquote(pair.partition("=")[0]) == "secret" else pair
+            for pair in parts.query.split("&") if pair
+        )
+        return urlunsplit(parts._replace(query=query))
+
+    def destination_for(self, message: Message) -> str:
+        """The URL to post ``message`` to: the endpoint, or its topic's route.
+
+        An absolute route replaces the endpoint; a route starting with ``/``
+        replaces its path; any other route is appended to its path.
+        """
+        route = self.routes.get(message.topic)
+        if route is None:
+            return self.endpoint
+        if "://" in route:
+            return route
+        parts = urlsplit(self.endpoint)
+        path = route if route.startswith("/") else f"{parts.path.rstrip('/')}/{route}"
+        return urlunsplit(parts._replace(path=path))
+
+    # ----- connection ------------------------------------------------------------------------
+
+    async def _connect(self) -> None:
+        await self._close()  # pooled connections to a restarted receiver are stale
+        limits = httpx.Limits(
+            max_connections=self.max_connections, max_keepalive_connections=self.max_connections
+        )
+        self._client = httpx.AsyncClient(
+            limits=limits,
+            timeout=httpx.Timeout(self.timeout, pool=None),
+            headers=self.headers,
+            follow_redirects=False,
+        )
+        self._slots = asyncio.Semaphore(self.max_connections)
+
+    async def _close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(httpx.HTTPError, OSError, RuntimeError):
+                await client.aclose()
+
+    # ----- publishing ------------------------------------------------------------------------
+
+    def request_headers(self, message: Message, timestamp: int | None = None) -> dict[str, str]:
+        """The headers of ``message``'s request (signed now unless ``timestamp`` is given)."""
+        headers = {"Content-Type": message.content_type, HEADER_ID: str(message.id)}
+        for name, value in message.headers.items():
+            if not _TOKEN.match(name):
+                raise PublishError(f"header name {name!r} cannot be sent over HTTP", retryable=False)
+            if name.lower() in RESERVED_NAMES or name.lower().startswith("outboxer-"):
+                name = RESERVED_PREFIX + name
+            headers[name] = encode_header_value(value)
+        headers[HEADER_TOPIC] = encode_header_value(message.topic)
+        if message.key is not None:
+            headers[HEADER_KEY] = encode_header_value(message.key)
+        if message.created_at is not None:
+            headers[HEADER_CREATED_AT] = message.created_at.isoformat()
+        if self.secret is not None:
+            signed_at = int(time.time()) if timestamp is None else timestamp
+            headers[HEADER_TIMESTAMP] = str(signed_at)
+            headers[HEADER_SIGNATURE] = sign(self.secret, signed_at, str(message.id), message.payload)
+        return headers
+
+    async def _publish_one(self, message: Message) -> None:
+        client, slots = self._client, self._slots
+        if client is None or slots is None:
+            raise ConnectionError("webhook publisher is not connected")
+        url = self.destination_for(message)
+        headers = self.request_headers(message)
+        async with slots:
+            try:
+                response = await client.post(url, content=message.payload, headers=headers)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                raise BrokerUnavailableError(f"cannot reach {_safe(url)}: {_describe(exc)}") from exc
+            except (httpx.LocalProtocolError, httpx.UnsupportedProtocol, httpx.InvalidURL, UnicodeError) as exc:
+                raise PublishError(f"cannot send to {_safe(url)}: {_describe(exc)}", retryable=False) from exc
+            except httpx.HTTPError as exc:  # timeouts, dropped connections: try again later
+                raise PublishError(f"request to {_safe(url)} failed: {_describe(exc)}") from exc
+        if 200 <= response.status_code < 300:
+            return
+        excerpt = " ".join(response.text[:200].split())
+        raise WebhookStatusError(
+            response.status_code, _safe(url), excerpt, retryable=response.status_code in self.retry_statuses
+        )
+
+
+def _strip_options(query: str) -> str:
+    """``query`` without outboxer's options, every other parameter untouched."""
+    return "&".join(
+        pair for pair in query.split("&") if pair and unquote(pair.partition("=")[0]) not in OPTIONS
+    )
+
+
+def _safe(url: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2], query=""))
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+__all__ = [
+    "WebhookPublisher",
+    "WebhookStatusError",
+    "decode_header_value",
+    "encode_header_value",
+    "parse_retry_statuses",
+]
