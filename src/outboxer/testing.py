@@ -204,6 +204,11 @@ class TcpProxy:
     _server: asyncio.Server | None = None
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
     _writers: set[asyncio.StreamWriter] = field(default_factory=set)
+    _blackholed: bool = False
+
+    async def blackhole(self) -> None:
+        """Keep every connection open but deliver nothing either way, as in a partition."""
+        self._blackholed = True
 
     async def start(self) -> TcpProxy:
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
@@ -211,6 +216,9 @@ class TcpProxy:
         return self
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._blackholed:  # accept, then say nothing until restore() drops it
+            self._writers.add(writer)
+            return
         try:
             up_reader, up_writer = await asyncio.open_connection(self.target_host, self.target_port)
         except OSError:
@@ -221,6 +229,8 @@ class TcpProxy:
         async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
             try:
                 while data := await src.read(65536):
+                    if self._blackholed:
+                        continue
                     dst.write(data)
                     await dst.drain()
             except (ConnectionError, OSError):
@@ -244,6 +254,13 @@ class TcpProxy:
         self._writers.clear()
 
     async def restore(self) -> None:
+        if self._blackholed:
+            # Streams that lost bytes are corrupt: drop them, the client reconnects.
+            self._blackholed = False
+            for writer in list(self._writers):
+                with contextlib.suppress(Exception):
+                    writer.transport.abort()
+            self._writers.clear()
         if self._server is None:
             await self.start()
 

@@ -155,7 +155,8 @@ class Publisher(ABC):
         if self._connected:
             return
         try:
-            await self._connect()
+            # A broker that accepts the TCP connection but never answers must not hang the relay.
+            await asyncio.wait_for(self._connect(), self.publish_timeout)
         except PublishError:
             raise
         except Exception as exc:

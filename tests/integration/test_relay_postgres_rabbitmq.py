@@ -1,0 +1,191 @@
+"""The relay end to end on the real PostgreSQL and RabbitMQ."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import psycopg
+import pytest
+
+import outboxer
+from outboxer import Relay, load_settings
+from outboxer.testing import TcpProxy, eventually
+from tests.rabbit import RabbitConsumer
+from tests.services import require
+
+
+@pytest.fixture
+async def consumer() -> AsyncIterator[RabbitConsumer]:
+    require("rabbitmq")
+    consumer = await RabbitConsumer().start()
+    yield consumer
+    await consumer.stop()
+
+
+def settings(pg_url: str, broker: str, **overrides: Any) -> outboxer.Settings:
+    base: dict[str, Any] = {"db": pg_url, "broker": broker, "poll_interval": 0.2,
+                            "backoff_base": 0.2, "backoff_max": 1.0, "publish_timeout": 2.0}
+    return load_settings(base | overrides, environ={})
+
+
+def rows(pg_url: str) -> list[dict[str, Any]]:
+    from psycopg.rows import dict_row
+
+    with psycopg.connect(pg_url, row_factory=dict_row) as conn:
+        return conn.execute("SELECT * FROM outboxer.outbox ORDER BY seq").fetchall()
+
+
+async def start(relay: Relay) -> asyncio.Task[outboxer.RelayStats]:
+    return asyncio.create_task(relay.run())
+
+
+async def stop(relay: Relay, task: asyncio.Task[outboxer.RelayStats]) -> outboxer.RelayStats:
+    relay.stop()
+    return await asyncio.wait_for(task, 30)
+
+
+async def test_commit_delivers_exactly_what_was_stored(pg_url: str, consumer: RabbitConsumer) -> None:
+    with psycopg.connect(pg_url) as conn:
+        message = outboxer.enqueue(conn, "order.placed", {"order": 42, "items": ["a", "b"]},
+                                   key="customer-7", headers={"traceparent": "00-abc-01"})
+    stats = await Relay.from_settings(settings(pg_url, consumer.broker_url)).drain()
+    assert stats.published == 1
+    [got] = await consumer.wait_for(1)
+    assert got.message_id == str(message.id)
+    assert got.routing_key == "order.placed"
+    assert json.loads(got.body) == {"order": 42, "items": ["a", "b"]}
+    assert got.headers["traceparent"] == "00-abc-01"
+    assert got.headers["outboxer-key"] == "customer-7"
+    assert got.content_type == "application/json" and got.persistent
+    [row] = rows(pg_url)
+    assert row["status"] == "PUBLISHED" and row["published_at"] is not None and row["locked_by"] is None
+
+
+async def test_rollback_delivers_nothing(pg_url: str, consumer: RabbitConsumer) -> None:
+    with psycopg.connect(pg_url) as conn:
+        outboxer.enqueue(conn, "order.placed", {"rolled": "back"})
+        conn.rollback()
+        marker = outboxer.enqueue(conn, "order.placed", {"committed": True})
+    await Relay.from_settings(settings(pg_url, consumer.broker_url)).drain()
+    await asyncio.sleep(0.3)  # anything else would have arrived by now
+    assert [d.message_id for d in await consumer.wait_for(1)] == [str(marker.id)]
+
+
+async def test_broker_outage_fails_with_backoff_then_delivers(pg_url: str, consumer: RabbitConsumer) -> None:
+    proxy = await TcpProxy("127.0.0.1", 5672).start()
+    broker = f"amqp://guest:guest@127.0.0.1:{proxy.port}/?exchange={consumer.exchange}"
+    relay = Relay.from_settings(settings(pg_url, broker, max_attempts=50, concurrency=1))
+    task = await start(relay)
+    try:
+        await eventually(lambda: _true(relay.publishers["default"].connected))
+        await proxy.blackhole()
+        with psycopg.connect(pg_url) as conn:
+            sent = [outboxer.enqueue(conn, "order.placed", {"n": n}, key="k") for n in range(3)]
+
+        async def failed_with_backoff() -> bool:
+            head = rows(pg_url)[0]
+            return head["status"] == "FAILED" and head["attempts"] >= 1
+        await eventually(failed_with_backoff, timeout=20)
+        head = rows(pg_url)[0]
+        assert head["last_error"] and head["next_attempt_at"] > head["updated_at"]
+        assert consumer.received == []
+        await proxy.restore()
+        delivered = await consumer.wait_for(3, timeout=30)
+        assert [d.message_id for d in delivered] == [str(m.id) for m in sent]
+        await eventually(lambda: _true(all(r["status"] == "PUBLISHED" for r in rows(pg_url))))
+    finally:
+        await stop(relay, task)
+        await proxy.stop()
+
+
+async def test_max_attempts_abandons(pg_url: str, consumer: RabbitConsumer) -> None:
+    with psycopg.connect(pg_url) as conn:
+        # No queue is bound for this routing key in an exchange nobody reads: mandatory
+        # publishing makes RabbitMQ return it, a retryable failure every time.
+        outboxer.enqueue(conn, "nobody.listens", {"n": 1})
+    lonely = RabbitConsumer(binding="only.this")
+    await lonely.start()
+    try:
+        relay = Relay.from_settings(settings(pg_url, lonely.broker_url, max_attempts=3,
+                                             backoff_base=0.05, backoff_max=0.1))
+        task = await start(relay)
+        await eventually(lambda: _true(rows(pg_url)[0]["status"] == "ABANDONED"), timeout=20)
+        await stop(relay, task)
+    finally:
+        await lonely.stop()
+    [row] = rows(pg_url)
+    assert row["attempts"] == 3 and row["last_error"]
+    assert lonely.received == []
+
+
+async def test_stale_lock_is_recovered(pg_url: str, consumer: RabbitConsumer) -> None:
+    with psycopg.connect(pg_url) as conn:
+        sent = outboxer.enqueue(conn, "order.placed", {"n": 1}, key="k")
+    async with outboxer.create_store(pg_url) as store:
+        claimed = await store.claim("default", "relay-that-died", 10, 0.5, False)
+    assert [m.id for m in claimed] == [sent.id]
+    relay_settings = settings(pg_url, consumer.broker_url)
+    assert (await Relay.from_settings(relay_settings).drain()).published == 0, "still locked"
+    await asyncio.sleep(0.6)
+    assert (await Relay.from_settings(relay_settings).drain()).published == 1
+    [row] = rows(pg_url)
+    assert row["status"] == "PUBLISHED" and row["attempts"] == 1
+    assert "relay-that-died" in row["last_error"]
+    assert [d.message_id for d in await consumer.wait_for(1)] == [str(sent.id)]
+
+
+async def test_notify_wakes_an_idle_relay_at_once(pg_url: str, consumer: RabbitConsumer) -> None:
+    relay = Relay.from_settings(settings(pg_url, consumer.broker_url, poll_interval=30))
+    task = await start(relay)
+    try:
+        await asyncio.sleep(1.0)  # idle, listening
+        started = time.monotonic()
+        with psycopg.connect(pg_url) as conn:
+            outboxer.enqueue(conn, "order.placed", {"n": 1})
+        await consumer.wait_for(1, timeout=10)
+        assert consumer.received and time.monotonic() - started < 5, "woken by NOTIFY, not the 30 s poll"
+    finally:
+        await stop(relay, task)
+
+
+def test_one_notify_per_transaction(pg_url: str) -> None:
+    with psycopg.connect(pg_url, autocommit=True) as listener:
+        listener.execute('LISTEN "outboxer_outboxer_outbox"')
+        with psycopg.connect(pg_url) as conn:
+            outboxer.enqueue_many(conn, [{"topic": "t", "payload": {"n": n}} for n in range(100)])
+            for n in range(5):
+                outboxer.enqueue(conn, "t", {"n": n})
+        notes = list(listener.notifies(timeout=1.0))
+    assert len(notes) == 1
+
+
+@pytest.mark.parametrize("relays", [2, 4])
+async def test_many_relays_share_a_table(pg_url: str, consumer: RabbitConsumer, relays: int) -> None:
+    keys = [f"key-{k}" for k in range(12)]
+    with psycopg.connect(pg_url) as conn:
+        sent = outboxer.enqueue_many(conn, [
+            {"topic": "order.placed", "payload": {"key": key, "n": n}, "key": key}
+            for n in range(60) for key in keys
+        ] + [{"topic": "order.placed", "payload": {"key": None, "n": n}} for n in range(200)])
+    fleet = [Relay.from_settings(settings(pg_url, consumer.broker_url, batch_size=25, concurrency=2,
+                                          relay_id=f"relay-{n}")) for n in range(relays)]
+    stats = await asyncio.gather(*(relay.drain() for relay in fleet))
+    assert sum(s.claimed for s in stats) == len(sent), "each row claimed once: never owned by two relays"
+    assert all(s.claimed > 0 for s in stats), "every relay took part"
+    delivered = await consumer.wait_for(len(sent))
+    assert sorted(d.message_id for d in delivered) == sorted(str(m.id) for m in sent)
+    by_key: dict[str, list[int]] = {}
+    for item in delivered:
+        body = json.loads(item.body)
+        if body["key"] is not None:
+            by_key.setdefault(body["key"], []).append(body["n"])
+    assert all(order == list(range(60)) for order in by_key.values()), by_key
+    assert {r["status"] for r in rows(pg_url)} == {"PUBLISHED"}
+
+
+async def _true(value: bool) -> bool:
+    return value
