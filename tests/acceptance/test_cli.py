@@ -1,0 +1,145 @@
+"""The real ``outboxer`` command in subprocesses: crash, restart, drain, verify."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+import outboxer
+from tests.rabbit import RabbitConsumer
+from tests.services import require
+
+OUTBOXER = [sys.executable, "-m", "outboxer.cli"]
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*OUTBOXER, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def spawn_relay(db: str, broker: str, relay_id: str, log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [*OUTBOXER, "relay", "--db", db, "--broker", broker, "--relay-id", relay_id,
+         "--batch-size", "40", "--lock-timeout", "3", "--poll-interval", "0.2", "--concurrency", "2"],
+        stdout=log.open("ab"), stderr=subprocess.STDOUT)
+
+
+def statuses(db: str) -> dict[str, int]:
+    with psycopg.connect(db) as conn:
+        return dict(conn.execute("SELECT status, count(*) FROM outboxer.outbox GROUP BY status").fetchall())
+
+
+@pytest.fixture
+async def consumer() -> AsyncIterator[RabbitConsumer]:
+    require("rabbitmq")
+    consumer = await RabbitConsumer().start()
+    yield consumer
+    await consumer.stop()
+
+
+async def test_sigkill_mid_batch_loses_nothing_and_keeps_key_order(
+        pg_url: str, consumer: RabbitConsumer, tmp_path: Path) -> None:
+    total_keys, per_key = 25, 120
+    with psycopg.connect(pg_url) as conn:
+        outboxer.enqueue_many(conn, [
+            {"topic": "order.placed", "payload": {"key": f"k{k}", "n": n}, "key": f"k{k}"}
+            for n in range(per_key) for k in range(total_keys)
+        ])
+    total = total_keys * per_key
+    log = tmp_path / "relays.log"
+    victim = spawn_relay(pg_url, consumer.broker_url, "relay-victim", log)
+    survivor = spawn_relay(pg_url, consumer.broker_url, "relay-survivor", log)
+    restarted = None
+    try:
+        await consumer.wait_for(total // 4, timeout=60)
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(10)
+        with psycopg.connect(pg_url) as conn:
+            in_flight = {str(row[0]) for row in conn.execute(
+                "SELECT id FROM outboxer.outbox WHERE status = 'PROCESSING' AND locked_by = 'relay-victim'")}
+        restarted = spawn_relay(pg_url, consumer.broker_url, "relay-restarted", log)
+        deadline = time.monotonic() + 120
+        while statuses(pg_url) != {"PUBLISHED": total} and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert statuses(pg_url) == {"PUBLISHED": total}, log.read_text()[-3000:]
+        for process in (survivor, restarted):
+            process.send_signal(signal.SIGTERM)
+        assert survivor.wait(30) == 0 and restarted.wait(30) == 0, "SIGTERM ends a relay cleanly"
+    finally:
+        for process in (victim, survivor, restarted):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+
+    delivered = await consumer.wait_for(total, timeout=30)
+    ids = [d.message_id for d in delivered]
+    assert len(set(ids)) == total, "nothing lost"
+    duplicates = {i for i in ids if ids.count(i) > 1}
+    assert duplicates <= in_flight, "only messages in flight at the kill may arrive twice"
+    first_seen: dict[str, list[int]] = {}
+    seen: set[str] = set()
+    for item in delivered:
+        if item.message_id in seen:
+            continue
+        seen.add(item.message_id)
+        body = json.loads(item.body)
+        first_seen.setdefault(body["key"], []).append(body["n"])
+    assert all(order == list(range(per_key)) for order in first_seen.values()), "per-key order"
+
+
+def test_sigterm_exits_zero_and_releases_nothing_half_done(pg_url: str, tmp_path: Path) -> None:
+    out = tmp_path / "events.jsonl"
+    with psycopg.connect(pg_url) as conn:
+        outboxer.enqueue(conn, "t", {"n": 1})
+    process = subprocess.Popen([*OUTBOXER, "relay", "--db", pg_url, "--broker", f"file://{out}",
+                                "--poll-interval", "0.1"], stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    while statuses(pg_url) != {"PUBLISHED": 1} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(20) == 0
+    assert statuses(pg_url) == {"PUBLISHED": 1}
+    assert json.loads(out.read_text().splitlines()[0])["payload"] == {"n": 1}
+
+
+def test_exit_when_idle_status_cleanup_and_schema(pg_url: str, tmp_path: Path) -> None:
+    out = tmp_path / "events.jsonl"
+    assert cli("enqueue", "--db", pg_url, "--topic", "t", "--key", "k", "--payload", '{"a": 1}',
+               "--header", "h=v").returncode == 0
+    done = cli("relay", "--db", pg_url, "--broker", f"file://{out}", "--exit-when-idle")
+    assert done.returncode == 0, done.stderr
+    [line] = out.read_text().splitlines()
+    assert json.loads(line)["headers"] == {"h": "v"}
+    report = json.loads(cli("status", "--db", pg_url, "--json").stdout)
+    [destination] = report["destinations"]
+    assert destination["counts"] == {"PUBLISHED": 1} and destination["abandoned"] == 0
+    kept = cli("cleanup", "--db", pg_url)
+    assert "deleted 0" in kept.stdout
+    gone = cli("cleanup", "--db", pg_url, "--published-retention", "0")
+    assert "deleted 1" in gone.stdout
+    ddl = cli("schema", "sql").stdout
+    assert "CREATE TABLE" in ddl and "outboxer" in ddl
+    assert cli("schema", "apply", "--db", pg_url).stdout.strip() == "schema is up to date"
+
+
+@pytest.mark.parametrize(("args", "env", "message"), [
+    (["relay", "--db", "postgresql://x/y", "--broker", "nope://x"], {}, "unknown broker URL scheme"),
+    (["relay", "--broker", "memory://"], {"OUTBOXER_DB": ""}, "no database"),
+    (["relay", "--db", "postgresql://x/y", "--broker", "memory://", "--batch-size", "0"], {}, "--batch-size"),
+    (["status", "--db", "mysql2://x"], {}, "unknown database URL scheme"),
+    (["relay", "--db", "sqlite:///x.db", "--broker", "memory://"], {"OUTBOXER_LOCK_TIMEOUT": "soon"}, "OUTBOXER_LOCK_TIMEOUT"),
+])
+def test_bad_configuration_is_a_clear_error(args: list[str], env: dict[str, Any], message: str) -> None:
+    result = cli(*args, env=env)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr

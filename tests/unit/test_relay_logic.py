@@ -1,0 +1,109 @@
+"""The relay's decisions, on a real SQLite file and the in-process memory broker."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import uuid
+from typing import Any
+
+import pytest
+
+import outboxer
+from outboxer import PublishError, Relay, load_settings
+from outboxer.brokers.memory import MemoryBroker, memory_broker
+from outboxer.stores.sqlite import sqlite_path
+
+
+@pytest.fixture
+def broker() -> MemoryBroker:
+    return memory_broker(f"relay-{uuid.uuid4().hex[:8]}")
+
+
+def make_relay(sqlite_url: str, broker: MemoryBroker, **overrides: Any) -> Relay:
+    base: dict[str, Any] = {"db": sqlite_url, "broker": f"memory://{broker.name}", "poll_interval": 0.05,
+                            "backoff_base": 0.05, "backoff_max": 0.1}
+    return Relay.from_settings(load_settings(base | overrides, environ={}))
+
+
+def enqueue(sqlite_url: str, *keys: str | None) -> list[outboxer.Message]:
+    conn = sqlite3.connect(sqlite_path(sqlite_url))
+    with conn:
+        sent = [outboxer.enqueue(conn, "t", {"n": n}, key=key) for n, key in enumerate(keys)]
+    conn.close()
+    return sent
+
+
+def statuses(sqlite_url: str) -> list[tuple[str, int]]:
+    conn = sqlite3.connect(sqlite_path(sqlite_url))
+    rows = conn.execute("SELECT status, attempts FROM outbox ORDER BY seq").fetchall()
+    conn.close()
+    return rows
+
+
+async def test_retryable_failure_then_success(sqlite_url: str, broker: MemoryBroker) -> None:
+    sent = enqueue(sqlite_url, "k", "k")
+    failures = {"left": 2}
+
+    def flaky(message: outboxer.Message) -> BaseException | None:
+        if message.id == sent[0].id and failures["left"]:
+            failures["left"] -= 1
+            return PublishError("try later")
+        return None
+
+    broker.fail = flaky
+    await make_relay(sqlite_url, broker).drain()
+    assert statuses(sqlite_url)[0] == ("FAILED", 1), "the first try failed and was recorded"
+    for _ in range(40):  # drain returns at idle; rows backing off become due again
+        if [s for s, _ in statuses(sqlite_url)] == ["PUBLISHED", "PUBLISHED"]:
+            break
+        await asyncio.sleep(0.05)
+        await make_relay(sqlite_url, broker).drain()
+    assert statuses(sqlite_url) == [("PUBLISHED", 2), ("PUBLISHED", 0)]
+    assert [m.id for m in broker.messages] == [m.id for m in sent], "k's second message waited"
+
+
+async def test_permanent_failure_abandons_at_once(sqlite_url: str, broker: MemoryBroker) -> None:
+    enqueue(sqlite_url, None)
+    broker.fail = lambda m: PublishError("forbidden", retryable=False)
+    stats = await make_relay(sqlite_url, broker).drain()
+    assert stats.abandoned_now == 1
+    assert statuses(sqlite_url) == [("ABANDONED", 1)]
+
+
+async def test_stop_ends_a_running_relay(sqlite_url: str, broker: MemoryBroker) -> None:
+    relay = make_relay(sqlite_url, broker)
+    task = asyncio.create_task(relay.run())
+    await asyncio.sleep(0.2)
+    enqueue(sqlite_url, "a")
+    for _ in range(100):
+        if broker.messages:
+            break
+        await asyncio.sleep(0.02)
+    relay.stop()
+    stats = await asyncio.wait_for(task, 5)
+    assert stats.published == 1
+
+
+async def test_broker_down_at_start_is_waited_for(sqlite_url: str, broker: MemoryBroker) -> None:
+    enqueue(sqlite_url, "a")
+    broker.available = False
+    relay = make_relay(sqlite_url, broker)
+    task = asyncio.create_task(relay.drain())
+    await asyncio.sleep(0.5)
+    assert not task.done() and statuses(sqlite_url) == [("PENDING", 0)], "nothing claimed while down"
+    broker.available = True
+    stats = await asyncio.wait_for(task, 20)
+    assert stats.published == 1
+
+
+async def test_stripped_envelope_drops_internal_headers(sqlite_url: str, broker: MemoryBroker, tmp_path: Any) -> None:
+    conn = sqlite3.connect(sqlite_path(sqlite_url))
+    with conn:
+        outboxer.enqueue(conn, "t", {"a": 1}, headers={"internal-tenant": "7", "trace": "x"})
+    conn.close()
+    config = tmp_path / "o.toml"
+    config.write_text(f'[destinations.default]\nbroker = "memory://{broker.name}"\nenvelope = "stripped"\n')
+    settings = load_settings({"db": sqlite_url, "poll_interval": 0.05}, config_file=config, environ={})
+    await Relay.from_settings(settings).drain()
+    assert dict(broker.messages[0].headers) == {"trace": "x"}
