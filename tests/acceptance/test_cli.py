@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -70,7 +71,7 @@ async def test_sigkill_mid_batch_loses_nothing_and_keeps_key_order(
         restarted = spawn_relay(pg_url, consumer.broker_url, "relay-restarted", log)
         deadline = time.monotonic() + 120
         while statuses(pg_url) != {"PUBLISHED": total} and time.monotonic() < deadline:
-            time.sleep(0.2)
+            await asyncio.sleep(0.2)
         assert statuses(pg_url) == {"PUBLISHED": total}, log.read_text()[-3000:]
         for process in (survivor, restarted):
             process.send_signal(signal.SIGTERM)
