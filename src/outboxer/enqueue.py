@@ -191,63 +191,81 @@ def _many_params(messages: Sequence[Message]) -> dict[str, list[Any]]:
 
 
 class _Driver:
+    """Runs ``:name``-style SQL on one kind of connection; returns affected rows."""
+
     name = "?"
     is_async = False
-    dialect = "postgres"
+
+    def dialect(self, conn: Any) -> str:
+        return "postgres"
+
+    def execute(self, conn: Any, sql: str, params: dict[str, Any]) -> int:
+        raise NotImplementedError
+
+    async def execute_async(self, conn: Any, sql: str, params: dict[str, Any]) -> int:
+        raise NotImplementedError
+
+    def insert(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> tuple[str, dict[str, Any]]:
+        """The statement and parameters that insert ``messages`` (one round trip)."""
+        dialect = self.dialect(conn)
+        if len(messages) == 1:
+            return outbox._sql(dialect, "insert"), _Row(messages[0]).params(dialect)
+        if dialect != "postgres":
+            raise AssertionError("multi-row inserts go through executemany on this dialect")
+        return outbox._sql(dialect, "insert_many"), _many_params(messages)
 
     def write(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> None:
-        raise NotImplementedError
+        if self.dialect(conn) == "sqlite":  # no arrays: one statement per row, same transaction
+            for message in messages:
+                self.execute(conn, *self.insert(outbox, conn, [message]))
+            return
+        self.execute(conn, *self.insert(outbox, conn, messages))
 
     async def write_async(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> None:
-        raise NotImplementedError
+        if self.dialect(conn) == "sqlite":
+            for message in messages:
+                await self.execute_async(conn, *self.insert(outbox, conn, [message]))
+            return
+        await self.execute_async(conn, *self.insert(outbox, conn, messages))
 
 
 class _Psycopg(_Driver):
     name = "psycopg.Connection"
 
-    def write(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> None:
-        if len(messages) == 1:
-            conn.execute(_pyformat(outbox._sql("postgres", "insert")), _Row(messages[0]).params("postgres"))
-        else:
-            conn.execute(_pyformat(outbox._sql("postgres", "insert_many")), _many_params(messages))
+    def execute(self, conn: Any, sql: str, params: dict[str, Any]) -> int:
+        return int(conn.execute(_pyformat(sql), params).rowcount)
 
 
 class _PsycopgAsync(_Driver):
     name = "psycopg.AsyncConnection"
     is_async = True
 
-    async def write_async(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> None:
-        if len(messages) == 1:
-            await conn.execute(_pyformat(outbox._sql("postgres", "insert")), _Row(messages[0]).params("postgres"))
-        else:
-            await conn.execute(_pyformat(outbox._sql("postgres", "insert_many")), _many_params(messages))
+    async def execute_async(self, conn: Any, sql: str, params: dict[str, Any]) -> int:
+        return int((await conn.execute(_pyformat(sql), params)).rowcount)
 
 
 class _Asyncpg(_Driver):
     name = "asyncpg.Connection"
     is_async = True
 
-    async def write_async(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> None:
-        if len(messages) == 1:
-            sql, names = _numbered(outbox._sql("postgres", "insert"))
-            params = _Row(messages[0]).params("postgres")
-        else:
-            sql, names = _numbered(outbox._sql("postgres", "insert_many"))
-            params = _many_params(messages)
-        await conn.execute(sql, *(params[name] for name in names))
+    async def execute_async(self, conn: Any, sql: str, params: dict[str, Any]) -> int:
+        numbered, names = _numbered(sql)
+        tag = await conn.execute(numbered, *(params[name] for name in names))
+        return int(str(tag).rsplit(" ", 1)[-1])
 
 
 class _Sqlite(_Driver):
     name = "sqlite3.Connection"
-    dialect = "sqlite"
 
-    def write(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> None:
-        sql = outbox._sql("sqlite", "insert")
+    def dialect(self, conn: Any) -> str:
+        return "sqlite"
+
+    def execute(self, conn: Any, sql: str, params: dict[str, Any]) -> int:
         if conn.isolation_level is None and not conn.in_transaction:
-            # Autocommit mode would commit each row on its own; outboxer never commits for you.
+            # Autocommit would commit each statement on its own; outboxer never commits for you.
             raise TypeError("sqlite3 connection is in autocommit mode and no transaction is open: "
                             "run BEGIN first, or use the default isolation_level")
-        conn.executemany(sql, [_Row(m).params("sqlite") for m in messages])
+        return int(conn.execute(sql, params).rowcount)
 
 
 class _SqlAlchemy(_Driver):
@@ -257,31 +275,24 @@ class _SqlAlchemy(_Driver):
         self.name = name
         self.is_async = is_async
 
-    @staticmethod
-    def _dialect_of(conn: Any) -> str:
+    def dialect(self, conn: Any) -> str:
         bind = conn.get_bind() if hasattr(conn, "get_bind") else conn
         name = str(bind.dialect.name)
-        if name in ("postgresql",):
+        if name == "postgresql":
             return "postgres"
         if name == "sqlite":
             return "sqlite"
         raise TypeError(f"SQLAlchemy dialect {name!r} is not supported by outboxer yet")
 
-    def _statement(self, outbox: Outbox, dialect: str, messages: Sequence[Message]) -> tuple[Any, Any]:
+    def execute(self, conn: Any, sql: str, params: dict[str, Any]) -> int:
         from sqlalchemy import text
 
-        if dialect == "postgres" and len(messages) > 1:
-            return text(outbox._sql(dialect, "insert_many")), _many_params(messages)
-        params = [_Row(m).params(dialect) for m in messages]
-        return text(outbox._sql(dialect, "insert")), params if len(params) > 1 else params[0]
+        return int(conn.execute(text(sql), params).rowcount)
 
-    def write(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> None:
-        statement, params = self._statement(outbox, self._dialect_of(conn), messages)
-        conn.execute(statement, params)
+    async def execute_async(self, conn: Any, sql: str, params: dict[str, Any]) -> int:
+        from sqlalchemy import text
 
-    async def write_async(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> None:
-        statement, params = self._statement(outbox, self._dialect_of(conn), messages)
-        await conn.execute(statement, params)
+        return int((await conn.execute(text(sql), params)).rowcount)
 
 
 @functools.cache

@@ -53,7 +53,6 @@ async def test_retryable_failure_then_success(sqlite_url: str, broker: MemoryBro
 
     broker.fail = flaky
     await make_relay(sqlite_url, broker).drain()
-    assert statuses(sqlite_url)[0] == ("FAILED", 1), "the first try failed and was recorded"
     for _ in range(40):  # drain returns at idle; rows backing off become due again
         if [s for s, _ in statuses(sqlite_url)] == ["PUBLISHED", "PUBLISHED"]:
             break
