@@ -25,6 +25,7 @@ from outboxer.errors import (
     PublishError,
     StoreError,
 )
+from outboxer.inbox import Inbox
 from outboxer.message import Message, Status, uuid7
 from outboxer.relay import Relay, RelayStats
 from outboxer.retry import Backoff
@@ -38,6 +39,7 @@ __all__ = [
     "ConfigError",
     "DestinationSettings",
     "DuplicateMessageError",
+    "Inbox",
     "Message",
     "MissingDependencyError",
     "Outbox",

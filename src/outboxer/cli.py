@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(clean)
     clean.add_argument("--published-retention", help="keep PUBLISHED rows this long (default 7d)")
     clean.add_argument("--abandoned-retention", help="keep ABANDONED rows this long (default 30d)")
+    clean.add_argument("--inbox-retention", help="keep inbox entries this long (default 30d)")
 
     messages = commands.add_parser("messages", help="list messages in a status (default ABANDONED)")
     _common(messages)
@@ -103,7 +104,8 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
     names = ("db", "schema", "table", "broker", "batch_size", "lock_timeout", "max_attempts",
              "poll_interval", "concurrency", "backoff_base", "backoff_multiplier", "backoff_max",
              "backoff_jitter", "publish_timeout", "published_retention", "abandoned_retention",
-             "cleanup_interval", "abandoned_blocks_key", "relay_id", "exit_when_idle")
+             "cleanup_interval", "abandoned_blocks_key", "relay_id", "exit_when_idle",
+             "inbox_retention")
     flags = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     flags.update(extra)
     return load_settings(flags, config_file=getattr(args, "config", None))

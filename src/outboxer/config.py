@@ -127,6 +127,8 @@ class Settings:
     backoff_jitter: float = 0.25
     published_retention: float = 7 * 86400.0
     abandoned_retention: float = 30 * 86400.0
+    #: Keep inbox entries this long: longer than any redelivery can come late.
+    inbox_retention: float = 30 * 86400.0
     cleanup_interval: float = 300.0
     cleanup_batch: int = 1000
     #: Claim-publish-settle loops per destination in one relay process.
@@ -165,6 +167,7 @@ _CHECKS: dict[str, Any] = {
     "backoff_jitter": lambda v, n: _float(v, n, 0.0, 0.99),
     "published_retention": parse_duration,
     "abandoned_retention": parse_duration,
+    "inbox_retention": parse_duration,
     "cleanup_interval": _positive_duration,
     "cleanup_batch": lambda v, n: _int(v, n, 1, 1_000_000),
     "concurrency": lambda v, n: _int(v, n, 1, 64),

@@ -2,7 +2,8 @@
 
 An order service writes orders to SQLite and enqueues an event in the same
 transaction; one order fails half-way and rolls back. The relay then publishes
-to a JSON-lines file (the "broker"), and a consumer reads it through the inbox.
+to a JSON-lines file (the "broker"), and a shipping consumer applies each event
+once through the inbox, although one event is delivered twice.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from outboxer.config import Settings, load_settings
 from outboxer.enqueue import enqueue
+from outboxer.inbox import Inbox
 from outboxer.relay import Relay
 
 
@@ -45,6 +47,7 @@ def run_demo(directory: str) -> int:
 
     conn = sqlite3.connect(db_path)
     conn.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY, customer TEXT, total REAL)")
+    conn.execute("CREATE TABLE shipments (order_id INTEGER NOT NULL)")
     conn.commit()
     _say("1. The order service writes an order and its event in one transaction:")
     for order_id, customer, total in ((1, "alice", 30.0), (2, "bob", 12.5), (3, "alice", 7.25)):
@@ -62,16 +65,19 @@ def run_demo(directory: str) -> int:
     stats = asyncio.run(Relay.from_settings(settings).drain())
     _say(f"   published {stats.published}, failed {stats.failed}\n")
 
-    _say("3. A consumer reads the broker and applies each event once (alice's in order):")
-    seen: set[str] = set()
+    _say("3. A consumer applies each event once through the inbox (alice's in order):")
+    inbox = Inbox()
     lines = events_path.read_text("utf-8").splitlines()
-    for line in lines + lines[:1]:  # the first event arrives twice: at-least-once delivery
+    for line in lines + lines[:1]:  # the first event arrives twice: delivery is at least once
         event = json.loads(line)
-        if event["id"] in seen:
-            _say(f"   {event['id']}  duplicate delivery, already applied: skipped")
-            continue
-        seen.add(event["id"])
+        with conn:  # the consumer's own transaction: its writes and the inbox record together
+            if not inbox.claim(conn, "shipping", event["id"]):
+                _say(f"   {event['id']}  duplicate delivery, already applied: skipped")
+                continue
+            conn.execute("INSERT INTO shipments (order_id) VALUES (?)", (event["payload"]["order_id"],))
         _say(f"   {event['id']}  {event['topic']}  key={event['key']}  {json.dumps(event['payload'])}")
+    shipments = conn.execute("SELECT count(*) FROM shipments").fetchone()[0]
+    _say(f"   shipments created: {shipments} (one per order, despite the duplicate)")
 
     rows = conn.execute("SELECT status, count(*) FROM outbox GROUP BY status").fetchall()
     conn.close()

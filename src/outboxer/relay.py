@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from outboxer.brokers import Publisher, create_publisher
@@ -307,10 +308,14 @@ class Relay:
 async def cleanup(store: Store, settings: Settings, max_batches: int = 100) -> int:
     """Delete finished rows past their retention in bounded batches; return how many."""
     deleted = 0
-    for status, retention in (("PUBLISHED", settings.published_retention),
-                              ("ABANDONED", settings.abandoned_retention)):
+    steps: list[Callable[[], Awaitable[int]]] = [
+        functools.partial(store.cleanup, "PUBLISHED", settings.published_retention, settings.cleanup_batch),
+        functools.partial(store.cleanup, "ABANDONED", settings.abandoned_retention, settings.cleanup_batch),
+        functools.partial(store.cleanup_inbox, settings.inbox_retention, settings.cleanup_batch),
+    ]
+    for step in steps:
         for _ in range(max_batches):
-            count = await store.cleanup(status, retention, settings.cleanup_batch)
+            count = await step()
             deleted += count
             if count < settings.cleanup_batch:
                 break

@@ -86,6 +86,7 @@ class Store(ABC):
             "table_raw": self.table,
             "outbox": f"{quote_ident(self.schema)}.{quote_ident(self.table)}",
             "migrations": f"{quote_ident(self.schema)}.{quote_ident(self.table + '_migrations')}",
+            "inbox": f"{quote_ident(self.schema)}.{quote_ident('inbox')}",
             "channel_literal": "'" + self.channel + "'",
         }
 
@@ -126,6 +127,10 @@ class Store(ABC):
     @abstractmethod
     async def cleanup(self, status: str, retention: float, limit: int) -> int:
         """Delete up to ``limit`` rows of ``status`` older than ``retention`` seconds."""
+
+    @abstractmethod
+    async def cleanup_inbox(self, retention: float, limit: int) -> int:
+        """Delete up to ``limit`` inbox entries older than ``retention`` seconds."""
 
     @abstractmethod
     async def status(self) -> list[DestinationStatus]: ...

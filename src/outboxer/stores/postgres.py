@@ -174,6 +174,11 @@ class PostgresStore(Store):
         async with self._pool.acquire() as conn:
             return _count(await conn.execute(sql, *args))
 
+    async def cleanup_inbox(self, retention: float, limit: int) -> int:
+        sql, args = self._args("inbox_cleanup", {"retention": float(retention), "limit": limit})
+        async with self._pool.acquire() as conn:
+            return _count(await conn.execute(sql, *args))
+
     # ----- operations ----------------------------------------------------------------------
 
     async def status(self) -> list[DestinationStatus]:

@@ -75,6 +75,7 @@ class SqliteStore(Store):
             "table_raw": self.table,
             "outbox": quote_ident(self.table),
             "migrations": quote_ident(self.table + "_migrations"),
+            "inbox": quote_ident("inbox"),
         }
 
     @property
@@ -194,6 +195,10 @@ class SqliteStore(Store):
     async def cleanup(self, status: str, retention: float, limit: int) -> int:
         params = {"status": status, "retention": retention, "limit": limit, "now": time.time()}
         return await self._run(lambda conn: conn.execute(self._sql["cleanup"], params).rowcount)
+
+    async def cleanup_inbox(self, retention: float, limit: int) -> int:
+        params = {"retention": retention, "limit": limit, "now": time.time()}
+        return await self._run(lambda conn: conn.execute(self._sql["inbox_cleanup"], params).rowcount)
 
     # ----- operations ----------------------------------------------------------------------
 

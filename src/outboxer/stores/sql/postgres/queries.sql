@@ -157,3 +157,21 @@ LIMIT :limit
 SELECT coalesce(EXTRACT(EPOCH FROM now() - min(xact_start)), 0) AS age
 FROM pg_stat_activity
 WHERE backend_xid IS NOT NULL AND datname = current_database()
+
+-- name: inbox_claim
+-- First delivery of (consumer, message_id) -> recorded (1 row); any later one -> nothing
+-- (0 rows). In the consumer's transaction: a concurrent delivery of the same message waits
+-- on the primary key until this transaction ends, then finds the row; if this transaction
+-- rolls back, the record goes with it and the next delivery applies the message.
+INSERT INTO {inbox} (consumer, message_id)
+VALUES (:consumer, CAST(:message_id AS uuid))
+ON CONFLICT DO NOTHING
+
+-- name: inbox_cleanup
+-- Inbox entries older than the retention -> deleted, :limit a statement.
+DELETE FROM {inbox}
+WHERE ctid IN (
+    SELECT ctid FROM {inbox}
+    WHERE received_at < now() - make_interval(secs => CAST(:retention AS float8))
+    ORDER BY received_at
+    LIMIT :limit)

@@ -93,3 +93,16 @@ SET status = 'PENDING', attempts = 0, next_attempt_at = :now, updated_at = :now
 WHERE destination IN (SELECT value FROM json_each(:destinations))
   AND status IN (SELECT value FROM json_each(:statuses))
   AND (:ids IS NULL OR id IN (SELECT value FROM json_each(:ids)))
+
+-- name: inbox_claim
+-- First delivery of (consumer, message_id) -> recorded (1 row); later ones -> 0 rows.
+INSERT INTO {inbox} (consumer, message_id) VALUES (:consumer, :message_id)
+ON CONFLICT DO NOTHING
+
+-- name: inbox_cleanup
+DELETE FROM {inbox}
+WHERE rowid IN (
+    SELECT rowid FROM {inbox}
+    WHERE received_at < :now - :retention
+    ORDER BY received_at
+    LIMIT :limit)

@@ -1,0 +1,61 @@
+"""The inbox: apply each message once in effect, on the consumer's side.
+
+Brokers deliver at least once, so a consumer sees some messages twice. Call
+``Inbox.claim`` in the transaction that applies the message: it records the
+message id for this consumer and returns True the first time, False for every
+later delivery. Because the record commits or rolls back with the consumer's own
+writes, "applied" and "recorded" can never disagree::
+
+    inbox = outboxer.Inbox()
+    with conn.transaction():
+        if inbox.claim(conn, "billing", message_id):
+            apply(payload)           # runs once per message, whatever the broker does
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from outboxer.enqueue import detect
+from outboxer.errors import PayloadError
+from outboxer.stores.base import check_identifier
+from outboxer.stores.sqlfiles import queries, quote_ident, render
+
+
+@dataclass(frozen=True)
+class Inbox:
+    """The inbox table of a schema (``<schema>.inbox``; in SQLite, ``inbox``)."""
+
+    schema: str = "outboxer"
+
+    def __post_init__(self) -> None:
+        check_identifier("schema", self.schema)
+
+    def _params(self, conn: Any, consumer: str, message_id: object) -> tuple[Any, str, dict[str, Any]]:
+        if not isinstance(consumer, str) or not consumer or len(consumer) > 255:
+            raise PayloadError("consumer must be a non-empty string of at most 255 characters")
+        try:
+            identifier = message_id if isinstance(message_id, uuid.UUID) else uuid.UUID(str(message_id))
+        except ValueError:
+            raise PayloadError(f"message_id is not a UUID: {message_id!r}") from None
+        driver = detect(conn)
+        dialect = driver.dialect(conn)
+        table = quote_ident("inbox") if dialect == "sqlite" else f"{quote_ident(self.schema)}.{quote_ident('inbox')}"
+        sql = render(queries(dialect)["inbox_claim"], {"inbox": table})
+        value: object = str(identifier) if dialect == "sqlite" else identifier
+        return driver, sql, {"consumer": consumer, "message_id": value}
+
+    def claim(self, conn: Any, consumer: str, message_id: object) -> bool:
+        """Record ``message_id`` for ``consumer``; True on its first delivery only."""
+        driver, sql, params = self._params(conn, consumer, message_id)
+        if driver.is_async:
+            raise TypeError(f"{driver.name} is an async connection: use `await claim_async(...)`")
+        return bool(driver.execute(conn, sql, params) == 1)
+
+    async def claim_async(self, conn: Any, consumer: str, message_id: object) -> bool:
+        driver, sql, params = self._params(conn, consumer, message_id)
+        if not driver.is_async:
+            raise TypeError(f"{driver.name} is a sync connection: use `claim(...)`")
+        return bool(await driver.execute_async(conn, sql, params) == 1)
