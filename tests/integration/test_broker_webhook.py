@@ -10,8 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
+import subprocess
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -49,6 +52,8 @@ class HookServer:
     requests: list[Request] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
+    connections: int = 0
+    tls: ssl.SSLContext | None = None
     #: Set whenever a request was recorded.
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     _server: asyncio.Server | None = None
@@ -56,10 +61,10 @@ class HookServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     async def start(self) -> HookServer:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, ssl=self.tls)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
@@ -81,6 +86,7 @@ class HookServer:
         task = asyncio.current_task()
         assert task is not None
         self._handlers.add(task)
+        self.connections += 1
         try:
             while await self._serve_one(reader, writer):
                 pass
@@ -295,6 +301,7 @@ class TestWebhook(PublisherContract):
             outcomes = await publisher.publish_batch(batch)
         assert all(o.published for o in outcomes)
         assert self.server.max_in_flight == 4
+        assert self.server.connections == 4  # kept alive and reused
         self.server.max_in_flight = 0
         async with self.make_publisher() as publisher:
             started = time.monotonic()
@@ -346,6 +353,35 @@ class TestWebhook(PublisherContract):
         [request] = self.server.requests
         assert request.headers["authorization"] == "Basic YXBwOnBhOnNz"  # app:pa:ss
         assert request.headers["authorization-extra"] == "token"
+
+
+@pytest.fixture
+def self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )
+    return cert, key
+
+
+async def test_https_with_a_private_ca(self_signed: tuple[Path, Path]) -> None:
+    cert, key = self_signed
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+    server = await HookServer(tls=tls).start()
+    try:
+        async with WebhookPublisher(server.url + "/in", verify=str(cert)) as publisher:
+            [outcome] = await publisher.publish_batch([make_message("t")])
+        assert outcome.published, outcome
+        async with WebhookPublisher(server.url + "/in") as publisher:  # the system CAs do not know it
+            [outcome] = await publisher.publish_batch([make_message("t")])
+        assert outcome.kind is OutcomeKind.FAILED and outcome.retryable, outcome
+        assert "CERTIFICATE_VERIFY_FAILED" in (outcome.error or "")
+    finally:
+        await server.stop()
 
 
 # ----- configuration (no server needed) --------------------------------------------------

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
+import ssl
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import httpx
@@ -83,6 +85,44 @@ def parse_retry_statuses(value: str | Iterable[int | str]) -> frozenset[int]:
     return frozenset(statuses)
 
 
+class _Lanes:
+    """Up to ``size`` one-connection httpx clients; each request borrows an idle one.
+
+    httpx's pool scans all its connections for every request, so one client
+    with 64 connections is several times slower than 64 clients of one
+    connection each. The clients share one SSL context, which keeps them cheap.
+    """
+
+    def __init__(self, size: int, make: Callable[[], httpx.AsyncClient]) -> None:
+        self._slots = asyncio.Semaphore(size)
+        self._make = make
+        self._idle: list[httpx.AsyncClient] = []  # most recently used last: warm connections first
+        self._all: list[httpx.AsyncClient] = []
+        self._closed = False
+
+    @contextlib.asynccontextmanager
+    async def borrow(self) -> AsyncIterator[httpx.AsyncClient]:
+        async with self._slots:
+            if self._idle:
+                client = self._idle.pop()
+            else:
+                client = self._make()
+                self._all.append(client)
+            try:
+                yield client
+            finally:
+                if not self._closed:
+                    self._idle.append(client)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        clients, self._all, self._idle = self._all, [], []
+        results = await asyncio.gather(*(client.aclose() for client in clients), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, Exception):
+                raise result  # cancellation, not a broken connection
+
+
 class WebhookPublisher(Publisher):
     """POSTs each message to the URL (or to its topic's route).
 
@@ -95,6 +135,8 @@ class WebhookPublisher(Publisher):
       any other non-2xx status fails for good.
     - ``timeout`` (seconds, default 10): connect, read and write timeout of one request.
     - ``headers`` (keyword only): static headers sent with every request (e.g. Authorization).
+    - ``verify`` (keyword only, default True): TLS verification, as httpx takes it
+      (False, a CA bundle path, or an ``ssl.SSLContext``).
     """
 
     schemes = ("http", "https")
@@ -110,6 +152,7 @@ class WebhookPublisher(Publisher):
         retry_statuses: str | Iterable[int | str] | None = None,
         timeout: float | None = None,
         headers: Mapping[str, str] | None = None,
+        verify: ssl.SSLContext | str | bool = True,
     ) -> None:
         super().__init__(url, routes=routes, publish_timeout=publish_timeout)
         parts, options = parse_options(url)
@@ -139,8 +182,9 @@ class WebhookPublisher(Publisher):
         for topic, route in self.routes.items():
             if "://" in route and urlsplit(route).scheme.lower() not in self.schemes:
                 raise ConfigError(f"webhook route for {topic!r} must be an http(s) URL or a path: {route!r}")
-        self._client: httpx.AsyncClient | None = None
-        self._slots: asyncio.Semaphore | None = None
+        self.verify = verify
+        self._ssl: ssl.SSLContext | None = None
+        self._lanes: _Lanes | None = None
 
     @property
     def safe_url(self) -> str:
@@ -171,22 +215,25 @@ class WebhookPublisher(Publisher):
 
     async def _connect(self) -> None:
         await self._close()  # pooled connections to a restarted receiver are stale
-        limits = httpx.Limits(
-            max_connections=self.max_connections, max_keepalive_connections=self.max_connections
-        )
-        self._client = httpx.AsyncClient(
-            limits=limits,
-            timeout=httpx.Timeout(self.timeout, pool=None),
-            headers=self.headers,
-            follow_redirects=False,
-        )
-        self._slots = asyncio.Semaphore(self.max_connections)
+        ssl_context = self._ssl
+        if ssl_context is None:  # loading the CA store takes a while: once, off the event loop
+            ssl_context = self._ssl = await asyncio.to_thread(_ssl_context, self.verify)
+
+        def client() -> httpx.AsyncClient:
+            return httpx.AsyncClient(
+                limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
+                timeout=httpx.Timeout(self.timeout, pool=None),
+                headers=self.headers,
+                follow_redirects=False,
+                verify=ssl_context,
+            )
+
+        self._lanes = _Lanes(self.max_connections, client)
 
     async def _close(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            with contextlib.suppress(httpx.HTTPError, OSError, RuntimeError):
-                await client.aclose()
+        lanes, self._lanes = self._lanes, None
+        if lanes is not None:
+            await lanes.aclose()
 
     # ----- publishing ------------------------------------------------------------------------
 
@@ -211,12 +258,12 @@ class WebhookPublisher(Publisher):
         return headers
 
     async def _publish_one(self, message: Message) -> None:
-        client, slots = self._client, self._slots
-        if client is None or slots is None:
+        lanes = self._lanes
+        if lanes is None:
             raise ConnectionError("webhook publisher is not connected")
         url = self.destination_for(message)
         headers = self.request_headers(message)
-        async with slots:
+        async with lanes.borrow() as client:
             try:
                 response = await client.post(url, content=message.payload, headers=headers)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
@@ -231,6 +278,16 @@ class WebhookPublisher(Publisher):
         raise WebhookStatusError(
             response.status_code, _safe(url), excerpt, retryable=response.status_code in self.retry_statuses
         )
+
+
+def _ssl_context(verify: ssl.SSLContext | str | bool) -> ssl.SSLContext:
+    if isinstance(verify, ssl.SSLContext):
+        return verify
+    if isinstance(verify, str):  # a CA bundle file or a directory of CA certificates
+        if os.path.isdir(verify):
+            return ssl.create_default_context(capath=verify)
+        return ssl.create_default_context(cafile=verify)
+    return httpx.create_ssl_context(verify=verify)
 
 
 def _strip_options(query: str) -> str:
