@@ -1,0 +1,98 @@
+"""Several destinations per message: each is retried, abandoned and counted on its own."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+import outboxer
+from outboxer import Relay, load_settings
+from outboxer.testing import eventually
+from tests.integration.test_broker_webhook import HookServer
+from tests.rabbit import RabbitConsumer
+from tests.services import require
+
+
+@pytest.fixture
+async def rabbit() -> AsyncIterator[RabbitConsumer]:
+    require("rabbitmq")
+    consumer = await RabbitConsumer().start()
+    yield consumer
+    await consumer.stop()
+
+
+def by_destination(pg_url: str) -> dict[str, list[tuple[str, int]]]:
+    with psycopg.connect(pg_url) as conn:
+        rows = conn.execute("SELECT destination, status, attempts FROM outboxer.outbox ORDER BY seq").fetchall()
+    result: dict[str, list[tuple[str, int]]] = {}
+    for destination, status, attempts in rows:
+        result.setdefault(destination, []).append((status, attempts))
+    return result
+
+
+async def test_one_destination_down_does_not_hold_back_the_other(
+        pg_url: str, rabbit: RabbitConsumer, tmp_path: Path) -> None:
+    receiver = await HookServer().start()
+    port = receiver.port
+    await receiver.stop()  # the partner's receiver is down
+    config = tmp_path / "outboxer.toml"
+    config.write_text(f"""
+db = "{pg_url}"
+poll_interval = 0.1
+backoff_base = 0.2
+backoff_max = 0.5
+max_attempts = 1000
+
+[destinations.internal]
+broker = "{rabbit.broker_url}"
+
+[destinations.partner]
+broker = "http://127.0.0.1:{port}/hooks"
+envelope = "stripped"
+""")
+    outbox = outboxer.Outbox(destinations=("internal", "partner"))
+    with psycopg.connect(pg_url) as conn:
+        sent = [outbox.enqueue(conn, "order.placed", {"n": n}, key=f"k{n % 2}",
+                               headers={"internal-tenant": "acme", "trace": f"t{n}"}) for n in range(6)]
+    relay = Relay.from_settings(load_settings({}, config_file=config, environ={}))
+    task = asyncio.create_task(relay.run())
+    try:
+        await rabbit.wait_for(6)
+
+        async def internal_done_partner_failing() -> bool:
+            rows = by_destination(pg_url)
+            return (all(s == "PUBLISHED" for s, _ in rows["internal"])
+                    and any(s == "FAILED" and a >= 1 for s, a in rows["partner"]))
+        await eventually(internal_done_partner_failing, timeout=20)
+        assert not any(s == "PUBLISHED" for s, _ in by_destination(pg_url)["partner"])
+
+        receiver = HookServer(port=port)
+        await receiver.start()
+
+        async def all_published() -> bool:
+            return all(s == "PUBLISHED" for rows in by_destination(pg_url).values() for s, _ in rows)
+        await eventually(all_published, timeout=30)
+    finally:
+        relay.stop()
+        await asyncio.wait_for(task, 30)
+        await receiver.stop()
+
+    rows = by_destination(pg_url)
+    assert len(rows["internal"]) == len(rows["partner"]) == 6
+    assert all(attempts == 0 for _, attempts in rows["internal"]), "internal never failed"
+    assert all(attempts >= 1 for _, attempts in rows["partner"][:1])
+    assert sorted(d.message_id for d in rabbit.received) == sorted(str(m.id) for m in sent)
+    assert all(d.headers.get("internal-tenant") == "acme" for d in rabbit.received), "full envelope inside"
+    delivered = [r for r in receiver.requests if r.status == 200]
+    assert sorted(r.headers["outboxer-id"] for r in delivered) == sorted(str(m.id) for m in sent)
+    assert all("internal-tenant" not in r.headers for r in delivered), "stripped envelope outside"
+    assert all(r.target == "/hooks" for r in delivered)
+    first = next(r for r in delivered if r.headers["outboxer-id"] == str(sent[0].id))
+    assert json.loads(first.body) == {"n": 0}
+
+
