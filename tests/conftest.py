@@ -67,6 +67,17 @@ def sqlite_url(tmp_path: object) -> Iterator[str]:
 
 
 @pytest.fixture
+async def rabbit_consumer() -> AsyncIterator[object]:
+    """A RabbitMQ consumer on a fresh exchange; its ``broker_url`` publishes there."""
+    from tests.rabbit import RabbitConsumer
+
+    require("rabbitmq")
+    consumer = await RabbitConsumer().start()
+    yield consumer
+    await consumer.stop()
+
+
+@pytest.fixture
 async def pg_store(pg_url: str) -> AsyncIterator[object]:
     store = create_store(pg_url)
     await store.connect()

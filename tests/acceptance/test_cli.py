@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,6 @@ import pytest
 
 import outboxer
 from tests.rabbit import RabbitConsumer
-from tests.services import require
 
 OUTBOXER = [sys.executable, "-m", "outboxer.cli"]
 
@@ -40,16 +38,8 @@ def statuses(db: str) -> dict[str, int]:
         return dict(conn.execute("SELECT status, count(*) FROM outboxer.outbox GROUP BY status").fetchall())
 
 
-@pytest.fixture
-async def consumer() -> AsyncIterator[RabbitConsumer]:
-    require("rabbitmq")
-    consumer = await RabbitConsumer().start()
-    yield consumer
-    await consumer.stop()
-
-
 async def test_sigkill_mid_batch_loses_nothing_and_keeps_key_order(
-        pg_url: str, consumer: RabbitConsumer, tmp_path: Path) -> None:
+        pg_url: str, rabbit_consumer: RabbitConsumer, tmp_path: Path) -> None:
     total_keys, per_key = 25, 120
     with psycopg.connect(pg_url) as conn:
         outboxer.enqueue_many(conn, [
@@ -58,17 +48,17 @@ async def test_sigkill_mid_batch_loses_nothing_and_keeps_key_order(
         ])
     total = total_keys * per_key
     log = tmp_path / "relays.log"
-    victim = spawn_relay(pg_url, consumer.broker_url, "relay-victim", log)
-    survivor = spawn_relay(pg_url, consumer.broker_url, "relay-survivor", log)
+    victim = spawn_relay(pg_url, rabbit_consumer.broker_url, "relay-victim", log)
+    survivor = spawn_relay(pg_url, rabbit_consumer.broker_url, "relay-survivor", log)
     restarted = None
     try:
-        await consumer.wait_for(total // 4, timeout=60)
+        await rabbit_consumer.wait_for(total // 4, timeout=60)
         victim.send_signal(signal.SIGKILL)
         victim.wait(10)
         with psycopg.connect(pg_url) as conn:
             in_flight = {str(row[0]) for row in conn.execute(
                 "SELECT id FROM outboxer.outbox WHERE status = 'PROCESSING' AND locked_by = 'relay-victim'")}
-        restarted = spawn_relay(pg_url, consumer.broker_url, "relay-restarted", log)
+        restarted = spawn_relay(pg_url, rabbit_consumer.broker_url, "relay-restarted", log)
         deadline = time.monotonic() + 120
         while statuses(pg_url) != {"PUBLISHED": total} and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
@@ -82,7 +72,7 @@ async def test_sigkill_mid_batch_loses_nothing_and_keeps_key_order(
                 process.kill()
                 process.wait()
 
-    delivered = await consumer.wait_for(total, timeout=30)
+    delivered = await rabbit_consumer.wait_for(total, timeout=30)
     ids = [d.message_id for d in delivered]
     assert len(set(ids)) == total, "nothing lost"
     duplicates = {i for i in ids if ids.count(i) > 1}

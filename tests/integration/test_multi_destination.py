@@ -4,26 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import psycopg
-import pytest
 
 import outboxer
 from outboxer import Relay, load_settings
 from outboxer.testing import eventually
 from tests.integration.test_broker_webhook import HookServer
 from tests.rabbit import RabbitConsumer
-from tests.services import require
-
-
-@pytest.fixture
-async def rabbit() -> AsyncIterator[RabbitConsumer]:
-    require("rabbitmq")
-    consumer = await RabbitConsumer().start()
-    yield consumer
-    await consumer.stop()
 
 
 def by_destination(pg_url: str) -> dict[str, list[tuple[str, int]]]:
@@ -36,7 +25,7 @@ def by_destination(pg_url: str) -> dict[str, list[tuple[str, int]]]:
 
 
 async def test_one_destination_down_does_not_hold_back_the_other(
-        pg_url: str, rabbit: RabbitConsumer, tmp_path: Path) -> None:
+        pg_url: str, rabbit_consumer: RabbitConsumer, tmp_path: Path) -> None:
     receiver = await HookServer().start()
     port = receiver.port
     await receiver.stop()  # the partner's receiver is down
@@ -49,7 +38,7 @@ backoff_max = 0.5
 max_attempts = 1000
 
 [destinations.internal]
-broker = "{rabbit.broker_url}"
+broker = "{rabbit_consumer.broker_url}"
 
 [destinations.partner]
 broker = "http://127.0.0.1:{port}/hooks"
@@ -62,7 +51,7 @@ envelope = "stripped"
     relay = Relay.from_settings(load_settings({}, config_file=config, environ={}))
     task = asyncio.create_task(relay.run())
     try:
-        await rabbit.wait_for(6)
+        await rabbit_consumer.wait_for(6)
 
         async def internal_done_partner_failing() -> bool:
             rows = by_destination(pg_url)
@@ -86,8 +75,8 @@ envelope = "stripped"
     assert len(rows["internal"]) == len(rows["partner"]) == 6
     assert all(attempts == 0 for _, attempts in rows["internal"]), "internal never failed"
     assert all(attempts >= 1 for _, attempts in rows["partner"][:1])
-    assert sorted(d.message_id for d in rabbit.received) == sorted(str(m.id) for m in sent)
-    assert all(d.headers.get("internal-tenant") == "acme" for d in rabbit.received), "full envelope inside"
+    assert sorted(d.message_id for d in rabbit_consumer.received) == sorted(str(m.id) for m in sent)
+    assert all(d.headers.get("internal-tenant") == "acme" for d in rabbit_consumer.received), "full envelope inside"
     delivered = [r for r in receiver.requests if r.status == 200]
     assert sorted(r.headers["outboxer-id"] for r in delivered) == sorted(str(m.id) for m in sent)
     assert all("internal-tenant" not in r.headers for r in delivered), "stripped envelope outside"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import psycopg
@@ -15,15 +14,6 @@ import outboxer
 from outboxer import Relay, load_settings
 from outboxer.testing import TcpProxy, eventually
 from tests.rabbit import RabbitConsumer
-from tests.services import require
-
-
-@pytest.fixture
-async def consumer() -> AsyncIterator[RabbitConsumer]:
-    require("rabbitmq")
-    consumer = await RabbitConsumer().start()
-    yield consumer
-    await consumer.stop()
 
 
 def settings(pg_url: str, broker: str, **overrides: Any) -> outboxer.Settings:
@@ -48,13 +38,13 @@ async def stop(relay: Relay, task: asyncio.Task[outboxer.RelayStats]) -> outboxe
     return await asyncio.wait_for(task, 30)
 
 
-async def test_commit_delivers_exactly_what_was_stored(pg_url: str, consumer: RabbitConsumer) -> None:
+async def test_commit_delivers_exactly_what_was_stored(pg_url: str, rabbit_consumer: RabbitConsumer) -> None:
     with psycopg.connect(pg_url) as conn:
         message = outboxer.enqueue(conn, "order.placed", {"order": 42, "items": ["a", "b"]},
                                    key="customer-7", headers={"traceparent": "00-abc-01"})
-    stats = await Relay.from_settings(settings(pg_url, consumer.broker_url)).drain()
+    stats = await Relay.from_settings(settings(pg_url, rabbit_consumer.broker_url)).drain()
     assert stats.published == 1
-    [got] = await consumer.wait_for(1)
+    [got] = await rabbit_consumer.wait_for(1)
     assert got.message_id == str(message.id)
     assert got.routing_key == "order.placed"
     assert json.loads(got.body) == {"order": 42, "items": ["a", "b"]}
@@ -65,19 +55,19 @@ async def test_commit_delivers_exactly_what_was_stored(pg_url: str, consumer: Ra
     assert row["status"] == "PUBLISHED" and row["published_at"] is not None and row["locked_by"] is None
 
 
-async def test_rollback_delivers_nothing(pg_url: str, consumer: RabbitConsumer) -> None:
+async def test_rollback_delivers_nothing(pg_url: str, rabbit_consumer: RabbitConsumer) -> None:
     with psycopg.connect(pg_url) as conn:
         outboxer.enqueue(conn, "order.placed", {"rolled": "back"})
         conn.rollback()
         marker = outboxer.enqueue(conn, "order.placed", {"committed": True})
-    await Relay.from_settings(settings(pg_url, consumer.broker_url)).drain()
+    await Relay.from_settings(settings(pg_url, rabbit_consumer.broker_url)).drain()
     await asyncio.sleep(0.3)  # anything else would have arrived by now
-    assert [d.message_id for d in await consumer.wait_for(1)] == [str(marker.id)]
+    assert [d.message_id for d in await rabbit_consumer.wait_for(1)] == [str(marker.id)]
 
 
-async def test_broker_outage_fails_with_backoff_then_delivers(pg_url: str, consumer: RabbitConsumer) -> None:
+async def test_broker_outage_fails_with_backoff_then_delivers(pg_url: str, rabbit_consumer: RabbitConsumer) -> None:
     proxy = await TcpProxy("127.0.0.1", 5672).start()
-    broker = f"amqp://guest:guest@127.0.0.1:{proxy.port}/?exchange={consumer.exchange}"
+    broker = f"amqp://guest:guest@127.0.0.1:{proxy.port}/?exchange={rabbit_consumer.exchange}"
     relay = Relay.from_settings(settings(pg_url, broker, max_attempts=50, concurrency=1))
     task = await start(relay)
     try:
@@ -92,9 +82,9 @@ async def test_broker_outage_fails_with_backoff_then_delivers(pg_url: str, consu
         await eventually(failed_with_backoff, timeout=20)
         head = rows(pg_url)[0]
         assert head["last_error"] and head["next_attempt_at"] > head["updated_at"]
-        assert consumer.received == []
+        assert rabbit_consumer.received == []
         await proxy.restore()
-        delivered = await consumer.wait_for(3, timeout=30)
+        delivered = await rabbit_consumer.wait_for(3, timeout=30)
         assert [d.message_id for d in delivered] == [str(m.id) for m in sent]
         await eventually(lambda: _true(all(r["status"] == "PUBLISHED" for r in rows(pg_url))))
     finally:
@@ -102,7 +92,7 @@ async def test_broker_outage_fails_with_backoff_then_delivers(pg_url: str, consu
         await proxy.stop()
 
 
-async def test_max_attempts_abandons(pg_url: str, consumer: RabbitConsumer) -> None:
+async def test_max_attempts_abandons(pg_url: str, rabbit_consumer: RabbitConsumer) -> None:
     with psycopg.connect(pg_url) as conn:
         # No queue is bound for this routing key in an exchange nobody reads: mandatory
         # publishing makes RabbitMQ return it, a retryable failure every time.
@@ -122,32 +112,32 @@ async def test_max_attempts_abandons(pg_url: str, consumer: RabbitConsumer) -> N
     assert lonely.received == []
 
 
-async def test_stale_lock_is_recovered(pg_url: str, consumer: RabbitConsumer) -> None:
+async def test_stale_lock_is_recovered(pg_url: str, rabbit_consumer: RabbitConsumer) -> None:
     with psycopg.connect(pg_url) as conn:
         sent = outboxer.enqueue(conn, "order.placed", {"n": 1}, key="k")
     async with outboxer.create_store(pg_url) as store:
         claimed = await store.claim("default", "relay-that-died", 10, 0.5, False)
     assert [m.id for m in claimed] == [sent.id]
-    relay_settings = settings(pg_url, consumer.broker_url)
+    relay_settings = settings(pg_url, rabbit_consumer.broker_url)
     assert (await Relay.from_settings(relay_settings).drain()).published == 0, "still locked"
     await asyncio.sleep(0.6)
     assert (await Relay.from_settings(relay_settings).drain()).published == 1
     [row] = rows(pg_url)
     assert row["status"] == "PUBLISHED" and row["attempts"] == 1
     assert "relay-that-died" in row["last_error"]
-    assert [d.message_id for d in await consumer.wait_for(1)] == [str(sent.id)]
+    assert [d.message_id for d in await rabbit_consumer.wait_for(1)] == [str(sent.id)]
 
 
-async def test_notify_wakes_an_idle_relay_at_once(pg_url: str, consumer: RabbitConsumer) -> None:
-    relay = Relay.from_settings(settings(pg_url, consumer.broker_url, poll_interval=30))
+async def test_notify_wakes_an_idle_relay_at_once(pg_url: str, rabbit_consumer: RabbitConsumer) -> None:
+    relay = Relay.from_settings(settings(pg_url, rabbit_consumer.broker_url, poll_interval=30))
     task = await start(relay)
     try:
         await asyncio.sleep(1.0)  # idle, listening
         started = time.monotonic()
         with psycopg.connect(pg_url) as conn:
             outboxer.enqueue(conn, "order.placed", {"n": 1})
-        await consumer.wait_for(1, timeout=10)
-        assert consumer.received and time.monotonic() - started < 5, "woken by NOTIFY, not the 30 s poll"
+        await rabbit_consumer.wait_for(1, timeout=10)
+        assert rabbit_consumer.received and time.monotonic() - started < 5, "woken by NOTIFY, not the 30 s poll"
     finally:
         await stop(relay, task)
 
@@ -164,19 +154,19 @@ def test_one_notify_per_transaction(pg_url: str) -> None:
 
 
 @pytest.mark.parametrize("relays", [2, 4])
-async def test_many_relays_share_a_table(pg_url: str, consumer: RabbitConsumer, relays: int) -> None:
+async def test_many_relays_share_a_table(pg_url: str, rabbit_consumer: RabbitConsumer, relays: int) -> None:
     keys = [f"key-{k}" for k in range(12)]
     with psycopg.connect(pg_url) as conn:
         sent = outboxer.enqueue_many(conn, [
             {"topic": "order.placed", "payload": {"key": key, "n": n}, "key": key}
             for n in range(60) for key in keys
         ] + [{"topic": "order.placed", "payload": {"key": None, "n": n}} for n in range(200)])
-    fleet = [Relay.from_settings(settings(pg_url, consumer.broker_url, batch_size=25, concurrency=2,
+    fleet = [Relay.from_settings(settings(pg_url, rabbit_consumer.broker_url, batch_size=25, concurrency=2,
                                           relay_id=f"relay-{n}")) for n in range(relays)]
     stats = await asyncio.gather(*(relay.drain() for relay in fleet))
     assert sum(s.claimed for s in stats) == len(sent), "each row claimed once: never owned by two relays"
     assert all(s.claimed > 0 for s in stats), "every relay took part"
-    delivered = await consumer.wait_for(len(sent))
+    delivered = await rabbit_consumer.wait_for(len(sent))
     assert sorted(d.message_id for d in delivered) == sorted(str(m.id) for m in sent)
     by_key: dict[str, list[int]] = {}
     for item in delivered:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from outboxer.errors import ConfigError
 from outboxer.message import Message
-from outboxer.stores.sqlfiles import quote_ident
+from outboxer.stores.sqlfiles import migrations, quote_ident, render
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,40}$")
 
@@ -105,9 +105,20 @@ class Store(ABC):
     @abstractmethod
     async def close(self) -> None: ...
 
-    @abstractmethod
+    #: DDL of the table that records applied migrations (tokens in braces).
+    migrations_table_sql: str = ""
+
     def schema_sql(self) -> str:
-        """The whole DDL, for teams that run their own migrations."""
+        """The whole DDL, for teams that run their own migrations, recording each version."""
+        tokens = self.tokens()
+        parts = [render(self.migrations_table_sql, tokens).strip()]
+        for migration in migrations(self.dialect):
+            parts.append(render(migration.sql, tokens).strip())
+            parts.append(
+                f"INSERT INTO {tokens['migrations']} (version, name) VALUES "
+                f"({migration.version}, '{migration.name}') ON CONFLICT DO NOTHING;"
+            )
+        return "\n\n".join(parts) + "\n"
 
     @abstractmethod
     async def apply_schema(self) -> list[str]:

@@ -48,6 +48,7 @@ def asyncpg_dsn(url: str) -> str:
 
 class PostgresStore(Store):
     dialect = "postgres"
+    migrations_table_sql = _MIGRATIONS_TABLE
 
     def __init__(self, url: str, *, schema: str = "outboxer", table: str = "outbox",
                  pool_size: int = 4) -> None:
@@ -89,17 +90,6 @@ class PostgresStore(Store):
         return sql, [params[n] for n in names]
 
     # ----- schema --------------------------------------------------------------------------
-
-    def schema_sql(self) -> str:
-        tokens = self.tokens()
-        parts = [render(_MIGRATIONS_TABLE, tokens).strip()]
-        for migration in migrations("postgres"):
-            parts.append(render(migration.sql, tokens).strip())
-            parts.append(
-                f"INSERT INTO {tokens['migrations']} (version, name) VALUES "
-                f"({migration.version}, '{migration.name}') ON CONFLICT DO NOTHING;"
-            )
-        return "\n\n".join(parts) + "\n"
 
     async def apply_schema(self) -> list[str]:
         await self.connect()

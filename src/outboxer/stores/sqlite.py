@@ -59,6 +59,7 @@ def _timestamp(value: float | None) -> datetime | None:
 
 class SqliteStore(Store):
     dialect = "sqlite"
+    migrations_table_sql = _MIGRATIONS_TABLE
 
     def __init__(self, url: str, *, schema: str = "outboxer", table: str = "outbox") -> None:
         super().__init__(url, schema=schema, table=table)
@@ -110,17 +111,6 @@ class SqliteStore(Store):
         return await asyncio.to_thread(locked)
 
     # ----- schema --------------------------------------------------------------------------
-
-    def schema_sql(self) -> str:
-        tokens = self.tokens()
-        parts = [render(_MIGRATIONS_TABLE, tokens).strip()]
-        for migration in migrations("sqlite"):
-            parts.append(render(migration.sql, tokens).strip())
-            parts.append(
-                f"INSERT OR IGNORE INTO {tokens['migrations']} (version, name) "
-                f"VALUES ({migration.version}, '{migration.name}');"
-            )
-        return "\n\n".join(parts) + "\n"
 
     async def apply_schema(self) -> list[str]:
         tokens = self.tokens()
