@@ -107,7 +107,8 @@ class Relay:
 
     async def run(self) -> RelayStats:
         """Run until ``stop()`` (or, with ``exit_when_idle``, until nothing is due)."""
-        await self._connect_store()
+        if not await self._connect_store():
+            return self.stats
         logger.info("relay %s started: destinations %s, batch %d, concurrency %d",
                     self.relay_id, ", ".join(self.publishers), self.settings.batch_size,
                     self.settings.concurrency)
@@ -138,19 +139,20 @@ class Relay:
 
     # ----- the loop --------------------------------------------------------------------------
 
-    async def _connect_store(self) -> None:
+    async def _connect_store(self) -> bool:
+        """Connect, backing off while the database is down; False if stopped meanwhile."""
         failures = 0
         while True:
             try:
                 await self.store.connect()
-                return
-            except Exception as exc:  # the database may be starting: keep trying, never exit
+                return True
+            except Exception as exc:  # noqa: BLE001 -- the database may be starting: keep trying, never exit
                 failures += 1
                 self.stats.store_errors += 1
                 delay = OUTAGE_BACKOFF.delay(failures)
                 logger.warning("database unreachable (%s); retrying in %.1fs", exc, delay)
                 if await self._sleep(delay):
-                    raise asyncio.CancelledError from exc
+                    return False
 
     async def _ensure_publisher(self, destination: str) -> bool:
         """Connect the destination's publisher, backing off while the broker is down.

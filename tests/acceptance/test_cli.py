@@ -134,3 +134,22 @@ def test_bad_configuration_is_a_clear_error(args: list[str], env: dict[str, Any]
     result = cli(*args, env=env)
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_sigterm_under_load_finishes_in_flight_and_exits_zero(pg_url: str, tmp_path: Path) -> None:
+    out = tmp_path / "events.jsonl"
+    with psycopg.connect(pg_url) as conn:
+        outboxer.enqueue_many(conn, [{"topic": "t", "payload": {"n": n}, "key": f"k{n % 50}"} for n in range(20000)])
+    process = subprocess.Popen([*OUTBOXER, "relay", "--db", pg_url, "--broker", f"file://{out}?fsync=false",
+                                "--batch-size", "100"], stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while statuses(pg_url).get("PUBLISHED", 0) < 1000 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(30) == 0
+    counts = statuses(pg_url)
+    assert "PROCESSING" not in counts, f"in-flight batches are settled or released on SIGTERM: {counts}"
+    published = counts.get("PUBLISHED", 0)
+    assert 1000 <= published < 20000, counts
+    lines = out.read_text().splitlines()
+    assert len({json.loads(line)["id"] for line in lines}) == published == len(lines)

@@ -109,6 +109,8 @@ class Publisher(ABC):
         self.publish_timeout = publish_timeout
         self.stats = PublisherStats()
         self._connected = False
+        # The relay's loops share one publisher: only one of them (re)connects at a time.
+        self._connect_lock = asyncio.Lock()
 
     # ----- primitives for adapters ---------------------------------------------------------
 
@@ -152,17 +154,18 @@ class Publisher(ABC):
         return self._connected
 
     async def connect(self) -> None:
-        if self._connected:
-            return
-        try:
-            # A broker that accepts the TCP connection but never answers must not hang the relay.
-            await asyncio.wait_for(self._connect(), self.publish_timeout)
-        except PublishError:
-            raise
-        except Exception as exc:
-            raise BrokerUnavailableError(f"cannot connect to {self.safe_url}: {describe(exc)}") from exc
-        self._connected = True
-        self.stats.connects += 1
+        async with self._connect_lock:
+            if self._connected:
+                return
+            try:
+                # A broker that accepts the TCP connection but never answers must not hang the relay.
+                await asyncio.wait_for(self._connect(), self.publish_timeout)
+            except PublishError:
+                raise
+            except Exception as exc:
+                raise BrokerUnavailableError(f"cannot connect to {self.safe_url}: {describe(exc)}") from exc
+            self._connected = True
+            self.stats.connects += 1
 
     async def close(self) -> None:
         self._connected = False
