@@ -24,6 +24,9 @@ the client send frames on the dead channel, which RabbitMQ answers by closing
 the connection. So after a channel close the publisher reconnects and sends
 each message that was in flight once more, alone: only the one RabbitMQ
 refuses again on its own is permanent.
+
+Waves (and connects) of one publisher take turns, so that this recovery never
+sees the refusals of a wave that a concurrent caller publishes meanwhile.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
@@ -55,6 +58,8 @@ _EXCHANGE_TYPES = ("topic", "direct", "fanout", "headers")
 #: Channel closes that the same message will cause again: refused for good.
 _PERMANENT = (aiormq.exceptions.ChannelAccessRefused, aiormq.exceptions.ChannelPreconditionFailed)
 _CLOSE_TIMEOUT = 5.0
+#: AMQP short strings (routing key, content type, header names) hold at most 255 bytes.
+_SHORTSTR = 255
 #: aiormq >= 7 can write a publish without awaiting the socket drain: the whole wave goes out
 #: before the first confirm is awaited (its bounded write queue still applies backpressure).
 _NO_DRAIN: dict[str, Any] = (
@@ -130,6 +135,10 @@ class RabbitMQPublisher(Publisher):
         self._driver_url = parts._replace(query=urlencode(rest)).geturl()
         self._connection: AbstractConnection | None = None
         self._channel: AbstractChannel | None = None
+        #: One wave or (re)connect at a time: several relay loops share a publisher, and a wave's
+        #: recovery (reconnect, then publishing alone) must not see another wave's refusals.
+        self._lock = asyncio.Lock()
+        self._generation = 0  # connections made so far
 
     # ----- where a message goes -----------------------------------------------------------
 
@@ -142,10 +151,13 @@ class RabbitMQPublisher(Publisher):
         return self.exchange, destination
 
     def _prepare(self, message: Message) -> _Publish:
+        """The publish for a message; PublishError(retryable=False) if AMQP cannot carry it."""
         exchange, routing_key = self.target_for(message)
-        if len(routing_key.encode("utf-8")) > 255:
-            raise PublishError(f"routing key {routing_key[:40]!r}… is longer than AMQP's 255 bytes",
-                               retryable=False)
+        for what, text in (("routing key", routing_key), ("content type", message.content_type),
+                           *(("header name", name) for name in message.headers)):
+            if len(text.encode("utf-8")) > _SHORTSTR:
+                raise PublishError(f"{what} {text[:40]!r}… is longer than AMQP's {_SHORTSTR} bytes",
+                                   retryable=False)
         headers: FieldTable = dict(message.envelope_headers())
         properties = spec.Basic.Properties(
             content_type=message.content_type,
@@ -159,6 +171,13 @@ class RabbitMQPublisher(Publisher):
     # ----- connection -----------------------------------------------------------------------
 
     async def _connect(self) -> None:
+        generation = self._generation
+        async with self._lock:
+            if self._generation != generation and not self._connection_lost():
+                return  # another caller connected while this one waited
+            await self._reconnect()
+
+    async def _reconnect(self) -> None:
         await self._close()
         connection = await aio_pika.connect(self._driver_url, timeout=self.connect_timeout)
         try:
@@ -175,34 +194,46 @@ class RabbitMQPublisher(Publisher):
                         retryable=False,
                     ) from exc
         except BaseException:
-            await self._close_quietly(connection)
+            await self._quietly(connection.close())
             raise
         self._connection, self._channel = connection, channel
+        self._generation += 1
 
     async def _open_channel(self, connection: AbstractConnection) -> AbstractChannel:
         return await asyncio.wait_for(
             connection.channel(publisher_confirms=True, on_return_raises=True), self.connect_timeout)
 
     async def _close(self) -> None:
-        connection, self._connection, self._channel = self._connection, None, None
+        connection, self._connection = self._connection, None
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await self._quietly(channel.close())
         if connection is not None:
-            await self._close_quietly(connection)
+            await self._quietly(connection.close())
 
     @staticmethod
-    async def _close_quietly(connection: AbstractConnection) -> None:
-        # A broken connection has nothing left to release; a hanging one is abandoned.
+    async def _quietly(closing: Awaitable[object]) -> None:
+        """Close a channel or connection; one already broken has nothing left to release.
+
+        Closing the channel before its connection lets aio-pika finish its close
+        callbacks rather than leave them pending when the connection goes.
+        """
         with contextlib.suppress(aiormq.exceptions.AMQPError, RuntimeError, OSError, TimeoutError):
-            await asyncio.wait_for(connection.close(), _CLOSE_TIMEOUT)
+            await asyncio.wait_for(closing, _CLOSE_TIMEOUT)
 
     def _connection_lost(self) -> bool:
-        return self._connection is None or self._connection.is_closed
+        # aio-pika's is_closed only turns true on close(); a server-side close clears `connected`.
+        connection = self._connection
+        return connection is None or connection.is_closed or not connection.connected.is_set()
 
     async def _usable_channel(self) -> AbstractChannel:
         """The publishing channel, reopened if a refused message closed it."""
-        if self._connection is None or self._connection.is_closed:
+        if self._connection is None or self._connection_lost():
             raise BrokerUnavailableError(f"connection to {self.safe_url} is closed")
         if self._channel is None or self._channel.is_closed:
-            self._channel = None
+            closed, self._channel = self._channel, None
+            if closed is not None:
+                await self._quietly(closed.close())
             self._channel = await self._open_channel(self._connection)
         return self._channel
 
@@ -223,6 +254,10 @@ class RabbitMQPublisher(Publisher):
             raise PublishError(f"RabbitMQ answered {confirmation!r} instead of basic.ack")
 
     async def _publish_wave(self, messages: Sequence[Message]) -> list[BaseException | None]:
+        async with self._lock:
+            return await self._publish_wave_locked(messages)
+
+    async def _publish_wave_locked(self, messages: Sequence[Message]) -> list[BaseException | None]:
         results: list[BaseException | None] = [None] * len(messages)
         prepared: dict[int, _Publish] = {}
         for index, message in enumerate(messages):
@@ -230,17 +265,22 @@ class RabbitMQPublisher(Publisher):
                 prepared[index] = self._prepare(message)
             except PublishError as exc:
                 results[index] = exc
-        deadline = asyncio.get_running_loop().time() + 0.8 * self.publish_timeout
+        loop = asyncio.get_running_loop()
+        # Leave the base class's timeout for what is already settled, not for the whole wave.
+        deadline = loop.time() + 0.8 * self.publish_timeout
         todo = list(prepared)
         while todo:
+            if loop.time() > deadline:
+                return self._fail(results, todo, PublishError(
+                    "RabbitMQ closed the channel; no time was left to publish the message again"))
             try:
                 channel = await self._usable_channel()
             except Exception as exc:  # noqa: BLE001 - reported on each message
                 return self._fail(results, todo, exc)
             raw = await asyncio.gather(*(self._send(channel, prepared[i]) for i in todo),
                                        return_exceptions=True)
-            in_flight: list[int] = []  # written before the channel closed: each may be the cause
-            unsent: list[int] = []  # never written: innocent, publish them together again
+            in_flight: list[int] = []  # written before the channel closed, in write order
+            unsent: list[int] = []  # refused by the client once the channel was closed
             for index, outcome in zip(todo, raw, strict=True):
                 if isinstance(outcome, aiormq.exceptions.ChannelClosed):
                     in_flight.append(index)
@@ -252,28 +292,37 @@ class RabbitMQPublisher(Publisher):
                 break
             if not in_flight:  # the channel closed before any of them went out: not their doing
                 return self._fail(results, unsent, self._lost(None))
-            # A message closed the channel. Frames written after the close may have made
-            # RabbitMQ close the connection too, so start over on a fresh connection.
+            # One of the in-flight messages closed the channel. Frames written after the close
+            # may have made RabbitMQ close the connection too: start over on a fresh one.
             try:
-                await self._connect()
+                await self._reconnect()
             except Exception as exc:  # noqa: BLE001 - reported on each message
                 return self._fail(results, in_flight + unsent, self._lost(exc))
-            for index in in_flight:
-                if asyncio.get_running_loop().time() > deadline:
-                    results[index] = PublishError(
-                        "RabbitMQ closed the channel; no time was left to try the message alone")
-                else:
-                    results[index] = await self._publish_alone(prepared[index])
-            todo = unsent
+            # Send them again one at a time, in write order, until one closes the channel on its
+            # own: it is the culprit, and RabbitMQ dropped everything written after it unread,
+            # so those go back into a pipelined round with the unsent ones.
+            later: list[int] = []
+            for position, index in enumerate(in_flight):
+                if loop.time() > deadline:
+                    later = in_flight[position:]
+                    break
+                results[index], closed = await self._publish_alone(prepared[index])
+                if closed:
+                    later = in_flight[position + 1:]
+                    break
+            todo = sorted(later + unsent)
         return results
 
-    async def _publish_alone(self, publish: _Publish) -> BaseException | None:
-        """Publish one message with nothing else in flight: its failure is its own."""
+    async def _publish_alone(self, publish: _Publish) -> tuple[BaseException | None, bool]:
+        """Publish one message with nothing else in flight: its failure is its own.
+
+        Returns the outcome and whether the message closed the channel.
+        """
         try:
             await self._send(await self._usable_channel(), publish)
         except Exception as exc:  # noqa: BLE001 - returned as the message's outcome
-            return self._translate(exc, alone=True)
-        return None
+            return self._translate(exc, alone=True), isinstance(exc, aiormq.exceptions.ChannelClosed)
+        return None, False
 
     def _fail(self, results: list[BaseException | None], indexes: Sequence[int],
               exc: BaseException) -> list[BaseException | None]:
@@ -314,9 +363,6 @@ class RabbitMQPublisher(Publisher):
         error = BrokerUnavailableError(f"no usable connection to {self.safe_url}{detail}")
         error.__cause__ = exc
         return error
-
-    def is_connection_error(self, exc: BaseException) -> bool:
-        return super().is_connection_error(exc) or isinstance(exc, aiormq.exceptions.AMQPConnectionError)
 
 
 __all__ = ["RabbitMQPublisher"]
