@@ -1,0 +1,239 @@
+"""``nats://``: JetStream publish with a PubAck per message, deduplicated by ``Nats-Msg-Id``.
+
+A message is confirmed once JetStream answered its publish with a PubAck: the
+stream stored it (replicated as the stream's ``num_replicas`` says). Every
+publish carries ``Nats-Msg-Id: <outbox id>``, so a re-publish inside the
+stream's duplicate window is acknowledged as a duplicate and stored once.
+
+The messages of a wave are published concurrently and their PubAcks awaited
+together. nats-py's own reconnection is off: the relay reconnects, and a
+connection lost mid-wave fails the unconfirmed rest of the wave at once instead
+of letting it wait for its PubAck timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import urlunsplit
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from outboxer.brokers.base import Publisher, parse_options
+from outboxer.errors import ConfigError, PublishError
+from outboxer.message import Message
+
+logger = logging.getLogger("outboxer.publisher.nats")
+
+MSG_ID_HEADER = "Nats-Msg-Id"
+#: The stream's duplicate window when outboxer creates the stream (NATS's own default).
+DEFAULT_DUPLICATE_WINDOW = 120.0
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+#: Refusals that the same publish will meet again (the message itself is at fault).
+_PERMANENT = (nats.errors.MaxPayloadError, nats.errors.BadSubjectError, nats.errors.BadHeaderError)
+#: The connection is gone: reconnect before going on.
+_CONNECTION = (
+    nats.errors.ConnectionClosedError, nats.errors.StaleConnectionError, nats.errors.NoServersError,
+    nats.errors.OutboundBufferLimitError, nats.errors.ConnectionReconnectingError,
+    nats.errors.ConnectionDrainingError,
+)
+
+
+def _flag(name: str, value: str) -> bool:
+    if value.lower() in _TRUE:
+        return True
+    if value.lower() in _FALSE:
+        return False
+    raise ConfigError(f"{name} must be true or false, not {value!r}")
+
+
+def publish_headers(message: Message) -> dict[str, str]:
+    """NATS headers for ``message``: the envelope, the user headers and ``Nats-Msg-Id``."""
+    headers = message.envelope_headers()
+    headers[MSG_ID_HEADER] = str(message.id)
+    return headers
+
+
+def encoded_size(payload: bytes, headers: Mapping[str, str]) -> int:
+    """Bytes the server counts against ``max_payload``: header block plus payload."""
+    block = len(b"NATS/1.0\r\n\r\n")
+    block += sum(len(name.encode()) + len(value.encode()) + 4 for name, value in headers.items())
+    return block + len(payload)
+
+
+class NatsPublisher(Publisher):
+    """Publishes each message to the subject ``subject_prefix + destination`` on JetStream."""
+
+    schemes = ("nats",)
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        routes: Mapping[str, str] | None = None,
+        publish_timeout: float = 30.0,
+        subject_prefix: str | None = None,
+        stream: str | None = None,
+        create_stream: bool | None = None,
+        subjects: Sequence[str] | str | None = None,
+        duplicate_window: float | None = None,
+        tls: bool | None = None,
+        creds: str | None = None,
+        connect_timeout: float | None = None,
+    ) -> None:
+        super().__init__(url, routes=routes, publish_timeout=publish_timeout)
+        parts, options = parse_options(url)
+        if not parts.hostname:
+            raise ConfigError(f"NATS URL needs a host: {url!r} (nats://127.0.0.1:4222)")
+        self.subject_prefix = subject_prefix if subject_prefix is not None else options.get("subject_prefix", "")
+        #: Expected stream (sent as ``Nats-Expected-Stream``) and the one to create.
+        self.stream = stream if stream is not None else (options.get("stream") or None)
+        self.create_stream = (create_stream if create_stream is not None
+                              else _flag("create_stream", options.get("create_stream", "false")))
+        if subjects is None:
+            subjects = options.get("subjects") or None
+        if isinstance(subjects, str):
+            subjects = [s.strip() for s in subjects.split(",") if s.strip()]
+        self.subjects = list(subjects or ([f"{self.subject_prefix}>"] if self.subject_prefix else []))
+        if duplicate_window is None:
+            raw = options.get("duplicate_window", "")
+            try:
+                duplicate_window = float(raw) if raw else DEFAULT_DUPLICATE_WINDOW
+            except ValueError:
+                raise ConfigError(f"duplicate_window must be seconds, not {raw!r}") from None
+        if duplicate_window <= 0:
+            raise ConfigError(f"duplicate_window must be positive seconds, not {duplicate_window}")
+        self.duplicate_window = duplicate_window
+        if self.create_stream and not self.stream:
+            raise ConfigError("create_stream needs a stream name (option stream)")
+        if self.create_stream and not self.subjects:
+            raise ConfigError("create_stream needs subjects (option subjects, or a subject_prefix)")
+        self.tls = tls if tls is not None else _flag("tls", options.get("tls", "false"))
+        self.creds = creds if creds is not None else (options.get("creds") or None)
+        if connect_timeout is None:
+            raw = options.get("connect_timeout", "")
+            try:
+                connect_timeout = float(raw) if raw else 10.0
+            except ValueError:
+                raise ConfigError(f"connect_timeout must be seconds, not {raw!r}") from None
+        self.connect_timeout = connect_timeout
+        # nats://user:pass@a:4222,b:4222 names a cluster: one server URL per host.
+        self.servers = [urlunsplit((parts.scheme, host, "", "", "")) for host in parts.netloc.split(",")]
+        self._nc: Client | None = None
+        self._js: JetStreamContext | None = None
+        self._lost = asyncio.Event()
+
+    def subject_for(self, message: Message) -> str:
+        return self.subject_prefix + self.destination_for(message)
+
+    async def _connect(self) -> None:
+        await self._close()
+        lost = self._lost = asyncio.Event()
+
+        async def on_disconnect() -> None:
+            lost.set()
+
+        async def on_error(error: Exception) -> None:
+            logger.warning("nats: %s: %s", type(error).__name__, error)
+
+        options: dict[str, Any] = {}
+        if self.tls:
+            options["tls"] = ssl.create_default_context()
+        if self.creds:
+            options["user_credentials"] = self.creds
+        nc = await nats.connect(
+            servers=self.servers, name="outboxer", allow_reconnect=False,
+            max_reconnect_attempts=1, reconnect_time_wait=0.5,
+            connect_timeout=max(1, round(self.connect_timeout)),
+            error_cb=on_error, disconnected_cb=on_disconnect, closed_cb=on_disconnect, **options,
+        )
+        self._nc, self._js = nc, nc.jetstream(timeout=self.publish_timeout)
+        if self.create_stream:
+            try:
+                await self._ensure_stream()
+            except BaseException:
+                await self._close()
+                raise
+
+    async def _ensure_stream(self) -> None:
+        """Create the stream unless it exists (an existing stream is never changed)."""
+        assert self._js is not None and self.stream is not None
+        try:
+            await self._js.stream_info(self.stream)
+            return
+        except nats.js.errors.NotFoundError:
+            pass
+        try:
+            await self._js.add_stream(name=self.stream, subjects=self.subjects,
+                                      duplicate_window=self.duplicate_window)
+        except nats.js.errors.BadRequestError as exc:
+            if exc.err_code != 10058:  # created meanwhile by another relay: fine
+                raise PublishError(f"cannot create JetStream stream {self.stream!r}: {exc}",
+                                   retryable=False) from exc
+
+    async def _close(self) -> None:
+        nc, self._nc, self._js = self._nc, None, None
+        if nc is not None and not nc.is_closed:
+            # A broken connection has nothing left to flush.
+            with contextlib.suppress(nats.errors.Error, OSError, asyncio.TimeoutError):
+                await nc.close()
+
+    async def _publish_one(self, message: Message) -> None:
+        if self._js is None or self._nc is None or self._nc.is_closed:
+            raise nats.errors.ConnectionClosedError
+        subject = self.subject_for(message)
+        headers = publish_headers(message)
+        size = encoded_size(message.payload, headers)
+        if size > self._nc.max_payload:
+            raise PublishError(
+                f"message of {size} bytes (headers included) exceeds the server's max_payload "
+                f"of {self._nc.max_payload} bytes", retryable=False)
+        try:
+            ack = await self._js.publish(subject, message.payload, timeout=self.publish_timeout,
+                                         stream=self.stream, headers=headers)
+        except nats.js.errors.NoStreamResponseError as exc:
+            raise PublishError(f"no JetStream stream listens on subject {subject!r}") from exc
+        except nats.js.errors.APIError as exc:
+            code = exc.code or 0
+            raise PublishError(f"JetStream refused {subject!r}: {exc}",
+                               retryable=not 400 <= code < 500 or code in (408, 429)) from exc
+        except _PERMANENT as exc:
+            raise PublishError(f"cannot publish to {subject!r}: {type(exc).__name__}: {exc}",
+                               retryable=False) from exc
+        if ack.duplicate:
+            logger.debug("message %s was already in stream %s (duplicate)", message.id, ack.stream)
+
+    async def _publish_wave(self, messages: Sequence[Message]) -> list[BaseException | None]:
+        lost = self._lost
+        tasks = [asyncio.ensure_future(self._publish_one(message)) for message in messages]
+        together = asyncio.gather(*tasks, return_exceptions=True)
+        watcher = asyncio.ensure_future(lost.wait())
+        try:
+            await asyncio.wait((together, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not together.done():
+                together.cancel()
+        results: list[BaseException | None] = []
+        for task in tasks:
+            if task.cancelled() or not task.done():
+                results.append(nats.errors.ConnectionClosedError())  # lost before its PubAck
+            else:
+                results.append(task.exception())
+        return results
+
+    def is_connection_error(self, exc: BaseException) -> bool:
+        return isinstance(exc, _CONNECTION) or super().is_connection_error(exc)
+
+
+__all__ = ["MSG_ID_HEADER", "NatsPublisher", "encoded_size", "publish_headers"]
