@@ -304,12 +304,9 @@ class TestWebhook(PublisherContract):
         assert self.server.connections == 4  # kept alive and reused
         self.server.max_in_flight = 0
         async with self.make_publisher() as publisher:
-            started = time.monotonic()
             outcomes = await publisher.publish_batch(batch)
-            elapsed = time.monotonic() - started
         assert all(o.published for o in outcomes)
-        assert self.server.max_in_flight > 10
-        assert elapsed < 40 * 0.05 / 2, elapsed
+        assert self.server.max_in_flight > 10  # default max_connections=64: the wave goes at once
 
     async def test_receiver_down_fails_retryably_then_recovers(self) -> None:
         publisher = self.make_publisher()
