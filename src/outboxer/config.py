@@ -54,7 +54,7 @@ def parse_duration(value: object, name: str) -> float:
     return seconds
 
 
-def _int(value: object, name: str, low: int, high: int) -> int:
+def int_option(value: object, name: str, low: int, high: int) -> int:
     try:
         number = int(str(value)) if not isinstance(value, int) or isinstance(value, bool) else value
     except ValueError:
@@ -64,7 +64,7 @@ def _int(value: object, name: str, low: int, high: int) -> int:
     return number
 
 
-def _float(value: object, name: str, low: float, high: float) -> float:
+def float_option(value: object, name: str, low: float, high: float) -> float:
     try:
         number = float(str(value)) if not isinstance(value, int | float) or isinstance(value, bool) else float(value)
     except ValueError:
@@ -74,7 +74,7 @@ def _float(value: object, name: str, low: float, high: float) -> float:
     return number
 
 
-def _bool(value: object, name: str) -> bool:
+def bool_option(value: object, name: str) -> bool:
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
@@ -157,23 +157,23 @@ def _positive_duration(value: object, name: str) -> float:
 
 
 _CHECKS: dict[str, Any] = {
-    "batch_size": lambda v, n: _int(v, n, 1, 10_000),
+    "batch_size": lambda v, n: int_option(v, n, 1, 10_000),
     "lock_timeout": _positive_duration,
-    "max_attempts": lambda v, n: _int(v, n, 1, 1_000_000),
+    "max_attempts": lambda v, n: int_option(v, n, 1, 1_000_000),
     "poll_interval": _positive_duration,
     "backoff_base": _positive_duration,
-    "backoff_multiplier": lambda v, n: _float(v, n, 1.0, 1000.0),
+    "backoff_multiplier": lambda v, n: float_option(v, n, 1.0, 1000.0),
     "backoff_max": _positive_duration,
-    "backoff_jitter": lambda v, n: _float(v, n, 0.0, 0.99),
+    "backoff_jitter": lambda v, n: float_option(v, n, 0.0, 0.99),
     "published_retention": parse_duration,
     "abandoned_retention": parse_duration,
     "inbox_retention": parse_duration,
     "cleanup_interval": _positive_duration,
-    "cleanup_batch": lambda v, n: _int(v, n, 1, 1_000_000),
-    "concurrency": lambda v, n: _int(v, n, 1, 64),
+    "cleanup_batch": lambda v, n: int_option(v, n, 1, 1_000_000),
+    "concurrency": lambda v, n: int_option(v, n, 1, 64),
     "publish_timeout": _positive_duration,
-    "abandoned_blocks_key": _bool,
-    "exit_when_idle": _bool,
+    "abandoned_blocks_key": bool_option,
+    "exit_when_idle": bool_option,
     "db": lambda v, n: _url(v, n),
     "schema": lambda v, n: str(v),
     "table": lambda v, n: str(v),

@@ -23,12 +23,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 from outboxer.errors import BrokerUnavailableError, ConfigError, PublishError
 from outboxer.message import Message
 
 logger = logging.getLogger("outboxer.publisher")
+
+#: Query options whose values never appear in logs or errors.
+SECRET_WORDS = ("password", "secret", "token")
 
 
 class OutcomeKind(StrEnum):
@@ -180,12 +183,18 @@ class Publisher(ABC):
 
     @property
     def safe_url(self) -> str:
-        """The URL without its password, for logs and errors."""
+        """The URL without its password, nor query values named like secrets, for logs."""
         parts = urlsplit(self.url)
-        if parts.password:
-            netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-            parts = parts._replace(netloc=netloc)
-        return parts.geturl()
+        userinfo, _, hosts = parts.netloc.rpartition("@")
+        if userinfo:
+            user, has_password, _ = userinfo.partition(":")
+            hosts = f"{user}:***@{hosts}" if has_password else f"{user}@{hosts}"
+        query = "&".join(
+            f"{pair.partition('=')[0]}=***"
+            if any(word in unquote(pair.partition("=")[0]).lower() for word in SECRET_WORDS) else pair
+            for pair in parts.query.split("&") if pair
+        )
+        return urlunsplit(parts._replace(netloc=hosts, query=query))
 
     async def publish_batch(self, messages: Sequence[Message]) -> list[Outcome]:
         """Publish a batch; one Outcome per message, in the same order.

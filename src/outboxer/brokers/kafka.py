@@ -20,12 +20,12 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
-from urllib.parse import unquote, urlencode
+from urllib.parse import unquote
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from outboxer.brokers.base import Publisher, parse_options
-from outboxer.config import _float
+from outboxer.config import float_option
 from outboxer.errors import ConfigError, PublishError
 from outboxer.message import Message
 
@@ -57,7 +57,6 @@ CONNECTION_ERRORS = frozenset(
     if hasattr(KafkaError, name)
 )
 
-_SECRET_WORDS = ("password", "secret")
 
 #: librdkafka logs of the offline configuration check go nowhere.
 _quiet = logging.getLogger("outboxer.kafka.config-check")
@@ -118,7 +117,7 @@ class KafkaPublisher(Publisher):
             raise ConfigError(f"kafka URL needs bootstrap servers: {url!r} (kafka://host:9092)")
         # connect_timeout is outboxer's; every other query parameter goes to librdkafka.
         url_timeout = options.pop("connect_timeout", "10")
-        self.connect_timeout = _float(
+        self.connect_timeout = float_option(
             connect_timeout if connect_timeout is not None else url_timeout,
             "kafka option connect_timeout", 0.001, 3600,
         )
@@ -148,20 +147,6 @@ class KafkaPublisher(Publisher):
         self._poller: threading.Thread | None = None
         self._stop = threading.Event()
         self._fatal: KafkaError | None = None
-
-    @property
-    def safe_url(self) -> str:
-        """The URL without passwords or secrets (in the user part or in the query)."""
-        parts, options = parse_options(self.url)
-        userinfo, _, hosts = parts.netloc.rpartition("@")
-        if userinfo:
-            hosts = f"{userinfo.partition(':')[0]}:***@{hosts}"
-        query = urlencode(
-            {k: "***" if any(w in k.lower() for w in _SECRET_WORDS) else v for k, v in options.items()},
-            safe="*,",
-        )
-        safe: str = parts._replace(netloc=hosts, query=query).geturl()
-        return safe
 
     # ----- connection ------------------------------------------------------------------------
 

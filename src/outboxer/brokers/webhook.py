@@ -20,7 +20,7 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 import httpx
 
 from outboxer.brokers.base import Publisher, parse_options
-from outboxer.config import _float, _int
+from outboxer.config import float_option, int_option
 from outboxer.errors import BrokerUnavailableError, ConfigError, PublishError
 from outboxer.message import Message
 from outboxer.webhook_signature import HEADER_ID, HEADER_SIGNATURE, HEADER_TIMESTAMP, sign
@@ -162,7 +162,7 @@ class WebhookPublisher(Publisher):
         self.endpoint: str = urlunsplit(parts._replace(query=_strip_options(parts.query), fragment=""))
         secret = secret if secret is not None else options.get("secret")
         self.secret: bytes | None = (secret.encode() if isinstance(secret, str) else secret) or None
-        self.max_connections = _int(
+        self.max_connections = int_option(
             max_connections if max_connections is not None
             else options.get("max_connections", DEFAULT_MAX_CONNECTIONS),
             "webhook option max_connections", 1, 10_000,
@@ -171,7 +171,7 @@ class WebhookPublisher(Publisher):
         self.retry_statuses = (
             DEFAULT_RETRY_STATUSES if statuses is None else parse_retry_statuses(statuses)
         )
-        self.timeout = _float(
+        self.timeout = float_option(
             timeout if timeout is not None else options.get("timeout", DEFAULT_TIMEOUT),
             "webhook option timeout", 0.001, 3600,
         )
@@ -185,16 +185,6 @@ class WebhookPublisher(Publisher):
         self.verify = verify
         self._ssl: ssl.SSLContext | None = None
         self._lanes: _Lanes | None = None
-
-    @property
-    def safe_url(self) -> str:
-        """The URL without its password or secret, for logs and errors."""
-        parts = urlsplit(super().safe_url)
-        query = "&".join(
-            "secret=***" if unquote(pair.partition("=")[0]) == "secret" else pair
-            for pair in parts.query.split("&") if pair
-        )
-        return urlunsplit(parts._replace(query=query))
 
     def destination_for(self, message: Message) -> str:
         """The URL to post ``message`` to: the endpoint, or its topic's route.
