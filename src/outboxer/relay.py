@@ -21,6 +21,7 @@ from outboxer.brokers import Publisher, create_publisher
 from outboxer.brokers.base import Outcome, OutcomeKind
 from outboxer.config import Settings
 from outboxer.envelope import strip_envelope
+from outboxer.errors import ConfigError, PublishError
 from outboxer.message import Message
 from outboxer.retry import Backoff
 from outboxer.stores import Failure, Store, create_store
@@ -68,13 +69,12 @@ class Relay:
         self.stats = RelayStats()
         self._stopping = asyncio.Event()
         self._in_flight: dict[str, int] = dict.fromkeys(self.publishers, 0)
+        self._fatal: ConfigError | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Relay:
         store = create_store(settings.require_db(), schema=settings.schema, table=settings.table)
         if not settings.destinations:
-            from outboxer.errors import ConfigError
-
             raise ConfigError("no broker: pass --broker URL, set OUTBOXER_BROKER, or name destinations in outboxer.toml")
         publishers = {
             name: create_publisher(dest.broker, routes=dest.routes,
@@ -130,6 +130,8 @@ class Relay:
                     await publisher.close()
             await self.store.close()
             logger.info("relay %s stopped: %s", self.relay_id, self.stats.as_dict())
+        if self._fatal is not None:
+            raise self._fatal
         return self.stats
 
     async def drain(self) -> RelayStats:
@@ -168,6 +170,12 @@ class Relay:
                     logger.info("destination %s: broker %s is back", destination, publisher.safe_url)
                 self.stats.broker_reconnects += 1
             except Exception as exc:  # noqa: BLE001 -- broker outage: log, back off, try again
+                if isinstance(exc, PublishError) and not exc.retryable:
+                    # Misconfigured (say, an exchange of another type): retrying cannot help.
+                    logger.error("destination %s: broker refuses this configuration: %s", destination, exc)
+                    self._fatal = ConfigError(f"destination {destination}: {exc}")
+                    self.stop()
+                    return False
                 failures += 1
                 delay = OUTAGE_BACKOFF.delay(failures)
                 logger.warning("destination %s: broker unreachable (%s); retrying in %.1fs",

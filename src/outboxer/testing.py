@@ -162,8 +162,10 @@ class PublisherContract(ABC):
         topic = self.fresh_topic()
         publisher = self.make_publisher()
         await publisher.connect()
+        warmup = await self.start_consumer(topic)  # a broker may refuse what nobody consumes
         first = await publisher.publish_batch([make_message(topic, {"n": 0})])
         assert first[0].published, first
+        await warmup.close()
         await self.restart_server()
         consumer = await self.start_consumer(topic)
         message = make_message(topic, {"n": 1})

@@ -106,3 +106,17 @@ async def test_stripped_envelope_drops_internal_headers(sqlite_url: str, broker:
     settings = load_settings({"db": sqlite_url, "poll_interval": 0.05}, config_file=config, environ={})
     await Relay.from_settings(settings).drain()
     assert dict(broker.messages[0].headers) == {"trace": "x"}
+
+
+async def test_a_broker_refusing_the_configuration_stops_the_relay(sqlite_url: str, broker: MemoryBroker,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from outboxer import ConfigError
+
+    relay = make_relay(sqlite_url, broker)
+
+    async def refuse() -> None:
+        raise PublishError("exchange exists with another type", retryable=False)
+
+    monkeypatch.setattr(relay.publishers["default"], "_connect", refuse)
+    with pytest.raises(ConfigError, match="another type"):
+        await asyncio.wait_for(relay.run(), 10)

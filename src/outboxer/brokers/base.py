@@ -85,6 +85,20 @@ def waves(messages: Sequence[Message]) -> list[list[int]]:
     return result
 
 
+def option_bool(options: Mapping[str, str], name: str, given: bool | None, default: bool) -> bool:
+    """A true/false adapter option: the keyword argument wins, then the URL query, then the default."""
+    if given is not None:
+        return given
+    text = options.get(name, "").strip().lower()
+    if not text:
+        return default
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name} must be true or false, not {options[name]!r}")
+
+
 def parse_options(url: str) -> tuple[Any, dict[str, str]]:
     """Split a broker URL into its parts and its query-string options."""
     parts = urlsplit(url)

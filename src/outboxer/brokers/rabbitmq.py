@@ -45,15 +45,13 @@ from aio_pika.abc import AbstractChannel, AbstractConnection
 from aiormq import spec
 from pamqp.common import FieldTable
 
-from outboxer.brokers.base import Publisher, parse_options
+from outboxer.brokers.base import Publisher, option_bool, parse_options
 from outboxer.errors import BrokerUnavailableError, ConfigError, PublishError
 from outboxer.message import Message
 
 #: Our own URL options; the rest of the query string goes to aio-pika (heartbeat, name, cafile…).
 _OPTIONS = ("exchange", "exchange_type", "declare_exchange", "persistent", "mandatory",
             "connect_timeout")
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
 _EXCHANGE_TYPES = ("topic", "direct", "fanout", "headers")
 #: Channel closes that the same message will cause again: refused for good.
 _PERMANENT = (aiormq.exceptions.ChannelAccessRefused, aiormq.exceptions.ChannelPreconditionFailed)
@@ -65,19 +63,6 @@ _SHORTSTR = 255
 _NO_DRAIN: dict[str, Any] = (
     {"wait": False} if "wait" in inspect.signature(aiormq.Channel.basic_publish).parameters else {}
 )
-
-
-def _bool_option(name: str, given: bool | None, options: Mapping[str, str], default: bool) -> bool:
-    if given is not None:
-        return given
-    text = options.get(name, "").strip().lower()
-    if text == "":
-        return default
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise ConfigError(f"{name} must be true or false, not {options[name]!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,9 +101,9 @@ class RabbitMQPublisher(Publisher):
         if self.exchange_type not in _EXCHANGE_TYPES:
             raise ConfigError(f"exchange_type must be one of {', '.join(_EXCHANGE_TYPES)}, "
                               f"not {self.exchange_type!r}")
-        self.declare_exchange = _bool_option("declare_exchange", declare_exchange, options, True)
-        self.persistent = _bool_option("persistent", persistent, options, True)
-        self.mandatory = _bool_option("mandatory", mandatory, options, True)
+        self.declare_exchange = option_bool(options, "declare_exchange", declare_exchange, True)
+        self.persistent = option_bool(options, "persistent", persistent, True)
+        self.mandatory = option_bool(options, "mandatory", mandatory, True)
         if connect_timeout is None:
             text = options.get("connect_timeout", "10")
             try:
