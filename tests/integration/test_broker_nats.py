@@ -16,6 +16,7 @@ import nats
 import nats.errors
 import nats.js.errors
 import pytest
+from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 
@@ -211,6 +212,19 @@ async def test_expected_stream_mismatch_is_permanent() -> None:
     assert outcome.kind is OutcomeKind.FAILED and not outcome.retryable
 
 
+async def test_invalid_subject_or_header_name_is_refused_before_sending() -> None:
+    topic = f"ok.{uuid.uuid4().hex[:8]}"
+    async with NatsPublisher(URL, subject_prefix=PREFIX, stream=STREAM) as publisher:
+        outcomes = await publisher.publish_batch([
+            make_message("with space"),
+            make_message(topic, headers={"bad name": "x"}),
+            make_message(topic, headers={"good-name": "x"}),
+        ])
+        assert publisher._replies == {}
+    assert [(o.kind, o.retryable) for o in outcomes[:2]] == [(OutcomeKind.FAILED, False)] * 2
+    assert outcomes[2].published
+
+
 async def test_create_stream_when_missing() -> None:
     name = f"OUTBOXER_NEW_{uuid.uuid4().hex[:8]}"
     prefix = f"n{uuid.uuid4().hex[:8]}."
@@ -230,24 +244,29 @@ async def test_create_stream_when_missing() -> None:
 
 async def test_wave_is_published_concurrently(monkeypatch: pytest.MonkeyPatch) -> None:
     in_flight = peak = 0
-    original = JetStreamContext.publish
+    send, answer = Client.publish, NatsPublisher._on_reply
 
-    async def tracking(self: JetStreamContext, *args: Any, **kwargs: Any) -> Any:
+    async def sending(self: Client, subject: str, *args: Any, **kwargs: Any) -> None:
         nonlocal in_flight, peak
-        in_flight += 1
-        peak = max(peak, in_flight)
-        try:
-            return await original(self, *args, **kwargs)
-        finally:
-            in_flight -= 1
+        if subject.startswith(PREFIX):
+            in_flight += 1
+            peak = max(peak, in_flight)
+        await send(self, subject, *args, **kwargs)
 
-    monkeypatch.setattr(JetStreamContext, "publish", tracking)
+    async def answered(self: NatsPublisher, msg: Any) -> None:
+        nonlocal in_flight
+        in_flight -= 1
+        await answer(self, msg)
+
+    monkeypatch.setattr(Client, "publish", sending)
+    monkeypatch.setattr(NatsPublisher, "_on_reply", answered)
     topic = f"conc.{uuid.uuid4().hex[:8]}"
     batch = [make_message(topic, {"n": n}, key=f"k{n % 100}") for n in range(300)]
     async with NatsPublisher(URL, subject_prefix=PREFIX, stream=STREAM) as publisher:
         outcomes = await publisher.publish_batch(batch)
     assert all(o.published for o in outcomes)
-    assert peak == 100  # one wave = the 100 keys, all in flight together
+    assert in_flight == 0
+    assert peak == 100  # one wave = the 100 keys, all sent before the first PubAck is handled
 
 
 async def test_connection_lost_mid_wave_fails_fast() -> None:

@@ -5,16 +5,20 @@ stream stored it (replicated as the stream's ``num_replicas`` says). Every
 publish carries ``Nats-Msg-Id: <outbox id>``, so a re-publish inside the
 stream's duplicate window is acknowledged as a duplicate and stored once.
 
-The messages of a wave are published concurrently and their PubAcks awaited
-together. nats-py's own reconnection is off: the relay reconnects, and a
-connection lost mid-wave fails the unconfirmed rest of the wave at once instead
-of letting it wait for its PubAck timeout.
+The messages of a wave are all sent before their PubAcks are awaited together;
+the PubAcks come back on one reply subscription of this publisher (nats-py's
+``publish_async`` leaves its future pending forever when JetStream answers with
+an error, nats-io/nats.py#985). nats-py's own reconnection is off: the relay
+reconnects, and a connection lost mid-wave fails the unconfirmed rest of the
+wave at once instead of letting it wait for its PubAck timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import json
 import logging
 import ssl
 from collections.abc import Mapping, Sequence
@@ -25,7 +29,9 @@ import nats
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.api import Header, PubAck
 
 from outboxer.brokers.base import Publisher, parse_options
 from outboxer.errors import ConfigError, PublishError
@@ -132,6 +138,10 @@ class NatsPublisher(Publisher):
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
         self._lost = asyncio.Event()
+        #: PubAck replies arrive on ``<inbox>.<token>``; each token's future gets the reply.
+        self._inbox = ""
+        self._replies: dict[str, asyncio.Future[Msg]] = {}
+        self._tokens = itertools.count()
 
     def subject_for(self, message: Message) -> str:
         return self.subject_prefix + self.destination_for(message)
@@ -158,6 +168,8 @@ class NatsPublisher(Publisher):
             error_cb=on_error, disconnected_cb=on_disconnect, closed_cb=on_disconnect, **options,
         )
         self._nc, self._js = nc, nc.jetstream(timeout=self.publish_timeout)
+        self._inbox = nc.new_inbox()
+        await nc.subscribe(f"{self._inbox}.*", cb=self._on_reply)
         if self.create_stream:
             try:
                 await self._ensure_stream()
@@ -181,55 +193,105 @@ class NatsPublisher(Publisher):
                 raise PublishError(f"cannot create JetStream stream {self.stream!r}: {exc}",
                                    retryable=False) from exc
 
+    async def _on_reply(self, msg: Msg) -> None:
+        future = self._replies.pop(msg.subject[len(self._inbox) + 1:], None)
+        if future is not None and not future.done():
+            future.set_result(msg)
+
     async def _close(self) -> None:
         nc, self._nc, self._js = self._nc, None, None
+        for future in self._replies.values():
+            future.cancel()
+        self._replies.clear()
         if nc is not None and not nc.is_closed:
             # A broken connection has nothing left to flush.
             with contextlib.suppress(nats.errors.Error, OSError, asyncio.TimeoutError):
                 await nc.close()
 
-    async def _publish_one(self, message: Message) -> None:
-        if self._js is None or self._nc is None or self._nc.is_closed:
-            raise nats.errors.ConnectionClosedError
-        subject = self.subject_for(message)
-        headers = publish_headers(message)
+    def _check_size(self, message: Message, headers: Mapping[str, str]) -> None:
+        """Refuse for good what the server would refuse by closing the connection."""
+        assert self._nc is not None
         size = encoded_size(message.payload, headers)
         if size > self._nc.max_payload:
             raise PublishError(
                 f"message of {size} bytes (headers included) exceeds the server's max_payload "
                 f"of {self._nc.max_payload} bytes", retryable=False)
-        try:
-            ack = await self._js.publish(subject, message.payload, timeout=self.publish_timeout,
-                                         stream=self.stream, headers=headers)
-        except nats.js.errors.NoStreamResponseError as exc:
-            raise PublishError(f"no JetStream stream listens on subject {subject!r}") from exc
-        except nats.js.errors.APIError as exc:
+
+    def _refusal(self, subject: str, exc: BaseException) -> BaseException:
+        """The error to report for a publish that failed with ``exc``."""
+        if isinstance(exc, nats.js.errors.APIError):
             code = exc.code or 0
-            raise PublishError(f"JetStream refused {subject!r}: {exc}",
-                               retryable=not 400 <= code < 500 or code in (408, 429)) from exc
-        except _PERMANENT as exc:
-            raise PublishError(f"cannot publish to {subject!r}: {type(exc).__name__}: {exc}",
-                               retryable=False) from exc
+            return PublishError(f"JetStream refused {subject!r}: {exc}",
+                                retryable=not 400 <= code < 500 or code in (408, 429))
+        if isinstance(exc, _PERMANENT):
+            return PublishError(f"cannot publish to {subject!r}: {type(exc).__name__}: {exc}",
+                                retryable=False)
+        return exc
+
+    def _outcome(self, message: Message, reply: Msg) -> BaseException | None:
+        """None if ``reply`` is a PubAck, else the error it means."""
+        subject = self.subject_for(message)
+        if reply.headers and reply.headers.get(Header.STATUS) == "503":
+            return PublishError(f"no JetStream stream listens on subject {subject!r}")
+        try:
+            answer = json.loads(reply.data)
+            if "error" in answer:
+                try:
+                    nats.js.errors.APIError.from_error(answer["error"])  # raises the typed error
+                except nats.js.errors.APIError as exc:
+                    return self._refusal(subject, exc)
+            ack = PubAck.from_response(answer)
+        except (ValueError, TypeError, KeyError) as exc:
+            return PublishError(f"unexpected PubAck for {subject!r}: {reply.data[:200]!r} ({exc})")
         if ack.duplicate:
             logger.debug("message %s was already in stream %s (duplicate)", message.id, ack.stream)
+        return None
 
     async def _publish_wave(self, messages: Sequence[Message]) -> list[BaseException | None]:
-        lost = self._lost
-        tasks = [asyncio.ensure_future(self._publish_one(message)) for message in messages]
-        together = asyncio.gather(*tasks, return_exceptions=True)
-        watcher = asyncio.ensure_future(lost.wait())
+        nc, lost = self._nc, self._lost
+        if nc is None or nc.is_closed:
+            raise nats.errors.ConnectionClosedError
+        results: list[BaseException | None] = [None] * len(messages)
+        pending: dict[int, tuple[str, asyncio.Future[Msg]]] = {}
+        loop = asyncio.get_running_loop()
         try:
-            await asyncio.wait((together, watcher), return_when=asyncio.FIRST_COMPLETED)
+            for index, message in enumerate(messages):
+                subject = self.subject_for(message)
+                headers = publish_headers(message)
+                if self.stream:
+                    headers[Header.EXPECTED_STREAM] = self.stream
+                token = str(next(self._tokens))
+                future = self._replies[token] = loop.create_future()
+                try:
+                    self._check_size(message, headers)
+                    await nc.publish(subject, message.payload, reply=f"{self._inbox}.{token}",
+                                     headers=headers)
+                except (PublishError, nats.errors.Error) as exc:
+                    del self._replies[token]
+                    results[index] = self._refusal(subject, exc)
+                    if self.is_connection_error(exc):
+                        break
+                    continue
+                pending[index] = token, future
+            if pending:
+                replies = asyncio.gather(*(f for _, f in pending.values()), return_exceptions=True)
+                watcher = asyncio.ensure_future(lost.wait())
+                try:
+                    await asyncio.wait((replies, watcher), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    watcher.cancel()
         finally:
-            watcher.cancel()
-            if not together.done():
-                together.cancel()
-        results: list[BaseException | None] = []
-        for task in tasks:
-            if task.cancelled() or not task.done():
-                results.append(nats.errors.ConnectionClosedError())  # lost before its PubAck
+            for token, future in pending.values():
+                self._replies.pop(token, None)
+                future.cancel()  # no-op for the answered ones
+        for index, message in enumerate(messages):
+            if index not in pending:
+                if results[index] is None:  # not sent: the connection broke before its turn
+                    results[index] = nats.errors.ConnectionClosedError()
+            elif (reply := pending[index][1]).cancelled():
+                results[index] = nats.errors.ConnectionClosedError()  # lost before its PubAck
             else:
-                results.append(task.exception())
+                results[index] = self._outcome(message, reply.result())
         return results
 
     def is_connection_error(self, exc: BaseException) -> bool:
