@@ -250,7 +250,7 @@ class NatsPublisher(Publisher):
     async def _publish_wave(self, messages: Sequence[Message]) -> list[BaseException | None]:
         nc, lost = self._nc, self._lost
         if nc is None or nc.is_closed:
-            raise nats.errors.ConnectionClosedError
+            return [nats.errors.ConnectionClosedError()] * len(messages)
         results: list[BaseException | None] = [None] * len(messages)
         pending: dict[int, tuple[str, asyncio.Future[Msg]]] = {}
         loop = asyncio.get_running_loop()

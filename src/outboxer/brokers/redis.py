@@ -118,7 +118,7 @@ class RedisPublisher(Publisher):
 
     async def _publish_wave(self, messages: Sequence[Message]) -> list[BaseException | None]:
         if self._client is None:
-            raise rexc.ConnectionError("redis publisher is not connected")
+            return [rexc.ConnectionError("redis publisher is not connected")] * len(messages)
         try:
             async with self._client.pipeline(transaction=False) as pipe:
                 for message in messages:

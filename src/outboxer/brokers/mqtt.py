@@ -1,0 +1,231 @@
+"""``mqtt://`` and ``mqtts://``: MQTT v5 PUBLISH at QoS 1, confirmed by the broker's PUBACK.
+
+A message is confirmed once the broker answered its PUBLISH with a PUBACK whose
+reason code is a success (below 0x80; 0x10 "no matching subscribers" included).
+QoS 2 is not offered: paho ignores the reason code of a PUBREC, so a refusal
+would go unseen, and a relay's re-publish is a new message to MQTT anyway. aiomqtt's own ``publish`` ignores the reason code, so this
+adapter publishes through aiomqtt's paho client and reads each PUBACK's reason
+code itself.
+
+The envelope travels as MQTT v5 properties: Content Type, Correlation Data (the
+outbox id) and one User Property per envelope header (``outboxer-id``,
+``outboxer-topic``, ``outboxer-key``, ``content-type``, user headers …).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import aiomqtt
+import paho.mqtt.client as paho
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from paho.mqtt.reasoncodes import ReasonCode
+
+from outboxer.brokers.base import Publisher, parse_options
+from outboxer.errors import ConfigError, PublishError
+from outboxer.message import Message
+
+#: PUBACK reason codes that may clear up later (broker busy, over quota); the rest are final.
+RETRYABLE_REASONS = frozenset({0x80, 0x83, 0x91, 0x97})
+QOS = 1
+#: Fixed header (at most 5 bytes), packet id (2) and topic length prefix (2) around a PUBLISH.
+_PUBLISH_OVERHEAD = 9
+
+
+def _integer(options: Mapping[str, str], name: str, given: int | None, default: int) -> int:
+    if given is not None:
+        return given
+    raw = options.get(name, "")
+    try:
+        return int(raw) if raw else default
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer, not {raw!r}") from None
+
+
+class _Client(aiomqtt.Client):
+    """aiomqtt's client, plus each PUBACK's reason code and the CONNACK's limits."""
+
+    def __init__(self, *args: Any, max_inflight: int, **kwargs: Any) -> None:
+        super().__init__(*args, max_inflight_messages=max_inflight, **kwargs)
+        self.max_inflight = max_inflight
+        self.acks: dict[int, asyncio.Future[ReasonCode]] = {}
+        self.lost = asyncio.Event()
+        self.receive_maximum: int | None = None
+        self.maximum_packet_size: int | None = None
+
+    def _on_connect(self, client: paho.Client, userdata: Any, flags: paho.ConnectFlags,
+                    reason_code: ReasonCode, properties: Properties | None = None) -> None:
+        if properties is not None:
+            self.receive_maximum = getattr(properties, "ReceiveMaximum", None)
+            self.maximum_packet_size = getattr(properties, "MaximumPacketSize", None)
+        if self.receive_maximum and self.receive_maximum < self.max_inflight:
+            # Keep within the broker's Receive Maximum (paho does not; its setter refuses once
+            # connected, and nothing is in flight before the CONNACK); paho queues the rest.
+            client._max_inflight_messages = self.receive_maximum
+        super()._on_connect(client, userdata, flags, reason_code, properties)
+
+    def _on_publish(self, client: paho.Client, userdata: Any, mid: int,
+                    reason_code: ReasonCode, properties: Properties) -> None:
+        future = self.acks.pop(mid, None)
+        if future is not None and not future.done():
+            future.set_result(reason_code)
+        super()._on_publish(client, userdata, mid, reason_code, properties)
+
+    def _on_disconnect(self, client: paho.Client, userdata: Any, flags: paho.DisconnectFlags,
+                       reason_code: ReasonCode, properties: Properties | None = None) -> None:
+        self.lost.set()
+        super()._on_disconnect(client, userdata, flags, reason_code, properties)
+
+    def send(self, topic: str, payload: bytes, retain: bool,
+             properties: Properties) -> asyncio.Future[ReasonCode]:
+        """Hand one QoS 1 PUBLISH to paho; the future gets the PUBACK's reason code."""
+        info = self._client.publish(topic, payload, QOS, retain, properties)
+        if info.rc != paho.MQTT_ERR_SUCCESS:
+            raise aiomqtt.MqttCodeError(info.rc, "could not publish")
+        future: asyncio.Future[ReasonCode] = asyncio.get_running_loop().create_future()
+        self.acks[info.mid] = future
+        return future
+
+    @property
+    def disconnected(self) -> asyncio.Future[None]:
+        return self._disconnected
+
+
+def publish_properties(message: Message) -> Properties:
+    """MQTT v5 PUBLISH properties carrying ``message``'s envelope."""
+    properties = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+    properties.ContentType = message.content_type
+    properties.CorrelationData = str(message.id).encode()
+    properties.UserProperty = list(message.envelope_headers().items())
+    return properties
+
+
+class MqttPublisher(Publisher):
+    """Publishes each message to the MQTT topic ``topic_prefix + destination``."""
+
+    schemes = ("mqtt", "mqtts")
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        routes: Mapping[str, str] | None = None,
+        publish_timeout: float = 30.0,
+        topic_prefix: str | None = None,
+        retain: bool | None = None,
+        client_id: str | None = None,
+        keepalive: int | None = None,
+        max_inflight: int | None = None,
+    ) -> None:
+        super().__init__(url, routes=routes, publish_timeout=publish_timeout)
+        parts, options = parse_options(url)
+        if not parts.hostname:
+            raise ConfigError(f"MQTT URL needs a host: {url!r} (mqtt://127.0.0.1:1883)")
+        self.hostname: str = parts.hostname
+        self.tls = parts.scheme == "mqtts"
+        self.port = parts.port or (8883 if self.tls else 1883)
+        self.username = parts.username
+        self.password = parts.password
+        self.topic_prefix = topic_prefix if topic_prefix is not None else options.get("topic_prefix", "")
+        if retain is None:
+            raw = options.get("retain", "false").lower()
+            if raw not in ("1", "true", "yes", "0", "false", "no", ""):
+                raise ConfigError(f"retain must be true or false, not {raw!r}")
+            retain = raw in ("1", "true", "yes")
+        self.retain = retain
+        self.client_id = client_id or options.get("client_id") or f"outboxer-{uuid.uuid4().hex[:12]}"
+        self.keepalive = _integer(options, "keepalive", keepalive, 60)
+        self.max_inflight = _integer(options, "max_inflight", max_inflight, 1000)
+        if self.keepalive <= 0 or self.max_inflight <= 0:
+            raise ConfigError("keepalive and max_inflight must be positive")
+        self._client: _Client | None = None
+
+    def topic_for(self, message: Message) -> str:
+        return self.topic_prefix + self.destination_for(message)
+
+    async def _connect(self) -> None:
+        await self._close()
+        client = _Client(
+            self.hostname, self.port, username=self.username, password=self.password,
+            identifier=self.client_id, protocol=aiomqtt.ProtocolVersion.V5,
+            keepalive=self.keepalive, timeout=min(self.publish_timeout, 10.0),
+            max_inflight=self.max_inflight,
+            tls_context=ssl.create_default_context() if self.tls else None,
+        )
+        await client.__aenter__()
+        self._client = client
+
+    async def _close(self) -> None:
+        client, self._client = self._client, None
+        if client is None:
+            return
+        for future in client.acks.values():
+            future.cancel()
+        client.acks.clear()
+        # A broken connection has nothing left to disconnect gracefully.
+        with contextlib.suppress(aiomqtt.MqttError, OSError, asyncio.TimeoutError):
+            await client.__aexit__(None, None, None)
+        if client.disconnected.done() and not client.disconnected.cancelled():
+            client.disconnected.exception()  # retrieved: a lost connection was already reported
+
+    def _refusal(self, topic: str, reason: ReasonCode) -> PublishError:
+        return PublishError(f"broker refused PUBLISH to {topic!r}: {reason} (0x{reason.value:02x})",
+                            retryable=reason.value in RETRYABLE_REASONS)
+
+    async def _publish_wave(self, messages: Sequence[Message]) -> list[BaseException | None]:
+        client = self._client
+        if client is None or client.lost.is_set():
+            return [aiomqtt.MqttError("not connected to the MQTT broker")] * len(messages)
+        results: list[BaseException | None] = [None] * len(messages)
+        pending: dict[int, asyncio.Future[ReasonCode]] = {}
+        try:
+            for index, message in enumerate(messages):
+                topic = self.topic_for(message)
+                properties = publish_properties(message)
+                if client.maximum_packet_size:  # a broker drops the connection on a larger packet
+                    size = (_PUBLISH_OVERHEAD + len(topic.encode()) + len(message.payload)
+                            + len(properties.pack()))  # type: ignore[no-untyped-call]
+                    if size > client.maximum_packet_size:
+                        results[index] = PublishError(
+                            f"PUBLISH of {size} bytes exceeds the broker's maximum packet size "
+                            f"of {client.maximum_packet_size} bytes", retryable=False)
+                        continue
+                try:
+                    pending[index] = client.send(topic, message.payload, self.retain, properties)
+                except ValueError as exc:  # paho: wildcard in the topic, topic or payload too long
+                    results[index] = PublishError(f"cannot publish to {topic!r}: {exc}", retryable=False)
+                except aiomqtt.MqttError as exc:
+                    results[index] = exc
+                    break
+            if pending:
+                acks = asyncio.gather(*pending.values(), return_exceptions=True)
+                watcher = asyncio.ensure_future(client.lost.wait())
+                try:
+                    await asyncio.wait((acks, watcher), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    watcher.cancel()
+        finally:
+            for future in pending.values():
+                future.cancel()  # no-op for the acknowledged ones
+        for index, message in enumerate(messages):
+            if index not in pending:
+                if results[index] is None:  # not sent: the connection broke before its turn
+                    results[index] = aiomqtt.MqttError("connection lost before publishing")
+            elif (ack := pending[index]).cancelled():
+                results[index] = aiomqtt.MqttError("connection lost before the PUBACK")
+            elif ack.result().is_failure:
+                results[index] = self._refusal(self.topic_for(message), ack.result())
+        return results
+
+    def is_connection_error(self, exc: BaseException) -> bool:
+        return (isinstance(exc, aiomqtt.MqttError) and not isinstance(exc, PublishError)) \
+            or super().is_connection_error(exc)
+
+
+__all__ = ["MqttPublisher", "publish_properties"]
