@@ -59,3 +59,16 @@ def start(name: str, timeout: float = 90.0) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{name} did not come back on port {PORTS[name]}")
         time.sleep(0.2)
+
+
+def stop(pid: int | None, port: int, timeout: float = 15.0) -> None:
+    """Stop a service by pid (SIGTERM) and wait until its port is closed; tests start it again."""
+    import os
+    import signal
+
+    if pid is None:
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while port_open(port) and time.monotonic() < deadline:
+        time.sleep(0.05)

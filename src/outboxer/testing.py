@@ -70,7 +70,11 @@ class PublisherContract(ABC):
 
     @abstractmethod
     async def start_consumer(self, topic: str) -> Consumer:
-        """Subscribe to ``topic`` as the broker names it (before publishing)."""
+        """Subscribe to ``topic`` as the broker names it (before publishing).
+
+        The consumer must see only messages published after it started: the
+        restart test publishes to the topic before it starts its consumer.
+        """
 
     @abstractmethod
     def rejected_message(self, topic: str) -> Message:

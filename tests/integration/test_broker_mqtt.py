@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -29,7 +28,7 @@ from outboxer.brokers.mqtt import MqttPublisher
 from outboxer.errors import ConfigError
 from outboxer.message import HEADER_ID, HEADER_KEY, HEADER_TOPIC, Message
 from outboxer.testing import Consumer, PublisherContract, Received, TcpProxy, make_message
-from tests.services import port_open, require, start
+from tests.services import port_open, require, start, stop
 
 HOST, PORT = "127.0.0.1", 1883
 URL = f"mqtt://{HOST}:{PORT}"
@@ -100,13 +99,7 @@ def mosquitto_pid() -> int | None:
 
 
 def stop_mosquitto() -> None:
-    pid = mosquitto_pid()
-    if pid is None:
-        return
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 15
-    while (port_open(PORT) or mosquitto_pid() == pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    stop(mosquitto_pid(), PORT)
 
 
 class TestMqttPublisherContract(PublisherContract):

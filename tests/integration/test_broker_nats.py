@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
 import subprocess
 import time
 import uuid
@@ -26,7 +24,7 @@ from outboxer.brokers.nats import MSG_ID_HEADER, NatsPublisher
 from outboxer.errors import ConfigError
 from outboxer.message import HEADER_ID, HEADER_KEY, HEADER_TOPIC, Message
 from outboxer.testing import Consumer, PublisherContract, Received, TcpProxy, make_message
-from tests.services import require, start
+from tests.services import PORTS, require, start, stop
 
 URL = "nats://127.0.0.1:4222"
 TAG = uuid.uuid4().hex[:8]
@@ -102,13 +100,7 @@ def nats_pid() -> int | None:
 
 
 def stop_nats() -> None:
-    pid = nats_pid()
-    if pid is None:
-        return
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 15
-    while nats_pid() == pid and time.monotonic() < deadline:
-        time.sleep(0.1)
+    stop(nats_pid(), PORTS["nats"])
 
 
 class TestNatsPublisherContract(PublisherContract):

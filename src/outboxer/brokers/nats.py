@@ -33,7 +33,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import Header, PubAck
 
-from outboxer.brokers.base import Publisher, parse_options
+from outboxer.brokers.base import Publisher, option_bool, parse_options
 from outboxer.errors import ConfigError, PublishError
 from outboxer.message import Message
 
@@ -42,8 +42,6 @@ logger = logging.getLogger("outboxer.publisher.nats")
 MSG_ID_HEADER = "Nats-Msg-Id"
 #: The stream's duplicate window when outboxer creates the stream (NATS's own default).
 DEFAULT_DUPLICATE_WINDOW = 120.0
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
 
 #: Refusals that the same publish will meet again (the message itself is at fault).
 _PERMANENT = (nats.errors.MaxPayloadError, nats.errors.BadSubjectError, nats.errors.BadHeaderError)
@@ -53,14 +51,6 @@ _CONNECTION = (
     nats.errors.OutboundBufferLimitError, nats.errors.ConnectionReconnectingError,
     nats.errors.ConnectionDrainingError,
 )
-
-
-def _flag(name: str, value: str) -> bool:
-    if value.lower() in _TRUE:
-        return True
-    if value.lower() in _FALSE:
-        return False
-    raise ConfigError(f"{name} must be true or false, not {value!r}")
 
 
 def publish_headers(message: Message) -> dict[str, str]:
@@ -104,8 +94,7 @@ class NatsPublisher(Publisher):
         self.subject_prefix = subject_prefix if subject_prefix is not None else options.get("subject_prefix", "")
         #: Expected stream (sent as ``Nats-Expected-Stream``) and the one to create.
         self.stream = stream if stream is not None else (options.get("stream") or None)
-        self.create_stream = (create_stream if create_stream is not None
-                              else _flag("create_stream", options.get("create_stream", "false")))
+        self.create_stream = option_bool(options, "create_stream", create_stream, False)
         if subjects is None:
             subjects = options.get("subjects") or None
         if isinstance(subjects, str):
@@ -124,7 +113,7 @@ class NatsPublisher(Publisher):
             raise ConfigError("create_stream needs a stream name (option stream)")
         if self.create_stream and not self.subjects:
             raise ConfigError("create_stream needs subjects (option subjects, or a subject_prefix)")
-        self.tls = tls if tls is not None else _flag("tls", options.get("tls", "false"))
+        self.tls = option_bool(options, "tls", tls, False)
         self.creds = creds if creds is not None else (options.get("creds") or None)
         if connect_timeout is None:
             raw = options.get("connect_timeout", "")
