@@ -243,7 +243,7 @@ def load_settings(
     for name in SETTING_NAMES:
         if name in flags:
             raw, origin = flags[name], f"--{name.replace('_', '-')}"
-        elif ENV_PREFIX + name.upper() in environ:
+        elif environ.get(ENV_PREFIX + name.upper()):  # set and not empty
             raw, origin = environ[ENV_PREFIX + name.upper()], ENV_PREFIX + name.upper()
         elif name in file_values:
             raw, origin = file_values[name], f"{path}: {name}"
