@@ -7,7 +7,7 @@ Every publisher with the same NAME appends to the same list, which
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from outboxer.brokers.base import Publisher, parse_options
@@ -58,16 +58,19 @@ class MemoryPublisher(Publisher):
     async def _close(self) -> None:
         return None
 
-    async def _publish_one(self, message: Message) -> None:
+    async def _publish_wave(self, messages: Sequence[Message]) -> list[BaseException | None]:
+        # One await per wave, not a task per message: this broker isolates the relay's own cost.
         if self.broker.latency:
             await asyncio.sleep(self.broker.latency)
         if not self.broker.available:
             raise ConnectionResetError(f"memory broker {self.broker.name!r} went away")
-        if self.broker.fail is not None:
-            error = self.broker.fail(message)
-            if error is not None:
-                raise error
-        self.broker.messages.append(message)
+        results: list[BaseException | None] = []
+        for message in messages:
+            error = self.broker.fail(message) if self.broker.fail is not None else None
+            if error is None:
+                self.broker.messages.append(message)
+            results.append(error)
+        return results
 
 
 __all__ = ["MemoryBroker", "MemoryPublisher", "PublishError", "memory_broker"]
