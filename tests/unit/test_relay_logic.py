@@ -120,3 +120,20 @@ async def test_a_broker_refusing_the_configuration_stops_the_relay(sqlite_url: s
     monkeypatch.setattr(relay.publishers["default"], "_connect", refuse)
     with pytest.raises(ConfigError, match="another type"):
         await asyncio.wait_for(relay.run(), 10)
+
+
+async def test_retention_runs_on_a_schedule_inside_the_relay(sqlite_url: str, broker: MemoryBroker) -> None:
+    enqueue(sqlite_url, "a", None)
+    relay = make_relay(sqlite_url, broker, published_retention="0", cleanup_interval="0.1")
+    task = asyncio.create_task(relay.run())
+    try:
+        for _ in range(100):
+            if len(broker.messages) == 2 and statuses(sqlite_url) == []:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        relay.stop()
+        await asyncio.wait_for(task, 5)
+    assert len(broker.messages) == 2
+    assert statuses(sqlite_url) == [], "published rows past their retention were deleted"
+    assert relay.stats.cleaned == 2
