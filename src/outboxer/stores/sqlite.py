@@ -92,7 +92,14 @@ class SqliteStore(Store):
     async def close(self) -> None:
         if self._conn is not None:
             conn, self._conn = self._conn, None
-            await asyncio.to_thread(conn.close)
+
+            def close_when_idle() -> None:
+                # A cancelled caller's statement may still run in its worker thread: closing
+                # the connection under it crashes the sqlite3 module, so wait for it.
+                with self._lock:
+                    conn.close()
+
+            await asyncio.to_thread(close_when_idle)
 
     async def _run(self, work: Callable[[sqlite3.Connection], T]) -> T:
         await self.connect()
