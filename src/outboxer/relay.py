@@ -238,22 +238,28 @@ class Relay:
         published: list[int] = []
         failed: list[Failure] = []
         released: list[int] = []
+        retrying: dict[str, list[Message]] = {}
         for message, outcome in zip(batch, outcomes, strict=True):
             if outcome is None or outcome.kind is OutcomeKind.SKIPPED:
                 released.append(message.stored_seq)
             elif outcome.kind is OutcomeKind.PUBLISHED:
                 published.append(message.stored_seq)
             else:
+                error = outcome.error or "unknown error"
                 permanent = not outcome.retryable
-                failed.append(Failure(message.stored_seq, outcome.error or "unknown error",
+                failed.append(Failure(message.stored_seq, error,
                                       self.backoff.delay(message.attempts + 1), permanent))
                 if permanent or message.attempts + 1 >= self.settings.max_attempts:
                     self.stats.abandoned_now += 1
                     logger.error("destination %s: message %s (topic %s) abandoned after %d attempt(s): %s",
-                                 destination, message.id, message.topic, message.attempts + 1, outcome.error)
+                                 destination, message.id, message.topic, message.attempts + 1, error)
                 else:
-                    logger.warning("destination %s: message %s (topic %s) failed, attempt %d: %s",
-                                   destination, message.id, message.topic, message.attempts + 1, outcome.error)
+                    retrying.setdefault(error, []).append(message)
+        # One line per distinct error, not per message: an outage fails whole batches.
+        for error, messages in retrying.items():
+            shown = ", ".join(str(m.id) for m in messages[:3]) + (" …" if len(messages) > 3 else "")
+            logger.warning("destination %s: %d message(s) failed and will be retried (%s): %s",
+                           destination, len(messages), shown, error)
         # Settling must not be given up lightly: the broker already has these messages.
         # Retry until the database answers; if this relay dies first, the lock expires and
         # another relay publishes them again (a duplicate, never a loss).
