@@ -1,0 +1,244 @@
+"""Fresh destinations on the local brokers, and the broker-only ceilings.
+
+A ``Sink`` is one run's destination: a new RabbitMQ exchange with a bound durable
+queue (so every message is routable), a new Redis stream prefix, or a new
+``memory://`` name. ``count()`` says how many messages arrived; ``close()``
+deletes what the run created.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from harness import AMQP_URL, REDIS_URL
+from outboxer.brokers import create_publisher
+from outboxer.message import Message
+
+BROKERS = ("rabbitmq", "redis", "memory")
+
+
+class Sink:
+    name = "?"
+
+    def __init__(self) -> None:
+        self.tag = f"outboxer-bench-{uuid.uuid4().hex[:10]}"
+        self.url = ""
+
+    async def open(self) -> Sink:
+        return self
+
+    async def count(self) -> int | None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+class RabbitSink(Sink):
+    name = "rabbitmq"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.url = f"{AMQP_URL}?exchange={self.tag}"
+        self._connection: Any = None
+        self._queue: Any = None
+        self._consuming: Any = None
+
+    async def open(self) -> RabbitSink:
+        import aio_pika
+
+        self._connection = await aio_pika.connect(AMQP_URL)
+        channel = await self._connection.channel()
+        exchange = await channel.declare_exchange(self.tag, aio_pika.ExchangeType.TOPIC, durable=True)
+        self._queue = await channel.declare_queue(self.tag, durable=True)
+        await self._queue.bind(exchange, "#")
+        return self
+
+    async def consume(self, on_message: Any) -> None:
+        """Deliver every message of the queue to ``on_message`` (no acks: nothing is redelivered)."""
+        self._consuming = channel = await self._connection.channel()
+        await channel.set_qos(prefetch_count=2000)
+        queue = await channel.get_queue(self.tag)
+        await queue.consume(on_message, no_ack=True)
+
+    async def count(self) -> int | None:
+        channel = await self._connection.channel()
+        queue = await channel.declare_queue(self.tag, passive=True)
+        count = int(queue.declaration_result.message_count)
+        await channel.close()
+        return count
+
+    async def close(self) -> None:
+        if self._connection is None:
+            return
+        if self._consuming is not None:
+            await self._consuming.close()
+        channel = await self._connection.channel()
+        await channel.queue_delete(self.tag)
+        await channel.exchange_delete(self.tag)
+        await self._connection.close()
+        self._connection = None
+
+
+class RedisSink(Sink):
+    name = "redis"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prefix = f"{self.tag}:"
+        self.url = f"{REDIS_URL}?stream_prefix={self.prefix}"
+
+    async def _keys(self, client: Any) -> list[bytes]:
+        return [key async for key in client.scan_iter(match=f"{self.prefix}*", count=1000)]
+
+    async def count(self) -> int | None:
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(REDIS_URL)
+        try:
+            return sum([int(await client.xlen(key)) for key in await self._keys(client)])
+        finally:
+            await client.aclose()
+
+    async def close(self) -> None:
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(REDIS_URL)
+        try:
+            keys = await self._keys(client)
+            if keys:
+                await client.delete(*keys)
+        finally:
+            await client.aclose()
+
+
+class MemorySink(Sink):
+    name = "memory"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.url = f"memory://{self.tag}"
+
+    async def count(self) -> int | None:
+        from outboxer.brokers.memory import memory_broker
+
+        broker = memory_broker(self.tag)
+        return len(broker.messages) or None  # a relay in another process keeps its own list
+
+    async def close(self) -> None:
+        from outboxer.brokers.memory import _brokers
+
+        _brokers.pop(self.tag, None)
+
+
+def sink(name: str) -> Sink:
+    return {"rabbitmq": RabbitSink, "redis": RedisSink, "memory": MemorySink}[name]()
+
+
+# ----- ceilings -----------------------------------------------------------------------------
+
+
+def _batches(messages: Sequence[Message], size: int) -> list[Sequence[Message]]:
+    return [messages[i:i + size] for i in range(0, len(messages), size)]
+
+
+async def _timed(label: str, target: Sink, publish: Any, messages: Sequence[Message],
+                 batch_size: int, concurrency: int) -> float:
+    """Publish one message (warm-up), then the rest in batches from ``concurrency`` loops taking
+    the next batch in turn, as the relay's loops do; check they all arrived; messages/s."""
+    await publish(messages[:1])
+    queue = iter(_batches(messages[1:], batch_size))
+
+    async def loop() -> None:
+        for batch in queue:
+            await publish(batch)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(loop() for _ in range(concurrency)))
+    seconds = time.perf_counter() - started
+    arrived = await target.count()
+    if arrived is not None and arrived != len(messages):
+        raise RuntimeError(f"{label}: {arrived} of {len(messages)} messages arrived")
+    return (len(messages) - 1) / seconds
+
+
+async def adapter_ceiling(name: str, messages: Sequence[Message], batch_size: int,
+                          concurrency: int) -> float:
+    """Messages/s through the outboxer adapter's ``publish_batch``, no database involved."""
+    target = await sink(name).open()
+    try:
+        publisher = create_publisher(target.url)
+        failed = 0
+
+        async def publish(batch: Sequence[Message]) -> None:
+            nonlocal failed
+            outcomes = await publisher.publish_batch(batch)
+            failed += sum(not outcome.published for outcome in outcomes)
+
+        async with publisher:
+            rate = await _timed(f"{name} adapter ceiling", target, publish, messages, batch_size,
+                                concurrency)
+        if failed:
+            raise RuntimeError(f"{name} adapter ceiling: {failed} messages failed")
+    finally:
+        await target.close()
+    return rate
+
+
+async def raw_rabbitmq_ceiling(messages: Sequence[Message], batch_size: int,
+                               concurrency: int) -> float:
+    """Messages/s of a plain aio-pika loop: same properties, mandatory, confirms, batch in flight."""
+    import aio_pika
+
+    target = await RabbitSink().open()
+    connection = await aio_pika.connect(AMQP_URL)
+    try:
+        channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+        exchange = await channel.get_exchange(target.tag)
+
+        def amqp(m: Message) -> aio_pika.Message:
+            return aio_pika.Message(m.payload, content_type=m.content_type, message_id=str(m.id),
+                                    timestamp=m.created_at, headers=dict(m.envelope_headers()),
+                                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT)
+
+        async def publish(batch: Sequence[Message]) -> None:
+            await asyncio.gather(*(exchange.publish(amqp(m), m.topic, mandatory=True) for m in batch))
+
+        return await _timed("raw aio-pika", target, publish, messages, batch_size, concurrency)
+    finally:
+        await connection.close()
+        await target.close()
+
+
+async def raw_redis_ceiling(messages: Sequence[Message], batch_size: int, concurrency: int) -> float:
+    """Messages/s of a plain redis-py loop: one non-transactional XADD pipeline per batch."""
+    import redis.asyncio as aioredis
+
+    from outboxer.brokers.redis import entry_fields
+
+    target = RedisSink()
+    client = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        async def publish(batch: Sequence[Message]) -> None:
+            async with client.pipeline(transaction=False) as pipe:
+                for m in batch:
+                    pipe.xadd(target.prefix + m.topic, entry_fields(m))
+                await pipe.execute()
+
+        return await _timed("raw redis-py", target, publish, messages, batch_size, concurrency)
+    finally:
+        await client.aclose()
+        await target.close()
+
+
+async def raw_ceiling(name: str, messages: Sequence[Message], batch_size: int,
+                      concurrency: int) -> float | None:
+    if name == "rabbitmq":
+        return await raw_rabbitmq_ceiling(messages, batch_size, concurrency)
+    if name == "redis":
+        return await raw_redis_ceiling(messages, batch_size, concurrency)
+    return None

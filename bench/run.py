@@ -1,0 +1,604 @@
+"""outboxer's bench: relay throughput and its ceilings, the simple relay, write-path cost,
+commit-to-consumer latency, scaling and relay CPU, against the local services.
+
+    .venv/bin/python bench/run.py [--quick] [--json out.json] [--runs N] [--only SECTIONS]
+
+Prints a table (median, min, max of the runs, and each target of bench/README.md with
+pass/FAIL) and writes every figure as JSON. Progress goes to stderr. ``--quick`` shrinks
+every size (the CI smoke test); its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import math
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import outboxer
+import writers
+from brokers import BROKERS, RabbitSink, adapter_ceiling, raw_ceiling, sink
+from harness import (
+    AMQP_URL,
+    DESTINATION,
+    Databases,
+    Figure,
+    RelayProcess,
+    RelayRun,
+    Report,
+    Target,
+    cpu_of,
+    load_messages,
+    log,
+    percentile,
+    run_relays,
+    server_facts,
+    wait_listening,
+)
+from outboxer.message import Message
+from outboxer.stores.postgres import PostgresStore
+from simple_relay import simple_relay
+
+SECTIONS = ("throughput", "simple", "write", "latency", "scaling")
+SETTINGS = outboxer.Settings()
+BATCH, CONCURRENCY = SETTINGS.batch_size, SETTINGS.concurrency
+WRITERS = (1, 8)
+BATCH_SIZES = (1, 10, 100, 500)
+RELAY_COUNTS = (1, 2, 4)
+SERVICES = {"postgresql": 5432, "rabbitmq": 5672, "redis": 6379}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    backlog: int  # messages prefilled for the drains
+    keys: int
+    runs: int  # runs per figure
+    ceiling_messages: int  # messages published for each broker ceiling
+    simple_seconds: float
+    write_seconds: float
+    trickle_seconds: float
+    half_seconds: float
+    scaling_seconds: float
+    #: Upper bound of the "half the maximum rate" load (--quick keeps the smoke test light).
+    half_rate_cap: float = math.inf
+
+
+FULL = Sizes(backlog=100_000, keys=10_000, runs=3, ceiling_messages=30_000, simple_seconds=4.0,
+             write_seconds=2.0, trickle_seconds=10.0, half_seconds=5.0, scaling_seconds=2.5)
+QUICK = Sizes(backlog=2_000, keys=200, runs=1, ceiling_messages=1_000, simple_seconds=0.5,
+              write_seconds=0.5, trickle_seconds=1.0, half_seconds=0.8, scaling_seconds=0.6,
+              half_rate_cap=500.0)
+
+
+def _write_names() -> list[tuple[str, str]]:
+    names = []
+    for n in WRITERS:
+        for relay in ("relay_off", "relay_on"):
+            base = f"write.w{n}.{relay}"
+            for mode in ("bare", "enqueue"):
+                names += [(f"{base}.{mode}.txn_per_s", "txn/s"), (f"{base}.{mode}.p50_ms", "ms"),
+                          (f"{base}.{mode}.p99_ms", "ms")]
+            names += [(f"{base}.throughput_ratio", "x"), (f"{base}.p50_ratio", "x"),
+                      (f"{base}.p99_ratio", "x")]
+            if relay == "relay_off":  # where the time goes: CPU per transaction
+                names += [(f"{base}.{mode}.{side}_cpu_us", "CPU us/txn")
+                          for mode in ("bare", "enqueue") for side in ("client", "server")]
+            else:
+                names += [(f"{base}.relay_cpu_us_per_msg", "CPU us/msg")]
+    return names
+
+
+#: Every figure the JSON holds, in table order: (name, unit), grouped by section.
+FIGURES: dict[str, list[tuple[str, str]]] = {
+    "throughput": [
+        *[(f"throughput.relay.{b}", "msg/s") for b in BROKERS],
+        *[(f"throughput.broker_ceiling.{b}", "msg/s") for b in BROKERS],
+        *[(f"throughput.raw_client.{b}", "msg/s") for b in ("rabbitmq", "redis")],
+        ("throughput.db_ceiling", "msg/s"),
+        *[(f"throughput.vs_ceiling.{b}", "x") for b in BROKERS],
+        *[(f"cpu.relay.{b}", "CPU s/1k msg") for b in BROKERS],
+    ],
+    "simple": [("simple_relay.rabbitmq", "msg/s"), ("simple_relay.speedup", "x")],
+    "write": _write_names(),
+    "latency": [(f"latency.{load}.{what}", unit) for load in ("trickle", "half")
+                for what, unit in (("rate", "msg/s"), ("p50_ms", "ms"), ("p99_ms", "ms"),
+                                   ("max_ms", "ms"))],
+    "scaling": [*[(f"scaling.batch.{b}", "msg/s") for b in BATCH_SIZES],
+                ("scaling.batch500_over_batch1", "x"),
+                *[(f"scaling.relays.{n}", "msg/s") for n in RELAY_COUNTS]],
+}
+
+#: The goals written in bench/README.md.
+TARGETS = [
+    Target("throughput.vs_ceiling.rabbitmq", ">=", 0.8, "relay >= 0.8 x min(ceilings), RabbitMQ"),
+    Target("throughput.vs_ceiling.redis", ">=", 0.6, "relay >= 0.6 x min(ceilings), Redis Streams"),
+    Target("throughput.vs_ceiling.memory", ">=", 0.6, "relay >= 0.6 x min(ceilings), memory://"),
+    Target("simple_relay.speedup", ">=", 10.0, "relay >= 10 x the simple relay (RabbitMQ)"),
+    Target("write.w8.relay_off.throughput_ratio", ">=", 0.9, "8 writers: enqueue keeps >= 0.9 x bare throughput"),
+    Target("write.w8.relay_off.p99_ratio", "<=", 1.15, "8 writers: p99 commit latency <= 1.15 x bare"),
+    Target("write.w8.relay_on.throughput_ratio", ">=", 0.9, "same, relay draining: >= 0.9 x bare"),
+    Target("write.w8.relay_on.p99_ratio", "<=", 1.15, "same, relay draining: p99 <= 1.15 x bare"),
+    Target("latency.trickle.p50_ms", "<=", 5.0, "commit -> consumer p50 <= 5 ms at 10 msg/s"),
+    Target("latency.trickle.p99_ms", "<=", 25.0, "commit -> consumer p99 <= 25 ms at 10 msg/s"),
+    Target("latency.half.p99_ms", "<=", 50.0, "commit -> consumer p99 <= 50 ms at half the max rate"),
+    Target("scaling.batch500_over_batch1", ">=", 20.0, "batch 500 >= 20 x batch 1"),
+]
+
+T = TypeVar("T")
+
+
+# ----- robustness: the services are shared --------------------------------------------------
+
+
+def _port_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def wait_for_services(timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        down = [name for name, port in SERVICES.items() if not _port_open(port)]
+        if not down:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"services down: {', '.join(down)}")
+        log(f"waiting for {', '.join(down)} to come back")
+        time.sleep(2)
+
+
+def attempt(label: str, action: Callable[[], T], tries: int = 3) -> T:
+    """Run one measurement; if a service went away meanwhile (others restart them), redo it."""
+    for n in range(1, tries + 1):
+        try:
+            return action()
+        except Exception as exc:
+            if n == tries:
+                raise
+            log(f"{label}: attempt {n} disturbed ({type(exc).__name__}: {str(exc)[:300]}); again")
+            time.sleep(2)
+            wait_for_services()
+    raise AssertionError("unreachable")
+
+
+# ----- the bench ----------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, sizes: Sizes, report: Report) -> None:
+        self.sizes = sizes
+        self.report = report
+        self.dbs = Databases()
+        self.template = ""
+        self._pool: ProcessPoolExecutor | None = None
+
+    @property
+    def runs(self) -> int:
+        return self.sizes.runs
+
+    def pool(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(max(WRITERS), mp_context=multiprocessing.get_context("spawn"))
+            list(self._pool.map(writers.warm_up, range(max(WRITERS))))
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+        self.dbs.drop_all()
+
+    def prepare(self) -> None:
+        log(f"prefilling {self.sizes.backlog:,} messages over {self.sizes.keys:,} keys")
+        self.template, seconds = self.dbs.template(self.sizes.backlog, self.sizes.keys)
+        self.report.meta["prefill_seconds"] = round(seconds, 2)
+        self.report.meta["prefill_rate"] = round(self.sizes.backlog / seconds)
+        self.report.meta["postgres"] = server_facts(self.template)
+
+    def median(self, name: str, default: float) -> float:
+        figure = self.report.figures.get(name)
+        return figure.median if figure and figure.runs else default
+
+    # ----- 1. throughput and ceilings, 6. CPU ------------------------------------------------
+
+    def drain(self, broker: str, *, relays: int = 1, batch_size: int = BATCH,
+              stop_after: float | None = None) -> RelayRun:
+        db = self.dbs.clone(self.template, "drain")
+        try:
+            async def go() -> tuple[RelayRun, int | None]:
+                target = await sink(broker).open()
+                try:
+                    run = await asyncio.to_thread(run_relays, db, target.url, relays=relays,
+                                                  batch_size=batch_size, concurrency=CONCURRENCY,
+                                                  stop_after=stop_after)
+                    return run, await target.count()
+                finally:
+                    await target.close()
+
+            run, arrived = asyncio.run(go())
+        finally:
+            self.dbs.drop(db)
+        if run.warnings:
+            raise RuntimeError("relay logged trouble: " + " | ".join(run.warnings[:3]))
+        if stop_after is None and run.counts != {"PUBLISHED": self.sizes.backlog}:
+            raise RuntimeError(f"drain left {run.counts}")
+        if arrived is not None and arrived < run.published:
+            raise RuntimeError(f"{broker}: {arrived} arrived, {run.published} recorded published")
+        return run
+
+    def db_ceiling(self) -> float:
+        db = self.dbs.clone(self.template, "dbceiling")
+        try:
+            return asyncio.run(_db_ceiling(db, BATCH, CONCURRENCY))
+        finally:
+            self.dbs.drop(db)
+
+    def throughput(self) -> None:
+        report, sizes = self.report, self.sizes
+        messages = load_messages(self.template, min(sizes.ceiling_messages, sizes.backlog))
+        for run in range(1, self.runs + 1):
+            for broker in BROKERS:
+                log(f"throughput run {run}: relay drains {sizes.backlog:,} to {broker}")
+                result = attempt(f"relay {broker}", functools.partial(self.drain, broker))
+                report.add(f"throughput.relay.{broker}", "msg/s", result.rate)
+                report.add(f"cpu.relay.{broker}", "CPU s/1k msg", result.cpu_per_1000)
+                log(f"  {result.rate:,.0f} msg/s, {result.cpu_per_1000:.3f} CPU s/1k")
+            for broker in BROKERS:
+                rate = attempt(f"ceiling {broker}", functools.partial(
+                    _run, adapter_ceiling, broker, messages, BATCH, CONCURRENCY))
+                report.add(f"throughput.broker_ceiling.{broker}", "msg/s", rate)
+                raw = attempt(f"raw {broker}", functools.partial(
+                    _run, raw_ceiling, broker, messages, BATCH, CONCURRENCY))
+                if raw is not None:
+                    report.add(f"throughput.raw_client.{broker}", "msg/s", raw)
+                log(f"  broker ceiling {broker}: {rate:,.0f} msg/s" + (f" (raw {raw:,.0f})" if raw else ""))
+            rate = attempt("db ceiling", self.db_ceiling)
+            report.add("throughput.db_ceiling", "msg/s", rate)
+            log(f"  db ceiling: {rate:,.0f} msg/s")
+        db = report.figures["throughput.db_ceiling"].median
+        for broker in BROKERS:
+            ceiling = min(report.figures[f"throughput.broker_ceiling.{broker}"].median, db)
+            ratio = report.figure(f"throughput.vs_ceiling.{broker}", "x",
+                                  note=f"relay / min(broker {broker}, database) = relay / {ceiling:,.0f}")
+            ratio.runs = [r / ceiling for r in report.figures[f"throughput.relay.{broker}"].runs]
+
+    # ----- 2. the simple relay ---------------------------------------------------------------
+
+    def simple_once(self) -> float:
+        db = self.dbs.clone(self.template, "simple")
+        try:
+            async def go() -> tuple[int, float]:
+                target = await RabbitSink().open()
+                try:
+                    return await simple_relay(db, AMQP_URL, target.tag, self.sizes.simple_seconds)
+                finally:
+                    await target.close()
+
+            published, seconds = asyncio.run(go())
+        finally:
+            self.dbs.drop(db)
+        return published / seconds
+
+    def simple(self) -> None:
+        for run in range(1, self.runs + 1):
+            log(f"simple relay run {run}: {self.sizes.simple_seconds} s to rabbitmq")
+            rate = attempt("simple relay", self.simple_once)
+            self.report.add("simple_relay.rabbitmq", "msg/s", rate)
+            log(f"  {rate:,.0f} msg/s")
+        simple = self.report.figures["simple_relay.rabbitmq"].median
+        ours = self.report.figures.get("throughput.relay.rabbitmq")
+        if ours is None or not ours.runs:  # --only simple: measure ours here
+            ours = Figure("relay", "msg/s", [attempt("relay rabbitmq", lambda: self.drain("rabbitmq")).rate])
+        speedup = self.report.figure("simple_relay.speedup", "x", note="outboxer relay / simple relay, same backlog")
+        speedup.runs = [rate / simple for rate in ours.runs]
+
+    # ----- 3. write path ---------------------------------------------------------------------
+
+    def write_once(self, db: str, count: int, enqueue: bool, seed: int) -> dict[str, Any]:
+        pool = self.pool()
+        start_at = time.time() + 0.3 + 0.05 * count
+        end_at = start_at + self.sizes.write_seconds
+        futures = [pool.submit(writers.write_for, db, enqueue, start_at, end_at, self.sizes.keys,
+                               seed + i) for i in range(count)]
+        results = [future.result() for future in futures]
+        late = max(result["late_s"] for result in results)
+        if late > 0.02:
+            raise RuntimeError(f"a writer started {late:.3f} s late")
+        count = sum(r["count"] for r in results)
+        return {"rate": count / self.sizes.write_seconds, "count": count,
+                "latencies": [value for result in results for value in result["latencies_ms"]],
+                "client_cpu_us": 1e6 * sum(r["client_cpu_s"] for r in results) / count,
+                "server_cpu_us": 1e6 * sum(r["server_cpu_s"] for r in results) / count}
+
+    def write(self) -> None:
+        report = self.report
+        for count in WRITERS:
+            for relay_on in (False, True):
+                base = f"write.w{count}.{'relay_on' if relay_on else 'relay_off'}"
+                db = self.dbs.empty("write")
+                writers.create_business_table(db)
+                relay = None
+                try:
+                    if relay_on:
+                        relay = RelayProcess(db, f"memory://bench-{uuid.uuid4().hex[:8]}",
+                                             exit_when_idle=False)
+                        wait_listening(db)
+                    for run in range(1, self.runs + 1):
+                        modes = (False, True) if run % 2 else (True, False)  # alternate who goes first
+                        got: dict[bool, dict[str, Any]] = {}
+                        for enqueue in modes:
+                            relay_cpu = cpu_of(relay.pid) if relay is not None else 0.0
+                            got[enqueue] = attempt(base, functools.partial(
+                                self.write_once, db, count, enqueue, run * 100))
+                            if relay is not None and enqueue:
+                                report.add(f"{base}.relay_cpu_us_per_msg", "CPU us/msg",
+                                           1e6 * (cpu_of(relay.pid) - relay_cpu) / got[enqueue]["count"])
+                        for enqueue, result in got.items():
+                            mode = "enqueue" if enqueue else "bare"
+                            latencies = result["latencies"]
+                            report.add(f"{base}.{mode}.txn_per_s", "txn/s", result["rate"])
+                            report.add(f"{base}.{mode}.p50_ms", "ms", percentile(latencies, 50))
+                            report.add(f"{base}.{mode}.p99_ms", "ms", percentile(latencies, 99))
+                            if relay is None:
+                                report.add(f"{base}.{mode}.client_cpu_us", "CPU us/txn", result["client_cpu_us"])
+                                report.add(f"{base}.{mode}.server_cpu_us", "CPU us/txn", result["server_cpu_us"])
+                        bare, bare_lat = got[False]["rate"], got[False]["latencies"]
+                        enq, enq_lat = got[True]["rate"], got[True]["latencies"]
+                        report.add(f"{base}.throughput_ratio", "x", enq / bare)
+                        report.add(f"{base}.p50_ratio", "x", percentile(enq_lat, 50) / percentile(bare_lat, 50))
+                        report.add(f"{base}.p99_ratio", "x", percentile(enq_lat, 99) / percentile(bare_lat, 99))
+                        log(f"{base} run {run}: bare {bare:,.0f} txn/s p99 {percentile(bare_lat, 99):.2f} ms,"
+                            f" enqueue {enq:,.0f} txn/s p99 {percentile(enq_lat, 99):.2f} ms")
+                    if relay is not None:
+                        relay.terminate()
+                        relay.reap(block=True)
+                        if relay.status != 0:
+                            raise RuntimeError(f"write-path relay exited {relay.status}: {relay.output()}")
+                finally:
+                    if relay is not None:
+                        relay.close()
+                    self.dbs.drop(db)
+
+    # ----- 4. latency ------------------------------------------------------------------------
+
+    def latency(self) -> None:
+        # Half the relay's maximum rate (section 1), produced by 4 writers that stay under half
+        # of their own capacity (section 3): several messages per transaction if need be.
+        max_rate = self.median("throughput.relay.rabbitmq", 2000.0)
+        half = min(max_rate / 2, self.sizes.half_rate_cap)
+        capacity = self.median("write.w8.relay_off.enqueue.txn_per_s", 500.0)
+        per_txn = max(1, math.ceil(half / (0.5 * capacity)))
+        self.report.meta["latency"] = {"trickle_rate": 10, "half_rate": round(half),
+                                       "half_writers": 4, "half_messages_per_transaction": per_txn}
+        for run in range(1, self.runs + 1):
+            log(f"latency run {run}: 10 msg/s for {self.sizes.trickle_seconds} s, "
+                f"{half:,.0f} msg/s for {self.sizes.half_seconds} s ({per_txn}/txn)")
+            trickle, half_run = attempt("latency", functools.partial(self.latency_once, half, per_txn))
+            for load, (rate, values) in (("trickle", trickle), ("half", half_run)):
+                self.report.add(f"latency.{load}.rate", "msg/s", rate)
+                self.report.add(f"latency.{load}.p50_ms", "ms", percentile(values, 50))
+                self.report.add(f"latency.{load}.p99_ms", "ms", percentile(values, 99))
+                self.report.add(f"latency.{load}.max_ms", "ms", max(values))
+                log(f"  {load}: {rate:,.0f} msg/s, p50 {percentile(values, 50):.2f} ms, "
+                    f"p99 {percentile(values, 99):.2f} ms, max {max(values):.2f} ms")
+
+    def latency_once(self, half: float, per_txn: int) -> tuple[tuple[float, list[float]], ...]:
+        db = self.dbs.empty("latency")
+        try:
+            writers.create_business_table(db)
+            return asyncio.run(self._latency_run(db, half, per_txn))
+        finally:
+            self.dbs.drop(db)
+
+    async def _latency_run(self, db: str, half: float,
+                           per_txn: int) -> tuple[tuple[float, list[float]], ...]:
+        """One relay (CLI, defaults) to a fresh exchange; a consumer records arrival times."""
+        target = await RabbitSink().open()
+        arrived: dict[str, float] = {}
+
+        async def on_message(message: Any) -> None:
+            arrived.setdefault(str(message.message_id), time.time())
+
+        relay = None
+        loop = asyncio.get_running_loop()
+        try:
+            await target.consume(on_message)
+            relay = RelayProcess(db, target.url, exit_when_idle=False)
+            await asyncio.to_thread(wait_listening, db)
+
+            async def paced(rate: float, count: int, messages: int, seconds: float) -> tuple[float, list[float]]:
+                start_at = time.time() + 0.3
+                end_at = start_at + seconds
+                futures = [loop.run_in_executor(self.pool(), writers.write_paced, db, rate / count,
+                                                messages, start_at, end_at, self.sizes.keys, i)
+                           for i in range(count)]
+                results = await asyncio.gather(*futures)
+                committed = [pair for result in results for pair in result["committed"]]
+                deadline = time.monotonic() + 15
+                while any(mid not in arrived for mid, _ in committed) and time.monotonic() < deadline:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+                missing = sum(mid not in arrived for mid, _ in committed)
+                if missing:
+                    raise RuntimeError(f"{missing} of {len(committed)} messages never arrived")
+                return (len(committed) / seconds,
+                        [(arrived[mid] - at) * 1000.0 for mid, at in committed])
+
+            await paced(20, 1, 1, 1.0)  # warm up: relay awake, consumer flowing
+            trickle = await paced(10, 1, 1, self.sizes.trickle_seconds)
+            half_run = await paced(half / per_txn, 4, per_txn, self.sizes.half_seconds)
+            return trickle, half_run
+        finally:
+            if relay is not None:
+                relay.close()
+            await target.close()
+
+    # ----- 5. scaling ------------------------------------------------------------------------
+
+    def scaling(self) -> None:
+        report, seconds = self.report, self.sizes.scaling_seconds
+        for run in range(1, self.runs + 1):
+            for batch in BATCH_SIZES:
+                result = attempt(f"batch {batch}", functools.partial(
+                    self.drain, "rabbitmq", batch_size=batch, stop_after=seconds))
+                report.add(f"scaling.batch.{batch}", "msg/s", result.rate)
+                log(f"scaling run {run}: batch {batch}: {result.rate:,.0f} msg/s")
+            for count in RELAY_COUNTS:
+                result = attempt(f"{count} relays", functools.partial(
+                    self.drain, "rabbitmq", relays=count, stop_after=seconds))
+                report.add(f"scaling.relays.{count}", "msg/s", result.rate)
+                log(f"scaling run {run}: {count} relays: {result.rate:,.0f} msg/s")
+        one, five = report.figures["scaling.batch.1"].runs, report.figures["scaling.batch.500"].runs
+        ratio = report.figure("scaling.batch500_over_batch1", "x", note="per run")
+        ratio.runs = [b / a for a, b in zip(one, five, strict=True)]
+
+
+def _run(coroutine: Callable[..., Any], *args: Any) -> Any:
+    return asyncio.run(coroutine(*args))
+
+
+async def _db_ceiling(url: str, batch: int, concurrency: int) -> float:
+    """The relay's claim and settle statements with no broker: everything counts as published."""
+    store = PostgresStore(url)
+    await store.connect()
+    relay_id = f"bench-db-ceiling-{os.getpid()}"
+    total = 0
+
+    async def loop() -> None:
+        nonlocal total
+        while True:
+            claimed: list[Message] = await store.claim(DESTINATION, relay_id, batch, 60.0, False)
+            if not claimed:
+                return
+            result = await store.settle(DESTINATION, relay_id, [m.stored_seq for m in claimed], [], [],
+                                        SETTINGS.max_attempts)
+            total += result.published
+
+    try:
+        started = time.perf_counter()
+        await asyncio.gather(*(loop() for _ in range(concurrency)))
+        seconds = time.perf_counter() - started
+    finally:
+        await store.close()
+    return total / seconds
+
+
+# ----- output -------------------------------------------------------------------------------
+
+
+def _fmt(value: float, unit: str) -> str:
+    if math.isnan(value):
+        return "-"
+    if unit in ("msg/s", "txn/s"):
+        return f"{value:,.0f}"
+    if unit == "x":
+        return f"{value:.2f}"
+    return f"{value:.3f}" if unit.startswith("CPU") else f"{value:.2f}"
+
+
+def table(report: Report, sections: Sequence[str]) -> str:
+    targets = {t.figure: t for t in TARGETS}
+    lines = [f"{'figure':<44} {'median':>10} {'min':>10} {'max':>10}  {'unit':<13} target"]
+    for section in sections:
+        lines.append(f"-- {section} " + "-" * 90)
+        for name, unit in FIGURES[section]:
+            figure = report.figures.get(name, Figure(name, unit))
+            goal = ""
+            if name in targets:
+                t = targets[name]
+                goal = f"{t.op} {t.bound:g}  {'pass' if t.passed(figure.median) else 'FAIL'}"
+            lines.append(f"{name:<44} {_fmt(figure.median, unit):>10} {_fmt(figure.low, unit):>10} "
+                         f"{_fmt(figure.high, unit):>10}  {unit:<13} {goal}")
+    return "\n".join(lines)
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+def as_json(report: Report, sections: Sequence[str]) -> dict[str, Any]:
+    names = [name for section in sections for name, _ in FIGURES[section]]
+    figures = {name: report.figures[name].as_dict() for name in names if name in report.figures}
+    targets = [{"figure": t.figure, "target": f"{t.op} {t.bound:g}", "text": t.text,
+                "value": report.figures[t.figure].median if t.figure in report.figures else None,
+                "pass": t.passed(report.figures[t.figure].median) if t.figure in report.figures else None}
+               for t in TARGETS if t.figure in names]
+    return _clean({"meta": report.meta, "figures": figures, "targets": targets})
+
+
+def _git() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent, check=False)
+        return out.stdout.strip()
+    except OSError:
+        return "?"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one run (smoke test)")
+    parser.add_argument("--json", metavar="FILE", help="write the figures here")
+    parser.add_argument("--runs", type=int, help="runs per figure (default 3, --quick 1)")
+    parser.add_argument("--only", help=f"comma-separated sections of {','.join(SECTIONS)}")
+    args = parser.parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    if args.runs:
+        sizes = Sizes(**{**asdict(sizes), "runs": args.runs})
+    sections = [s.strip() for s in args.only.split(",")] if args.only else list(SECTIONS)
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+
+    report = Report()
+    started = time.time()
+    report.meta.update({
+        "command": " ".join([Path(sys.executable).name, *sys.argv]), "quick": args.quick,
+        "sizes": asdict(sizes), "relay": {"batch_size": BATCH, "concurrency": CONCURRENCY},
+        "outboxer": outboxer.__version__, "git": _git(), "cpus": os.cpu_count(),
+        "loadavg_start": os.getloadavg(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    })
+    wait_for_services(timeout=10)
+    bench = Bench(sizes, report)
+    report.meta["run_id"] = bench.dbs.run_id  # databases are outboxer_bench_<run_id>_*
+    try:
+        bench.prepare()
+        for section in sections:
+            began = time.time()
+            getattr(bench, section)()
+            report.meta.setdefault("section_seconds", {})[section] = round(time.time() - began, 1)
+    finally:
+        bench.close()
+    report.meta["seconds"] = round(time.time() - started, 1)
+    report.meta["loadavg_end"] = os.getloadavg()
+    print(table(report, sections))
+    print(f"\n{len(report.figures)} figures; whole run {report.meta['seconds']:.0f} s; "
+          f"load average at start {report.meta['loadavg_start'][0]:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(as_json(report, sections), indent=2) + "\n")
+        log(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Application writers for the write-path and latency sections, run in worker processes.
+
+Each writer is one process with one psycopg connection (``synchronous_commit = on``),
+the way a web worker writes: a business INSERT, with or without ``outboxer.enqueue``
+in the same transaction, then COMMIT. Workers are started before the clock starts
+and begin together at ``start_at`` (wall clock).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+import outboxer
+
+BUSINESS_TABLE = """
+CREATE TABLE IF NOT EXISTS bench_orders (
+    id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    customer    text NOT NULL,
+    total       numeric(12, 2) NOT NULL,
+    status      text NOT NULL DEFAULT 'placed',
+    details     jsonb NOT NULL,
+    created_at  timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS bench_orders_customer_idx ON bench_orders (customer);
+"""
+
+INSERT = "INSERT INTO bench_orders (customer, total, details) VALUES (%s, %s, %s) RETURNING id"
+_NOTE = "x" * 150
+
+
+def create_business_table(url: str) -> None:
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(BUSINESS_TABLE)  # type: ignore[arg-type]
+
+
+def _connect(url: str) -> psycopg.Connection[Any]:
+    conn = psycopg.connect(url)
+    conn.execute("SET synchronous_commit = on")
+    conn.commit()
+    return conn
+
+
+def _order(rnd: random.Random, keys: int) -> tuple[str, str, str]:
+    customer = f"customer-{rnd.randrange(keys):05d}"
+    total = f"{rnd.randrange(100, 1_000_000) / 100:.2f}"
+    details = '{"channel":"web","lines":3,"note":"' + _NOTE + '"}'
+    return customer, total, details
+
+
+def _event(order_id: int, customer: str, total: str) -> dict[str, Any]:
+    """The ~300-byte event that announces the order."""
+    return {"order_id": order_id, "customer": customer, "total": total, "currency": "EUR",
+            "lines": [{"sku": "SKU-000001", "qty": 1}, {"sku": "SKU-000002", "qty": 2}],
+            "note": _NOTE}
+
+
+def _transaction(conn: psycopg.Connection[Any], rnd: random.Random, keys: int, enqueue: bool,
+                 messages: int = 1) -> list[str]:
+    customer, total, details = _order(rnd, keys)
+    row = conn.execute(INSERT, (customer, total, details)).fetchone()
+    assert row is not None
+    ids: list[str] = []
+    if enqueue:
+        event = _event(row[0], customer, total)
+        headers = {"traceparent": f"00-{rnd.getrandbits(128):032x}-{rnd.getrandbits(64):016x}-01"}
+        if messages == 1:
+            ids.append(str(outboxer.enqueue(conn, "order.placed", event, key=customer,
+                                            headers=headers).id))
+        else:
+            sent = outboxer.enqueue_many(conn, [
+                {"topic": "order.placed", "payload": event, "key": customer, "headers": headers}
+                for _ in range(messages)])
+            ids.extend(str(message.id) for message in sent)
+    conn.commit()
+    return ids
+
+
+def warm_up(_: int) -> int:
+    """Imports done, nothing else: lets the pool start all its processes before a run."""
+    time.sleep(0.3)
+    return 0
+
+
+def _cpu(pid: int | None = None) -> float:
+    """CPU seconds (user + system) of this process, or of local process ``pid``."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def write_for(url: str, enqueue: bool, start_at: float, end_at: float, keys: int,
+              seed: int) -> dict[str, Any]:
+    """Commit transactions back to back from ``start_at`` to ``end_at``.
+
+    Returns the count, each transaction's latency (first statement to COMMIT returned),
+    and the CPU this writer and its PostgreSQL backend used meanwhile.
+    """
+    rnd = random.Random(seed)
+    conn = _connect(url)
+    backend = conn.info.backend_pid
+    try:
+        for _ in range(5):  # prepared statements, caches
+            _transaction(conn, rnd, keys, enqueue)
+        late = time.time() - start_at
+        time.sleep(max(0.0, -late))
+        latencies: list[float] = []
+        client, server = _cpu(), _cpu(backend)
+        while time.time() < end_at:
+            began = time.perf_counter()
+            _transaction(conn, rnd, keys, enqueue)
+            latencies.append((time.perf_counter() - began) * 1000.0)
+        client, server = _cpu() - client, _cpu(backend) - server
+    finally:
+        conn.close()
+    return {"count": len(latencies), "latencies_ms": latencies, "late_s": late,
+            "client_cpu_s": client, "server_cpu_s": server}
+
+
+def write_paced(url: str, rate: float, messages: int, start_at: float, end_at: float, keys: int,
+                seed: int) -> dict[str, Any]:
+    """Commit a transaction of ``messages`` enqueued messages every 1/rate s; record commit times.
+
+    Returns ``[(message id, wall time COMMIT returned)]`` and how far behind schedule it fell.
+    """
+    rnd = random.Random(seed)
+    conn = _connect(url)
+    committed: list[tuple[str, float]] = []
+    late = 0.0
+    try:
+        _transaction(conn, rnd, keys, enqueue=False)
+        n = 0
+        while True:
+            due = start_at + n / rate
+            if due >= end_at:
+                break
+            wait = due - time.time()
+            if wait > 0:
+                time.sleep(wait)
+            else:
+                late = max(late, -wait)
+            ids = _transaction(conn, rnd, keys, enqueue=True, messages=messages)
+            done = time.time()
+            committed.extend((message_id, done) for message_id in ids)
+            n += 1
+    finally:
+        conn.close()
+    return {"committed": committed, "late_s": late}
