@@ -142,15 +142,24 @@ async def test_notify_wakes_an_idle_relay_at_once(pg_url: str, rabbit_consumer: 
         await stop(relay, task)
 
 
-def test_one_notify_per_transaction(pg_url: str) -> None:
+def count_notifications(pg_url: str) -> int:
     with psycopg.connect(pg_url, autocommit=True) as listener:
         listener.execute('LISTEN "outboxer_outboxer_outbox"')
         with psycopg.connect(pg_url) as conn:
             outboxer.enqueue_many(conn, [{"topic": "t", "payload": {"n": n}} for n in range(100)])
             for n in range(5):
                 outboxer.enqueue(conn, "t", {"n": n})
-        notes = list(listener.notifies(timeout=1.0))
-    assert len(notes) == 1
+        return len(list(listener.notifies(timeout=1.0)))
+
+
+def test_one_notify_per_transaction_while_a_relay_waits(pg_url: str) -> None:
+    assert count_notifications(pg_url) == 0, "nobody waits: writers skip the NOTIFY"
+    with psycopg.connect(pg_url) as conn:
+        conn.execute("INSERT INTO outboxer.outbox_listeners VALUES ('idle-relay', now() + interval '1 minute')")
+    assert count_notifications(pg_url) == 1
+    with psycopg.connect(pg_url) as conn:
+        conn.execute("UPDATE outboxer.outbox_listeners SET until = now() - interval '1 second'")
+    assert count_notifications(pg_url) == 0, "a registration that expired (its relay got busy or died)"
 
 
 @pytest.mark.parametrize("relays", [2, 4])

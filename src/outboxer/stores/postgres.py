@@ -7,8 +7,12 @@ The write path (``outboxer.enqueue``) does not use this class: it runs the same
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
+import socket
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +23,9 @@ from outboxer.stores.base import DestinationStatus, Failure, SettleResult, Store
 from outboxer.stores.sqlfiles import migrations, queries, render, to_numbered
 
 logger = logging.getLogger("outboxer.store")
+
+#: Seconds a listener registration outlives the poll it was made for.
+_REGISTRATION_MARGIN = 2.0
 
 _MIGRATIONS_TABLE = """
 CREATE SCHEMA IF NOT EXISTS {schema};
@@ -57,6 +64,9 @@ class PostgresStore(Store):
         self._pool: Any = None
         self._listener: Any = None
         self._wakeup = asyncio.Event()
+        #: This store's name among the idle listeners, and until when it is registered.
+        self._listener_name = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._registered_until = 0.0
         tokens = self.tokens()
         self._sql: dict[str, tuple[str, tuple[str, ...]]] = {
             name: to_numbered(render(sql, tokens)) for name, sql in queries("postgres").items()
@@ -80,6 +90,9 @@ class PostgresStore(Store):
         if self._listener is not None:
             listener, self._listener = self._listener, None
             if not listener.is_closed():
+                sql, args = self._args("unregister_listener", {"relay": self._listener_name})
+                with contextlib.suppress(Exception):  # best effort: the row expires anyway
+                    await listener.execute(sql, *args)
                 await listener.close()
         if self._pool is not None:
             pool, self._pool = self._pool, None
@@ -219,10 +232,24 @@ class PostgresStore(Store):
         self._wakeup.set()
 
     async def wait_for_wakeup(self, timeout: float) -> bool:
+        """Register as an idle listener, then wait for a NOTIFY (or the timeout).
+
+        Writers notify only while a registration is current (see migration 0003). Right
+        after a fresh registration this returns at once, so the relay looks for work once
+        more: a writer that committed just before the registration did not notify.
+        """
         try:
             await self._ensure_listener()
+            sql, args = self._args("register_listener", {"relay": self._listener_name,
+                                                          "seconds": timeout + _REGISTRATION_MARGIN})
+            await self._listener.execute(sql, *args)
+            registered_before = time.monotonic() < self._registered_until
+            self._registered_until = time.monotonic() + timeout + _REGISTRATION_MARGIN / 2
+            if not registered_before:
+                return True
         except Exception as exc:  # noqa: BLE001 -- asyncpg's errors too: poll instead, never stop the relay
             self._listener = None
+            self._registered_until = 0.0
             logger.warning("cannot LISTEN for wake-ups, polling instead: %s", exc, exc_info=False)
         try:
             await asyncio.wait_for(self._wakeup.wait(), timeout)

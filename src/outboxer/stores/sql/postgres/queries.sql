@@ -175,3 +175,12 @@ WHERE ctid IN (
     WHERE received_at < now() - make_interval(secs => CAST(:retention AS float8))
     ORDER BY received_at
     LIMIT :limit)
+
+-- name: register_listener
+-- This relay is idle and listening until :seconds from now: writers NOTIFY meanwhile.
+INSERT INTO {listeners} (relay, until)
+VALUES (:relay, now() + make_interval(secs => CAST(:seconds AS float8)))
+ON CONFLICT (relay) DO UPDATE SET until = EXCLUDED.until
+
+-- name: unregister_listener
+DELETE FROM {listeners} WHERE relay = :relay OR until < now() - interval '1 hour'
