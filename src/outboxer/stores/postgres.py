@@ -155,18 +155,20 @@ class PostgresStore(Store):
         async with self._pool.acquire() as conn, conn.transaction():
             await conn.execute(lock_sql, *lock_args)
             if published:
-                sql, args = self._args("settle_published", {"seqs": list(published), "relay_id": relay_id})
+                sql, args = self._args("settle_published", {"seqs": list(published), "relay_id": relay_id,
+                                                              "destination": destination})
                 result.published = _count(await conn.execute(sql, *args))
             if failed:
                 sql, args = self._args("settle_failed", {
                     "seqs": [f.seq for f in failed], "errors": [f.error for f in failed],
                     "delays": [float(f.delay) for f in failed],
                     "permanent": [f.permanent for f in failed],
-                    "max_attempts": max_attempts, "relay_id": relay_id,
+                    "max_attempts": max_attempts, "relay_id": relay_id, "destination": destination,
                 })
                 result.failed = _count(await conn.execute(sql, *args))
             if released:
-                sql, args = self._args("release", {"seqs": list(released), "relay_id": relay_id})
+                sql, args = self._args("release", {"seqs": list(released), "relay_id": relay_id,
+                                                     "destination": destination})
                 result.released = _count(await conn.execute(sql, *args))
         expected = len(published) + len(failed) + len(released)
         result.lost = expected - result.published - result.failed - result.released

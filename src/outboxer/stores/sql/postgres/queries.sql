@@ -51,7 +51,7 @@ SELECT pg_advisory_xact_lock_shared(CAST(:lock_key AS bigint))
 --    holds the key's lock until commit before it takes its seq (see insert). So a row
 --    committed late can never be overtaken: it sorts after everything visible here.
 WITH due AS (
-    SELECT o.seq
+    SELECT o.ctid
     FROM {outbox} AS o
     WHERE o.destination = :destination
       AND o.status IN ('PENDING', 'FAILED', 'PROCESSING')
@@ -81,7 +81,7 @@ SET status = 'PROCESSING',
                       ELSE t.last_error END,
     updated_at = now()
 FROM due
-WHERE t.seq = due.seq
+WHERE t.ctid = due.ctid
 RETURNING t.seq, t.id, t.destination, t.topic, t.key, t.payload, t.content_type,
           CAST(t.headers AS text) AS headers, t.attempts, t.created_at
 
@@ -91,7 +91,8 @@ RETURNING t.seq, t.id, t.destination, t.topic, t.key, t.payload, t.content_type,
 UPDATE {outbox}
 SET status = 'PUBLISHED', published_at = now(), updated_at = now(),
     locked_by = NULL, locked_until = NULL
-WHERE seq = ANY(CAST(:seqs AS bigint[])) AND status = 'PROCESSING' AND locked_by = :relay_id
+WHERE destination = :destination AND seq = ANY(CAST(:seqs AS bigint[]))
+  AND status = 'PROCESSING' AND locked_by = :relay_id
 
 -- name: settle_failed
 -- PROCESSING -> FAILED (attempts + 1, due again after its backoff), or -> ABANDONED when the
@@ -105,7 +106,8 @@ SET attempts = t.attempts + 1,
     locked_by = NULL, locked_until = NULL, updated_at = now()
 FROM unnest(CAST(:seqs AS bigint[]), CAST(:errors AS text[]), CAST(:delays AS float8[]),
             CAST(:permanent AS boolean[])) AS f(seq, error, delay, permanent)
-WHERE t.seq = f.seq AND t.status = 'PROCESSING' AND t.locked_by = :relay_id
+WHERE t.destination = :destination AND t.seq = f.seq
+  AND t.status = 'PROCESSING' AND t.locked_by = :relay_id
 
 -- name: release
 -- PROCESSING -> claimable again without counting an attempt (never tried: shutdown, or an
@@ -113,20 +115,21 @@ WHERE t.seq = f.seq AND t.status = 'PROCESSING' AND t.locked_by = :relay_id
 UPDATE {outbox}
 SET status = CASE WHEN attempts > 0 THEN 'FAILED' ELSE 'PENDING' END,
     next_attempt_at = now(), locked_by = NULL, locked_until = NULL, updated_at = now()
-WHERE seq = ANY(CAST(:seqs AS bigint[])) AND status = 'PROCESSING' AND locked_by = :relay_id
+WHERE destination = :destination AND seq = ANY(CAST(:seqs AS bigint[]))
+  AND status = 'PROCESSING' AND locked_by = :relay_id
 
 -- name: cleanup
 -- PUBLISHED | ABANDONED -> deleted once older than the retention; at most :limit rows a
 -- statement, so no statement runs long or holds many locks; SKIP LOCKED passes over rows
 -- an operator is changing.
 DELETE FROM {outbox}
-WHERE seq IN (
-    SELECT seq FROM {outbox}
+WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM {outbox}
     WHERE status = :status
       AND updated_at < now() - make_interval(secs => CAST(:retention AS float8))
     ORDER BY updated_at
     LIMIT :limit
-    FOR UPDATE SKIP LOCKED)
+    FOR UPDATE SKIP LOCKED))
 
 -- name: requeue
 -- ABANDONED | FAILED -> PENDING, due now, attempts reset: an operator's decision.

@@ -7,7 +7,9 @@ CREATE TABLE {outbox} (
     -- Publish order. Sequence values are taken before commit, so across transactions
     -- seq is not commit order; for one key it is, because the insert query holds a
     -- per-key lock until commit before it takes the value (see queries.sql: insert).
-    seq             bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    -- No index of its own: the only index that orders by seq is the partial ready index,
+    -- so the planner cannot walk the published history to find the backlog.
+    seq             bigint GENERATED ALWAYS AS IDENTITY,
     id              uuid NOT NULL,
     destination     text NOT NULL DEFAULT 'default',
     topic           text NOT NULL,
@@ -26,7 +28,7 @@ CREATE TABLE {outbox} (
     updated_at      timestamptz NOT NULL DEFAULT now(),
     published_at    timestamptz,
     -- One copy of a message per destination; a caller-chosen id cannot be enqueued twice.
-    CONSTRAINT {table_raw}_id_destination_key UNIQUE (id, destination)
+    CONSTRAINT {table_raw}_pkey PRIMARY KEY (id, destination)
 );
 
 -- The claim walks unfinished rows of one destination in publish order. Partial, so the
