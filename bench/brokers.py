@@ -12,9 +12,10 @@ import asyncio
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from harness import AMQP_URL, REDIS_URL
+from harness import AMQP_URL, REDIS_URL, BoxMeter
 from outboxer.brokers import create_publisher
 from outboxer.message import Message
 
@@ -146,8 +147,14 @@ def _batches(messages: Sequence[Message], size: int) -> list[Sequence[Message]]:
     return [messages[i:i + size] for i in range(0, len(messages), size)]
 
 
+@dataclass
+class Ceiling:
+    rate: float  # messages/s
+    box: dict[str, float]  # cores busy meanwhile, by service (harness.BoxMeter)
+
+
 async def _timed(label: str, target: Sink, publish: Any, messages: Sequence[Message],
-                 batch_size: int, concurrency: int) -> float:
+                 batch_size: int, concurrency: int) -> Ceiling:
     """Publish one message (warm-up), then the rest in batches from ``concurrency`` loops taking
     the next batch in turn, as the relay's loops do; check they all arrived; messages/s."""
     await publish(messages[:1])
@@ -157,17 +164,19 @@ async def _timed(label: str, target: Sink, publish: Any, messages: Sequence[Mess
         for batch in queue:
             await publish(batch)
 
+    meter = BoxMeter().start()
     started = time.perf_counter()
     await asyncio.gather(*(loop() for _ in range(concurrency)))
     seconds = time.perf_counter() - started
+    box = meter.stop()
     arrived = await target.count()
     if arrived is not None and arrived != len(messages):
         raise RuntimeError(f"{label}: {arrived} of {len(messages)} messages arrived")
-    return (len(messages) - 1) / seconds
+    return Ceiling((len(messages) - 1) / seconds, box)
 
 
 async def adapter_ceiling(name: str, messages: Sequence[Message], batch_size: int,
-                          concurrency: int) -> float:
+                          concurrency: int) -> Ceiling:
     """Messages/s through the outboxer adapter's ``publish_batch``, no database involved."""
     target = await sink(name).open()
     try:
@@ -180,17 +189,17 @@ async def adapter_ceiling(name: str, messages: Sequence[Message], batch_size: in
             failed += sum(not outcome.published for outcome in outcomes)
 
         async with publisher:
-            rate = await _timed(f"{name} adapter ceiling", target, publish, messages, batch_size,
-                                concurrency)
+            ceiling = await _timed(f"{name} adapter ceiling", target, publish, messages,
+                                   batch_size, concurrency)
         if failed:
             raise RuntimeError(f"{name} adapter ceiling: {failed} messages failed")
     finally:
         await target.close()
-    return rate
+    return ceiling
 
 
 async def raw_rabbitmq_ceiling(messages: Sequence[Message], batch_size: int,
-                               concurrency: int) -> float:
+                               concurrency: int) -> Ceiling:
     """Messages/s of a plain aio-pika loop: same properties, mandatory, confirms, batch in flight."""
     import aio_pika
 
@@ -214,7 +223,8 @@ async def raw_rabbitmq_ceiling(messages: Sequence[Message], batch_size: int,
         await target.close()
 
 
-async def raw_redis_ceiling(messages: Sequence[Message], batch_size: int, concurrency: int) -> float:
+async def raw_redis_ceiling(messages: Sequence[Message], batch_size: int,
+                            concurrency: int) -> Ceiling:
     """Messages/s of a plain redis-py loop: one non-transactional XADD pipeline per batch."""
     import redis.asyncio as aioredis
 
@@ -236,7 +246,7 @@ async def raw_redis_ceiling(messages: Sequence[Message], batch_size: int, concur
 
 
 async def raw_ceiling(name: str, messages: Sequence[Message], batch_size: int,
-                      concurrency: int) -> float | None:
+                      concurrency: int) -> Ceiling | None:
     if name == "rabbitmq":
         return await raw_rabbitmq_ceiling(messages, batch_size, concurrency)
     if name == "redis":

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import random
+import resource
 import signal
 import statistics
 import subprocess
@@ -243,6 +244,69 @@ def outbox_counts(url: str) -> dict[str, int]:
 _CLI = "import sys; from outboxer.cli import main; sys.exit(main())"
 
 
+#: Which service a process belongs to, by its name (``comm``).
+_SERVICES = {"postgres": "postgres", "beam.smp": "rabbitmq", "erl_child_setup": "rabbitmq",
+             "inet_gethost": "rabbitmq", "epmd": "rabbitmq", "redis-server": "redis"}
+
+
+def _service_cpu() -> dict[str, float]:
+    """CPU seconds so far per service, counting children they reaped (ended backends)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    totals = dict.fromkeys(set(_SERVICES.values()), 0.0)
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            text = Path(f"/proc/{entry.name}/stat").read_text()
+        except OSError:  # ended meanwhile
+            continue
+        comm = text[text.index("(") + 1:text.rindex(")")]
+        service = _SERVICES.get(comm) or ("postgres" if comm.startswith("postgres") else None)
+        if service is not None:
+            fields = text.rsplit(")", 1)[1].split()
+            totals[service] += sum(int(f) for f in fields[11:15]) / tick
+    return totals
+
+
+def _busy_seconds() -> float:
+    """CPU seconds all cores spent busy since boot (everything but idle and iowait)."""
+    fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class BoxMeter:
+    """Where the machine's CPU went between ``start`` and ``stop``, in cores (CPU s / wall s).
+
+    ``busy`` is the whole machine; ``postgres``, ``rabbitmq``, ``redis`` the services;
+    ``client`` what the caller says its relay or publisher used (or, by default, this
+    process); ``other`` the rest (other test suites, the bench itself, the kernel).
+    """
+
+    def start(self) -> BoxMeter:
+        self._wall = time.monotonic()
+        self._busy = _busy_seconds()
+        self._services = _service_cpu()
+        self._self = _self_cpu()
+        return self
+
+    def stop(self, client_cpu: float | None = None) -> dict[str, float]:
+        wall = max(time.monotonic() - self._wall, 1e-6)
+        services = _service_cpu()
+        result = {"busy": (_busy_seconds() - self._busy) / wall}
+        for name, seconds in services.items():
+            result[name] = (seconds - self._services.get(name, 0.0)) / wall
+        client = client_cpu if client_cpu is not None else _self_cpu() - self._self
+        result["client"] = client / wall
+        result["other"] = result["busy"] - sum(result[name] for name in (*services, "client"))
+        return result
+
+
+def _self_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def cpu_of(pid: int) -> float:
     """User + system CPU seconds of a running process so far (all its threads)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -257,6 +321,8 @@ class RelayRun:
     counts: dict[str, int]
     #: WARNING and ERROR lines the relays logged (an outage during the run, say).
     warnings: list[str] = field(default_factory=list)
+    #: Cores busy during the drain, by service (see BoxMeter); ``client`` is the relays.
+    box: dict[str, float] = field(default_factory=dict)
 
     @property
     def rate(self) -> float:
@@ -365,6 +431,7 @@ def run_relays(db_url: str, broker_url: str, *, relays: int = 1, batch_size: int
                 time.sleep(0.02)
             for relay in started:
                 relay.mark()
+            meter = BoxMeter().start()
         finally:
             gate.execute("SELECT pg_advisory_unlock(%s)", (lock_key,))
         opened = time.time()
@@ -380,6 +447,7 @@ def run_relays(db_url: str, broker_url: str, *, relays: int = 1, batch_size: int
                     raise RuntimeError(f"relays still running after {timeout:.0f} s:\n"
                                        + "\n".join(r.output() for r in started))
                 time.sleep(0.02)
+            box = meter.stop(client_cpu=sum(r.cpu_seconds for r in started))
             failed = [r for r in started if r.status != 0]
             if failed:
                 raise RuntimeError(f"relay exited with {failed[0].status}:\n{failed[0].output()}")
@@ -394,7 +462,7 @@ def run_relays(db_url: str, broker_url: str, *, relays: int = 1, batch_size: int
     assert row is not None
     published, last = int(row[0]), float(row[1] or opened)
     return RelayRun(published, max(last - opened, 1e-6), sum(r.cpu_seconds for r in started),
-                    outbox_counts(db_url), warnings)
+                    outbox_counts(db_url), warnings, box)
 
 
 def wait_listening(db_url: str, relays: int = 1, timeout: float = 30.0) -> None:

@@ -34,6 +34,7 @@ from brokers import BROKERS, RabbitSink, adapter_ceiling, raw_ceiling, sink
 from harness import (
     AMQP_URL,
     DESTINATION,
+    BoxMeter,
     Databases,
     Figure,
     RelayProcess,
@@ -58,6 +59,8 @@ BATCH, CONCURRENCY = SETTINGS.batch_size, SETTINGS.concurrency
 WRITERS = (1, 8)
 BATCH_SIZES = (1, 10, 100, 500)
 RELAY_COUNTS = (1, 2, 4)
+#: Batch sizes are scaled on RabbitMQ and on memory:// (no broker limit: the relay and database).
+SCALING_BROKERS = ("rabbitmq", "memory")
 SERVICES = {"postgresql": 5432, "rabbitmq": 5672, "redis": 6379}
 
 
@@ -76,8 +79,8 @@ class Sizes:
     half_rate_cap: float = math.inf
 
 
-FULL = Sizes(backlog=100_000, keys=10_000, runs=3, ceiling_messages=30_000, simple_seconds=4.0,
-             write_seconds=2.0, trickle_seconds=10.0, half_seconds=5.0, scaling_seconds=2.5)
+FULL = Sizes(backlog=100_000, keys=10_000, runs=3, ceiling_messages=30_000, simple_seconds=3.0,
+             write_seconds=2.0, trickle_seconds=10.0, half_seconds=4.0, scaling_seconds=2.0)
 QUICK = Sizes(backlog=2_000, keys=200, runs=1, ceiling_messages=1_000, simple_seconds=0.5,
               write_seconds=0.5, trickle_seconds=1.0, half_seconds=0.8, scaling_seconds=0.6,
               half_rate_cap=500.0)
@@ -110,15 +113,23 @@ FIGURES: dict[str, list[tuple[str, str]]] = {
         ("throughput.db_ceiling", "msg/s"),
         *[(f"throughput.vs_ceiling.{b}", "x") for b in BROKERS],
         *[(f"cpu.relay.{b}", "CPU s/1k msg") for b in BROKERS],
+        # Where the machine's CPU went during each measurement, in cores (see harness.BoxMeter).
+        *[(f"cpu.box.relay.{b}.{who}", "cores") for b in BROKERS
+          for who in ("busy", "postgres", *(("broker",) if b != "memory" else ()), "client")],
+        *[(f"cpu.box.broker_ceiling.{b}.{who}", "cores") for b in ("rabbitmq", "redis")
+          for who in ("busy", "broker", "client")],
+        *[(f"cpu.box.db_ceiling.{who}", "cores") for who in ("busy", "postgres", "client")],
     ],
     "simple": [("simple_relay.rabbitmq", "msg/s"), ("simple_relay.speedup", "x")],
     "write": _write_names(),
     "latency": [(f"latency.{load}.{what}", unit) for load in ("trickle", "half")
                 for what, unit in (("rate", "msg/s"), ("p50_ms", "ms"), ("p99_ms", "ms"),
-                                   ("max_ms", "ms"))],
-    "scaling": [*[(f"scaling.batch.{b}", "msg/s") for b in BATCH_SIZES],
-                ("scaling.batch500_over_batch1", "x"),
-                *[(f"scaling.relays.{n}", "msg/s") for n in RELAY_COUNTS]],
+                                   ("max_ms", "ms"), ("box_busy", "cores"),
+                                   ("relay_cpu_us_per_msg", "CPU us/msg"))],
+    "scaling": [*[(f"scaling.{broker}.batch.{b}", "msg/s") for broker in SCALING_BROKERS
+                  for b in BATCH_SIZES],
+                *[(f"scaling.{broker}.batch500_over_batch1", "x") for broker in SCALING_BROKERS],
+                *[(f"scaling.rabbitmq.relays.{n}", "msg/s") for n in RELAY_COUNTS]],
 }
 
 #: The goals written in bench/README.md.
@@ -134,7 +145,8 @@ TARGETS = [
     Target("latency.trickle.p50_ms", "<=", 5.0, "commit -> consumer p50 <= 5 ms at 10 msg/s"),
     Target("latency.trickle.p99_ms", "<=", 25.0, "commit -> consumer p99 <= 25 ms at 10 msg/s"),
     Target("latency.half.p99_ms", "<=", 50.0, "commit -> consumer p99 <= 50 ms at half the max rate"),
-    Target("scaling.batch500_over_batch1", ">=", 20.0, "batch 500 >= 20 x batch 1"),
+    Target("scaling.rabbitmq.batch500_over_batch1", ">=", 20.0, "batch 500 >= 20 x batch 1, RabbitMQ"),
+    Target("scaling.memory.batch500_over_batch1", ">=", 20.0, "batch 500 >= 20 x batch 1, memory://"),
 ]
 
 T = TypeVar("T")
@@ -241,7 +253,17 @@ class Bench:
             raise RuntimeError(f"{broker}: {arrived} arrived, {run.published} recorded published")
         return run
 
-    def db_ceiling(self) -> float:
+    def add_box(self, prefix: str, box: dict[str, float], broker: str | None) -> None:
+        """Record a BoxMeter reading: busy, postgres (unless a broker ceiling), broker, client."""
+        names = {"busy": box["busy"], "client": box["client"]}
+        if "broker_ceiling" not in prefix:
+            names["postgres"] = box["postgres"]
+        if broker in ("rabbitmq", "redis"):
+            names["broker"] = box[broker]
+        for who, cores in names.items():
+            self.report.add(f"{prefix}.{who}", "cores", cores)
+
+    def db_ceiling(self) -> tuple[float, dict[str, float]]:
         db = self.dbs.clone(self.template, "dbceiling")
         try:
             return asyncio.run(_db_ceiling(db, BATCH, CONCURRENCY))
@@ -257,19 +279,25 @@ class Bench:
                 result = attempt(f"relay {broker}", functools.partial(self.drain, broker))
                 report.add(f"throughput.relay.{broker}", "msg/s", result.rate)
                 report.add(f"cpu.relay.{broker}", "CPU s/1k msg", result.cpu_per_1000)
-                log(f"  {result.rate:,.0f} msg/s, {result.cpu_per_1000:.3f} CPU s/1k")
+                self.add_box(f"cpu.box.relay.{broker}", result.box, broker)
+                log(f"  {result.rate:,.0f} msg/s, {result.cpu_per_1000:.3f} CPU s/1k, "
+                    f"box {_cores(result.box)}")
             for broker in BROKERS:
-                rate = attempt(f"ceiling {broker}", functools.partial(
+                ceiling = attempt(f"ceiling {broker}", functools.partial(
                     _run, adapter_ceiling, broker, messages, BATCH, CONCURRENCY))
-                report.add(f"throughput.broker_ceiling.{broker}", "msg/s", rate)
+                report.add(f"throughput.broker_ceiling.{broker}", "msg/s", ceiling.rate)
+                if broker != "memory":
+                    self.add_box(f"cpu.box.broker_ceiling.{broker}", ceiling.box, broker)
                 raw = attempt(f"raw {broker}", functools.partial(
                     _run, raw_ceiling, broker, messages, BATCH, CONCURRENCY))
                 if raw is not None:
-                    report.add(f"throughput.raw_client.{broker}", "msg/s", raw)
-                log(f"  broker ceiling {broker}: {rate:,.0f} msg/s" + (f" (raw {raw:,.0f})" if raw else ""))
-            rate = attempt("db ceiling", self.db_ceiling)
+                    report.add(f"throughput.raw_client.{broker}", "msg/s", raw.rate)
+                log(f"  broker ceiling {broker}: {ceiling.rate:,.0f} msg/s, box {_cores(ceiling.box)}"
+                    + (f" (raw {raw.rate:,.0f})" if raw else ""))
+            rate, box = attempt("db ceiling", self.db_ceiling)
             report.add("throughput.db_ceiling", "msg/s", rate)
-            log(f"  db ceiling: {rate:,.0f} msg/s")
+            self.add_box("cpu.box.db_ceiling", box, None)
+            log(f"  db ceiling: {rate:,.0f} msg/s, box {_cores(box)}")
         db = report.figures["throughput.db_ceiling"].median
         for broker in BROKERS:
             ceiling = min(report.figures[f"throughput.broker_ceiling.{broker}"].median, db)
@@ -388,16 +416,21 @@ class Bench:
         for run in range(1, self.runs + 1):
             log(f"latency run {run}: 10 msg/s for {self.sizes.trickle_seconds} s, "
                 f"{half:,.0f} msg/s for {self.sizes.half_seconds} s ({per_txn}/txn)")
-            trickle, half_run = attempt("latency", functools.partial(self.latency_once, half, per_txn))
-            for load, (rate, values) in (("trickle", trickle), ("half", half_run)):
-                self.report.add(f"latency.{load}.rate", "msg/s", rate)
+            loads = attempt("latency", functools.partial(self.latency_once, half, per_txn))
+            for load, got in loads.items():
+                values = got["latencies"]
+                self.report.add(f"latency.{load}.rate", "msg/s", got["rate"])
                 self.report.add(f"latency.{load}.p50_ms", "ms", percentile(values, 50))
                 self.report.add(f"latency.{load}.p99_ms", "ms", percentile(values, 99))
                 self.report.add(f"latency.{load}.max_ms", "ms", max(values))
-                log(f"  {load}: {rate:,.0f} msg/s, p50 {percentile(values, 50):.2f} ms, "
-                    f"p99 {percentile(values, 99):.2f} ms, max {max(values):.2f} ms")
+                self.report.add(f"latency.{load}.box_busy", "cores", got["box"]["busy"])
+                self.report.add(f"latency.{load}.relay_cpu_us_per_msg", "CPU us/msg",
+                                got["relay_cpu_us_per_msg"])
+                log(f"  {load}: {got['rate']:,.0f} msg/s, p50 {percentile(values, 50):.2f} ms, "
+                    f"p99 {percentile(values, 99):.2f} ms, max {max(values):.2f} ms, "
+                    f"box {_cores(got['box'])}")
 
-    def latency_once(self, half: float, per_txn: int) -> tuple[tuple[float, list[float]], ...]:
+    def latency_once(self, half: float, per_txn: int) -> dict[str, dict[str, Any]]:
         db = self.dbs.empty("latency")
         try:
             writers.create_business_table(db)
@@ -405,8 +438,7 @@ class Bench:
         finally:
             self.dbs.drop(db)
 
-    async def _latency_run(self, db: str, half: float,
-                           per_txn: int) -> tuple[tuple[float, list[float]], ...]:
+    async def _latency_run(self, db: str, half: float, per_txn: int) -> dict[str, dict[str, Any]]:
         """One relay (CLI, defaults) to a fresh exchange; a consumer records arrival times."""
         target = await RabbitSink().open()
         arrived: dict[str, float] = {}
@@ -421,27 +453,33 @@ class Bench:
             relay = RelayProcess(db, target.url, exit_when_idle=False)
             await asyncio.to_thread(wait_listening, db)
 
-            async def paced(rate: float, count: int, messages: int, seconds: float) -> tuple[float, list[float]]:
+            async def paced(rate: float, count: int, messages: int, seconds: float) -> dict[str, Any]:
+                """``count`` writers commit ``rate`` transactions/s in all; latencies, CPU."""
+                assert relay is not None
                 start_at = time.time() + 0.3
                 end_at = start_at + seconds
                 futures = [loop.run_in_executor(self.pool(), writers.write_paced, db, rate / count,
                                                 messages, start_at, end_at, self.sizes.keys, i)
                            for i in range(count)]
+                await asyncio.sleep(max(0.0, start_at - time.time()))
+                meter, relay_cpu = BoxMeter().start(), cpu_of(relay.pid)
                 results = await asyncio.gather(*futures)
                 committed = [pair for result in results for pair in result["committed"]]
                 deadline = time.monotonic() + 15
                 while any(mid not in arrived for mid, _ in committed) and time.monotonic() < deadline:  # noqa: ASYNC110
                     await asyncio.sleep(0.05)
+                relay_cpu = cpu_of(relay.pid) - relay_cpu
+                box = meter.stop(client_cpu=relay_cpu)
                 missing = sum(mid not in arrived for mid, _ in committed)
                 if missing:
                     raise RuntimeError(f"{missing} of {len(committed)} messages never arrived")
-                return (len(committed) / seconds,
-                        [(arrived[mid] - at) * 1000.0 for mid, at in committed])
+                return {"rate": len(committed) / seconds, "box": box,
+                        "relay_cpu_us_per_msg": 1e6 * relay_cpu / len(committed),
+                        "latencies": [(arrived[mid] - at) * 1000.0 for mid, at in committed]}
 
             await paced(20, 1, 1, 1.0)  # warm up: relay awake, consumer flowing
-            trickle = await paced(10, 1, 1, self.sizes.trickle_seconds)
-            half_run = await paced(half / per_txn, 4, per_txn, self.sizes.half_seconds)
-            return trickle, half_run
+            return {"trickle": await paced(10, 1, 1, self.sizes.trickle_seconds),
+                    "half": await paced(half / per_txn, 4, per_txn, self.sizes.half_seconds)}
         finally:
             if relay is not None:
                 relay.close()
@@ -452,26 +490,33 @@ class Bench:
     def scaling(self) -> None:
         report, seconds = self.report, self.sizes.scaling_seconds
         for run in range(1, self.runs + 1):
-            for batch in BATCH_SIZES:
-                result = attempt(f"batch {batch}", functools.partial(
-                    self.drain, "rabbitmq", batch_size=batch, stop_after=seconds))
-                report.add(f"scaling.batch.{batch}", "msg/s", result.rate)
-                log(f"scaling run {run}: batch {batch}: {result.rate:,.0f} msg/s")
+            for broker in SCALING_BROKERS:
+                for batch in BATCH_SIZES:
+                    result = attempt(f"{broker} batch {batch}", functools.partial(
+                        self.drain, broker, batch_size=batch, stop_after=seconds))
+                    report.add(f"scaling.{broker}.batch.{batch}", "msg/s", result.rate)
+                    log(f"scaling run {run}: {broker} batch {batch}: {result.rate:,.0f} msg/s")
             for count in RELAY_COUNTS:
                 result = attempt(f"{count} relays", functools.partial(
                     self.drain, "rabbitmq", relays=count, stop_after=seconds))
-                report.add(f"scaling.relays.{count}", "msg/s", result.rate)
+                report.add(f"scaling.rabbitmq.relays.{count}", "msg/s", result.rate)
                 log(f"scaling run {run}: {count} relays: {result.rate:,.0f} msg/s")
-        one, five = report.figures["scaling.batch.1"].runs, report.figures["scaling.batch.500"].runs
-        ratio = report.figure("scaling.batch500_over_batch1", "x", note="per run")
-        ratio.runs = [b / a for a, b in zip(one, five, strict=True)]
+        for broker in SCALING_BROKERS:
+            one = report.figures[f"scaling.{broker}.batch.1"].runs
+            five = report.figures[f"scaling.{broker}.batch.500"].runs
+            ratio = report.figure(f"scaling.{broker}.batch500_over_batch1", "x", note="paired per run")
+            ratio.runs = [b / a for a, b in zip(one, five, strict=True)]
 
 
 def _run(coroutine: Callable[..., Any], *args: Any) -> Any:
     return asyncio.run(coroutine(*args))
 
 
-async def _db_ceiling(url: str, batch: int, concurrency: int) -> float:
+def _cores(box: dict[str, float]) -> str:
+    return ", ".join(f"{name} {cores:.2f}" for name, cores in box.items() if cores >= 0.05)
+
+
+async def _db_ceiling(url: str, batch: int, concurrency: int) -> tuple[float, dict[str, float]]:
     """The relay's claim and settle statements with no broker: everything counts as published."""
     store = PostgresStore(url)
     await store.connect()
@@ -489,12 +534,14 @@ async def _db_ceiling(url: str, batch: int, concurrency: int) -> float:
             total += result.published
 
     try:
+        meter = BoxMeter().start()
         started = time.perf_counter()
         await asyncio.gather(*(loop() for _ in range(concurrency)))
         seconds = time.perf_counter() - started
+        box = meter.stop()
     finally:
         await store.close()
-    return total / seconds
+    return total / seconds, box
 
 
 # ----- output -------------------------------------------------------------------------------
@@ -547,10 +594,13 @@ def as_json(report: Report, sections: Sequence[str]) -> dict[str, Any]:
 
 
 def _git() -> str:
+    """The commit measured, with ``+dirty`` if src/ has uncommitted changes."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=False).stdout.strip()
+
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent, check=False)
-        return out.stdout.strip()
+        return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "../src") else "")
     except OSError:
         return "?"
 

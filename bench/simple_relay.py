@@ -14,14 +14,16 @@ import aio_pika
 import asyncpg
 
 POLL = """
-SELECT seq, id, topic, key, payload, content_type, CAST(headers AS text) AS headers
+SELECT id, destination, topic, key, payload, content_type, CAST(headers AS text) AS headers
 FROM outboxer.outbox
 WHERE destination = 'default' AND status = 'PENDING'
 ORDER BY seq
 LIMIT 1
 FOR UPDATE SKIP LOCKED
 """
-MARK = "UPDATE outboxer.outbox SET status = 'PUBLISHED', published_at = now() WHERE seq = $1"
+#: By the table's key (id, destination): unique, and indexed whatever else the schema indexes.
+MARK = ("UPDATE outboxer.outbox SET status = 'PUBLISHED', published_at = now() "
+        "WHERE id = $1 AND destination = $2")
 
 
 async def simple_relay(db_url: str, amqp_url: str, exchange_name: str, seconds: float) -> tuple[int, float]:
@@ -45,7 +47,7 @@ async def simple_relay(db_url: str, amqp_url: str, exchange_name: str, seconds: 
                                      message_id=str(row["id"]), headers=headers,
                                      delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
                     routing_key=row["topic"])
-                await db.execute(MARK, row["seq"])
+                await db.execute(MARK, row["id"], row["destination"])
             published += 1
         elapsed = time.perf_counter() - started
     finally:
