@@ -67,6 +67,7 @@ class PostgresStore(Store):
         #: This store's name among the idle listeners, and until when it is registered.
         self._listener_name = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._registered_until = 0.0
+        self._listener_lock = asyncio.Lock()
         tokens = self.tokens()
         self._sql: dict[str, tuple[str, tuple[str, ...]]] = {
             name: to_numbered(render(sql, tokens)) for name, sql in queries("postgres").items()
@@ -230,6 +231,11 @@ class PostgresStore(Store):
         # Anything committed before LISTEN took effect was not announced: look once.
         self._wakeup.set()
 
+    async def _drop_listener(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None and not listener.is_closed():
+            listener.terminate()  # it may be broken: do not wait for a goodbye
+
     def _on_notify(self, *_: object) -> None:
         self._wakeup.set()
 
@@ -241,17 +247,20 @@ class PostgresStore(Store):
         more: a writer that committed just before the registration did not notify.
         """
         try:
-            await self._ensure_listener()
-            sql, args = self._args("register_listener", {"relay": self._listener_name,
-                                                          "seconds": timeout + _REGISTRATION_MARGIN})
-            await self._listener.execute(sql, *args)
-            registered_before = time.monotonic() < self._registered_until
-            self._registered_until = time.monotonic() + timeout + _REGISTRATION_MARGIN / 2
+            # The relay's loops share one listening connection: one query on it at a time.
+            async with self._listener_lock:
+                await self._ensure_listener()
+                registered_before = time.monotonic() < self._registered_until
+                if time.monotonic() > self._registered_until - timeout:  # renew before it lapses
+                    sql, args = self._args("register_listener", {
+                        "relay": self._listener_name, "seconds": timeout + _REGISTRATION_MARGIN})
+                    await self._listener.execute(sql, *args)
+                    self._registered_until = time.monotonic() + timeout + _REGISTRATION_MARGIN / 2
             if not registered_before:
                 return True
         except Exception as exc:  # noqa: BLE001 -- asyncpg's errors too: poll instead, never stop the relay
-            self._listener = None
             self._registered_until = 0.0
+            await self._drop_listener()
             logger.warning("cannot LISTEN for wake-ups, polling instead: %s", exc, exc_info=False)
         try:
             await asyncio.wait_for(self._wakeup.wait(), timeout)
