@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from typing import Any
 
@@ -128,8 +129,9 @@ async def test_stale_lock_is_recovered(pg_url: str, rabbit_consumer: RabbitConsu
     assert [d.message_id for d in await rabbit_consumer.wait_for(1)] == [str(sent.id)]
 
 
-async def test_notify_wakes_an_idle_relay_at_once(pg_url: str, rabbit_consumer: RabbitConsumer) -> None:
-    relay = Relay.from_settings(settings(pg_url, rabbit_consumer.broker_url, poll_interval=30))
+async def test_notify_wakes_an_idle_relay_at_once(pg_url: str, rabbit_consumer: RabbitConsumer,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    relay = Relay.from_settings(settings(pg_url, rabbit_consumer.broker_url, poll_interval=30, concurrency=4))
     task = await start(relay)
     try:
         await asyncio.sleep(1.0)  # idle, listening
@@ -140,6 +142,7 @@ async def test_notify_wakes_an_idle_relay_at_once(pg_url: str, rabbit_consumer: 
         assert rabbit_consumer.received and time.monotonic() - started < 5, "woken by NOTIFY, not the 30 s poll"
     finally:
         await stop(relay, task)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 def count_notifications(pg_url: str) -> int:
