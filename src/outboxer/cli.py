@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     relay.add_argument("--lock-timeout", help="seconds a claim stays locked (default 60)")
     relay.add_argument("--max-attempts", help="attempts before ABANDONED (default 10)")
     relay.add_argument("--poll-interval", help="seconds between polls without NOTIFY (default 1)")
-    relay.add_argument("--concurrency", help="claim-publish-settle loops per destination (default 2)")
+    relay.add_argument("--concurrency", help="claim-publish-settle loops per destination (default 4)")
     relay.add_argument("--backoff-base", help="first retry delay in seconds (default 1)")
     relay.add_argument("--backoff-multiplier", help="growth per attempt (default 2)")
     relay.add_argument("--backoff-max", help="longest retry delay in seconds (default 300)")

@@ -132,7 +132,7 @@ class Settings:
     cleanup_interval: float = 300.0
     cleanup_batch: int = 1000
     #: Claim-publish-settle loops per destination in one relay process.
-    concurrency: int = 2
+    concurrency: int = 4
     publish_timeout: float = 30.0
     #: Whether an abandoned message holds back the later messages of its key.
     abandoned_blocks_key: bool = False

@@ -58,7 +58,7 @@ class PostgresStore(Store):
     migrations_table_sql = _MIGRATIONS_TABLE
 
     def __init__(self, url: str, *, schema: str = "outboxer", table: str = "outbox",
-                 pool_size: int = 4) -> None:
+                 pool_size: int = 10) -> None:
         super().__init__(url, schema=schema, table=table)
         self.pool_size = pool_size
         self._pool: Any = None
