@@ -9,17 +9,20 @@ deletes what the run created.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from harness import AMQP_URL, REDIS_URL, BoxMeter
+from harness import AMQP_URL, REDIS_URL, BoxMeter, log
 from outboxer.brokers import create_publisher
 from outboxer.message import Message
 
 BROKERS = ("rabbitmq", "redis", "memory")
+#: Sinks that may hold something on a broker until their close() succeeded.
+_OPEN: dict[str, Sink] = {}
 
 
 class Sink:
@@ -52,6 +55,7 @@ class RabbitSink(Sink):
     async def open(self) -> RabbitSink:
         import aio_pika
 
+        _OPEN[self.tag] = self
         self._connection = await aio_pika.connect(AMQP_URL)
         channel = await self._connection.channel()
         exchange = await channel.declare_exchange(self.tag, aio_pika.ExchangeType.TOPIC, durable=True)
@@ -74,15 +78,24 @@ class RabbitSink(Sink):
         return count
 
     async def close(self) -> None:
-        if self._connection is None:
-            return
-        if self._consuming is not None:
-            await self._consuming.close()
-        channel = await self._connection.channel()
-        await channel.queue_delete(self.tag)
-        await channel.exchange_delete(self.tag)
-        await self._connection.close()
-        self._connection = None
+        """Delete the queue and exchange, on a connection of its own: the sink's own one may
+        have died with a broker restart (they are durable: they would outlive it)."""
+        import aio_pika
+
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            with contextlib.suppress(Exception):
+                if self._consuming is not None:
+                    await self._consuming.close()
+                await connection.close()
+        cleaner = await aio_pika.connect(AMQP_URL)
+        try:
+            channel = await cleaner.channel()
+            await channel.queue_delete(self.tag)
+            await channel.exchange_delete(self.tag)
+        finally:
+            await cleaner.close()
+        _OPEN.pop(self.tag, None)
 
 
 class RedisSink(Sink):
@@ -92,6 +105,7 @@ class RedisSink(Sink):
         super().__init__()
         self.prefix = f"{self.tag}:"
         self.url = f"{REDIS_URL}?stream_prefix={self.prefix}"
+        _OPEN[self.tag] = self  # streams appear as soon as anything publishes
 
     async def _keys(self, client: Any) -> list[bytes]:
         return [key async for key in client.scan_iter(match=f"{self.prefix}*", count=1000)]
@@ -115,6 +129,7 @@ class RedisSink(Sink):
                 await client.delete(*keys)
         finally:
             await client.aclose()
+        _OPEN.pop(self.tag, None)
 
 
 class MemorySink(Sink):
@@ -138,6 +153,16 @@ class MemorySink(Sink):
 
 def sink(name: str) -> Sink:
     return {"rabbitmq": RabbitSink, "redis": RedisSink, "memory": MemorySink}[name]()
+
+
+async def close_leftovers() -> list[str]:
+    """Delete what sinks whose close failed (or never ran) left on the brokers; what remains."""
+    for leftover in list(_OPEN.values()):
+        try:
+            await leftover.close()
+        except Exception as exc:
+            log(f"could not delete {leftover.name} {leftover.tag}: {exc}")
+    return sorted(_OPEN)
 
 
 # ----- ceilings -----------------------------------------------------------------------------
@@ -204,7 +229,11 @@ async def raw_rabbitmq_ceiling(messages: Sequence[Message], batch_size: int,
     import aio_pika
 
     target = await RabbitSink().open()
-    connection = await aio_pika.connect(AMQP_URL)
+    try:
+        connection = await aio_pika.connect(AMQP_URL)
+    except BaseException:
+        await target.close()
+        raise
     try:
         channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
         exchange = await channel.get_exchange(target.tag)

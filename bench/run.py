@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import outboxer
 import writers
-from brokers import BROKERS, RabbitSink, adapter_ceiling, raw_ceiling, sink
+from brokers import BROKERS, RabbitSink, adapter_ceiling, close_leftovers, raw_ceiling, sink
 from harness import (
     AMQP_URL,
     DESTINATION,
@@ -251,6 +251,9 @@ class Bench:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
         self.dbs.drop_all()
+        left = asyncio.run(close_leftovers())
+        if left:
+            self.report.meta["left_on_brokers"] = left
 
     def prepare(self) -> None:
         log(f"prefilling {self.sizes.backlog:,} messages over {self.sizes.keys:,} keys")
