@@ -205,6 +205,8 @@ class Relay:
                 continue
             store_failures = 0
             self.stats.claim_seconds += time.perf_counter() - started
+            if len(batch) == settings.batch_size:
+                self.store.nudge()  # a full batch: there is likely more, let another loop help
             if not batch:
                 if settings.exit_when_idle and self._in_flight[destination] == 0:
                     return

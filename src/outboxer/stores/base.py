@@ -158,6 +158,10 @@ class Store(ABC):
         """Forget earlier wake-ups; called just before a claim, so none is missed after it."""
         return None
 
+    def nudge(self) -> None:
+        """Wake one loop waiting in ``wait_for_wakeup``: more work is likely there."""
+        return None
+
     async def wait_for_wakeup(self, timeout: float) -> bool:
         """Sleep until new messages may be there or ``timeout`` passes; True if woken early."""
         import asyncio

@@ -7,7 +7,9 @@ The write path (``outboxer.enqueue``) does not use this class: it runs the same
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -45,6 +47,21 @@ def _asyncpg() -> Any:
     return asyncpg
 
 
+@functools.cache
+def _connection_class() -> Any:
+    asyncpg = _asyncpg()
+
+    class RelayConnection(asyncpg.Connection):  # type: ignore[misc,name-defined]
+        """Skips asyncpg's reset on every release to the pool (a round trip per statement):
+        the relay leaves no session state behind, its locks end with its transactions and
+        it LISTENs on a connection of its own."""
+
+        def get_reset_query(self) -> str:
+            return ""
+
+    return RelayConnection
+
+
 def asyncpg_dsn(url: str) -> str:
     """asyncpg accepts postgresql:// and postgres:// only."""
     for prefix in ("postgresql+asyncpg://", "postgresql+psycopg://", "postgresql+psycopg2://"):
@@ -63,7 +80,9 @@ class PostgresStore(Store):
         self.pool_size = pool_size
         self._pool: Any = None
         self._listener: Any = None
-        self._wakeup = asyncio.Event()
+        #: Loops waiting for a wake-up (each wakes one), and a wake-up nobody waited for yet.
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._pending_wakeup = False
         #: This store's name among the idle listeners, and until when it is registered.
         self._listener_name = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._registered_until = 0.0
@@ -82,6 +101,7 @@ class PostgresStore(Store):
         try:
             self._pool = await asyncpg.create_pool(
                 asyncpg_dsn(self.url), min_size=1, max_size=self.pool_size,
+                connection_class=_connection_class(),
                 command_timeout=60, server_settings={"application_name": "outboxer-relay"},
             )
         except (OSError, asyncpg.PostgresError) as exc:
@@ -219,7 +239,17 @@ class PostgresStore(Store):
     # ----- wake-ups ------------------------------------------------------------------------
 
     def reset_wakeup(self) -> None:
-        self._wakeup.clear()
+        # The claim that follows sees everything committed before this point.
+        self._pending_wakeup = False
+
+    def nudge(self) -> None:
+        """Wake one waiting loop (a NOTIFY, or a loop that found a full batch)."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self._pending_wakeup = True
 
     async def _ensure_listener(self) -> None:
         if self._listener is not None and not self._listener.is_closed():
@@ -229,7 +259,7 @@ class PostgresStore(Store):
             asyncpg_dsn(self.url), server_settings={"application_name": "outboxer-relay-listen"})
         await self._listener.add_listener(self.channel, self._on_notify)
         # Anything committed before LISTEN took effect was not announced: look once.
-        self._wakeup.set()
+        self.nudge()
 
     async def _drop_listener(self) -> None:
         listener, self._listener = self._listener, None
@@ -237,7 +267,7 @@ class PostgresStore(Store):
             listener.terminate()  # it may be broken: do not wait for a goodbye
 
     def _on_notify(self, *_: object) -> None:
-        self._wakeup.set()
+        self.nudge()
 
     async def wait_for_wakeup(self, timeout: float) -> bool:
         """Register as an idle listener, then wait for a NOTIFY (or the timeout).
@@ -262,10 +292,18 @@ class PostgresStore(Store):
             self._registered_until = 0.0
             await self._drop_listener()
             logger.warning("cannot LISTEN for wake-ups, polling instead: %s", exc, exc_info=False)
+        if self._pending_wakeup:
+            self._pending_wakeup = False
+            return True
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
         try:
-            await asyncio.wait_for(self._wakeup.wait(), timeout)
+            await asyncio.wait_for(waiter, timeout)
         except TimeoutError:
             return False
+        finally:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
         return True
 
 
