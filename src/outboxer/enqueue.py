@@ -307,7 +307,18 @@ def _numbered(sql: str) -> tuple[str, tuple[str, ...]]:
 
 def detect(conn: Any) -> _Driver:
     """Which driver ``conn`` belongs to, by its class (no driver is imported for this)."""
-    for cls in type(conn).__mro__:
+    kind = type(conn)
+    driver = _DRIVERS.get(kind)
+    if driver is None:  # once per connection class, not once per enqueue (the write path)
+        driver = _DRIVERS[kind] = _driver_for(kind)
+    return driver
+
+
+_DRIVERS: dict[type, _Driver] = {}
+
+
+def _driver_for(kind: type) -> _Driver:
+    for cls in kind.__mro__:
         module, name = cls.__module__, cls.__qualname__
         root = module.split(".", 1)[0]
         if root == "psycopg":
@@ -324,7 +335,7 @@ def detect(conn: Any) -> _Driver:
                 return _SqlAlchemy(f"sqlalchemy {name}", is_async=False)
             if name in ("AsyncConnection", "AsyncSession"):
                 return _SqlAlchemy(f"sqlalchemy {name}", is_async=True)
-    raise TypeError(f"unsupported connection type {type(conn).__module__}.{type(conn).__qualname__}; "
+    raise TypeError(f"unsupported connection type {kind.__module__}.{kind.__qualname__}; "
                     f"outboxer supports {SUPPORTED}")
 
 

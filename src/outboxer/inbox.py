@@ -14,6 +14,7 @@ writes, "applied" and "recorded" can never disagree::
 
 from __future__ import annotations
 
+import functools
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,13 @@ from outboxer.enqueue import detect
 from outboxer.errors import PayloadError
 from outboxer.stores.base import check_identifier
 from outboxer.stores.sqlfiles import queries, quote_ident, render
+
+
+@functools.cache
+def _claim_sql(schema: str, dialect: str) -> str:
+    """The claim statement for one schema and dialect, rendered once (once per message otherwise)."""
+    table = quote_ident("inbox") if dialect == "sqlite" else f"{quote_ident(schema)}.{quote_ident('inbox')}"
+    return render(queries(dialect)["inbox_claim"], {"inbox": table})
 
 
 @dataclass(frozen=True)
@@ -42,8 +50,7 @@ class Inbox:
             raise PayloadError(f"message_id is not a UUID: {message_id!r}") from None
         driver = detect(conn)
         dialect = driver.dialect(conn)
-        table = quote_ident("inbox") if dialect == "sqlite" else f"{quote_ident(self.schema)}.{quote_ident('inbox')}"
-        sql = render(queries(dialect)["inbox_claim"], {"inbox": table})
+        sql = _claim_sql(self.schema, dialect)
         value: object = str(identifier) if dialect == "sqlite" else identifier
         return driver, sql, {"consumer": consumer, "message_id": value}
 

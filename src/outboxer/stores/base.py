@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import zlib
 from abc import ABC, abstractmethod
@@ -164,8 +165,6 @@ class Store(ABC):
 
     async def wait_for_wakeup(self, timeout: float) -> bool:
         """Sleep until new messages may be there or ``timeout`` passes; True if woken early."""
-        import asyncio
-
         await asyncio.sleep(timeout)
         return False
 

@@ -79,10 +79,6 @@ class SqliteStore(Store):
             "inbox": quote_ident("inbox"),
         }
 
-    @property
-    def channel(self) -> str:
-        return self.path
-
     async def connect(self) -> None:
         if self._conn is None:
             if self.path != ":memory:":
