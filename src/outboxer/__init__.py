@@ -23,6 +23,7 @@ from outboxer.errors import (
     OutboxerError,
     PayloadError,
     PublishError,
+    SchemaError,
     StoreError,
 )
 from outboxer.inbox import Inbox
@@ -51,6 +52,7 @@ __all__ = [
     "Publisher",
     "Relay",
     "RelayStats",
+    "SchemaError",
     "Settings",
     "Status",
     "Store",

@@ -37,6 +37,14 @@ class StoreError(OutboxerError):
     """The database rejected or could not run an outbox statement."""
 
 
+class SchemaError(ConfigError):
+    """The outbox schema is missing or older than this version of outboxer needs.
+
+    The relay refuses to start rather than fail on every claim: the fix is
+    ``outboxer schema apply`` (or applying ``outboxer schema sql`` by hand).
+    """
+
+
 class PublishError(OutboxerError):
     """A broker did not confirm a message.
 

@@ -21,7 +21,7 @@ from outboxer.brokers import Publisher, create_publisher
 from outboxer.brokers.base import Outcome, OutcomeKind
 from outboxer.config import Settings
 from outboxer.envelope import strip_envelope
-from outboxer.errors import ConfigError, PublishError
+from outboxer.errors import ConfigError, PublishError, SchemaError
 from outboxer.message import Message
 from outboxer.retry import Backoff
 from outboxer.stores import Failure, Store, create_store
@@ -147,7 +147,11 @@ class Relay:
         while True:
             try:
                 await self.store.connect()
+                # Fatal, not retried: claims would fail until an operator upgrades the schema.
+                await self.store.check_schema()
                 return True
+            except SchemaError:
+                raise
             except Exception as exc:  # noqa: BLE001 -- the database may be starting: keep trying, never exit
                 failures += 1
                 self.stats.store_errors += 1

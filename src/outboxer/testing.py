@@ -362,6 +362,18 @@ class StoreContract(ABC):
                     lock: float = 60.0, abandoned_blocks: bool = False) -> list[Message]:
         return list(await store.claim("default", relay, limit, lock, abandoned_blocks))
 
+    # ----- schema -------------------------------------------------------------------------
+
+    async def test_schema_check_names_the_missing_migration(self, url: str, store: Any) -> None:
+        from outboxer.errors import SchemaError
+        from outboxer.stores.sqlfiles import migrations
+
+        await store.check_schema()  # fully migrated: silent
+        latest = migrations(store.dialect)[-1]
+        self.execute(url, f"DELETE FROM {store.tokens()['migrations']} WHERE version = {latest.version}")
+        with pytest.raises(SchemaError, match=f"{latest.name}.*outboxer schema apply"):
+            await store.check_schema()
+
     # ----- transitions --------------------------------------------------------------------
 
     async def test_claim_locks_due_rows_in_order_for_one_relay(self, url: str, store: Any) -> None:

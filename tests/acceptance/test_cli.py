@@ -136,6 +136,14 @@ def test_bad_configuration_is_a_clear_error(args: list[str], env: dict[str, Any]
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
+def test_relay_refuses_a_database_without_the_schema(tmp_path: Path) -> None:
+    result = cli("relay", "--db", f"sqlite:///{tmp_path / 'empty.db'}", "--broker", "memory://",
+                 "--exit-when-idle")
+    assert result.returncode == 2, result.stderr
+    assert "0001_outbox" in result.stderr and "outboxer schema apply" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_sigterm_under_load_finishes_in_flight_and_exits_zero(pg_url: str, tmp_path: Path) -> None:
     out = tmp_path / "events.jsonl"
     with psycopg.connect(pg_url) as conn:

@@ -9,7 +9,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from outboxer.errors import ConfigError
+from outboxer.errors import ConfigError, SchemaError
 from outboxer.message import Message
 from outboxer.stores.sqlfiles import migrations, quote_ident, render
 
@@ -125,6 +125,20 @@ class Store(ABC):
     @abstractmethod
     async def apply_schema(self) -> list[str]:
         """Create or upgrade the schema; return the migrations applied now."""
+
+    @abstractmethod
+    async def applied_migrations(self) -> set[int]:
+        """Versions recorded in the migrations table (empty if there is none yet)."""
+
+    async def check_schema(self) -> None:
+        """Raise SchemaError unless every migration this version knows has been applied."""
+        applied = await self.applied_migrations()
+        missing = [m.name for m in migrations(self.dialect) if m.version not in applied]
+        if missing:
+            where = f"{self.schema}.{self.table}" if self.dialect == "postgres" else self.table
+            raise SchemaError(
+                f"the outbox schema of {where} lacks migration(s) {', '.join(missing)}: "
+                "run `outboxer schema apply` (or apply the DDL of `outboxer schema sql`)")
 
     @abstractmethod
     async def claim(self, destination: str, relay_id: str, limit: int, lock_seconds: float,

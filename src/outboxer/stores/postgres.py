@@ -145,6 +145,14 @@ class PostgresStore(Store):
                 applied.append(migration.name)
         return applied
 
+    async def applied_migrations(self) -> set[int]:
+        await self.connect()
+        table = self.tokens()["migrations"]
+        async with self._pool.acquire() as conn:
+            if await conn.fetchval("SELECT to_regclass($1)", table) is None:
+                return set()
+            return {row["version"] for row in await conn.fetch(f"SELECT version FROM {table}")}
+
     # ----- the relay's statements ----------------------------------------------------------
 
     async def claim(self, destination: str, relay_id: str, limit: int, lock_seconds: float,
@@ -152,10 +160,9 @@ class PostgresStore(Store):
         sql, args = self._args("claim", {
             "destination": destination, "relay_id": relay_id, "limit": limit,
             "lock_seconds": float(lock_seconds), "abandoned_blocks": abandoned_blocks,
+            "lock_key": self.lock_key(destination),
         })
-        lock_sql, lock_args = self._args("claim_lock", {"lock_key": self.lock_key(destination)})
-        async with self._pool.acquire() as conn, conn.transaction():
-            await conn.execute(lock_sql, *lock_args)
+        async with self._pool.acquire() as conn:
             rows = await conn.fetch(sql, *args)
         rows = sorted(rows, key=lambda row: row["seq"])
         return [
@@ -171,26 +178,17 @@ class PostgresStore(Store):
     async def settle(self, destination: str, relay_id: str, published: Sequence[int],
                      failed: Sequence[Failure], released: Sequence[int],
                      max_attempts: int) -> SettleResult:
-        result = SettleResult()
-        lock_sql, lock_args = self._args("settle_lock", {"lock_key": self.lock_key(destination)})
-        async with self._pool.acquire() as conn, conn.transaction():
-            await conn.execute(lock_sql, *lock_args)
-            if published:
-                sql, args = self._args("settle_published", {"seqs": list(published), "relay_id": relay_id,
-                                                              "destination": destination})
-                result.published = _count(await conn.execute(sql, *args))
-            if failed:
-                sql, args = self._args("settle_failed", {
-                    "seqs": [f.seq for f in failed], "errors": [f.error for f in failed],
-                    "delays": [float(f.delay) for f in failed],
-                    "permanent": [f.permanent for f in failed],
-                    "max_attempts": max_attempts, "relay_id": relay_id, "destination": destination,
-                })
-                result.failed = _count(await conn.execute(sql, *args))
-            if released:
-                sql, args = self._args("release", {"seqs": list(released), "relay_id": relay_id,
-                                                     "destination": destination})
-                result.released = _count(await conn.execute(sql, *args))
+        sql, args = self._args("settle", {
+            "destination": destination, "relay_id": relay_id,
+            "lock_key": self.lock_key(destination), "max_attempts": max_attempts,
+            "published": list(published), "failed": [f.seq for f in failed],
+            "errors": [f.error for f in failed], "delays": [float(f.delay) for f in failed],
+            "permanent": [f.permanent for f in failed], "released": list(released),
+        })
+        async with self._pool.acquire() as conn:
+            row = await conn.fetchrow(sql, *args)
+        result = SettleResult(published=row["n_published"], failed=row["n_failed"],
+                              released=row["n_released"])
         expected = len(published) + len(failed) + len(released)
         result.lost = expected - result.published - result.failed - result.released
         return result
@@ -230,7 +228,7 @@ class PostgresStore(Store):
             "destinations": list(destinations), "statuses": list(statuses),
             "ids": [uuid.UUID(i) for i in ids] if ids is not None else None,
         })
-        lock_sql, _ = self._sql["settle_lock"]
+        lock_sql, _ = self._sql["destination_lock"]
         async with self._pool.acquire() as conn, conn.transaction():
             for destination in destinations:
                 await conn.execute(lock_sql, self.lock_key(destination))

@@ -137,6 +137,17 @@ class SqliteStore(Store):
 
         return await self._run(work)
 
+    async def applied_migrations(self) -> set[int]:
+        table = self.tokens()["migrations"]
+
+        def work(conn: sqlite3.Connection) -> set[int]:
+            try:
+                return {row[0] for row in conn.execute(f"SELECT version FROM {table}")}
+            except sqlite3.OperationalError:  # no such table: nothing applied yet
+                return set()
+
+        return await self._run(work)
+
     # ----- the relay's statements ----------------------------------------------------------
 
     async def claim(self, destination: str, relay_id: str, limit: int, lock_seconds: float,

@@ -30,93 +30,28 @@ LEFT JOIN LATERAL (
     WHERE m.key IS NOT NULL) AS key_lock ON true
 ORDER BY m.position
 
--- name: claim_lock
--- Claims of one destination run one at a time (a transaction-scoped lock, held for one
--- short statement). Settles take the same lock shared. Together this means a claim never
--- sees a row half-way through another relay's claim or settle, which SKIP LOCKED alone
--- cannot promise: it would skip such a row and could claim the row behind it, same key.
-SELECT pg_advisory_xact_lock(CAST(:lock_key AS bigint))
-
--- name: settle_lock
+-- name: destination_lock
+-- Operators' changes (requeue) take the destination lock shared, like a settle: a claim
+-- never sees their rows half-changed. See migration 0004 for the lock's reasons.
 SELECT pg_advisory_xact_lock_shared(CAST(:lock_key AS bigint))
 
 -- name: claim
--- PENDING | FAILED (due) | PROCESSING (lock expired) -> PROCESSING, locked by this relay.
--- Invariants kept by the WHERE clause:
---  * a row is due: its next attempt has come, or its relay's lock expired (that relay died);
---  * a keyed row is claimed only when no earlier row of its key blocks it: in flight
---    elsewhere, backing off, or abandoned when abandoned rows block. Earlier rows that are
---    due themselves come first in seq order, so they are in this same batch, ahead of it;
---  * no uncommitted row of the key can have a smaller seq than a committed one: the insert
---    holds the key's lock until commit before it takes its seq (see insert). So a row
---    committed late can never be overtaken: it sorts after everything visible here.
-WITH due AS (
-    SELECT o.ctid
-    FROM {outbox} AS o
-    WHERE o.destination = :destination
-      AND o.status IN ('PENDING', 'FAILED', 'PROCESSING')
-      AND CASE o.status WHEN 'PROCESSING' THEN o.locked_until < now()
-                        ELSE o.next_attempt_at <= now() END
-      AND (o.key IS NULL OR NOT EXISTS (
-            SELECT 1 FROM {outbox} AS b
-            WHERE b.destination = o.destination
-              AND b.key = o.key
-              AND b.status IN ('PROCESSING', 'FAILED', 'ABANDONED')
-              AND b.seq < o.seq
-              AND CASE b.status WHEN 'PROCESSING' THEN b.locked_until >= now()
-                                WHEN 'FAILED' THEN b.next_attempt_at > now()
-                                ELSE CAST(:abandoned_blocks AS boolean) END))
-    ORDER BY o.seq
-    LIMIT :limit
-    FOR UPDATE SKIP LOCKED
-)
-UPDATE {outbox} AS t
-SET status = 'PROCESSING',
-    locked_by = :relay_id,
-    locked_until = now() + make_interval(secs => CAST(:lock_seconds AS float8)),
-    -- Taking over an expired lock: the previous attempt died with its relay, so it counts.
-    attempts = t.attempts + CASE WHEN t.status = 'PROCESSING' THEN 1 ELSE 0 END,
-    last_error = CASE WHEN t.status = 'PROCESSING'
-                      THEN 'lock expired: relay ' || coalesce(t.locked_by, '?') || ' died or stalled'
-                      ELSE t.last_error END,
-    updated_at = now()
-FROM due
-WHERE t.ctid = due.ctid
-RETURNING t.seq, t.id, t.destination, t.topic, t.key, t.payload, t.content_type,
-          CAST(t.headers AS text) AS headers, t.attempts, t.created_at
+-- PENDING | FAILED (due) | PROCESSING (lock expired) -> PROCESSING, locked by this relay:
+-- one call, one round trip; the SQL and its invariants are in migration 0004.
+SELECT seq, id, destination, topic, key, payload, content_type, headers, attempts, created_at
+FROM {schema}.{table_raw}_claim(:destination, :relay_id, :limit,
+                                CAST(:lock_seconds AS float8), :abandoned_blocks,
+                                CAST(:lock_key AS bigint))
 
--- name: settle_published
--- PROCESSING -> PUBLISHED, only by the relay holding the lock: a relay whose expired lock
--- was taken over changes nothing (its copy was a duplicate; the new owner decides).
-UPDATE {outbox}
-SET status = 'PUBLISHED', published_at = now(), updated_at = now(),
-    locked_by = NULL, locked_until = NULL
-WHERE destination = :destination AND seq = ANY(CAST(:seqs AS bigint[]))
-  AND status = 'PROCESSING' AND locked_by = :relay_id
-
--- name: settle_failed
--- PROCESSING -> FAILED (attempts + 1, due again after its backoff), or -> ABANDONED when the
--- failure is permanent or the attempts are used up. Only by the relay holding the lock.
-UPDATE {outbox} AS t
-SET attempts = t.attempts + 1,
-    last_error = f.error,
-    status = CASE WHEN f.permanent OR t.attempts + 1 >= :max_attempts
-                  THEN 'ABANDONED' ELSE 'FAILED' END,
-    next_attempt_at = now() + make_interval(secs => f.delay),
-    locked_by = NULL, locked_until = NULL, updated_at = now()
-FROM unnest(CAST(:seqs AS bigint[]), CAST(:errors AS text[]), CAST(:delays AS float8[]),
-            CAST(:permanent AS boolean[])) AS f(seq, error, delay, permanent)
-WHERE t.destination = :destination AND t.seq = f.seq
-  AND t.status = 'PROCESSING' AND t.locked_by = :relay_id
-
--- name: release
--- PROCESSING -> claimable again without counting an attempt (never tried: shutdown, or an
--- earlier message of its key failed). Only by the relay holding the lock.
-UPDATE {outbox}
-SET status = CASE WHEN attempts > 0 THEN 'FAILED' ELSE 'PENDING' END,
-    next_attempt_at = now(), locked_by = NULL, locked_until = NULL, updated_at = now()
-WHERE destination = :destination AND seq = ANY(CAST(:seqs AS bigint[]))
-  AND status = 'PROCESSING' AND locked_by = :relay_id
+-- name: settle
+-- PROCESSING -> PUBLISHED | FAILED | ABANDONED | PENDING (released), by the relay holding
+-- the rows' lock, in one transaction; the SQL and its invariants are in migration 0004.
+SELECT n_published, n_failed, n_released
+FROM {schema}.{table_raw}_settle(:destination, :relay_id, CAST(:lock_key AS bigint),
+                                 :max_attempts, CAST(:published AS bigint[]),
+                                 CAST(:failed AS bigint[]), CAST(:errors AS text[]),
+                                 CAST(:delays AS float8[]), CAST(:permanent AS boolean[]),
+                                 CAST(:released AS bigint[]))
 
 -- name: cleanup
 -- PUBLISHED | ABANDONED -> deleted once older than the retention; at most :limit rows a
