@@ -81,7 +81,7 @@ class Sizes:
 
 
 FULL = Sizes(backlog=100_000, keys=10_000, runs=3, simple_seconds=3.0,
-             write_seconds=2.0, trickle_seconds=10.0, half_seconds=4.0, scaling_seconds=1.5)
+             write_seconds=1.5, trickle_seconds=10.0, half_seconds=4.0, scaling_seconds=1.5)
 QUICK = Sizes(backlog=2_000, keys=200, runs=1, simple_seconds=0.5,
               write_seconds=0.5, trickle_seconds=1.0, half_seconds=0.8, scaling_seconds=0.6,
               half_rate_cap=500.0)
@@ -92,14 +92,17 @@ def _write_names() -> list[tuple[str, str]]:
     for n in WRITERS:
         for relay in ("relay_off", "relay_on"):
             base = f"write.w{n}.{relay}"
-            for mode in ("bare", "enqueue"):
+            for mode in writers.MODES:
                 names += [(f"{base}.{mode}.txn_per_s", "txn/s"), (f"{base}.{mode}.p50_ms", "ms"),
                           (f"{base}.{mode}.p99_ms", "ms")]
             names += [(f"{base}.throughput_ratio", "x"), (f"{base}.p50_ratio", "x"),
                       (f"{base}.p99_ratio", "x")]
+            # The control: the same event INSERTed into a plain table (bound of what any outbox costs).
+            names += [(f"{base}.control_throughput_ratio", "x"), (f"{base}.control_p50_ratio", "x"),
+                      (f"{base}.control_p99_ratio", "x"), (f"{base}.enqueue_over_control", "x")]
             if relay == "relay_off":  # where the time goes: CPU per transaction
                 names += [(f"{base}.{mode}.{side}_cpu_us", "CPU us/txn")
-                          for mode in ("bare", "enqueue") for side in ("client", "server")]
+                          for mode in writers.MODES for side in ("client", "server")]
             else:
                 names += [(f"{base}.relay_cpu_us_per_msg", "CPU us/msg")]
     return names
@@ -396,11 +399,11 @@ class Bench:
 
     # ----- 3. write path ---------------------------------------------------------------------
 
-    def write_once(self, db: str, count: int, enqueue: bool, seed: int) -> dict[str, Any]:
+    def write_once(self, db: str, count: int, mode: str, seed: int) -> dict[str, Any]:
         pool = self.pool()
         start_at = time.time() + 0.3 + 0.05 * count
         end_at = start_at + self.sizes.write_seconds
-        futures = [pool.submit(writers.write_for, db, enqueue, start_at, end_at, self.sizes.keys,
+        futures = [pool.submit(writers.write_for, db, mode, start_at, end_at, self.sizes.keys,
                                seed + i) for i in range(count)]
         results = [future.result() for future in futures]
         late = max(result["late_s"] for result in results)
@@ -414,9 +417,11 @@ class Bench:
 
     def write(self) -> None:
         report = self.report
+        modes = writers.MODES
         for count in WRITERS:
             for relay_on in (False, True):
                 base = f"write.w{count}.{'relay_on' if relay_on else 'relay_off'}"
+                idle = " (control writes no outbox rows: the relay idles, as in bare runs)" if relay_on else ""
                 db = self.dbs.empty("write")
                 writers.create_business_table(db)
                 relay = None
@@ -426,31 +431,42 @@ class Bench:
                                              exit_when_idle=False)
                         wait_listening(db)
                     for run in range(1, self.runs + 1):
-                        modes = (False, True) if run % 2 else (True, False)  # alternate who goes first
-                        got: dict[bool, dict[str, Any]] = {}
-                        for enqueue in modes:
+                        shift = (run - 1) % len(modes)  # rotate who goes first
+                        got: dict[str, dict[str, Any]] = {}
+                        for mode in modes[shift:] + modes[:shift]:
                             relay_cpu = cpu_of(relay.pid) if relay is not None else 0.0
-                            got[enqueue] = attempt(base, functools.partial(
-                                self.write_once, db, count, enqueue, run * 100))
-                            if relay is not None and enqueue:
+                            got[mode] = attempt(base, functools.partial(
+                                self.write_once, db, count, mode, run * 100))
+                            if relay is not None and mode == "enqueue":
                                 report.add(f"{base}.relay_cpu_us_per_msg", "CPU us/msg",
-                                           1e6 * (cpu_of(relay.pid) - relay_cpu) / got[enqueue]["count"])
-                        for enqueue, result in got.items():
-                            mode = "enqueue" if enqueue else "bare"
-                            latencies = result["latencies"]
+                                           1e6 * (cpu_of(relay.pid) - relay_cpu) / got[mode]["count"])
+                        for mode in modes:
+                            result, latencies = got[mode], got[mode]["latencies"]
                             report.add(f"{base}.{mode}.txn_per_s", "txn/s", result["rate"])
                             report.add(f"{base}.{mode}.p50_ms", "ms", percentile(latencies, 50))
                             report.add(f"{base}.{mode}.p99_ms", "ms", percentile(latencies, 99))
                             if relay is None:
                                 report.add(f"{base}.{mode}.client_cpu_us", "CPU us/txn", result["client_cpu_us"])
                                 report.add(f"{base}.{mode}.server_cpu_us", "CPU us/txn", result["server_cpu_us"])
-                        bare, bare_lat = got[False]["rate"], got[False]["latencies"]
-                        enq, enq_lat = got[True]["rate"], got[True]["latencies"]
-                        report.add(f"{base}.throughput_ratio", "x", enq / bare)
-                        report.add(f"{base}.p50_ratio", "x", percentile(enq_lat, 50) / percentile(bare_lat, 50))
-                        report.add(f"{base}.p99_ratio", "x", percentile(enq_lat, 99) / percentile(bare_lat, 99))
-                        log(f"{base} run {run}: bare {bare:,.0f} txn/s p99 {percentile(bare_lat, 99):.2f} ms,"
-                            f" enqueue {enq:,.0f} txn/s p99 {percentile(enq_lat, 99):.2f} ms")
+                        rate = {mode: got[mode]["rate"] for mode in modes}
+                        p50 = {mode: percentile(got[mode]["latencies"], 50) for mode in modes}
+                        p99 = {mode: percentile(got[mode]["latencies"], 99) for mode in modes}
+                        report.add(f"{base}.throughput_ratio", "x", rate["enqueue"] / rate["bare"])
+                        report.add(f"{base}.p50_ratio", "x", p50["enqueue"] / p50["bare"])
+                        report.add(f"{base}.p99_ratio", "x", p99["enqueue"] / p99["bare"])
+                        report.add(f"{base}.control_throughput_ratio", "x", rate["control"] / rate["bare"],
+                                   note="control / bare throughput: a plain INSERT of the same event,"
+                                        " no outboxer code" + idle)
+                        report.add(f"{base}.control_p50_ratio", "x", p50["control"] / p50["bare"],
+                                   note="control / bare p50" + idle)
+                        report.add(f"{base}.control_p99_ratio", "x", p99["control"] / p99["bare"],
+                                   note="control / bare p99" + idle)
+                        report.add(f"{base}.enqueue_over_control", "x", rate["enqueue"] / rate["control"],
+                                   note="enqueue / control throughput: what outboxer costs beyond writing"
+                                        " the event row (key lock, trigger, indexes, Python)"
+                                        + (" and the relay draining meanwhile" if relay_on else ""))
+                        log(f"{base} run {run}: " + ", ".join(
+                            f"{mode} {rate[mode]:,.0f} txn/s p99 {p99[mode]:.2f} ms" for mode in modes))
                     if relay is not None:
                         relay.terminate()
                         relay.reap(block=True)

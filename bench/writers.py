@@ -1,17 +1,21 @@
 """Application writers for the write-path and latency sections, run in worker processes.
 
 Each writer is one process with one psycopg connection (``synchronous_commit = on``),
-the way a web worker writes: a business INSERT, with or without ``outboxer.enqueue``
-in the same transaction, then COMMIT. Workers are started before the clock starts
-and begin together at ``start_at`` (wall clock).
+the way a web worker writes: a business INSERT, then COMMIT. In the same transaction
+the INSERT is alone (``bare``), followed by ``outboxer.enqueue`` of an event
+(``enqueue``), or followed by a plain INSERT of the same event into ``bench_events``,
+no outboxer code (``control``: what writing the event row at all costs). Workers are
+started before the clock starts and begin together at ``start_at`` (wall clock).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import resource
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +35,33 @@ CREATE TABLE IF NOT EXISTS bench_orders (
 CREATE INDEX IF NOT EXISTS bench_orders_customer_idx ON bench_orders (customer);
 """
 
+#: The control's event table: the outbox row's columns and types (payload bytea, headers jsonb),
+#: a primary key, nothing else: no key lock, no trigger, no further indexes.
+EVENTS_TABLE = """
+CREATE TABLE IF NOT EXISTS bench_events (
+    id            uuid PRIMARY KEY,
+    topic         text NOT NULL,
+    key           text,
+    payload       bytea NOT NULL,
+    content_type  text NOT NULL,
+    headers       jsonb NOT NULL,
+    created_at    timestamptz NOT NULL DEFAULT now()
+);
+"""
+
 INSERT = "INSERT INTO bench_orders (customer, total, details) VALUES (%s, %s, %s) RETURNING id"
+#: The control's INSERT, parameters as outboxer's insert passes them (headers as JSON text).
+INSERT_EVENT = ("INSERT INTO bench_events (id, topic, key, payload, content_type, headers)"
+                " VALUES (%s, %s, %s, %s, %s, CAST(%s AS jsonb))")
 _NOTE = "x" * 150
+#: What each writer does in a transaction besides the business INSERT (see the module doc).
+MODES = ("bare", "enqueue", "control")
 
 
 def create_business_table(url: str) -> None:
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(BUSINESS_TABLE)  # type: ignore[arg-type]
+        conn.execute(EVENTS_TABLE)  # type: ignore[arg-type]
 
 
 def _connect(url: str) -> psycopg.Connection[Any]:
@@ -61,16 +85,32 @@ def _event(order_id: int, customer: str, total: str) -> dict[str, Any]:
             "note": _NOTE}
 
 
-def _transaction(conn: psycopg.Connection[Any], rnd: random.Random, keys: int, enqueue: bool,
+def _json(value: Any) -> str:
+    """JSON as outboxer encodes payloads and headers."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def _uuid7() -> uuid.UUID:
+    """A time-ordered UUID, as outboxer's ids are (the primary key index grows at its end)."""
+    rand = int.from_bytes(os.urandom(10), "big")  # 80 random bits: 12 for rand_a, 62 for rand_b
+    millis = time.time_ns() // 1_000_000
+    return uuid.UUID(int=millis << 80 | 0x7 << 76 | (rand >> 68) << 64 | 0b10 << 62
+                     | rand & ((1 << 62) - 1))
+
+
+def _transaction(conn: psycopg.Connection[Any], rnd: random.Random, keys: int, mode: str,
                  messages: int = 1) -> list[str]:
     customer, total, details = _order(rnd, keys)
     row = conn.execute(INSERT, (customer, total, details)).fetchone()
     assert row is not None
     ids: list[str] = []
-    if enqueue:
+    if mode != "bare":
         event = _event(row[0], customer, total)
         headers = {"traceparent": f"00-{rnd.getrandbits(128):032x}-{rnd.getrandbits(64):016x}-01"}
-        if messages == 1:
+        if mode == "control":  # the same event, encoded as outboxer encodes it, into a plain table
+            conn.execute(INSERT_EVENT, (_uuid7(), "order.placed", customer, _json(event).encode(),
+                                        "application/json", _json(headers)))
+        elif messages == 1:
             ids.append(str(outboxer.enqueue(conn, "order.placed", event, key=customer,
                                             headers=headers).id))
         else:
@@ -97,9 +137,9 @@ def _cpu(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def write_for(url: str, enqueue: bool, start_at: float, end_at: float, keys: int,
+def write_for(url: str, mode: str, start_at: float, end_at: float, keys: int,
               seed: int) -> dict[str, Any]:
-    """Commit transactions back to back from ``start_at`` to ``end_at``.
+    """Commit transactions of ``mode`` (see MODES) back to back from ``start_at`` to ``end_at``.
 
     Returns the count, each transaction's latency (first statement to COMMIT returned),
     and the CPU this writer and its PostgreSQL backend used meanwhile.
@@ -109,14 +149,14 @@ def write_for(url: str, enqueue: bool, start_at: float, end_at: float, keys: int
     backend = conn.info.backend_pid
     try:
         for _ in range(5):  # prepared statements, caches
-            _transaction(conn, rnd, keys, enqueue)
+            _transaction(conn, rnd, keys, mode)
         late = time.time() - start_at
         time.sleep(max(0.0, -late))
         latencies: list[float] = []
         client, server = _cpu(), _cpu(backend)
         while time.time() < end_at:
             began = time.perf_counter()
-            _transaction(conn, rnd, keys, enqueue)
+            _transaction(conn, rnd, keys, mode)
             latencies.append((time.perf_counter() - began) * 1000.0)
         client, server = _cpu() - client, _cpu(backend) - server
     finally:
@@ -136,7 +176,7 @@ def write_paced(url: str, rate: float, messages: int, start_at: float, end_at: f
     committed: list[tuple[str, float]] = []
     late = 0.0
     try:
-        _transaction(conn, rnd, keys, enqueue=False)
+        _transaction(conn, rnd, keys, "bare")
         n = 0
         while True:
             due = start_at + n / rate
@@ -147,7 +187,7 @@ def write_paced(url: str, rate: float, messages: int, start_at: float, end_at: f
                 time.sleep(wait)
             else:
                 late = max(late, -wait)
-            ids = _transaction(conn, rnd, keys, enqueue=True, messages=messages)
+            ids = _transaction(conn, rnd, keys, "enqueue", messages=messages)
             done = time.time()
             committed.extend((message_id, done) for message_id in ids)
             n += 1
