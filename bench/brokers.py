@@ -223,20 +223,38 @@ async def adapter_ceiling(name: str, messages: Sequence[Message], batch_size: in
     return ceiling
 
 
-async def raw_rabbitmq_ceiling(messages: Sequence[Message], batch_size: int,
-                               concurrency: int) -> Ceiling:
-    """Messages/s of a plain aio-pika loop: same properties, mandatory, confirms, batch in flight."""
+#: Publishing shapes tried for the RabbitMQ broker maximum: label -> (connections, channels per
+#: connection, batch size). Each channel has one batch in flight at a time.
+RABBITMQ_SHAPES: dict[str, tuple[int, int, int]] = {
+    "1 channel, batch 500": (1, 1, 500),
+    "2 channels, batch 200 each": (1, 2, 200),
+    "2 connections, batch 200 each": (2, 1, 200),
+    "4 channels, batch 200 each": (1, 4, 200),
+    "8 channels, batch 200 each": (1, 8, 200),
+}
+
+
+async def raw_rabbitmq_ceiling(messages: Sequence[Message], batch_size: int, concurrency: int, *,
+                               connections: int = 1, channels: int = 1) -> Ceiling:
+    """Messages/s of a plain aio-pika loop: same properties, mandatory, confirms, batch in flight.
+
+    ``concurrency`` loops take the next batch in turn; each publishes it on a channel of its
+    own if there are as many channels (``connections`` x ``channels``), else they share them.
+    """
     import aio_pika
 
     target = await RabbitSink().open()
+    opened: list[Any] = []
     try:
-        connection = await aio_pika.connect(AMQP_URL)
-    except BaseException:
-        await target.close()
-        raise
-    try:
-        channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
-        exchange = await channel.get_exchange(target.tag)
+        exchanges = []  # one per channel
+        for _ in range(connections):
+            opened.append(await aio_pika.connect(AMQP_URL))
+            for _ in range(channels):
+                channel = await opened[-1].channel(publisher_confirms=True, on_return_raises=True)
+                exchanges.append(await channel.get_exchange(target.tag))
+        lanes: asyncio.Queue[Any] = asyncio.Queue()  # a loop takes one to publish a batch on
+        for n in range(max(concurrency, len(exchanges))):
+            lanes.put_nowait(exchanges[n % len(exchanges)])
 
         def amqp(m: Message) -> aio_pika.Message:
             return aio_pika.Message(m.payload, content_type=m.content_type, message_id=str(m.id),
@@ -244,12 +262,25 @@ async def raw_rabbitmq_ceiling(messages: Sequence[Message], batch_size: int,
                                     delivery_mode=aio_pika.DeliveryMode.PERSISTENT)
 
         async def publish(batch: Sequence[Message]) -> None:
-            await asyncio.gather(*(exchange.publish(amqp(m), m.topic, mandatory=True) for m in batch))
+            exchange = lanes.get_nowait()
+            try:
+                await asyncio.gather(*(exchange.publish(amqp(m), m.topic, mandatory=True) for m in batch))
+            finally:
+                lanes.put_nowait(exchange)
 
         return await _timed("raw aio-pika", target, publish, messages, batch_size, concurrency)
     finally:
-        await connection.close()
+        for connection in opened:
+            with contextlib.suppress(Exception):
+                await connection.close()
         await target.close()
+
+
+async def rabbitmq_shape(shape: str, messages: Sequence[Message]) -> Ceiling:
+    """``raw_rabbitmq_ceiling`` in one of RABBITMQ_SHAPES: one loop per channel."""
+    connections, channels, batch_size = RABBITMQ_SHAPES[shape]
+    return await raw_rabbitmq_ceiling(messages, batch_size, connections * channels,
+                                      connections=connections, channels=channels)
 
 
 async def raw_redis_ceiling(messages: Sequence[Message], batch_size: int,

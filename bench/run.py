@@ -30,7 +30,16 @@ from typing import Any, TypeVar
 
 import outboxer
 import writers
-from brokers import BROKERS, RabbitSink, adapter_ceiling, close_leftovers, raw_ceiling, sink
+from brokers import (
+    BROKERS,
+    RABBITMQ_SHAPES,
+    RabbitSink,
+    adapter_ceiling,
+    close_leftovers,
+    rabbitmq_shape,
+    raw_ceiling,
+    sink,
+)
 from harness import (
     AMQP_URL,
     DESTINATION,
@@ -78,13 +87,15 @@ class Sizes:
     scaling_seconds: float
     #: Upper bound of the "half the maximum rate" load (--quick keeps the smoke test light).
     half_rate_cap: float = math.inf
+    #: Messages each shape of the RabbitMQ broker maximum publishes.
+    broker_max_messages: int = 8_000
 
 
 FULL = Sizes(backlog=100_000, keys=10_000, runs=3, simple_seconds=3.0,
              write_seconds=1.5, trickle_seconds=10.0, half_seconds=4.0, scaling_seconds=1.5)
 QUICK = Sizes(backlog=2_000, keys=200, runs=1, simple_seconds=0.5,
               write_seconds=0.5, trickle_seconds=1.0, half_seconds=0.8, scaling_seconds=0.6,
-              half_rate_cap=500.0)
+              half_rate_cap=500.0, broker_max_messages=500)
 
 
 def _write_names() -> list[tuple[str, str]]:
@@ -114,6 +125,7 @@ FIGURES: dict[str, list[tuple[str, str]]] = {
         *[(f"throughput.relay.{b}", "msg/s") for b in BROKERS],
         *[(f"throughput.broker_ceiling.{b}", "msg/s") for b in BROKERS],
         *[(f"throughput.raw_client.{b}", "msg/s") for b in ("rabbitmq", "redis")],
+        ("throughput.broker_max.rabbitmq", "msg/s"),
         ("throughput.db_ceiling", "msg/s"),
         *[(f"throughput.vs_ceiling.{b}", "x") for b in BROKERS],
         *[(f"cpu.relay.{b}", "CPU s/1k msg") for b in BROKERS],
@@ -124,7 +136,8 @@ FIGURES: dict[str, list[tuple[str, str]]] = {
           for who in ("busy", "broker", "client")],
         *[(f"cpu.box.db_ceiling.{who}", "cores") for who in ("busy", "postgres", "client")],
     ],
-    "simple": [("simple_relay.rabbitmq", "msg/s"), ("simple_relay.speedup", "x")],
+    "simple": [("simple_relay.rabbitmq", "msg/s"), ("simple_relay.speedup", "x"),
+               ("simple_relay.speedup_bound", "x")],
     "write": _write_names(),
     "latency": [(f"latency.{load}.{what}", unit) for load in ("trickle", "half")
                 for what, unit in (("rate", "msg/s"), ("p50_ms", "ms"), ("p99_ms", "ms"),
@@ -323,8 +336,8 @@ class Bench:
         return quiet((rate, box), box)
 
     @staticmethod
-    def ceiling(measure: Callable[..., Any], broker: str, messages: list[Message]) -> Any:
-        result = asyncio.run(measure(broker, messages, BATCH, CONCURRENCY))
+    def ceiling(measure: Callable[..., Any], *args: Any) -> Any:
+        result = asyncio.run(measure(*args))
         return result if result is None else quiet(result, result.box)
 
     def throughput(self) -> None:
@@ -343,16 +356,17 @@ class Bench:
                     f"box {_cores(result.box)}")
             for broker in BROKERS:
                 ceiling = attempt(f"ceiling {broker}", functools.partial(
-                    self.ceiling, adapter_ceiling, broker, messages))
+                    self.ceiling, adapter_ceiling, broker, messages, BATCH, CONCURRENCY))
                 report.add(f"throughput.broker_ceiling.{broker}", "msg/s", ceiling.rate)
                 if broker != "memory":
                     self.add_box(f"cpu.box.broker_ceiling.{broker}", ceiling.box, broker)
                 raw = attempt(f"raw {broker}", functools.partial(
-                    self.ceiling, raw_ceiling, broker, messages))
+                    self.ceiling, raw_ceiling, broker, messages, BATCH, CONCURRENCY))
                 if raw is not None:
                     report.add(f"throughput.raw_client.{broker}", "msg/s", raw.rate)
                 log(f"  broker ceiling {broker}: {ceiling.rate:,.0f} msg/s, box {_cores(ceiling.box)}"
                     + (f" (raw {raw.rate:,.0f})" if raw else ""))
+            report.add("throughput.broker_max.rabbitmq", "msg/s", self.broker_max(messages))
             rate, box = attempt("db ceiling", self.db_ceiling)
             report.add("throughput.db_ceiling", "msg/s", rate)
             self.add_box("cpu.box.db_ceiling", box, None)
@@ -363,6 +377,30 @@ class Bench:
             ratio = report.figure(f"throughput.vs_ceiling.{broker}", "x",
                                   note=f"relay / min(broker {broker}, database) = relay / {ceiling:,.0f}")
             ratio.runs = [r / ceiling for r in report.figures[f"throughput.relay.{broker}"].runs]
+        report.figures["throughput.broker_max.rabbitmq"].note = self.broker_max_note()
+
+    def broker_max(self, messages: list[Message]) -> float:
+        """The best rate a plain aio-pika client gets RabbitMQ to confirm, over RABBITMQ_SHAPES.
+
+        Each shape publishes the first ``broker_max_messages`` rows to a fresh exchange and
+        queue; which shape won, and every shape's rate, go to ``meta.broker_max``.
+        """
+        sample = messages[:self.sizes.broker_max_messages]
+        rates: dict[str, float] = {}
+        for shape in RABBITMQ_SHAPES:
+            rates[shape] = attempt(f"broker max ({shape})", functools.partial(
+                self.ceiling, rabbitmq_shape, shape, sample)).rate
+        best = max(rates, key=rates.__getitem__)
+        self.report.meta.setdefault("broker_max", []).append(
+            {"best": best, "messages": len(sample), "rates": {k: round(v) for k, v in rates.items()}})
+        log(f"  broker max rabbitmq: {rates[best]:,.0f} msg/s ({best}); "
+            + ", ".join(f"{k} {v:,.0f}" for k, v in rates.items()))
+        return rates[best]
+
+    def broker_max_note(self) -> str:
+        best = ", ".join(run["best"] for run in self.report.meta.get("broker_max", []))
+        return (f"best of {len(RABBITMQ_SHAPES)} plain aio-pika shapes (meta.broker_max), "
+                f"{self.sizes.broker_max_messages:,} messages each; best per run: {best}")
 
     # ----- 2. the simple relay ---------------------------------------------------------------
 
@@ -396,6 +434,17 @@ class Bench:
             ours = Figure("relay", "msg/s", [attempt("relay rabbitmq", lambda: self.drain("rabbitmq")).rate])
         speedup = self.report.figure("simple_relay.speedup", "x", note="outboxer relay / simple relay, same backlog")
         speedup.runs = [rate / simple for rate in ours.runs]
+        most = self.report.figures.get("throughput.broker_max.rabbitmq")
+        note = ""
+        if most is None or not most.runs:  # --only simple: measure the broker maximum here
+            messages = load_messages(self.template, self.sizes.broker_max_messages)
+            most = Figure("broker max", "msg/s", [self.broker_max(messages)])
+            note = f"; {self.broker_max_note()}"
+        bound = self.report.figure(
+            "simple_relay.speedup_bound", "x",
+            note=f"broker max RabbitMQ ({most.median:,.0f} msg/s) / simple relay: the most any relay"
+                 f" could reach over the simple one on this box{note}")
+        bound.runs = [rate / simple for rate in most.runs]
 
     # ----- 3. write path ---------------------------------------------------------------------
 
