@@ -146,6 +146,7 @@ FIGURES: dict[str, list[tuple[str, str]]] = {
     "scaling": [*[(f"scaling.{broker}.batch.{b}", "msg/s") for broker in SCALING_BROKERS
                   for b in BATCH_SIZES],
                 *[(f"scaling.{broker}.batch500_over_batch1", "x") for broker in SCALING_BROKERS],
+                ("scaling.rabbitmq.batch500_over_batch1_bound", "x"),
                 *[(f"scaling.rabbitmq.relays.{n}", "msg/s") for n in RELAY_COUNTS]],
 }
 
@@ -630,6 +631,14 @@ class Bench:
             five = report.figures[f"scaling.{broker}.batch.500"].runs
             ratio = report.figure(f"scaling.{broker}.batch500_over_batch1", "x", note="paired per run")
             ratio.runs = [b / a for a, b in zip(one, five, strict=True)]
+        ceiling = report.figures.get("throughput.broker_ceiling.rabbitmq")
+        if ceiling is None or not ceiling.runs:
+            log("scaling: no RabbitMQ broker ceiling in this run; batch500_over_batch1_bound skipped")
+            return
+        bound = report.figure("scaling.rabbitmq.batch500_over_batch1_bound", "x",
+                              note=f"broker ceiling ({ceiling.median:,.0f} msg/s) / batch 1: what batch"
+                                   " 500 at exactly the ceiling would reach")
+        bound.runs = [ceiling.median / rate for rate in report.figures["scaling.rabbitmq.batch.1"].runs]
 
 
 def _cores(box: dict[str, float]) -> str:
