@@ -433,7 +433,9 @@ class Bench:
         ours = self.report.figures.get("throughput.relay.rabbitmq")
         if ours is None or not ours.runs:  # --only simple: measure ours here
             ours = Figure("relay", "msg/s", [attempt("relay rabbitmq", lambda: self.drain("rabbitmq")).rate])
-        speedup = self.report.figure("simple_relay.speedup", "x", note="outboxer relay / simple relay, same backlog")
+            log(f"  outboxer relay: {ours.median:,.0f} msg/s")
+        speedup = self.report.figure("simple_relay.speedup", "x",
+                                     note=f"outboxer relay ({ours.median:,.0f} msg/s) / simple relay, same backlog")
         speedup.runs = [rate / simple for rate in ours.runs]
         most = self.report.figures.get("throughput.broker_max.rabbitmq")
         note = ""
