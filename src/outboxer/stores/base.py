@@ -6,8 +6,9 @@ import asyncio
 import re
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from outboxer.errors import ConfigError, SchemaError
 from outboxer.message import Message
@@ -59,6 +60,19 @@ class DestinationStatus:
             "retry_rate": round(self.retry_rate, 4),
             "abandoned": self.counts.get("ABANDONED", 0),
         }
+
+
+def fold_counts(rows: Sequence[Mapping[str, Any]]) -> list[DestinationStatus]:
+    """Rows of (destination, status, count, retried, oldest_age) -> one report per destination."""
+    by_destination: dict[str, DestinationStatus] = {}
+    for row in rows:
+        entry = by_destination.setdefault(row["destination"], DestinationStatus(row["destination"]))
+        entry.counts[row["status"]] = int(row["count"])
+        entry.retried += int(row["retried"] or 0)
+        if row["status"] in ("PENDING", "FAILED", "PROCESSING") and row["oldest_age"] is not None:
+            age = float(row["oldest_age"])
+            entry.oldest_pending_age = max(entry.oldest_pending_age or 0.0, age)
+    return sorted(by_destination.values(), key=lambda s: s.destination)
 
 
 def check_identifier(kind: str, name: str) -> str:
@@ -116,11 +130,12 @@ class Store(ABC):
         parts = [render(self.migrations_table_sql, tokens).strip()]
         for migration in migrations(self.dialect):
             parts.append(render(migration.sql, tokens).strip())
-            parts.append(
-                f"INSERT INTO {tokens['migrations']} (version, name) VALUES "
-                f"({migration.version}, '{migration.name}') ON CONFLICT DO NOTHING;"
-            )
+            parts.append(self.record_migration_sql(tokens["migrations"], migration.version, migration.name))
         return "\n\n".join(parts) + "\n"
+
+    def record_migration_sql(self, table: str, version: int, name: str) -> str:
+        """The statement of ``schema_sql`` that records one migration (a no-op if recorded)."""
+        return f"INSERT INTO {table} (version, name) VALUES ({version}, '{name}') ON CONFLICT DO NOTHING;"
 
     @abstractmethod
     async def apply_schema(self) -> list[str]:

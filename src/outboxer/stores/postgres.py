@@ -21,7 +21,7 @@ from typing import Any
 
 from outboxer.errors import MissingDependencyError, StoreError
 from outboxer.message import Message
-from outboxer.stores.base import DestinationStatus, Failure, SettleResult, Store
+from outboxer.stores.base import DestinationStatus, Failure, SettleResult, Store, fold_counts
 from outboxer.stores.sqlfiles import migrations, queries, render, to_numbered
 
 logger = logging.getLogger("outboxer.store")
@@ -209,7 +209,7 @@ class PostgresStore(Store):
         sql, args = self._args("counts", {})
         async with self._pool.acquire() as conn:
             rows = await conn.fetch(sql, *args)
-        return _fold_counts(rows)
+        return fold_counts(rows)
 
     async def oldest_transaction(self) -> float:
         """Seconds the oldest open writing transaction has run (it may hold a key's lock)."""
@@ -314,14 +314,3 @@ def _count(command_tag: str) -> int:
     """Rows affected, from a command tag like ``UPDATE 12`` or ``DELETE 3``."""
     return int(command_tag.rsplit(" ", 1)[-1])
 
-
-def _fold_counts(rows: Sequence[Any]) -> list[DestinationStatus]:
-    by_destination: dict[str, DestinationStatus] = {}
-    for row in rows:
-        entry = by_destination.setdefault(row["destination"], DestinationStatus(row["destination"]))
-        entry.counts[row["status"]] = int(row["count"])
-        entry.retried += int(row["retried"] or 0)
-        if row["status"] in ("PENDING", "FAILED", "PROCESSING") and row["oldest_age"] is not None:
-            age = float(row["oldest_age"])
-            entry.oldest_pending_age = max(entry.oldest_pending_age or 0.0, age)
-    return sorted(by_destination.values(), key=lambda s: s.destination)

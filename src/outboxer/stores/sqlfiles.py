@@ -46,6 +46,38 @@ def quote_ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
+def quote_mysql(name: str) -> str:
+    """MySQL quotes names with backquotes (double quotes only under ANSI_QUOTES)."""
+    return "`" + name.replace("`", "``") + "`"
+
+
+def table_name(dialect: str, schema: str, name: str) -> str:
+    """A table as the SQL of ``dialect`` names it: schema-qualified in PostgreSQL only.
+
+    SQLite has no schemas and MySQL's schemas are databases: there the table lives in the
+    database the connection uses, and the schema setting plays no part.
+    """
+    if dialect == "sqlite":
+        return quote_ident(name)
+    if dialect == "mysql":
+        return quote_mysql(name)
+    return f"{quote_ident(schema)}.{quote_ident(name)}"
+
+
+def strip_comments(sql: str) -> str:
+    """Drop whole-line ``--`` comments: they document the SQL files, the server needs none.
+
+    PyMySQL and aiomysql turn ``executemany`` of an INSERT into one multi-row statement
+    only when the statement starts with INSERT.
+    """
+    return "\n".join(line for line in sql.splitlines() if not line.lstrip().startswith("--")).strip()
+
+
+def statements(script: str) -> list[str]:
+    """Split a migration into statements (our migrations hold no ';' inside literals)."""
+    return [part.strip() for part in strip_comments(script).split(";") if part.strip()]
+
+
 def render(sql: str, tokens: dict[str, str]) -> str:
     for token, value in tokens.items():
         sql = sql.replace("{" + token + "}", value)

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from outboxer.errors import ConfigError, StoreError
 from outboxer.message import Message
 from outboxer.stores.base import DestinationStatus, Failure, SettleResult, Store
-from outboxer.stores.sqlfiles import migrations, queries, quote_ident, render
+from outboxer.stores.sqlfiles import migrations, queries, quote_ident, render, statements
 
 T = TypeVar("T")
 
@@ -121,13 +121,13 @@ class SqliteStore(Store):
         def work(conn: sqlite3.Connection) -> list[str]:
             applied = []
             conn.execute("BEGIN IMMEDIATE")
-            for statement in _statements(render(_MIGRATIONS_TABLE, tokens)):
+            for statement in statements(render(_MIGRATIONS_TABLE, tokens)):
                 conn.execute(statement)
             done = {row[0] for row in conn.execute(f"SELECT version FROM {tokens['migrations']}")}
             for migration in migrations("sqlite"):
                 if migration.version in done:
                     continue
-                for statement in _statements(render(migration.sql, tokens)):
+                for statement in statements(render(migration.sql, tokens)):
                     conn.execute(statement)
                 conn.execute(f"INSERT INTO {tokens['migrations']} (version, name) VALUES (?, ?)",
                              (migration.version, migration.name))
@@ -246,9 +246,3 @@ class SqliteStore(Store):
             if remaining <= 0:
                 return False
             await asyncio.sleep(min(0.02, remaining))
-
-
-def _statements(script: str) -> list[str]:
-    """Split a migration into statements (our migrations hold no ';' inside literals)."""
-    lines = [line for line in script.splitlines() if not line.strip().startswith("--")]
-    return [part.strip() for part in "\n".join(lines).split(";") if part.strip()]
