@@ -22,13 +22,25 @@ from outboxer.message import (
     validate_envelope,
 )
 from outboxer.stores.base import check_identifier
-from outboxer.stores.sqlfiles import queries, quote_ident, render, to_numbered, to_pyformat
+from outboxer.stores.sqlfiles import (
+    queries,
+    render,
+    strip_comments,
+    table_name,
+    to_numbered,
+    to_pyformat,
+)
 
 SUPPORTED = (
-    "sync: psycopg.Connection, sqlite3.Connection, SQLAlchemy Connection or Session; "
+    "sync: psycopg.Connection, sqlite3.Connection, pymysql.Connection, MySQLdb connection, "
+    "SQLAlchemy Connection or Session; "
     "async: psycopg.AsyncConnection, asyncpg.Connection (or pool connection), "
-    "SQLAlchemy AsyncConnection or AsyncSession"
+    "aiomysql.Connection, SQLAlchemy AsyncConnection or AsyncSession"
 )
+
+#: MySQL's duplicate-key error, and its server status bits (autocommit on, transaction open).
+_ER_DUP_ENTRY = 1062
+_STATUS_IN_TRANS, _STATUS_AUTOCOMMIT = 1, 2
 
 
 @dataclass(frozen=True)
@@ -40,7 +52,7 @@ class _Row:
     def params(self, dialect: str) -> dict[str, Any]:
         m = self.message
         return {
-            "id": str(m.id) if dialect == "sqlite" else m.id,
+            "id": m.id if dialect == "postgres" else str(m.id),
             "destination": m.destination,
             "topic": m.topic,
             "key": m.key,
@@ -96,11 +108,11 @@ class Outbox:
     def _sql(self, dialect: str, name: str) -> str:
         cache_key = f"{dialect}:{name}"
         if cache_key not in self._cache:
-            if dialect == "sqlite":
-                tokens = {"outbox": quote_ident(self.table)}
-            else:
-                tokens = {"outbox": f"{quote_ident(self.schema)}.{quote_ident(self.table)}"}
-            self._cache[cache_key] = render(queries(dialect)[name], tokens)
+            tokens = {"outbox": table_name(dialect, self.schema, self.table),
+                      "keys": table_name(dialect, self.schema, self.table + "_keys")}
+            rendered = render(queries(dialect)[name], tokens)
+            # PyMySQL and aiomysql batch an executemany into one INSERT only without comments.
+            self._cache[cache_key] = strip_comments(rendered) if dialect == "mysql" else rendered
         sql: str = self._cache[cache_key]
         return sql
 
@@ -171,10 +183,18 @@ def _raise_duplicate(exc: BaseException, messages: Sequence[Message]) -> None:
         text = str(seen)
         if name in ("UniqueViolation", "UniqueViolationError") or (
             name == "IntegrityError" and "UNIQUE" in text and ".id" in text
-        ):
+        ) or (mysql_errno(seen) == _ER_DUP_ENTRY and "id_destination" in text):
             ids = ", ".join(sorted({str(m.id) for m in messages}))
             raise DuplicateMessageError(f"a message with id {ids} is already in the outbox") from exc
         seen = seen.__cause__ or getattr(seen, "orig", None)
+
+
+def mysql_errno(exc: BaseException) -> int | None:
+    """The MySQL error number of a PyMySQL, aiomysql or mysqlclient error (None for others)."""
+    if type(exc).__module__.split(".", 1)[0] not in ("pymysql", "MySQLdb") or not exc.args:
+        return None
+    code = exc.args[0]
+    return code if isinstance(code, int) else None
 
 
 # ----- drivers ------------------------------------------------------------------------------
@@ -205,28 +225,72 @@ class _Driver:
     async def execute_async(self, conn: Any, sql: str, params: dict[str, Any]) -> int:
         raise NotImplementedError
 
-    def insert(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> tuple[str, dict[str, Any]]:
-        """The statement and parameters that insert ``messages`` (one round trip)."""
-        dialect = self.dialect(conn)
-        if len(messages) == 1:
-            return outbox._sql(dialect, "insert"), _Row(messages[0]).params(dialect)
-        if dialect != "postgres":
-            raise AssertionError("multi-row inserts go through executemany on this dialect")
-        return outbox._sql(dialect, "insert_many"), _many_params(messages)
+    def execute_many(self, conn: Any, sql: str, rows: Sequence[dict[str, Any]]) -> None:
+        for params in rows:
+            self.execute(conn, sql, params)
+
+    async def execute_many_async(self, conn: Any, sql: str, rows: Sequence[dict[str, Any]]) -> None:
+        for params in rows:
+            await self.execute_async(conn, sql, params)
+
+    def driver_connection(self, conn: Any) -> Any:
+        """The DB-API (or aiomysql) connection under ``conn``."""
+        return conn
+
+    async def driver_connection_async(self, conn: Any) -> Any:
+        return conn
+
+    @staticmethod
+    def statements(outbox: Outbox, dialect: str,
+                   messages: Sequence[Message]) -> list[tuple[str, list[dict[str, Any]]]]:
+        """The statements that insert ``messages``, each with its rows of parameters."""
+        if dialect == "mysql":
+            # Each key locked (sorted: two writers lock shared keys in one order) before any
+            # row takes its seq; see queries.sql, key_lock.
+            keys = sorted({m.key for m in messages if m.key is not None})
+            locks = [(outbox._sql(dialect, "key_lock"), [{"key": key} for key in keys])] if keys else []
+            return [*locks, (outbox._sql(dialect, "insert"), [_Row(m).params(dialect) for m in messages])]
+        if dialect == "sqlite" or len(messages) == 1:  # SQLite has no arrays: one row a statement
+            return [(outbox._sql(dialect, "insert"), [_Row(m).params(dialect) for m in messages])]
+        return [(outbox._sql(dialect, "insert_many"), [_many_params(messages)])]
 
     def write(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> None:
-        if self.dialect(conn) == "sqlite":  # no arrays: one statement per row, same transaction
-            for message in messages:
-                self.execute(conn, *self.insert(outbox, conn, [message]))
-            return
-        self.execute(conn, *self.insert(outbox, conn, messages))
+        dialect = self.dialect(conn)
+        if dialect == "mysql":
+            _refuse_autocommit(self.name, self.driver_connection(conn))
+        for sql, rows in self.statements(outbox, dialect, messages):
+            if len(rows) == 1:
+                self.execute(conn, sql, rows[0])
+            else:
+                self.execute_many(conn, sql, rows)
 
     async def write_async(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> None:
-        if self.dialect(conn) == "sqlite":
-            for message in messages:
-                await self.execute_async(conn, *self.insert(outbox, conn, [message]))
-            return
-        await self.execute_async(conn, *self.insert(outbox, conn, messages))
+        dialect = self.dialect(conn)
+        if dialect == "mysql":
+            _refuse_autocommit(self.name, await self.driver_connection_async(conn))
+        for sql, rows in self.statements(outbox, dialect, messages):
+            if len(rows) == 1:
+                await self.execute_async(conn, sql, rows[0])
+            else:
+                await self.execute_many_async(conn, sql, rows)
+
+
+def _refuse_autocommit(name: str, raw: Any) -> None:
+    """MySQL in autocommit would commit the key lock and the row apart: refuse, as for sqlite3.
+
+    PyMySQL and aiomysql report whether a transaction is open; mysqlclient does not, so an
+    autocommit mysqlclient connection is refused even inside BEGIN.
+    """
+    status = getattr(raw, "server_status", None)
+    if isinstance(status, int):
+        refused = bool(status & _STATUS_AUTOCOMMIT) and not status & _STATUS_IN_TRANS
+    else:
+        get_autocommit = getattr(raw, "get_autocommit", None)
+        refused = bool(get_autocommit()) if get_autocommit is not None else False
+    if refused:
+        raise TypeError(f"{name} is in autocommit mode and no transaction is open: begin a "
+                        "transaction first (conn.begin()) or turn autocommit off; outboxer never "
+                        "commits for you")
 
 
 class _Psycopg(_Driver):
@@ -268,6 +332,70 @@ class _Sqlite(_Driver):
         return int(conn.execute(sql, params).rowcount)
 
 
+class _PyMySQL(_Driver):
+    """PyMySQL, and mysqlclient (MySQLdb), which has the same DB-API shape."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def dialect(self, conn: Any) -> str:
+        return "mysql"
+
+    def execute(self, conn: Any, sql: str, params: dict[str, Any]) -> int:
+        with conn.cursor() as cursor:
+            return int(cursor.execute(_pyformat(sql), params))
+
+    def execute_many(self, conn: Any, sql: str, rows: Sequence[dict[str, Any]]) -> None:
+        with conn.cursor() as cursor:  # INSERTs become one multi-row statement
+            cursor.executemany(_pyformat(sql), rows)
+
+
+class _AioMySQL(_Driver):
+    name = "aiomysql.Connection"
+    is_async = True
+
+    def dialect(self, conn: Any) -> str:
+        return "mysql"
+
+    async def execute_async(self, conn: Any, sql: str, params: dict[str, Any]) -> int:
+        async with conn.cursor() as cursor:
+            return int(await cursor.execute(_pyformat(sql), _aiomysql_params(params)))
+
+    async def execute_many_async(self, conn: Any, sql: str, rows: Sequence[dict[str, Any]]) -> None:
+        async with conn.cursor() as cursor:
+            await cursor.executemany(_pyformat(sql), [_aiomysql_params(row) for row in rows])
+
+
+class _AiomysqlBytes:
+    """``bytes`` for aiomysql. aiomysql 0.3.2 cannot escape bytes with PyMySQL 1.2.3 or later
+    (it calls a PyMySQL helper that became a placeholder string: aio-libs/aiomysql#1080);
+    values of any other type it escapes through PyMySQL's ``encoders`` table, where this
+    type renders as PyMySQL itself renders bytes."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+def _escape_aiomysql_bytes(value: _AiomysqlBytes, mapping: object = None) -> str:
+    return "_binary X'" + value.data.hex() + "'"
+
+
+@functools.cache
+def _register_aiomysql_bytes() -> None:
+    from pymysql import converters
+
+    # A new entry for outboxer's own type: no other value escapes differently.
+    converters.encoders.setdefault(_AiomysqlBytes, _escape_aiomysql_bytes)
+
+
+def _aiomysql_params(params: dict[str, Any]) -> dict[str, Any]:
+    _register_aiomysql_bytes()
+    return {name: _AiomysqlBytes(value) if isinstance(value, bytes) else value
+            for name, value in params.items()}
+
+
 class _SqlAlchemy(_Driver):
     """Connection or Session; SQL goes through ``text()`` so the dialect's driver binds it."""
 
@@ -275,13 +403,18 @@ class _SqlAlchemy(_Driver):
         self.name = name
         self.is_async = is_async
 
+    @staticmethod
+    def _dialect(conn: Any) -> Any:
+        return (conn.get_bind() if hasattr(conn, "get_bind") else conn).dialect
+
     def dialect(self, conn: Any) -> str:
-        bind = conn.get_bind() if hasattr(conn, "get_bind") else conn
-        name = str(bind.dialect.name)
+        name = str(self._dialect(conn).name)
         if name == "postgresql":
             return "postgres"
         if name == "sqlite":
             return "sqlite"
+        if name in ("mysql", "mariadb"):
+            return "mysql"
         raise TypeError(f"SQLAlchemy dialect {name!r} is not supported by outboxer yet")
 
     def execute(self, conn: Any, sql: str, params: dict[str, Any]) -> int:
@@ -292,7 +425,29 @@ class _SqlAlchemy(_Driver):
     async def execute_async(self, conn: Any, sql: str, params: dict[str, Any]) -> int:
         from sqlalchemy import text
 
+        if self._dialect(conn).driver == "aiomysql":
+            params = _aiomysql_params(params)
         return int((await conn.execute(text(sql), params)).rowcount)
+
+    def execute_many(self, conn: Any, sql: str, rows: Sequence[dict[str, Any]]) -> None:
+        from sqlalchemy import text
+
+        conn.execute(text(sql), list(rows))
+
+    async def execute_many_async(self, conn: Any, sql: str, rows: Sequence[dict[str, Any]]) -> None:
+        from sqlalchemy import text
+
+        if self._dialect(conn).driver == "aiomysql":
+            rows = [_aiomysql_params(row) for row in rows]
+        await conn.execute(text(sql), list(rows))
+
+    def driver_connection(self, conn: Any) -> Any:
+        connection = conn.connection() if hasattr(conn, "get_bind") else conn  # Session
+        return connection.connection.driver_connection
+
+    async def driver_connection_async(self, conn: Any) -> Any:
+        connection = await conn.connection() if hasattr(conn, "get_bind") else conn  # AsyncSession
+        return (await connection.get_raw_connection()).driver_connection
 
 
 @functools.cache
@@ -330,6 +485,12 @@ def _driver_for(kind: type) -> _Driver:
             return _Asyncpg()
         elif root == "sqlite3" and name == "Connection":
             return _Sqlite()
+        elif root == "pymysql" and name == "Connection":
+            return _PyMySQL("pymysql.Connection")
+        elif root == "MySQLdb" and name == "Connection":
+            return _PyMySQL("MySQLdb connection")
+        elif root == "aiomysql" and name == "Connection":
+            return _AioMySQL()
         elif root == "sqlalchemy":
             if name in ("Connection", "Session"):
                 return _SqlAlchemy(f"sqlalchemy {name}", is_async=False)

@@ -19,29 +19,41 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from outboxer.enqueue import detect
+from outboxer.enqueue import detect, mysql_errno
 from outboxer.errors import PayloadError
 from outboxer.stores.base import check_identifier
-from outboxer.stores.sqlfiles import queries, quote_ident, render
+from outboxer.stores.sqlfiles import queries, render, table_name
+
+_ER_DUP_ENTRY = 1062
 
 
 @functools.cache
 def _claim_sql(schema: str, dialect: str) -> str:
     """The claim statement for one schema and dialect, rendered once (once per message otherwise)."""
-    table = quote_ident("inbox") if dialect == "sqlite" else f"{quote_ident(schema)}.{quote_ident('inbox')}"
-    return render(queries(dialect)["inbox_claim"], {"inbox": table})
+    return render(queries(dialect)["inbox_claim"], {"inbox": table_name(dialect, schema, "inbox")})
+
+
+def _seen_before(exc: BaseException, dialect: str) -> bool:
+    """MySQL answers a second delivery with a duplicate key (it has no ON CONFLICT DO NOTHING)."""
+    seen: BaseException | None = exc
+    while dialect == "mysql" and seen is not None:
+        if mysql_errno(seen) == _ER_DUP_ENTRY:
+            return True
+        seen = getattr(seen, "orig", None)  # SQLAlchemy wraps the driver's error
+    return False
 
 
 @dataclass(frozen=True)
 class Inbox:
-    """The inbox table of a schema (``<schema>.inbox``; in SQLite, ``inbox``)."""
+    """The inbox table of a schema (``<schema>.inbox``; in SQLite and MySQL, ``inbox``)."""
 
     schema: str = "outboxer"
 
     def __post_init__(self) -> None:
         check_identifier("schema", self.schema)
 
-    def _params(self, conn: Any, consumer: str, message_id: object) -> tuple[Any, str, dict[str, Any]]:
+    def _params(self, conn: Any, consumer: str,
+                message_id: object) -> tuple[Any, str, str, dict[str, Any]]:
         if not isinstance(consumer, str) or not consumer or len(consumer) > 255:
             raise PayloadError("consumer must be a non-empty string of at most 255 characters")
         try:
@@ -51,18 +63,28 @@ class Inbox:
         driver = detect(conn)
         dialect = driver.dialect(conn)
         sql = _claim_sql(self.schema, dialect)
-        value: object = str(identifier) if dialect == "sqlite" else identifier
-        return driver, sql, {"consumer": consumer, "message_id": value}
+        value: object = identifier if dialect == "postgres" else str(identifier)
+        return driver, dialect, sql, {"consumer": consumer, "message_id": value}
 
     def claim(self, conn: Any, consumer: str, message_id: object) -> bool:
         """Record ``message_id`` for ``consumer``; True on its first delivery only."""
-        driver, sql, params = self._params(conn, consumer, message_id)
+        driver, dialect, sql, params = self._params(conn, consumer, message_id)
         if driver.is_async:
             raise TypeError(f"{driver.name} is an async connection: use `await claim_async(...)`")
-        return bool(driver.execute(conn, sql, params) == 1)
+        try:
+            return bool(driver.execute(conn, sql, params) == 1)
+        except Exception as exc:
+            if _seen_before(exc, dialect):
+                return False
+            raise
 
     async def claim_async(self, conn: Any, consumer: str, message_id: object) -> bool:
-        driver, sql, params = self._params(conn, consumer, message_id)
+        driver, dialect, sql, params = self._params(conn, consumer, message_id)
         if not driver.is_async:
             raise TypeError(f"{driver.name} is a sync connection: use `claim(...)`")
-        return bool(await driver.execute_async(conn, sql, params) == 1)
+        try:
+            return bool(await driver.execute_async(conn, sql, params) == 1)
+        except Exception as exc:
+            if _seen_before(exc, dialect):
+                return False
+            raise

@@ -1,4 +1,4 @@
-"""The store contract against the real PostgreSQL and SQLite."""
+"""The store contract against the real PostgreSQL, SQLite and MariaDB."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 
 from outboxer.stores.sqlite import sqlite_path
 from outboxer.testing import StoreContract
+from tests.conftest import mysql_connect
 
 
 class TestPostgresStore(StoreContract):
@@ -37,3 +38,27 @@ class TestSqliteStore(StoreContract):
 
     def shift_sql(self, column: str, seconds: float) -> str:
         return f"UPDATE {self.table} SET {column} = {column} - {seconds}"
+
+
+class TestMySQLStore(StoreContract):
+    @pytest.fixture
+    def url(self, mysql_url: str) -> str:
+        return mysql_url
+
+    def connect_sync(self, url: str) -> Any:
+        return mysql_connect(url)
+
+    def shift_sql(self, column: str, seconds: float) -> str:
+        return f"UPDATE {self.table} SET {column} = {column} - INTERVAL {seconds} SECOND"
+
+    def rows(self, url: str) -> list[dict[str, Any]]:
+        # As the contract's, with `key` quoted: KEY is a reserved word in MySQL.
+        conn = self.connect_sync(url)
+        try:
+            cursor = conn.cursor()
+            cursor.execute(f"SELECT seq, id, `key`, status, attempts, last_error, locked_by "
+                           f"FROM {self.table} ORDER BY seq")
+            names = [d[0] for d in cursor.description]
+            return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+        finally:
+            conn.close()

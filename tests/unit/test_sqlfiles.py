@@ -11,8 +11,9 @@ def test_parameters_convert_and_casts_survive() -> None:
 
 def test_every_dialect_has_the_queries_the_relay_needs() -> None:
     needed = {"insert", "claim", "cleanup", "counts", "list", "requeue"}
-    # PostgreSQL settles in one call of a function (migration 0004); SQLite runs each UPDATE.
-    settles = {"postgres": {"settle"}, "sqlite": {"settle_published", "settle_failed", "release"}}
-    for dialect in ("postgres", "sqlite"):
+    # PostgreSQL settles in one call of a function (migration 0004); the others run each UPDATE.
+    settles = {"postgres": {"settle"}, "sqlite": {"settle_published", "settle_failed", "release"},
+               "mysql": {"settle_published", "settle_failed", "release", "claim_update", "key_lock"}}
+    for dialect in ("postgres", "sqlite", "mysql"):
         assert needed | settles[dialect] <= set(queries(dialect)), dialect
         assert [m.version for m in migrations(dialect)] == list(range(1, len(migrations(dialect)) + 1))

@@ -16,6 +16,12 @@ REGISTRY: dict[str, tuple[str, str]] = {
     "postgresql+asyncpg": ("outboxer.stores.postgres", "PostgresStore"),
     "postgresql+psycopg": ("outboxer.stores.postgres", "PostgresStore"),
     "sqlite": ("outboxer.stores.sqlite", "SqliteStore"),
+    "mysql": ("outboxer.stores.mysql", "MySQLStore"),
+    "mysql+pymysql": ("outboxer.stores.mysql", "MySQLStore"),
+    "mysql+aiomysql": ("outboxer.stores.mysql", "MySQLStore"),
+    "mariadb": ("outboxer.stores.mysql", "MySQLStore"),
+    "mariadb+pymysql": ("outboxer.stores.mysql", "MySQLStore"),
+    "mariadb+aiomysql": ("outboxer.stores.mysql", "MySQLStore"),
 }
 
 

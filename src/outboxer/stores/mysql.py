@@ -1,0 +1,391 @@
+"""MySQL and MariaDB store for the relay, on aiomysql (MySQL 8.0.13+, MariaDB 10.6+).
+
+URL: ``mysql://user:password@host:3306/database`` (also ``mysql+pymysql://``,
+``mysql+aiomysql://``, ``mariadb://``). The tables live in the URL's database: MySQL's
+schemas are databases, so the ``schema`` setting plays no part here.
+
+What differs from PostgreSQL, and why:
+
+* No UPDATE ... RETURNING in MariaDB: a claim is one transaction of four statements
+  (destination lock, ``SELECT ... FOR UPDATE SKIP LOCKED``, UPDATE, COMMIT).
+* The destination lock is a row of ``<table>_destinations`` (GET_LOCK is held by the
+  session, not the transaction, and has no shared mode); the write path's key lock is a
+  row of ``<table>_keys``. See migration 0001 and queries.sql.
+* No LISTEN/NOTIFY: the relay polls (``Store.wait_for_wakeup``), so the poll interval
+  is the latency floor.
+
+The write path (``outboxer.enqueue``) does not use this class: it runs the ``key_lock``
+and ``insert`` queries on the caller's own PyMySQL, aiomysql or SQLAlchemy connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from outboxer.errors import ConfigError, MissingDependencyError, StoreError
+from outboxer.message import Message
+from outboxer.stores.base import DestinationStatus, Failure, SettleResult, Store, fold_counts
+from outboxer.stores.sqlfiles import (
+    migrations,
+    queries,
+    quote_mysql,
+    render,
+    statements,
+    strip_comments,
+    to_pyformat,
+)
+
+logger = logging.getLogger("outboxer.store")
+
+_MIGRATIONS_TABLE = """
+CREATE TABLE IF NOT EXISTS {migrations} (
+    version    INT NOT NULL,
+    name       VARCHAR(255) NOT NULL,
+    applied_at DATETIME(6) NOT NULL DEFAULT (UTC_TIMESTAMP(6)),
+    PRIMARY KEY (version)
+) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin;
+"""
+
+#: Every relay session: each statement reads what was committed when it started.
+_SESSION_SETUP = "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"
+
+#: Seconds ``apply_schema`` waits for another process applying the schema.
+_SCHEMA_LOCK_WAIT = 60
+
+#: MySQL error numbers.
+ER_DUP_ENTRY = 1062
+ER_ACCESS_DENIED = (1227, 1142)
+
+_SCHEMES = ("mysql", "mysql+pymysql", "mysql+aiomysql", "mariadb", "mariadb+pymysql",
+            "mariadb+aiomysql")
+
+
+def _aiomysql() -> Any:
+    try:
+        import aiomysql
+    except ImportError as exc:
+        raise MissingDependencyError("aiomysql", "mysql") from exc
+    return aiomysql
+
+
+def mysql_connect_args(url: str) -> dict[str, Any]:
+    """``mysql://user:password@host:3306/db?unix_socket=/path`` -> PyMySQL ``connect`` arguments."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in _SCHEMES:
+        raise ConfigError(f"not a MySQL URL: {url!r} (expected mysql://user:password@host:3306/db)")
+    database = unquote(parts.path.lstrip("/"))
+    if not database or "/" in database:
+        raise ConfigError(f"a MySQL URL names one database: mysql://user@host:3306/db, got {url!r}")
+    args: dict[str, Any] = {
+        "host": parts.hostname or "localhost",
+        "port": parts.port or 3306,
+        "password": unquote(parts.password) if parts.password else "",
+        "database": database,
+        "charset": "utf8mb4",
+    }
+    if parts.username:
+        args["user"] = unquote(parts.username)
+    for name, value in parse_qsl(parts.query):
+        if name == "unix_socket":
+            args["unix_socket"] = value
+        elif name == "connect_timeout":
+            args["connect_timeout"] = float(value)
+        else:
+            raise ConfigError(f"unknown option {name!r} in the MySQL URL; known: unix_socket, connect_timeout")
+    return args
+
+
+def expand_lists(sql: str, params: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """List parameters -> one placeholder per item (PyMySQL escapes no lists):
+    ``IN (%(seqs)s)`` with three seqs -> ``IN (%(seqs_0)s, %(seqs_1)s, %(seqs_2)s)``."""
+    flat: dict[str, Any] = {}
+    for name, value in params.items():
+        if isinstance(value, list | tuple):
+            if not value:
+                raise ValueError(f"list parameter {name!r} is empty")
+            sql = sql.replace(f"%({name})s", ", ".join(f"%({name}_{i})s" for i in range(len(value))))
+            flat.update({f"{name}_{i}": item for i, item in enumerate(value)})
+        else:
+            flat[name] = value
+    return sql, flat
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    """DATETIME(6) values come back naive; they are UTC."""
+    return value.replace(tzinfo=UTC) if value is not None else None
+
+
+def _headers(text: str | bytes) -> dict[str, str]:
+    # Most messages carry no headers: skip the JSON parser for them (hot path, once per row).
+    return {} if text == "{}" else dict(json.loads(text))
+
+
+class MySQLStore(Store):
+    dialect = "mysql"
+    migrations_table_sql = _MIGRATIONS_TABLE
+
+    def __init__(self, url: str, *, schema: str = "outboxer", table: str = "outbox",
+                 pool_size: int = 10) -> None:
+        super().__init__(url, schema=schema, table=table)
+        self.connect_args = mysql_connect_args(url)
+        self.pool_size = pool_size
+        self._pool: Any = None
+        tokens = self.tokens()
+        self._sql = {name: to_pyformat(strip_comments(render(sql, tokens)))
+                     for name, sql in queries("mysql").items()}
+
+    def tokens(self) -> dict[str, str]:
+        # No schemas: the tables live in the URL's database (see the module docstring).
+        return {
+            "table_raw": self.table,
+            "outbox": quote_mysql(self.table),
+            "migrations": quote_mysql(self.table + "_migrations"),
+            "destinations": quote_mysql(self.table + "_destinations"),
+            "keys": quote_mysql(self.table + "_keys"),
+            "inbox": quote_mysql("inbox"),
+        }
+
+    def record_migration_sql(self, table: str, version: int, name: str) -> str:
+        return f"INSERT IGNORE INTO {table} (version, name) VALUES ({version}, '{name}');"
+
+    # ----- connections ---------------------------------------------------------------------
+
+    async def connect(self) -> None:
+        if self._pool is not None:
+            return
+        aiomysql = _aiomysql()
+        from pymysql.constants import CLIENT
+
+        args = dict(self.connect_args)
+        args["db"] = args.pop("database")
+        try:
+            self._pool = await aiomysql.create_pool(
+                minsize=1, maxsize=self.pool_size, autocommit=False, init_command=_SESSION_SETUP,
+                # rowcount = rows matched, as PostgreSQL counts them (not only rows changed).
+                client_flag=CLIENT.FOUND_ROWS, **args)
+        except (OSError, aiomysql.Error) as exc:
+            raise StoreError(f"cannot connect to MySQL: {exc}") from exc
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            pool.close()
+            await pool.wait_closed()
+
+    @contextlib.asynccontextmanager
+    async def _transaction(self) -> AsyncIterator[Any]:
+        """A cursor in one transaction: committed when the block ends, rolled back if it raises.
+
+        A connection interrupted mid-statement (cancelled, or the server went away) is
+        closed rather than given back to the pool.
+        """
+        await self.connect()
+        aiomysql = _aiomysql()
+        try:
+            async with self._pool.acquire() as conn:
+                try:
+                    async with conn.cursor(aiomysql.DictCursor) as cursor:
+                        yield cursor
+                    await conn.commit()
+                except aiomysql.Error:
+                    await _rollback_or_close(conn)
+                    raise
+                except BaseException:
+                    conn.close()
+                    raise
+        except (aiomysql.Error, OSError) as exc:
+            raise StoreError(f"MySQL: {exc}") from exc
+
+    async def _execute(self, cursor: Any, name: str, params: Mapping[str, Any] | None = None) -> int:
+        """Run the named query; return the rows it matched (``FOUND_ROWS``)."""
+        sql, args = expand_lists(self._sql[name], params or {})
+        return int(await cursor.execute(sql, args))  # a dict, even empty: %% becomes %
+
+    # ----- schema --------------------------------------------------------------------------
+
+    async def apply_schema(self) -> list[str]:
+        tokens = self.tokens()
+        applied: list[str] = []
+        lock_name = f"outboxer:schema:{self.connect_args['database']}.{self.table}"[:64]
+        async with self._transaction() as cursor:
+            # One schema change at a time, whoever runs it (GET_LOCK is the session's).
+            await cursor.execute("SELECT GET_LOCK(%s, %s) AS granted", (lock_name, _SCHEMA_LOCK_WAIT))
+            if (await cursor.fetchone())["granted"] != 1:
+                raise StoreError(f"another process has been applying the schema for {_SCHEMA_LOCK_WAIT}s")
+            # No "already exists" notes for IF NOT EXISTS (aiomysql turns notes into warnings).
+            await cursor.execute("SET SESSION sql_notes = 0")
+            try:
+                for statement in statements(render(_MIGRATIONS_TABLE, tokens)):
+                    await cursor.execute(statement)
+                await cursor.execute(f"SELECT version FROM {tokens['migrations']}")
+                done = {row["version"] for row in await cursor.fetchall()}
+                for migration in migrations("mysql"):
+                    if migration.version in done:
+                        continue
+                    # DDL commits by itself: every statement of a migration can run again.
+                    for statement in statements(render(migration.sql, tokens)):
+                        await cursor.execute(statement)
+                    await cursor.execute(
+                        f"INSERT INTO {tokens['migrations']} (version, name) VALUES (%s, %s)",
+                        (migration.version, migration.name))
+                    await cursor.connection.commit()
+                    applied.append(migration.name)
+            finally:
+                await cursor.execute("SET SESSION sql_notes = 1")
+                await cursor.execute("SELECT RELEASE_LOCK(%s)", (lock_name,))
+        return applied
+
+    async def applied_migrations(self) -> set[int]:
+        name = self.table + "_migrations"
+        async with self._transaction() as cursor:
+            await cursor.execute(
+                "SELECT COUNT(*) AS found FROM information_schema.TABLES "
+                "WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s", (name,))
+            if not (await cursor.fetchone())["found"]:
+                return set()
+            await cursor.execute(f"SELECT version FROM {quote_mysql(name)}")
+            return {row["version"] for row in await cursor.fetchall()}
+
+    # ----- the relay's statements ----------------------------------------------------------
+
+    async def _lock_destination(self, cursor: Any, destination: str, *, exclusive: bool) -> None:
+        """Take the destination lock for the rest of the transaction (migration 0001)."""
+        name = "lock_destination" if exclusive else "lock_destination_shared"
+        if not await self._execute(cursor, name, {"destination": destination}):
+            await self._execute(cursor, "add_destination", {"destination": destination})
+
+    async def claim(self, destination: str, relay_id: str, limit: int, lock_seconds: float,
+                    abandoned_blocks: bool) -> list[Message]:
+        async with self._transaction() as cursor:
+            await self._lock_destination(cursor, destination, exclusive=True)
+            await self._execute(cursor, "claim", {
+                "destination": destination, "limit": limit, "abandoned_blocks": abandoned_blocks})
+            rows = await cursor.fetchall()
+            if not rows:
+                return []
+            updated = await self._execute(cursor, "claim_update", {
+                "seqs": [row["seq"] for row in rows], "destination": destination,
+                "relay_id": relay_id, "lock_seconds": float(lock_seconds)})
+            if updated != len(rows):  # cannot happen under the locks; never hand out a row we lack
+                raise StoreError(f"claim locked {len(rows)} rows but updated {updated}")
+        return [
+            Message(
+                id=uuid.UUID(row["id"]), topic=row["topic"], payload=bytes(row["payload"]),
+                key=row["key"], headers=_headers(row["headers"]), content_type=row["content_type"],
+                destination=row["destination"], created_at=_utc(row["created_at"]),
+                # As claim_update counted it: taking over an expired lock counts the attempt.
+                attempts=row["attempts"] + (1 if row["status"] == "PROCESSING" else 0),
+                seq=row["seq"],
+            )
+            for row in rows
+        ]
+
+    async def settle(self, destination: str, relay_id: str, published: Sequence[int],
+                     failed: Sequence[Failure], released: Sequence[int],
+                     max_attempts: int) -> SettleResult:
+        result = SettleResult()
+        owner = {"destination": destination, "relay_id": relay_id}
+        async with self._transaction() as cursor:
+            await self._lock_destination(cursor, destination, exclusive=False)
+            if published:
+                result.published = await self._execute(
+                    cursor, "settle_published", {**owner, "seqs": list(published)})
+            if failed:
+                result.failed = await cursor.executemany(self._sql["settle_failed"], [
+                    {**owner, "seq": f.seq, "error": f.error, "delay": float(f.delay),
+                     "permanent": f.permanent, "max_attempts": max_attempts} for f in failed])
+            if released:
+                result.released = await self._execute(
+                    cursor, "release", {**owner, "seqs": list(released)})
+        expected = len(published) + len(failed) + len(released)
+        result.lost = expected - result.published - result.failed - result.released
+        return result
+
+    async def cleanup(self, status: str, retention: float, limit: int) -> int:
+        """Delete up to ``limit`` finished rows; with PUBLISHED, also the unheld key-lock rows."""
+        if status == "PUBLISHED":
+            await self._forget_keys(limit)
+        async with self._transaction() as cursor:
+            return await self._execute(cursor, "cleanup", {
+                "status": status, "retention": float(retention), "limit": limit})
+
+    async def _forget_keys(self, limit: int, max_batches: int = 100) -> int:
+        """Delete the key-lock rows no transaction holds, ``limit`` a transaction."""
+        forgotten = 0
+        for _ in range(max_batches):
+            async with self._transaction() as cursor:
+                await self._execute(cursor, "unheld_keys", {"limit": limit})
+                keys = [row["key"] for row in await cursor.fetchall()]
+                if keys:
+                    forgotten += await self._execute(cursor, "forget_keys", {"keys": keys})
+            if len(keys) < limit:
+                break
+        return forgotten
+
+    async def cleanup_inbox(self, retention: float, limit: int) -> int:
+        async with self._transaction() as cursor:
+            return await self._execute(cursor, "inbox_cleanup", {
+                "retention": float(retention), "limit": limit})
+
+    # ----- operations ----------------------------------------------------------------------
+
+    async def status(self) -> list[DestinationStatus]:
+        async with self._transaction() as cursor:
+            await self._execute(cursor, "counts")
+            return fold_counts(await cursor.fetchall())
+
+    async def oldest_transaction(self) -> float:
+        """Seconds the oldest open writing transaction has run (it may hold a key's lock)."""
+        try:
+            async with self._transaction() as cursor:
+                await self._execute(cursor, "oldest_transaction")
+                row = await cursor.fetchone()
+        except StoreError as exc:
+            cause = exc.__cause__
+            if cause is not None and cause.args and cause.args[0] in ER_ACCESS_DENIED:
+                logger.debug("no PROCESS privilege: cannot see other transactions (%s)", cause)
+                return 0.0
+            raise
+        return float(row["age"] or 0.0)
+
+    async def list_messages(self, statuses: Sequence[str], limit: int) -> list[dict[str, object]]:
+        if not statuses:
+            return []
+        async with self._transaction() as cursor:
+            await self._execute(cursor, "list", {"statuses": list(statuses), "limit": limit})
+            rows = await cursor.fetchall()
+        for row in rows:
+            row["id"] = uuid.UUID(row["id"])
+            for column in ("created_at", "updated_at", "next_attempt_at", "published_at"):
+                row[column] = _utc(row[column])
+        return [dict(row) for row in rows]
+
+    async def requeue(self, destinations: Sequence[str], statuses: Sequence[str],
+                      ids: Sequence[str] | None) -> int:
+        if not destinations or not statuses or (ids is not None and not ids):
+            return 0
+        # IN needs a non-empty list even when :all_ids makes it irrelevant.
+        wanted = [str(uuid.UUID(i)) for i in ids] if ids is not None else [""]
+        async with self._transaction() as cursor:
+            for destination in destinations:
+                await self._lock_destination(cursor, destination, exclusive=False)
+            return await self._execute(cursor, "requeue", {
+                "destinations": list(destinations), "statuses": list(statuses),
+                "all_ids": ids is None, "ids": wanted})
+
+    # Wake-ups: MySQL has no LISTEN/NOTIFY, so the relay polls every poll interval
+    # (Store.wait_for_wakeup, Store.nudge): the interval is the latency floor.
+
+
+async def _rollback_or_close(conn: Any) -> None:
+    try:
+        await conn.rollback()
+    except Exception:  # noqa: BLE001 -- the connection is broken: drop it, the pool makes another
+        conn.close()

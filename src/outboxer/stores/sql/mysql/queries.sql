@@ -1,0 +1,204 @@
+-- MySQL / MariaDB queries, one named block each. Parameters are :name; a list parameter
+-- (:seqs, :statuses, ...) is written IN (:seqs) and expands to one placeholder per item,
+-- so it is never empty. Tokens in braces are replaced with backquoted names. Comment lines
+-- are not sent.
+--
+-- The relay's sessions run at READ COMMITTED: every statement reads what was committed
+-- when it started, as on PostgreSQL. Times are UTC_TIMESTAMP(6), whatever the time zone.
+-- MySQL evaluates an UPDATE's assignments left to right, each one seeing the columns the
+-- earlier ones changed; so an assignment that reads a column always comes before the one
+-- that changes it (and means the same under MariaDB's SIMULTANEOUS_ASSIGNMENT mode).
+
+-- name: key_lock
+-- The key lock. Runs on the caller's connection, in the caller's transaction, before the
+-- insert of a keyed message (enqueue_many locks all its keys, sorted, in one statement).
+-- Per-key order = commit order: AUTO_INCREMENT hands out seq before commit, so a row
+-- committed late could be overtaken by a later one that committed first. Before the row
+-- takes its seq, the transaction locks its key's row here (a new row is locked as inserted;
+-- ON DUPLICATE KEY UPDATE locks an existing one exclusively, even though it changes
+-- nothing) and holds it until it commits or rolls back. A second writer of the same key
+-- waits here, so it takes a larger seq only after the first one's row is visible, and the
+-- relay can never publish a key's later row while an earlier one is uncommitted. Writers
+-- of other keys, and keyless messages (which skip this statement), never wait.
+INSERT INTO {keys} (`key`) VALUES (:key)
+ON DUPLICATE KEY UPDATE `key` = `key`
+
+-- name: insert
+-- -> PENDING, after key_lock when the message has a key. executemany makes one multi-row
+-- INSERT of it, whose rows take increasing seqs in the caller's order.
+INSERT INTO {outbox} (id, destination, topic, `key`, payload, content_type, headers)
+VALUES (:id, :destination, :topic, :key, :payload, :content_type, :headers)
+
+-- name: lock_destination
+-- The destination lock, exclusive: claims (see migration 0001, {destinations}). Held until
+-- the claim commits. No row yet (a destination's first lock): add_destination.
+SELECT destination FROM {destinations} WHERE destination = :destination FOR UPDATE
+
+-- name: lock_destination_shared
+-- The destination lock, shared: settles and requeues. Held until they commit.
+SELECT destination FROM {destinations} WHERE destination = :destination LOCK IN SHARE MODE
+
+-- name: add_destination
+-- A destination's first lock creates its row, locked exclusively until commit: inserted,
+-- or found inserted by a concurrent first lock (ON DUPLICATE KEY UPDATE locks it too).
+INSERT INTO {destinations} (destination) VALUES (:destination)
+ON DUPLICATE KEY UPDATE destination = destination
+
+-- name: claim
+-- PENDING | FAILED (due) | PROCESSING (lock expired): locked for this transaction, which
+-- holds the exclusive destination lock and goes on with claim_update, then commits.
+-- Invariants kept by the WHERE clause:
+--  * a row is due: its next attempt has come, or its relay's lock expired (that relay died);
+--  * a keyed row is claimed only when no earlier row of its key blocks it: in flight
+--    elsewhere, backing off, or abandoned when abandoned rows block. Earlier rows that are
+--    due themselves come first in seq order, so they are in this same batch, ahead of it;
+--  * no uncommitted row of the key can have a smaller seq than a committed one: the writer
+--    holds the key's lock until commit before it takes its seq (key_lock). So a row
+--    committed late can never be overtaken: it sorts after everything visible here.
+-- SKIP LOCKED passes over rows whose insert is not committed yet (the writer holds them):
+-- they do not exist yet. Nothing else locks this destination's unfinished rows while the
+-- destination lock is held, so it never skips a due row and lets its key's next row pass.
+-- The NOT EXISTS subquery is a plain read of the latest commits (FOR UPDATE does not reach
+-- into subqueries). ready_idx serves the scan in seq order; blocking_idx the probe.
+SELECT o.seq, o.id, o.destination, o.topic, o.`key`, o.payload, o.content_type, o.headers,
+       o.attempts, o.status, o.created_at
+FROM {outbox} AS o
+WHERE o.destination = :destination
+  AND o.unfinished = 1
+  AND CASE o.status WHEN 'PROCESSING' THEN o.locked_until < UTC_TIMESTAMP(6)
+                    ELSE o.next_attempt_at <= UTC_TIMESTAMP(6) END
+  AND (o.`key` IS NULL OR NOT EXISTS (
+        SELECT 1 FROM {outbox} AS b
+        WHERE b.destination = o.destination
+          AND b.blocker = 1
+          AND b.`key` = o.`key`
+          AND b.seq < o.seq
+          AND CASE b.status WHEN 'PROCESSING' THEN b.locked_until >= UTC_TIMESTAMP(6)
+                            WHEN 'FAILED' THEN b.next_attempt_at > UTC_TIMESTAMP(6)
+                            ELSE :abandoned_blocks END))
+ORDER BY o.seq
+LIMIT :limit
+FOR UPDATE SKIP LOCKED
+
+-- name: claim_update
+-- The rows claim locked -> PROCESSING, locked by this relay until :lock_seconds from now;
+-- same transaction, so they cannot have changed since. Taking over an expired lock: the
+-- previous attempt died with its relay, so it counts (attempts and last_error read status
+-- and locked_by before those change). The caller checks that every row was updated.
+UPDATE {outbox}
+SET attempts = attempts + IF(status = 'PROCESSING', 1, 0),
+    last_error = IF(status = 'PROCESSING',
+                    CONCAT('lock expired: relay ', COALESCE(locked_by, '?'), ' died or stalled'),
+                    last_error),
+    status = 'PROCESSING',
+    locked_by = :relay_id,
+    locked_until = UTC_TIMESTAMP(6) + INTERVAL :lock_seconds SECOND,
+    updated_at = UTC_TIMESTAMP(6)
+WHERE seq IN (:seqs) AND destination = :destination
+  AND status IN ('PENDING', 'FAILED', 'PROCESSING')
+
+-- name: settle_published
+-- PROCESSING -> PUBLISHED, only by the relay holding the lock: a relay whose expired lock
+-- was taken over changes nothing (its copy was a duplicate; the new owner decides).
+-- Settles run in one transaction under the shared destination lock.
+UPDATE {outbox}
+SET status = 'PUBLISHED', published_at = UTC_TIMESTAMP(6), updated_at = UTC_TIMESTAMP(6),
+    locked_by = NULL, locked_until = NULL
+WHERE seq IN (:seqs) AND destination = :destination
+  AND status = 'PROCESSING' AND locked_by = :relay_id
+
+-- name: settle_failed
+-- PROCESSING -> FAILED (attempts + 1, due again after its backoff), or -> ABANDONED when the
+-- failure is permanent or the attempts are used up. Only by the relay holding the lock.
+-- One execution per failed row (each has its own error and delay), in the settle's
+-- transaction; status reads attempts before attempts changes.
+UPDATE {outbox}
+SET status = CASE WHEN :permanent OR attempts + 1 >= :max_attempts
+                  THEN 'ABANDONED' ELSE 'FAILED' END,
+    attempts = attempts + 1,
+    last_error = LEFT(:error, 16000),
+    next_attempt_at = UTC_TIMESTAMP(6) + INTERVAL :delay SECOND,
+    locked_by = NULL, locked_until = NULL, updated_at = UTC_TIMESTAMP(6)
+WHERE seq = :seq AND destination = :destination
+  AND status = 'PROCESSING' AND locked_by = :relay_id
+
+-- name: release
+-- PROCESSING -> claimable again without counting an attempt (never tried: shutdown, or an
+-- earlier message of its key failed). Only by the relay holding the lock.
+UPDATE {outbox}
+SET status = IF(attempts > 0, 'FAILED', 'PENDING'),
+    next_attempt_at = UTC_TIMESTAMP(6), locked_by = NULL, locked_until = NULL,
+    updated_at = UTC_TIMESTAMP(6)
+WHERE seq IN (:seqs) AND destination = :destination
+  AND status = 'PROCESSING' AND locked_by = :relay_id
+
+-- name: cleanup
+-- PUBLISHED | ABANDONED -> deleted once older than the retention; at most :limit rows a
+-- statement, oldest first (finished_idx), so no statement runs long or holds many locks.
+-- Relays never lock finished rows; a requeue that is changing one makes this wait for it.
+DELETE FROM {outbox}
+WHERE status = :status
+  AND updated_at < UTC_TIMESTAMP(6) - INTERVAL :retention SECOND
+ORDER BY updated_at
+LIMIT :limit
+
+-- name: unheld_keys
+-- Key-lock rows that no transaction holds now (SKIP LOCKED passes over a writer's): the
+-- relay's cleanup deletes them (forget_keys, same transaction). A writer that comes next
+-- inserts its key's row again; one that waits for a row being deleted inserts it anew.
+SELECT `key` FROM {keys} LIMIT :limit FOR UPDATE SKIP LOCKED
+
+-- name: forget_keys
+DELETE FROM {keys} WHERE `key` IN (:keys)
+
+-- name: requeue
+-- ABANDONED | FAILED -> PENDING, due now, attempts reset: an operator's decision. Runs under
+-- the shared destination lock of each destination. :all_ids, or only the rows in :ids.
+UPDATE {outbox}
+SET status = 'PENDING', attempts = 0, next_attempt_at = UTC_TIMESTAMP(6),
+    updated_at = UTC_TIMESTAMP(6)
+WHERE destination IN (:destinations)
+  AND status IN (:statuses)
+  AND (:all_ids OR id IN (:ids))
+
+-- name: counts
+SELECT destination, status, COUNT(*) AS count,
+       SUM(attempts > 0) AS retried,
+       TIMESTAMPDIFF(MICROSECOND, MIN(created_at), UTC_TIMESTAMP(6)) / 1000000 AS oldest_age
+FROM {outbox}
+GROUP BY destination, status
+
+-- name: list
+SELECT seq, id, destination, topic, `key`, status, attempts, last_error, locked_by,
+       created_at, updated_at, next_attempt_at, published_at
+FROM {outbox}
+WHERE status IN (:statuses)
+ORDER BY seq
+LIMIT :limit
+
+-- name: oldest_transaction
+-- Age of the oldest open transaction on this database that wrote or locked rows (seconds):
+-- a writer holding a key's lock that long holds back that key's later messages, so status
+-- shows it. InnoDB's transaction list needs the PROCESS privilege (without it: 0).
+SELECT COALESCE(MAX(TIMESTAMPDIFF(MICROSECOND, t.trx_started, NOW(6))), 0) / 1000000 AS age
+FROM information_schema.INNODB_TRX AS t
+JOIN information_schema.PROCESSLIST AS p ON p.ID = t.trx_mysql_thread_id
+WHERE p.DB = DATABASE()
+  AND t.trx_mysql_thread_id <> CONNECTION_ID()
+  AND (t.trx_rows_modified > 0 OR t.trx_rows_locked > 0)
+
+-- name: inbox_claim
+-- First delivery of (consumer, message_id) -> recorded (1 row). A later one fails on the
+-- primary key (error 1062), which Inbox.claim answers with False; MySQL undoes just that
+-- statement, the transaction goes on. In the consumer's transaction: a concurrent delivery
+-- of the same message waits on the primary key until this transaction ends, then fails
+-- (committed) or records it (rolled back, so the message is applied after all). Not INSERT
+-- IGNORE: that would turn other errors into warnings too.
+INSERT INTO {inbox} (consumer, message_id) VALUES (:consumer, :message_id)
+
+-- name: inbox_cleanup
+-- Inbox entries older than the retention -> deleted, :limit a statement, oldest first.
+DELETE FROM {inbox}
+WHERE received_at < UTC_TIMESTAMP(6) - INTERVAL :retention SECOND
+ORDER BY received_at
+LIMIT :limit
