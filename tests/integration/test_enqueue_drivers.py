@@ -1,4 +1,4 @@
-"""The write path on every supported driver, against the real PostgreSQL and SQLite."""
+"""The write path on every supported driver, against the real PostgreSQL, SQLite and MariaDB."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import outboxer
 from outboxer import PayloadError
 from outboxer.stores.sqlite import sqlite_path
+from tests.conftest import aiomysql_connect, mysql_connect
 
 
 def stored(url: str) -> list[dict[str, Any]]:
@@ -207,3 +208,184 @@ def test_several_destinations_and_own_names(pg_url: str) -> None:
     assert [(r["id"], r["destination"]) for r in rows] == [(message.id, "internal"), (message.id, "partner")]
     with pytest.raises(outboxer.ConfigError):
         outboxer.Outbox(table="bad name; drop")
+
+
+# ----- MySQL / MariaDB: PyMySQL, aiomysql, SQLAlchemy -----------------------------------------
+
+
+def mysql_stored(url: str) -> list[dict[str, Any]]:
+    import pymysql.cursors
+
+    conn = mysql_connect(url, cursorclass=pymysql.cursors.DictCursor)
+    try:
+        with conn.cursor() as cursor:
+            cursor.execute("SELECT seq, id, topic, `key`, payload, content_type, headers, status, "
+                           "destination FROM outbox ORDER BY seq")
+            return list(cursor.fetchall())
+    finally:
+        conn.close()
+
+
+def check_mysql(url: str, first: outboxer.Message, second: outboxer.Message) -> None:
+    """What every MySQL driver test leaves: ``first`` (JSON, key k, a header), then ``second``."""
+    rows = mysql_stored(url)
+    assert [row["id"] for row in rows] == [str(first.id), str(second.id)]
+    assert (rows[0]["topic"], rows[0]["key"], rows[0]["status"]) == ("t", "k", "PENDING")
+    assert rows[0]["payload"] == first.payload and json.loads(rows[0]["headers"]) == {"h": "v"}
+    assert rows[1]["payload"] == b"\x00raw" and rows[1]["content_type"] == "application/octet-stream"
+
+
+def sqlalchemy_mysql(url: str, driver: str) -> str:
+    return url.replace("mysql://", f"mysql+{driver}://", 1)
+
+
+def mysql_scenario(conn: Any, url: str) -> None:
+    """Commit, roll back, enqueue_many and a duplicate id, on any sync MySQL connection."""
+    first = outboxer.enqueue(conn, "t", {"n": 1}, key="k", headers={"h": "v"})
+    assert mysql_stored(url) == [], "not visible before the caller commits"
+    conn.commit()
+    outboxer.enqueue_many(conn, [{"topic": "t", "payload": "x", "key": "k"}] * 2)
+    conn.rollback()
+    [second] = outboxer.enqueue_many(conn, [{"topic": "t", "payload": b"\x00raw"}])
+    conn.commit()
+    with pytest.raises(outboxer.DuplicateMessageError):
+        outboxer.enqueue(conn, "t", {"again": True}, message_id=str(first.id))
+    conn.rollback()
+    check_mysql(url, first, second)
+
+
+async def mysql_scenario_async(conn: Any, url: str) -> None:
+    """``mysql_scenario`` on an async connection."""
+    first = await outboxer.enqueue_async(conn, "t", {"n": 1}, key="k", headers={"h": "v"})
+    assert mysql_stored(url) == [], "not visible before the caller commits"
+    await conn.commit()
+    await outboxer.enqueue_many_async(conn, [{"topic": "t", "payload": "x", "key": "k"}] * 2)
+    await conn.rollback()
+    [second] = await outboxer.enqueue_many_async(conn, [{"topic": "t", "payload": b"\x00raw"}])
+    await conn.commit()
+    with pytest.raises(outboxer.DuplicateMessageError):
+        await outboxer.enqueue_async(conn, "t", {"again": True}, message_id=first.id)
+    await conn.rollback()
+    check_mysql(url, first, second)
+
+
+@pytest.mark.parametrize("kind", ["pymysql", "sqlalchemy connection", "sqlalchemy session"])
+def test_mysql_sync_drivers(mysql_url: str, kind: str) -> None:
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import Session
+
+    if kind == "pymysql":
+        conn = mysql_connect(mysql_url)
+        mysql_scenario(conn, mysql_url)
+        conn.close()
+        return
+    engine = create_engine(sqlalchemy_mysql(mysql_url, "pymysql"))
+    with engine.connect() if kind == "sqlalchemy connection" else Session(engine) as handle:
+        mysql_scenario(handle, mysql_url)
+    engine.dispose()
+
+
+@pytest.mark.parametrize("kind", ["aiomysql", "sqlalchemy connection", "sqlalchemy session"])
+async def test_mysql_async_drivers(mysql_url: str, kind: str) -> None:
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    if kind == "aiomysql":
+        conn = await aiomysql_connect(mysql_url)
+        await mysql_scenario_async(conn, mysql_url)
+        with pytest.raises(TypeError, match="enqueue_async"):
+            outboxer.enqueue(conn, "t", {"a": 1})
+        conn.close()
+        return
+    engine = create_async_engine(sqlalchemy_mysql(mysql_url, "aiomysql"))
+    async with engine.connect() if kind == "sqlalchemy connection" else AsyncSession(engine) as handle:
+        await mysql_scenario_async(handle, mysql_url)
+    await engine.dispose()
+
+
+def test_mysql_autocommit_is_refused_outside_a_transaction(mysql_url: str) -> None:
+    conn = mysql_connect(mysql_url, autocommit=True)
+    with pytest.raises(TypeError, match="autocommit"):
+        outboxer.enqueue(conn, "t", {"a": 1}, key="k")
+    conn.begin()  # an explicit transaction is the caller's: fine
+    outboxer.enqueue(conn, "t", {"a": 1}, key="k")
+    conn.rollback()
+    conn.close()
+    assert mysql_stored(mysql_url) == []
+
+
+class _Writer:
+    """A transaction on PyMySQL or on a SQLAlchemy Session (pymysql dialect)."""
+
+    def __init__(self, url: str, kind: str) -> None:
+        self.kind = kind
+        if kind == "pymysql":
+            self.conn: Any = mysql_connect(url)
+        else:
+            from sqlalchemy import create_engine
+            from sqlalchemy.orm import Session
+
+            self.engine = create_engine(sqlalchemy_mysql(url, "pymysql"))
+            self.conn = Session(self.engine)
+
+    def commit_and_close(self) -> None:
+        self.conn.commit()
+        self.conn.close()
+        if self.kind != "pymysql":
+            self.engine.dispose()
+
+
+@pytest.mark.parametrize("kind", ["pymysql", "sqlalchemy"])
+def test_mysql_key_lock_holds_back_the_same_key_only(mysql_url: str, kind: str) -> None:
+    """A second writer of key k waits for the first to commit, then takes the larger seq;
+    writers of another key, or of no key, do not wait."""
+    import threading
+    import time
+
+    holder = _Writer(mysql_url, kind)
+    outboxer.enqueue(holder.conn, "t", {"writer": "first"}, key="k")  # holds k's lock
+    done: dict[str, float] = {}
+
+    def write(name: str, key: str | None) -> None:
+        writer = _Writer(mysql_url, kind)
+        outboxer.enqueue(writer.conn, "t", {"writer": name}, key=key)
+        writer.commit_and_close()
+        done[name] = time.monotonic()
+
+    threads = {name: threading.Thread(target=write, args=(name, key))
+               for name, key in (("same", "k"), ("other", "other-key"), ("keyless", None))}
+    for thread in threads.values():
+        thread.start()
+    threads["other"].join(5)
+    threads["keyless"].join(5)
+    assert {"other", "keyless"} <= set(done), "writers of other keys do not wait"
+    time.sleep(0.2)
+    assert "same" not in done, "a writer of the same key waits for the first one's commit"
+    committed = time.monotonic()
+    holder.commit_and_close()
+    threads["same"].join(10)
+    assert done["same"] >= committed
+    rows = [row for row in mysql_stored(mysql_url) if row["key"] == "k"]
+    assert [json.loads(row["payload"])["writer"] for row in rows] == ["first", "same"], \
+        "seq order = commit order for one key"
+
+
+async def test_aiomysql_key_lock_holds_back_the_same_key_only(mysql_url: str) -> None:
+    import asyncio
+
+    holder, same, other = [await aiomysql_connect(mysql_url) for _ in range(3)]
+    await outboxer.enqueue_async(holder, "t", {"writer": "first"}, key="k")
+
+    async def write(conn: Any, name: str, key: str) -> None:
+        await outboxer.enqueue_async(conn, "t", {"writer": name}, key=key)
+        await conn.commit()
+
+    waiting = asyncio.create_task(write(same, "same", "k"))
+    await asyncio.wait_for(write(other, "other", "other-key"), 5)
+    await asyncio.sleep(0.2)
+    assert not waiting.done(), "a writer of the same key waits for the first one's commit"
+    await holder.commit()
+    await asyncio.wait_for(waiting, 10)
+    for conn in (holder, same, other):
+        conn.close()
+    rows = [row for row in mysql_stored(mysql_url) if row["key"] == "k"]
+    assert [json.loads(row["payload"])["writer"] for row in rows] == ["first", "same"]
