@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(apply)
     sql = schema_commands.add_parser("sql", help="print the DDL for your own migration tool")
     _common(sql)
-    sql.add_argument("--dialect", choices=["postgres", "sqlite"],
+    sql.add_argument("--dialect", choices=sorted(_DIALECT_URLS),
                      help="print for this database (default: from --db, else postgres)")
 
     status = commands.add_parser("status", help="counts per status, oldest pending age, retry rate")
@@ -100,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: A URL of each dialect, for printing its DDL without a database.
+_DIALECT_URLS = {"postgres": "postgresql://localhost/", "sqlite": "sqlite:///outboxer.db",
+                 "mysql": "mysql://localhost/outboxer"}
+
+
 def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
     names = ("db", "schema", "table", "broker", "batch_size", "lock_timeout", "max_attempts",
              "poll_interval", "concurrency", "backoff_base", "backoff_multiplier", "backoff_max",
@@ -132,12 +137,11 @@ async def _schema_apply(args: argparse.Namespace) -> int:
 
 def _schema_sql(args: argparse.Namespace) -> int:
     settings = _settings(args)
-    db = settings.db or ("sqlite:///outboxer.db" if args.dialect == "sqlite" else "postgresql://localhost/")
-    if args.dialect == "sqlite" and not db.startswith("sqlite"):
-        db = "sqlite:///outboxer.db"
-    elif args.dialect == "postgres" and db.startswith("sqlite"):
-        db = "postgresql://localhost/"
-    print(create_store(db, schema=settings.schema, table=settings.table).schema_sql(), end="")
+    store = create_store(settings.db or _DIALECT_URLS[args.dialect or "postgres"],
+                         schema=settings.schema, table=settings.table)
+    if args.dialect and store.dialect != args.dialect:
+        store = create_store(_DIALECT_URLS[args.dialect], schema=settings.schema, table=settings.table)
+    print(store.schema_sql(), end="")
     return EXIT_OK
 
 
@@ -219,20 +223,29 @@ def _enqueue(args: argparse.Namespace) -> int:
         headers[name] = value
     db = settings.require_db()
     outbox = Outbox(schema=settings.schema, table=settings.table)
-    if db.startswith("sqlite"):
+    dialect = _store(settings).dialect
+    if dialect == "sqlite":
         import sqlite3
 
         from outboxer.stores.sqlite import sqlite_path
 
         conn: Any = sqlite3.connect(sqlite_path(db))
+    elif dialect == "mysql":
+        import pymysql
+
+        from outboxer.stores.mysql import mysql_connect_args
+
+        conn = pymysql.connect(**mysql_connect_args(db))
     else:
         import psycopg
 
         conn = psycopg.connect(db)
-    with conn:  # commits on success: the CLI owns this transaction
+    try:  # the CLI owns this transaction: it commits on success
         message = outbox.enqueue(conn, args.topic, payload, key=args.key, headers=headers,
                                  destinations=args.destination)
-    conn.close()
+        conn.commit()
+    finally:
+        conn.close()
     print(message.id)
     return EXIT_OK
 

@@ -1,0 +1,87 @@
+"""Two relays on one MariaDB outbox while writers commit: each row published once, keys in order."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import uuid
+from collections import defaultdict
+
+import outboxer
+from outboxer import Relay, load_settings
+from outboxer.brokers.memory import memory_broker
+from tests.conftest import mysql_connect
+
+
+def write_transactions(url: str, seed: int, transactions: int) -> None:
+    """Commit small transactions of keyed and keyless messages, some rolled back."""
+    chance = random.Random(seed)
+    conn = mysql_connect(url)
+    try:
+        for _ in range(transactions):
+            keys = [chance.choice(["a", "b", "c", "d", None]) for _ in range(chance.randint(1, 4))]
+            outboxer.enqueue_many(conn, [{"topic": "t", "payload": {"seed": seed}, "key": key} for key in keys])
+            if chance.random() < 0.1:
+                conn.rollback()
+            else:
+                conn.commit()
+    finally:
+        conn.close()
+
+
+def published_in_seq_order(url: str) -> list[tuple[str, str | None]]:
+    conn = mysql_connect(url)
+    try:
+        with conn.cursor() as cursor:
+            cursor.execute("SELECT id, `key`, status FROM outbox ORDER BY seq")
+            rows = cursor.fetchall()
+    finally:
+        conn.close()
+    assert {status for _, _, status in rows} <= {"PUBLISHED"}, "every committed row published"
+    return [(row_id, key) for row_id, key, _ in rows]
+
+
+async def test_two_relays_publish_each_row_once_in_key_order(mysql_url: str) -> None:
+    broker = memory_broker(f"two-relays-{uuid.uuid4().hex[:8]}")
+    broker.latency = 0.002  # keeps batches in flight, so the relays overlap
+    relays = [
+        Relay.from_settings(load_settings({
+            "db": mysql_url, "broker": f"memory://{broker.name}", "relay_id": f"relay-{n}",
+            "batch_size": 7, "concurrency": 2, "poll_interval": 0.02}, environ={}))
+        for n in range(2)
+    ]
+    running = [asyncio.create_task(relay.run()) for relay in relays]
+    try:
+        await asyncio.gather(*(asyncio.to_thread(write_transactions, mysql_url, seed, 40)
+                               for seed in range(3)))
+        expected = 0
+        for _ in range(300):
+            rows = await asyncio.to_thread(mysql_connect, mysql_url)
+            with rows.cursor() as cursor:
+                cursor.execute("SELECT COUNT(*), SUM(status = 'PUBLISHED') FROM outbox")
+                total, published = cursor.fetchone()
+            rows.close()
+            expected = int(total)
+            if published == total:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        for relay in relays:
+            relay.stop()
+        stats = await asyncio.gather(*running)
+    in_seq = published_in_seq_order(mysql_url)
+    assert len(in_seq) == expected > 100
+    sent_ids = [str(message.id) for message in broker.messages]
+    assert sorted(sent_ids) == sorted(row_id for row_id, _ in in_seq), "each row published exactly once"
+    assert sum(s.lost for s in stats) == 0 and all(s.published for s in stats), "both relays worked"
+    by_key_sent: dict[str, list[str]] = defaultdict(list)
+    for message in broker.messages:
+        if message.key is not None:
+            by_key_sent[message.key].append(str(message.id))
+    by_key_committed: dict[str, list[str]] = defaultdict(list)
+    for row_id, key in in_seq:
+        if key is not None:
+            by_key_committed[key].append(row_id)
+    assert by_key_sent == by_key_committed, "per key, publish order = seq order = commit order"
+    assert all(json.loads(message.payload)["seed"] in range(3) for message in broker.messages)
