@@ -389,3 +389,32 @@ async def test_aiomysql_key_lock_holds_back_the_same_key_only(mysql_url: str) ->
         conn.close()
     rows = [row for row in mysql_stored(mysql_url) if row["key"] == "k"]
     assert [json.loads(row["payload"])["writer"] for row in rows] == ["first", "same"]
+
+
+async def test_mysql_cleanup_forgets_unheld_key_rows_and_status_sees_the_writer(mysql_url: str) -> None:
+    import asyncio
+
+    def keys() -> list[str]:
+        conn = mysql_connect(mysql_url)
+        with conn.cursor() as cursor:
+            cursor.execute("SELECT `key` FROM outbox_keys ORDER BY `key`")
+            found = [row[0] for row in cursor.fetchall()]
+        conn.close()
+        return found
+
+    finished = mysql_connect(mysql_url)
+    outboxer.enqueue_many(finished, [{"topic": "t", "payload": "x", "key": key} for key in ("a", "b", "held")])
+    finished.commit()
+    holder = mysql_connect(mysql_url)
+    outboxer.enqueue(holder, "t", {"n": 1}, key="held")  # an open transaction holding its key's row
+    await asyncio.sleep(0.2)
+    async with outboxer.create_store(mysql_url) as store:
+        assert await store.oldest_transaction() >= 0.2  # type: ignore[attr-defined]
+        assert await store.cleanup("PUBLISHED", 3600, 1) == 0
+    assert keys() == ["held"], "rows no writer holds are forgotten, one batch at a time"
+    outboxer.enqueue(finished, "t", "again", key="a")  # the next writer of a key inserts it anew
+    finished.commit()
+    finished.close()
+    holder.rollback()
+    holder.close()
+    assert sorted(keys()) == ["a", "held"]
