@@ -156,14 +156,13 @@ def _format_age(seconds: float | None) -> str:
 
 async def _status(args: argparse.Namespace) -> int:
     async with _store(_settings(args)) as store:
-        report = [entry.as_dict() for entry in await store.status()]
-        lag = await store.oldest_transaction() if hasattr(store, "oldest_transaction") else None
+        report = await store.status_report()
     if args.json:
-        print(json.dumps({"destinations": report, "oldest_transaction_age_seconds": lag}, indent=2))
+        print(json.dumps(report, indent=2))
         return EXIT_OK
-    if not report:
+    if not report["destinations"]:
         print("the outbox is empty")
-    for entry in report:
+    for entry in report["destinations"]:
         counts: dict[str, int] = entry["counts"]
         print(f"destination {entry['destination']}:")
         for status in ("PENDING", "PROCESSING", "FAILED", "PUBLISHED", "ABANDONED"):
@@ -171,7 +170,7 @@ async def _status(args: argparse.Namespace) -> int:
         print(f"  oldest pending  {_format_age(entry['oldest_pending_age_seconds'])}")
         print(f"  retry rate      {float(entry['retry_rate']) * 100:.1f}%")
         print(f"  abandoned       {entry['abandoned']}")
-    if lag:
+    if lag := report["oldest_transaction_age_seconds"]:
         print(f"oldest open writing transaction: {_format_age(lag)}")
     return EXIT_OK
 
@@ -198,7 +197,7 @@ async def _messages(args: argparse.Namespace) -> int:
 
 async def _requeue(args: argparse.Namespace) -> int:
     settings = _settings(args)
-    destinations = args.destination or list(settings.destinations) or ["default"]
+    destinations = args.destination or settings.destination_names
     async with _store(settings) as store:
         count = await store.requeue(destinations, args.status or ["ABANDONED"], args.ids)
     print(f"requeued {count} message(s)")

@@ -18,6 +18,7 @@ A file can name several destinations, each with its own broker::
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 import socket
@@ -85,6 +86,40 @@ def bool_option(value: object, name: str) -> bool:
     raise ConfigError(f"{name} must be true or false; got {value!r}")
 
 
+def parse_http_address(value: object, name: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:8080`` for IPv6) -> (host, port); port 0 picks a free one."""
+    text = str(value).strip()
+    host, sep, port_text = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ConfigError(f"{name}: write an IPv6 address in brackets, as in [::1]:8080; got {value!r}")
+    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ConfigError(f"{name} must be HOST:PORT, such as 127.0.0.1:8080 or 0.0.0.0:8080; got {value!r}")
+    return host, int(port_text)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether only this machine can reach ``host``; a name other than localhost counts as public."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _http_address(value: object, name: str) -> str:
+    parse_http_address(value, name)
+    return str(value).strip()
+
+
+def _secret(value: object, name: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{name} must be a non-empty string")
+    return value
+
+
 def default_relay_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
@@ -138,10 +173,19 @@ class Settings:
     abandoned_blocks_key: bool = False
     exit_when_idle: bool = False
     relay_id: str = field(default_factory=default_relay_id)
+    #: ``HOST:PORT`` of the HTTP API (health, metrics, status, requeue); None: no API.
+    http: str | None = None
+    #: Bearer token the HTTP API's mutating endpoints require (kept out of reprs and logs).
+    http_token: str | None = field(default=None, repr=False)
 
     @property
     def backoff(self) -> Backoff:
         return Backoff(self.backoff_base, self.backoff_multiplier, self.backoff_max, self.backoff_jitter)
+
+    @property
+    def destination_names(self) -> list[str]:
+        """The configured destinations, or the default one when none is configured."""
+        return list(self.destinations) or [DEFAULT_DESTINATION]
 
     def require_db(self) -> str:
         if not self.db:
@@ -178,6 +222,8 @@ _CHECKS: dict[str, Any] = {
     "schema": lambda v, n: str(v),
     "table": lambda v, n: str(v),
     "relay_id": lambda v, n: str(v),
+    "http": _http_address,
+    "http_token": _secret,
 }
 
 

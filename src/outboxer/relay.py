@@ -70,6 +70,9 @@ class Relay:
         self._stopping = asyncio.Event()
         self._in_flight: dict[str, int] = dict.fromkeys(self.publishers, 0)
         self._fatal: ConfigError | None = None
+        #: What is backing off now, by place ("database", "broker <destination>"): health reads it.
+        self._outages: dict[str, str] = {}
+        self._loops_running = False
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Relay:
@@ -100,6 +103,22 @@ class Relay:
     def stopping(self) -> bool:
         return self._stopping.is_set()
 
+    def health_problems(self) -> list[str]:
+        """Why this relay is not publishing right now (empty when its loops run unhindered)."""
+        problems = [f"{place}: {reason}" for place, reason in sorted(self._outages.items())]
+        if self.stopping:
+            problems.append("relay is stopping")
+        elif not self._loops_running:
+            problems.append("relay is starting: not connected to the database yet")
+        return problems
+
+    def _outage(self, place: str, reason: object | None) -> None:
+        """Record (reason given) or clear (None) an outage the relay is backing off from."""
+        if reason is None:
+            self._outages.pop(place, None)
+        else:
+            self._outages[place] = str(reason)
+
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -117,9 +136,11 @@ class Relay:
             for name in self.publishers for n in range(self.settings.concurrency)
         ]
         cleanup = asyncio.create_task(self._cleanup_loop(), name="outboxer-cleanup")
+        self._loops_running = True
         try:
             await asyncio.gather(*loops)
         finally:
+            self._loops_running = False
             self._stopping.set()
             for task in loops:
                 task.cancel()
@@ -149,6 +170,7 @@ class Relay:
                 await self.store.connect()
                 # Fatal, not retried: claims would fail until an operator upgrades the schema.
                 await self.store.check_schema()
+                self._outage("database", None)
                 return True
             except SchemaError:
                 raise
@@ -156,6 +178,7 @@ class Relay:
                 failures += 1
                 self.stats.store_errors += 1
                 delay = OUTAGE_BACKOFF.delay(failures)
+                self._outage("database", f"unreachable ({exc})")
                 logger.warning("database unreachable (%s); retrying in %.1fs", exc, delay)
                 if await self._sleep(delay):
                     return False
@@ -170,6 +193,7 @@ class Relay:
         while not publisher.connected:
             try:
                 await publisher.connect()
+                self._outage(f"broker {destination}", None)
                 if failures:
                     logger.info("destination %s: broker %s is back", destination, publisher.safe_url)
                 self.stats.broker_reconnects += 1
@@ -182,6 +206,7 @@ class Relay:
                     return False
                 failures += 1
                 delay = OUTAGE_BACKOFF.delay(failures)
+                self._outage(f"broker {destination}", f"unreachable ({exc})")
                 logger.warning("destination %s: broker unreachable (%s); retrying in %.1fs",
                                destination, exc, delay)
                 if await self._sleep(delay):
@@ -203,11 +228,13 @@ class Relay:
                 store_failures += 1
                 self.stats.store_errors += 1
                 delay = OUTAGE_BACKOFF.delay(store_failures)
+                self._outage("database", f"claim failed ({exc})")
                 logger.warning("destination %s: claim failed (%s); retrying in %.1fs",
                                destination, exc, delay)
                 await self._sleep(delay)
                 continue
             store_failures = 0
+            self._outage("database", None)
             self.stats.claim_seconds += time.perf_counter() - started
             if len(batch) == settings.batch_size:
                 self.store.nudge()  # a full batch: there is likely more, let another loop help
@@ -275,6 +302,7 @@ class Relay:
             try:
                 result = await self.store.settle(destination, self.relay_id, published, failed,
                                                  released, self.settings.max_attempts)
+                self._outage("database", None)
                 break
             except Exception as exc:  # noqa: BLE001 -- database outage during settle
                 failures += 1
@@ -284,6 +312,7 @@ class Relay:
                     logger.error("destination %s: could not record %d outcomes (%s); their locks "
                                  "expire and they will be published again", destination, len(batch), exc)
                     return
+                self._outage("database", f"settle failed ({exc})")
                 logger.warning("destination %s: settle failed (%s); retrying in %.1fs", destination, exc, delay)
                 await asyncio.sleep(delay)
         self.stats.settle_seconds += time.perf_counter() - started

@@ -500,6 +500,15 @@ class StoreContract(ABC):
         [row] = [r for r in self.rows(url) if str(r["id"]) == str(sent[1].id)]
         assert (row["status"], row["attempts"]) == ("PENDING", 0)
 
+    async def test_ping_and_status_report(self, url: str, store: Any) -> None:
+        await store.ping()
+        self.enqueue(url, ("t", None))
+        report = await store.status_report()
+        [entry] = report["destinations"]
+        assert entry["destination"] == "default" and entry["counts"] == {"PENDING": 1}
+        lag = report["oldest_transaction_age_seconds"]
+        assert lag is None or lag >= 0
+
     async def test_rollback_leaves_nothing(self, url: str, store: Any) -> None:
         from outboxer.enqueue import enqueue
 

@@ -177,6 +177,20 @@ class Store(ABC):
     @abstractmethod
     async def status(self) -> list[DestinationStatus]: ...
 
+    async def oldest_transaction(self) -> float | None:
+        """Seconds the oldest open writing transaction has run; None where the database cannot tell."""
+        return None
+
+    async def status_report(self) -> dict[str, Any]:
+        """What ``outboxer status --json`` prints and ``GET /status`` returns."""
+        destinations = [entry.as_dict() for entry in await self.status()]
+        return {"destinations": destinations,
+                "oldest_transaction_age_seconds": await self.oldest_transaction()}
+
+    @abstractmethod
+    async def ping(self) -> None:
+        """Run a trivial query (connecting first if need be); raise if the database does not answer."""
+
     @abstractmethod
     async def list_messages(self, statuses: Sequence[str], limit: int) -> list[dict[str, object]]: ...
 

@@ -341,6 +341,10 @@ class MySQLStore(Store):
             await self._execute(cursor, "counts")
             return fold_counts(await cursor.fetchall())
 
+    async def ping(self) -> None:
+        async with self._transaction() as cursor:
+            await cursor.execute("SELECT 1")
+
     async def oldest_transaction(self) -> float:
         """Seconds the oldest open writing transaction has run (it may hold a key's lock)."""
         try:

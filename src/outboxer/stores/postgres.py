@@ -211,6 +211,11 @@ class PostgresStore(Store):
             rows = await conn.fetch(sql, *args)
         return fold_counts(rows)
 
+    async def ping(self) -> None:
+        await self.connect()
+        async with self._pool.acquire() as conn:
+            await conn.fetchval("SELECT 1")
+
     async def oldest_transaction(self) -> float:
         """Seconds the oldest open writing transaction has run (it may hold a key's lock)."""
         sql, args = self._args("oldest_transaction", {})

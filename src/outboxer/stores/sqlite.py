@@ -218,6 +218,9 @@ class SqliteStore(Store):
                 entry.oldest_pending_age = max(entry.oldest_pending_age or 0.0, oldest_age)
         return sorted(result.values(), key=lambda s: s.destination)
 
+    async def ping(self) -> None:
+        await self._run(lambda conn: conn.execute("SELECT 1").fetchone())
+
     async def list_messages(self, statuses: Sequence[str], limit: int) -> list[dict[str, object]]:
         def work(conn: sqlite3.Connection) -> list[dict[str, object]]:
             cursor = conn.execute(self._sql["list"], {"statuses": json.dumps(list(statuses)), "limit": limit})
