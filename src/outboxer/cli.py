@@ -1,4 +1,4 @@
-"""The ``outboxer`` command: relay, schema, status, cleanup, messages, requeue, enqueue, demo."""
+"""The ``outboxer`` command: relay, serve, schema, status, cleanup, messages, requeue, enqueue, demo."""
 
 from __future__ import annotations
 
@@ -28,6 +28,13 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
+def _http_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--http", metavar="HOST:PORT",
+                        help="serve the HTTP API (health, metrics, status, requeue) here (env OUTBOXER_HTTP)")
+    parser.add_argument("--http-token", metavar="TOKEN",
+                        help="bearer token the API's POST endpoints require (env OUTBOXER_HTTP_TOKEN)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="outboxer", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -53,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     relay.add_argument("--relay-id", help="name of this relay in locked_by (default host:pid:random)")
     relay.add_argument("--exit-when-idle", action="store_const", const=True,
                        help="publish what is due, then exit")
+    _http_flags(relay)
+
+    serve = commands.add_parser("serve", help="the HTTP API without a relay (health, metrics, status, requeue)")
+    _common(serve)
+    _http_flags(serve)
 
     schema = commands.add_parser("schema", help="create, upgrade or print the outbox schema")
     schema_commands = schema.add_subparsers(dest="schema_command", required=True)
@@ -110,7 +122,7 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
              "poll_interval", "concurrency", "backoff_base", "backoff_multiplier", "backoff_max",
              "backoff_jitter", "publish_timeout", "published_retention", "abandoned_retention",
              "cleanup_interval", "abandoned_blocks_key", "relay_id", "exit_when_idle",
-             "inbox_retention")
+             "inbox_retention", "http", "http_token")
     flags = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     flags.update(extra)
     return load_settings(flags, config_file=getattr(args, "config", None))
@@ -123,8 +135,24 @@ def _store(settings: Settings) -> Any:
 async def _relay(args: argparse.Namespace) -> int:
     settings = _settings(args)
     relay = Relay.from_settings(settings)
+    server = None
+    if settings.http:
+        from outboxer.http import start_http_api
+
+        server = await start_http_api(settings, relay)
     relay.install_signal_handlers()
-    await relay.run()
+    try:
+        await relay.run()
+    finally:
+        if server is not None:
+            await server.close()
+    return EXIT_OK
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from outboxer.http import serve
+
+    await serve(_settings(args))
     return EXIT_OK
 
 
@@ -256,6 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "relay":
             return asyncio.run(_relay(args))
+        if args.command == "serve":
+            return asyncio.run(_serve(args))
         if args.command == "schema":
             return _schema_sql(args) if args.schema_command == "sql" else asyncio.run(_schema_apply(args))
         if args.command == "status":
