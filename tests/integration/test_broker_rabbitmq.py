@@ -345,6 +345,29 @@ async def test_concurrent_callers_share_one_publisher() -> None:
     await consumer.close()
 
 
+async def test_concurrent_waves_are_in_flight_together_on_lanes_of_one_connection() -> None:
+    """Callers publishing at once each get a channel of their own on the one connection."""
+    topic = fresh()
+    consumer = await QueueConsumer.start(EXCHANGE, topic)
+    publisher = RabbitMQPublisher(URL, exchange=EXCHANGE)
+    try:
+        await publisher.connect()
+        batches = [[make_message(topic, {"b": b, "n": n}) for n in range(50)] for b in range(3)]
+        results = await asyncio.gather(*(publisher.publish_batch(b) for b in batches))
+        assert all(o.published for outcomes in results for o in outcomes)
+        lanes = list(publisher._idle_lanes)
+        assert len({id(channel) for channel in lanes}) == 3, "three waves at once, three lanes"
+        assert publisher._generation == 1, "lanes share one connection"
+        # Later waves reuse the lanes rather than opening more channels.
+        await asyncio.gather(*(publisher.publish_batch([make_message(topic)]) for _ in range(3)))
+        assert {id(channel) for channel in publisher._idle_lanes} == {id(channel) for channel in lanes}
+    finally:
+        await publisher.close()
+    expected = {str(m.id) for batch in batches for m in batch}
+    assert expected <= await consumer.ids_until(expected)
+    await consumer.close()
+
+
 async def test_cut_connection_fails_retryably_and_connect_recovers() -> None:
     topic = fresh()
     consumer = await QueueConsumer.start(EXCHANGE, topic)

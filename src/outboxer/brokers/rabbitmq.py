@@ -15,18 +15,26 @@ content type, ``timestamp`` the creation time, ``delivery_mode`` 2
 ``outboxer-topic``, ``outboxer-key``, ``outboxer-created-at`` and
 ``content-type``.
 
+Lanes. Callers that publish at the same time (the relay's loops share one
+publisher) each get a channel of their own on the one connection, a lane, so
+their waves are in flight together rather than in turn: a wave's confirms
+take a disk write on RabbitMQ's side, and waves taking turns made that wait
+add up under load. Channels are what RabbitMQ closes on a refusal, so a lane
+sees only its own wave's refusals.
+
 Failures. ``basic.return`` (no queue bound) and ``basic.nack`` are retryable,
 as is a missing exchange (404). A message RabbitMQ refuses by closing the
 channel (403 ACCESS_REFUSED, 406 PRECONDITION_FAILED such as a message above
 ``max_message_size``) is permanent. Such a close also fails every other
 message in flight on the channel, and a close amid pipelined publishes can make
 the client send frames on the dead channel, which RabbitMQ answers by closing
-the connection. So after a channel close the publisher reconnects and sends
-each message that was in flight once more, alone: only the one RabbitMQ
-refuses again on its own is permanent.
-
-Waves (and connects) of one publisher take turns, so that this recovery never
-sees the refusals of a wave that a concurrent caller publishes meanwhile.
+the connection. So after a channel close the lane opens a fresh channel (and
+the publisher reconnects if the connection went too) and sends each message
+that was in flight once more, alone on that channel: only the one RabbitMQ
+refuses again on its own is permanent. Other lanes caught by a connection close
+see their messages fail without a refusal of their own, so they too publish
+them again alone, and none of those is ever called permanent for another's
+refusal.
 """
 
 from __future__ import annotations
@@ -56,6 +64,8 @@ _EXCHANGE_TYPES = ("topic", "direct", "fanout", "headers")
 #: Channel closes that the same message will cause again: refused for good.
 _PERMANENT = (aiormq.exceptions.ChannelAccessRefused, aiormq.exceptions.ChannelPreconditionFailed)
 _CLOSE_TIMEOUT = 5.0
+#: Seconds the publishes of a wave whose channel closed get to fail by themselves.
+_CLOSED_GRACE = 0.5
 #: AMQP short strings (routing key, content type, header names) hold at most 255 bytes.
 _SHORTSTR = 255
 #: aiormq >= 7 can write a publish without awaiting the socket drain: the whole wave goes out
@@ -63,6 +73,14 @@ _SHORTSTR = 255
 _NO_DRAIN: dict[str, Any] = (
     {"wait": False} if "wait" in inspect.signature(aiormq.Channel.basic_publish).parameters else {}
 )
+
+
+@dataclass(slots=True)
+class _Lane:
+    """One wave's channel, and the generation of the connection it belongs to."""
+
+    channel: AbstractChannel
+    generation: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,11 +137,13 @@ class RabbitMQPublisher(Publisher):
         rest = {name: value for name, value in options.items() if name not in _OPTIONS}
         self._driver_url = parts._replace(query=urlencode(rest)).geturl()
         self._connection: AbstractConnection | None = None
-        self._channel: AbstractChannel | None = None
-        #: One wave or (re)connect at a time: several relay loops share a publisher, and a wave's
-        #: recovery (reconnect, then publishing alone) must not see another wave's refusals.
+        #: Channels of the current connection that no wave is using (see "Lanes").
+        self._idle_lanes: list[AbstractChannel] = []
+        #: One (re)connect at a time; waves do not wait for each other.
         self._lock = asyncio.Lock()
         self._generation = 0  # connections made so far
+        #: Closes of lanes given up mid-wave, kept referenced until they finish.
+        self._closing: set[asyncio.Task[None]] = set()
 
     # ----- where a message goes -----------------------------------------------------------
 
@@ -156,10 +176,13 @@ class RabbitMQPublisher(Publisher):
     # ----- connection -----------------------------------------------------------------------
 
     async def _connect(self) -> None:
-        generation = self._generation
+        await self._reconnect_unless_newer(self._generation)
+
+    async def _reconnect_unless_newer(self, generation: int) -> None:
+        """Open a fresh connection, unless another caller did since ``generation``."""
         async with self._lock:
             if self._generation != generation and not self._connection_lost():
-                return  # another caller connected while this one waited
+                return
             await self._reconnect()
 
     async def _reconnect(self) -> None:
@@ -181,7 +204,7 @@ class RabbitMQPublisher(Publisher):
         except BaseException:
             await self._quietly(connection.close())
             raise
-        self._connection, self._channel = connection, channel
+        self._connection, self._idle_lanes = connection, [channel]
         self._generation += 1
 
     async def _open_channel(self, connection: AbstractConnection) -> AbstractChannel:
@@ -190,8 +213,8 @@ class RabbitMQPublisher(Publisher):
 
     async def _close(self) -> None:
         connection, self._connection = self._connection, None
-        channel, self._channel = self._channel, None
-        if channel is not None:
+        lanes, self._idle_lanes = self._idle_lanes, []
+        for channel in lanes:
             await self._quietly(channel.close())
         if connection is not None:
             await self._quietly(connection.close())
@@ -211,22 +234,61 @@ class RabbitMQPublisher(Publisher):
         connection = self._connection
         return connection is None or connection.is_closed or not connection.connected.is_set()
 
-    async def _usable_channel(self) -> AbstractChannel:
-        """The publishing channel, reopened if a refused message closed it."""
+    async def _take_lane(self) -> _Lane:
+        """An open channel of the current connection for one wave: an idle one if there is
+        one, else a new one."""
         if self._connection is None or self._connection_lost():
             raise BrokerUnavailableError(f"connection to {self.safe_url} is closed")
-        if self._channel is None or self._channel.is_closed:
-            closed, self._channel = self._channel, None
-            if closed is not None:
-                await self._quietly(closed.close())
-            self._channel = await self._open_channel(self._connection)
-        return self._channel
+        while self._idle_lanes:
+            channel = self._idle_lanes.pop()
+            if not channel.is_closed:
+                return _Lane(channel, self._generation)
+            await self._quietly(channel.close())
+        return _Lane(await self._open_channel(self._connection), self._generation)
+
+    def _return_lane(self, channel: AbstractChannel, generation: int, *, reusable: bool) -> None:
+        """Give a lane back after its wave: idle again if it is sound and of the current
+        connection, else closed (a wave cut short may have left confirms pending on it)."""
+        if reusable and generation == self._generation and not channel.is_closed:
+            self._idle_lanes.append(channel)
+        elif not channel.is_closed:
+            task = asyncio.ensure_future(self._quietly(channel.close()))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     # ----- publishing -----------------------------------------------------------------------
 
-    async def _send(self, channel: AbstractChannel, publish: _Publish) -> None:
+    async def _send_all(self, channel: AbstractChannel,
+                        publishes: Sequence[_Publish]) -> list[BaseException | None]:
+        """Publish all of them on the channel at once; each one's outcome (None = acked).
+
+        A publish still pending when the channel closes comes back as ``ChannelClosed``:
+        aiormq fails the ones awaiting a confirm, but not the ones queued behind a dead
+        connection's writer, which would wait forever (another lane's refusal can take the
+        connection down).
+        """
+        try:
+            underlay = await channel.get_underlay_channel()
+        except aiormq.exceptions.ChannelInvalidStateError as exc:
+            return [exc] * len(publishes)
+        sends = [asyncio.ensure_future(self._send(underlay, publish)) for publish in publishes]
+        everything = asyncio.gather(*sends, return_exceptions=True)
+        closing = underlay.closing
+        try:
+            await asyncio.wait((everything, closing), return_when=asyncio.FIRST_COMPLETED)
+            if not everything.done():
+                # Those failing on their own do so at once; the rest never will.
+                await asyncio.wait((everything,), timeout=_CLOSED_GRACE)
+        finally:
+            closing.cancel()  # only stops observing
+            for send in sends:
+                send.cancel()
+            await asyncio.wait(sends)  # the cancelled ones end at once
+        return [aiormq.exceptions.ChannelClosed(None, "closed with the publish pending")
+                if send.cancelled() else send.exception() for send in sends]
+
+    async def _send(self, underlay: aiormq.abc.AbstractChannel, publish: _Publish) -> None:
         """One ``basic.publish``; returns once RabbitMQ acked it, raises the driver's error else."""
-        underlay = await channel.get_underlay_channel()
         confirmation = await underlay.basic_publish(
             publish.body,
             exchange=publish.exchange,
@@ -239,10 +301,6 @@ class RabbitMQPublisher(Publisher):
             raise PublishError(f"RabbitMQ answered {confirmation!r} instead of basic.ack")
 
     async def _publish_wave(self, messages: Sequence[Message]) -> list[BaseException | None]:
-        async with self._lock:
-            return await self._publish_wave_locked(messages)
-
-    async def _publish_wave_locked(self, messages: Sequence[Message]) -> list[BaseException | None]:
         results: list[BaseException | None] = [None] * len(messages)
         prepared: dict[int, _Publish] = {}
         for index, message in enumerate(messages):
@@ -250,6 +308,24 @@ class RabbitMQPublisher(Publisher):
                 prepared[index] = self._prepare(message)
             except PublishError as exc:
                 results[index] = exc
+        if not prepared:
+            return results
+        try:
+            lane = await self._take_lane()
+        except Exception as exc:  # noqa: BLE001 - reported on each message
+            return self._fail(results, list(prepared), exc)
+        finished = False
+        try:
+            results = await self._publish_on_lane(lane, prepared, results)
+            finished = True
+            return results
+        finally:
+            self._return_lane(lane.channel, lane.generation, reusable=finished)
+
+    async def _publish_on_lane(self, lane: _Lane, prepared: dict[int, _Publish],
+                               results: list[BaseException | None]) -> list[BaseException | None]:
+        """Publish ``prepared`` on the lane; after a channel (or connection) close, recover
+        as the module docstring says, on a new channel in the same lane."""
         loop = asyncio.get_running_loop()
         # Leave the base class's timeout for what is already settled, not for the whole wave.
         deadline = loop.time() + 0.8 * self.publish_timeout
@@ -258,16 +334,13 @@ class RabbitMQPublisher(Publisher):
             if loop.time() > deadline:
                 return self._fail(results, todo, PublishError(
                     "RabbitMQ closed the channel; no time was left to publish the message again"))
-            try:
-                channel = await self._usable_channel()
-            except Exception as exc:  # noqa: BLE001 - reported on each message
-                return self._fail(results, todo, exc)
-            raw = await asyncio.gather(*(self._send(channel, prepared[i]) for i in todo),
-                                       return_exceptions=True)
+            raw = await self._send_all(lane.channel, [prepared[i] for i in todo])
             in_flight: list[int] = []  # written before the channel closed, in write order
             unsent: list[int] = []  # refused by the client once the channel was closed
             for index, outcome in zip(todo, raw, strict=True):
-                if isinstance(outcome, aiormq.exceptions.ChannelClosed):
+                # A connection closed under the wave (another lane's refusal, or an outage,
+                # which the reconnect below then reports) closed the channel as well.
+                if isinstance(outcome, aiormq.exceptions.ChannelClosed | aiormq.exceptions.ConnectionClosed):
                     in_flight.append(index)
                 elif isinstance(outcome, aiormq.exceptions.ChannelInvalidStateError):
                     unsent.append(index)
@@ -277,10 +350,11 @@ class RabbitMQPublisher(Publisher):
                 break
             if not in_flight:  # the channel closed before any of them went out: not their doing
                 return self._fail(results, unsent, self._lost(None))
-            # One of the in-flight messages closed the channel. Frames written after the close
-            # may have made RabbitMQ close the connection too: start over on a fresh one.
+            # One of the in-flight messages closed the channel (or another lane's refusal took
+            # the connection down). Frames written after the close may make RabbitMQ close the
+            # connection too: start over on a fresh one (unless another lane already did).
             try:
-                await self._reconnect()
+                await self._replace_lane(lane, fresh_connection=True)
             except Exception as exc:  # noqa: BLE001 - reported on each message
                 return self._fail(results, in_flight + unsent, self._lost(exc))
             # Send them again one at a time, in write order, until one closes the channel on its
@@ -291,22 +365,41 @@ class RabbitMQPublisher(Publisher):
                 if loop.time() > deadline:
                     later = in_flight[position:]
                     break
-                results[index], closed = await self._publish_alone(prepared[index])
+                results[index], closed = await self._publish_alone(lane, prepared[index])
                 if closed:
                     later = in_flight[position + 1:]
                     break
             todo = sorted(later + unsent)
         return results
 
-    async def _publish_alone(self, publish: _Publish) -> tuple[BaseException | None, bool]:
-        """Publish one message with nothing else in flight: its failure is its own.
+    async def _replace_lane(self, lane: _Lane, *, fresh_connection: bool) -> None:
+        """Swap the lane's closed channel for a new one; on a new connection if asked to or
+        if the connection is gone, unless another lane reconnected since the lane's began."""
+        await self._quietly(lane.channel.close())
+        if fresh_connection or self._connection_lost():
+            await self._reconnect_unless_newer(lane.generation)
+        if self._connection is None or self._connection_lost():
+            raise BrokerUnavailableError(f"connection to {self.safe_url} is closed")
+        lane.channel, lane.generation = await self._open_channel(self._connection), self._generation
 
-        Returns the outcome and whether the message closed the channel.
+    async def _publish_alone(self, lane: _Lane, publish: _Publish) -> tuple[BaseException | None, bool]:
+        """Publish one message with nothing else in flight on its lane: its failure is its own.
+
+        Returns the outcome and whether the message closed the channel (the lane then holds
+        a fresh channel, if one could be opened).
         """
         try:
-            await self._send(await self._usable_channel(), publish)
+            if lane.channel.is_closed:
+                await self._replace_lane(lane, fresh_connection=False)
+            [outcome] = await self._send_all(lane.channel, [publish])
+            if outcome is not None:
+                raise outcome
         except Exception as exc:  # noqa: BLE001 - returned as the message's outcome
-            return self._translate(exc, alone=True), isinstance(exc, aiormq.exceptions.ChannelClosed)
+            closed = isinstance(exc, aiormq.exceptions.ChannelClosed)
+            if closed:  # nothing else was in flight on it: a new channel is enough
+                with contextlib.suppress(Exception):  # if not, the next round reports the outage
+                    await self._replace_lane(lane, fresh_connection=False)
+            return self._translate(exc, alone=True), closed
         return None, False
 
     def _fail(self, results: list[BaseException | None], indexes: Sequence[int],
