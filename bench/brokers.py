@@ -227,10 +227,8 @@ async def adapter_ceiling(name: str, messages: Sequence[Message], batch_size: in
 #: connection, batch size). Each channel has one batch in flight at a time.
 RABBITMQ_SHAPES: dict[str, tuple[int, int, int]] = {
     "1 channel, batch 500": (1, 1, 500),
-    "2 channels, batch 200 each": (1, 2, 200),
     "2 connections, batch 200 each": (2, 1, 200),
     "4 channels, batch 200 each": (1, 4, 200),
-    "8 channels, batch 200 each": (1, 8, 200),
 }
 
 

@@ -239,9 +239,30 @@ def outbox_counts(url: str) -> dict[str, int]:
     return {status: int(n) for status, n in rows}
 
 
+def published_times(url: str, ids: Sequence[str], timeout: float = 15.0) -> dict[str, float]:
+    """Wall-clock time (epoch s) each message was recorded PUBLISHED, once all of them are.
+
+    Raises if some are still not published after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(url, autocommit=True) as conn:
+        while True:
+            rows = conn.execute(
+                "SELECT id::text, EXTRACT(EPOCH FROM published_at)::float8 FROM outboxer.outbox "
+                "WHERE id = ANY(%s::uuid[]) AND status = 'PUBLISHED'", (list(ids),)).fetchall()
+            if len(rows) == len(ids):
+                return {mid: float(at) for mid, at in rows}
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{len(ids) - len(rows)} of {len(ids)} messages not published "
+                                   f"after {timeout:.0f} s")
+            time.sleep(0.05)
+
+
 # ----- relay processes ----------------------------------------------------------------------
 
 _CLI = "import sys; from outboxer.cli import main; sys.exit(main())"
+#: The relay's own defaults (batch 200, concurrency 4): what `outboxer relay` runs with.
+_DEFAULTS = outboxer.Settings()
 
 
 #: Which service a process belongs to, by its name (``comm``).
@@ -337,7 +358,8 @@ class RelayRun:
 class RelayProcess:
     """``outboxer relay`` in a subprocess, with its log in a temporary file."""
 
-    def __init__(self, db_url: str, broker_url: str, *, batch_size: int = 200, concurrency: int = 2,
+    def __init__(self, db_url: str, broker_url: str, *, batch_size: int = _DEFAULTS.batch_size,
+                 concurrency: int = _DEFAULTS.concurrency,
                  exit_when_idle: bool = True, extra: Sequence[str] = ()) -> None:
         self.argv = [sys.executable, "-c", _CLI, "relay", "--db", db_url, "--broker", broker_url,
                      "--batch-size", str(batch_size), "--concurrency", str(concurrency),
@@ -403,8 +425,8 @@ def waiting_for_lock(conn: psycopg.Connection[Any]) -> int:
     return int(row[0]) if row else 0
 
 
-def run_relays(db_url: str, broker_url: str, *, relays: int = 1, batch_size: int = 200,
-               concurrency: int = 2, stop_after: float | None = None,
+def run_relays(db_url: str, broker_url: str, *, relays: int = 1, batch_size: int = _DEFAULTS.batch_size,
+               concurrency: int = _DEFAULTS.concurrency, stop_after: float | None = None,
                timeout: float = 300.0) -> RelayRun:
     """Start ``relays`` relay processes on a prepared table, all held at a gate; time the drain.
 
