@@ -42,8 +42,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import struct
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 from urllib.parse import urlencode
 
@@ -51,6 +53,7 @@ import aio_pika
 import aiormq
 from aio_pika.abc import AbstractChannel, AbstractConnection
 from aiormq import spec
+from pamqp import encode
 from pamqp.common import FieldTable
 
 from outboxer.brokers.base import Publisher, option_bool, parse_options
@@ -73,6 +76,68 @@ _SHORTSTR = 255
 _NO_DRAIN: dict[str, Any] = (
     {"wait": False} if "wait" in inspect.signature(aiormq.Channel.basic_publish).parameters else {}
 )
+
+
+_U32 = struct.Struct(">I")
+#: AMQP field-table names longer than this are truncated by pamqp: leave those to pamqp.
+_TABLE_KEY_MAX = 128
+
+
+class _Properties(spec.Basic.Properties):
+    """Basic properties whose wire form is computed once, by ``_encode_properties``.
+
+    pamqp encodes each property and header through a per-value type dispatch that was a
+    sixth of the relay's CPU when draining to RabbitMQ. The bytes are the same as pamqp's
+    (a test compares them); anything the fast path does not cover goes to pamqp.
+    """
+
+    wire: bytes | None = None
+
+    def marshal(self) -> bytes:
+        return self.wire if self.wire is not None else bytes(super().marshal())
+
+
+def _short_string(text: str) -> bytes:
+    data = text.encode("utf-8")
+    if len(data) > _SHORTSTR:
+        raise ValueError("short string over 255 bytes")
+    return bytes((len(data),)) + data
+
+
+def _encode_properties(content_type: str, delivery_mode: int, message_id: str,
+                       timestamp: datetime | None, headers: Mapping[str, object]) -> bytes | None:
+    """The AMQP encoding of these Basic properties, as pamqp writes it (property flags,
+    then each present property in flag order; a table's entries sorted by name, strings
+    as long strings); None if a header is not a string or its name is over 128 bytes."""
+    entries: list[bytes] = []
+    for name, value in sorted(headers.items()):
+        if not isinstance(value, str) or len(name.encode("utf-8")) > _TABLE_KEY_MAX:
+            return None
+        data = value.encode("utf-8")
+        entries += (_short_string(name), b"S", _U32.pack(len(data)), data)
+    table = b"".join(entries)
+    flags = 0x2000 | 0x1000  # headers, delivery_mode
+    parts = []
+    if content_type:
+        flags |= 0x8000
+        parts.append(_short_string(content_type))
+    parts += (_U32.pack(len(table)), table, bytes((delivery_mode,)))
+    if message_id:
+        flags |= 0x0080
+        parts.append(_short_string(message_id))
+    if timestamp is not None:
+        flags |= 0x0040
+        parts.append(encode.timestamp(timestamp))
+    return struct.pack(">H", flags) + b"".join(parts)
+
+
+def _properties(content_type: str, delivery_mode: int, message_id: str,
+                timestamp: datetime | None, headers: Mapping[str, str]) -> spec.Basic.Properties:
+    table: FieldTable = dict(headers)
+    properties = _Properties(content_type=content_type, delivery_mode=delivery_mode,
+                             message_id=message_id, timestamp=timestamp, headers=table)
+    properties.wire = _encode_properties(content_type, delivery_mode, message_id, timestamp, headers)
+    return properties
 
 
 @dataclass(slots=True)
@@ -163,14 +228,8 @@ class RabbitMQPublisher(Publisher):
             if len(text.encode("utf-8")) > _SHORTSTR:
                 raise PublishError(f"{what} {text[:40]!r}… is longer than AMQP's {_SHORTSTR} bytes",
                                    retryable=False)
-        headers: FieldTable = dict(message.envelope_headers())
-        properties = spec.Basic.Properties(
-            content_type=message.content_type,
-            delivery_mode=2 if self.persistent else 1,
-            message_id=str(message.id),
-            timestamp=message.created_at,
-            headers=headers,
-        )
+        properties = _properties(message.content_type, 2 if self.persistent else 1, str(message.id),
+                                 message.created_at, message.envelope_headers())
         return _Publish(exchange, routing_key, message.payload, properties)
 
     # ----- connection -----------------------------------------------------------------------
