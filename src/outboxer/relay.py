@@ -281,7 +281,8 @@ class Relay:
                 error = outcome.error or "unknown error"
                 permanent = not outcome.retryable
                 failed.append(Failure(message.stored_seq, error,
-                                      self.backoff.delay(message.attempts + 1), permanent))
+                                      self.backoff.delay_after(message.attempts + 1, outcome.retry_after),
+                                      permanent))
                 if permanent or message.attempts + 1 >= self.settings.max_attempts:
                     self.stats.abandoned_now += 1
                     logger.error("destination %s: message %s (topic %s) abandoned after %d attempt(s): %s",

@@ -47,6 +47,16 @@ class Backoff:
         spread = nominal * self.jitter * (2.0 * rand() - 1.0)
         return min(max(nominal + spread, 0.0), self.cap)
 
+    def delay_after(self, failures: int, retry_after: float | None,
+                    rand: Callable[[], float] = random.random) -> float:
+        """``delay(failures)``, but no less than the wait the broker asked for (HTTP
+        Retry-After), which is honoured up to ``cap``: a receiver asking for an hour must
+        not hold a key back longer than the backoff would at worst."""
+        delay = self.delay(failures, rand)
+        if retry_after is not None and retry_after > delay:
+            return min(retry_after, self.cap)
+        return delay
+
     def bounds(self, failures: int) -> tuple[float, float]:
         """The smallest and largest delay ``delay(failures)`` can return."""
         nominal = self.nominal(failures)

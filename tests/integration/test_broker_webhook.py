@@ -14,6 +14,8 @@ import ssl
 import subprocess
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,7 @@ from outboxer.brokers.webhook import (
     DEFAULT_RETRY_STATUSES,
     WebhookPublisher,
     decode_header_value,
+    parse_retry_after,
     parse_retry_statuses,
 )
 from outboxer.errors import ConfigError
@@ -118,8 +121,10 @@ class HookServer:
         self.requests.append(Request(method, target, headers, body, status))
         self.arrived.set()
         answer = f"status {status}".encode()
+        retry_after = decode_header_value(headers.get("test-retry-after", ""))  # sent percent-encoded
+        extra = f"Retry-After: {retry_after}\r\n" if retry_after else ""
         writer.write(
-            f"HTTP/1.1 {status} Test\r\nContent-Type: text/plain\r\n"
+            f"HTTP/1.1 {status} Test\r\nContent-Type: text/plain\r\n{extra}"
             f"Content-Length: {len(answer)}\r\n\r\n".encode() + answer
         )
         await writer.drain()
@@ -286,6 +291,21 @@ class TestWebhook(PublisherContract):
             ])
         assert [o.retryable for o in outcomes] == [True, True, False], outcomes
 
+    async def test_retry_after_of_a_retryable_answer_is_passed_on(self) -> None:
+        later = format_datetime(datetime.now(UTC) + timedelta(seconds=90), usegmt=True)
+        async with self.make_publisher() as publisher:
+            outcomes = await publisher.publish_batch([
+                make_message("t", headers={"test-answer": "429", "test-retry-after": "7"}),
+                make_message("t", headers={"test-answer": "503", "test-retry-after": later}),
+                make_message("t", headers={"test-answer": "503", "test-retry-after": "soon"}),
+                make_message("t", headers={"test-answer": "500"}),
+                make_message("t", headers={"test-answer": "400", "test-retry-after": "7"}),
+            ])
+        assert [o.retryable for o in outcomes] == [True, True, True, True, False], outcomes
+        assert outcomes[0].retry_after == 7
+        assert outcomes[1].retry_after is not None and 85 <= outcomes[1].retry_after <= 90
+        assert [o.retry_after for o in outcomes[2:]] == [None, None, None]  # unreadable, absent, permanent
+
     async def test_a_slow_receiver_times_out_retryably(self) -> None:
         self.server.delay = 1.0
         async with self.make_publisher(timeout=0.2) as publisher:
@@ -396,6 +416,16 @@ def test_options_and_defaults() -> None:
     assert (keyword.secret, keyword.max_connections) == (b"y", 2)
     default = WebhookPublisher("http://h.example")
     assert (default.secret, default.max_connections, default.timeout) == (None, 64, 10.0)
+
+
+def test_retry_after_parsing() -> None:
+    now = datetime(2026, 11, 21, 9, 0, 0, tzinfo=UTC)
+    assert parse_retry_after("120", now) == 120
+    assert parse_retry_after(" 0 ", now) == 0
+    assert parse_retry_after("Sat, 21 Nov 2026 09:01:30 GMT", now) == 90
+    assert parse_retry_after("Sat, 21 Nov 2026 08:59:00 GMT", now) == 0  # already past
+    for unreadable in (None, "", "-5", "1.5", "tomorrow", "Sat, 99 Nov 2026 09:01:30 GMT"):
+        assert parse_retry_after(unreadable, now) is None, unreadable
 
 
 def test_retry_statuses_parsing() -> None:

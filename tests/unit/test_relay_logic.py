@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import time
 import uuid
 from typing import Any
 
@@ -137,3 +138,19 @@ async def test_retention_runs_on_a_schedule_inside_the_relay(sqlite_url: str, br
     assert len(broker.messages) == 2
     assert statuses(sqlite_url) == [], "published rows past their retention were deleted"
     assert relay.stats.cleaned == 2
+
+
+async def test_a_retry_after_from_the_broker_sets_the_least_wait_up_to_the_backoff_cap(
+        sqlite_url: str, broker: MemoryBroker) -> None:
+    """A broker's Retry-After (webhooks: 429/503) outlasts a shorter backoff, up to backoff_max."""
+    slow, capped, plain = enqueue(sqlite_url, "a", "b", "c")
+    asked = {slow.id: 30.0, capped.id: 3600.0, plain.id: None}
+    broker.fail = lambda message: PublishError("slow down", retry_after=asked[message.id])
+    started = time.time()
+    await make_relay(sqlite_url, broker, backoff_base=1, backoff_max=60, backoff_jitter=0).drain()
+    conn = sqlite3.connect(sqlite_path(sqlite_url))
+    waits = [at - started for (at,) in conn.execute("SELECT next_attempt_at FROM outbox ORDER BY seq")]
+    conn.close()
+    assert 29 <= waits[0] <= 31, waits  # Retry-After: 30 beats the 1 s backoff
+    assert 59 <= waits[1] <= 61, waits  # an hour asked for, capped at backoff_max
+    assert 0.9 <= waits[2] <= 2, waits  # no Retry-After: the backoff alone

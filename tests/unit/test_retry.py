@@ -40,3 +40,12 @@ def test_jitter_spreads_both_ways() -> None:
 def test_bad_settings_are_config_errors(kwargs: dict[str, float]) -> None:
     with pytest.raises(ConfigError):
         Backoff(**kwargs)
+
+
+def test_delay_after_honours_a_longer_retry_after_up_to_the_cap() -> None:
+    backoff = Backoff(base=1, multiplier=2, cap=60, jitter=0)
+    assert backoff.delay_after(1, None) == 1
+    assert backoff.delay_after(1, 30) == 30
+    assert backoff.delay_after(3, 2) == 4  # the backoff is already longer
+    assert backoff.delay_after(1, 3600) == 60
+    assert backoff.delay_after(1, 0) == 1

@@ -48,6 +48,8 @@ class Outcome:
     error: str | None = None
     #: For FAILED: whether trying again later may succeed.
     retryable: bool = True
+    #: For FAILED: the least wait before the next attempt that the broker asked for, if any.
+    retry_after: float | None = None
 
     @property
     def published(self) -> bool:
@@ -245,7 +247,8 @@ class Publisher(ABC):
                 )
                 if self.is_connection_error(error):
                     self._connected = False
-                outcomes[index] = Outcome(OutcomeKind.FAILED, describe(error), self.is_retryable(error))
+                outcomes[index] = Outcome(OutcomeKind.FAILED, describe(error), self.is_retryable(error),
+                                          error.retry_after if isinstance(error, PublishError) else None)
         final = [outcome or SKIPPED for outcome in outcomes]
         self.stats.batches += 1
         self.stats.publish_seconds += time.perf_counter() - started

@@ -1,6 +1,8 @@
 """``http(s)://host/path``: POST every message to an HTTP endpoint (a webhook), through httpx.
 
 A message counts as published once the receiver answered it with a 2xx status.
+A retryable answer's ``Retry-After`` (seconds or an HTTP date) becomes the least
+wait before that message's next attempt (up to the relay's longest backoff).
 Each message is one request; the body is the payload, the envelope travels in
 ``Outboxer-*`` headers and, with a ``secret``, the request is signed (see
 :mod:`outboxer.webhook_signature` for the scheme and the receiver's check).
@@ -15,6 +17,8 @@ import re
 import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import httpx
@@ -50,9 +54,28 @@ _SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%")
 class WebhookStatusError(PublishError):
     """The receiver answered with a status other than 2xx."""
 
-    def __init__(self, status: int, url: str, excerpt: str, *, retryable: bool) -> None:
-        super().__init__(f"{url} answered HTTP {status}: {excerpt}".rstrip(": "), retryable=retryable)
+    def __init__(self, status: int, url: str, excerpt: str, *, retryable: bool,
+                 retry_after: float | None = None) -> None:
+        super().__init__(f"{url} answered HTTP {status}: {excerpt}".rstrip(": "), retryable=retryable,
+                         retry_after=retry_after)
         self.status = status
+
+
+def parse_retry_after(value: str | None, now: datetime | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header (RFC 9110: delay-seconds or an HTTP
+    date); None when absent or unreadable, 0 for a date already past."""
+    if value is None:
+        return None
+    text = value.strip()
+    if text.isdigit():
+        return float(text)
+    try:
+        when = parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:  # an HTTP date is GMT
+        when = when.replace(tzinfo=UTC)
+    return max((when - (now or datetime.now(UTC))).total_seconds(), 0.0)
 
 
 def encode_header_value(value: str) -> str:
@@ -265,8 +288,10 @@ class WebhookPublisher(Publisher):
         if 200 <= response.status_code < 300:
             return
         excerpt = " ".join(response.text[:200].split())
+        retryable = response.status_code in self.retry_statuses
         raise WebhookStatusError(
-            response.status_code, _safe(url), excerpt, retryable=response.status_code in self.retry_statuses
+            response.status_code, _safe(url), excerpt, retryable=retryable,
+            retry_after=parse_retry_after(response.headers.get("retry-after")) if retryable else None,
         )
 
 
