@@ -305,8 +305,8 @@ def render_metrics(metrics: Iterable[Metric]) -> str:
     return "\n".join(lines) + "\n" if lines else ""
 
 
-#: (metric, RelayStats attribute, help). The relay counts for all its destinations together.
-_RELAY_COUNTERS: tuple[tuple[str, str, str], ...] = (
+#: (metric, RelayStats attribute, help), one series per destination (label ``destination``).
+_DESTINATION_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("outboxer_messages_claimed_total", "claimed",
      "Messages this relay claimed (a message claimed again after a failure counts again)."),
     ("outboxer_messages_published_total", "published",
@@ -319,22 +319,34 @@ _RELAY_COUNTERS: tuple[tuple[str, str, str], ...] = (
      "Claimed messages given back without an attempt (behind a failed message of their key, or at shutdown)."),
     ("outboxer_messages_lost_total", "lost",
      "Messages another relay took over after this relay's lock expired."),
-    ("outboxer_messages_cleaned_total", "cleaned",
-     "Finished messages and inbox entries this relay's retention deleted."),
     ("outboxer_batches_total", "batches", "Batches this relay claimed and processed."),
     ("outboxer_claim_seconds_total", "claim_seconds", "Seconds spent in claim statements."),
     ("outboxer_publish_seconds_total", "publish_seconds", "Seconds spent publishing batches and waiting for confirms."),
     ("outboxer_settle_seconds_total", "settle_seconds", "Seconds spent recording outcomes (settle statements)."),
-    ("outboxer_store_errors_total", "store_errors",
-     "Database statements or connections that failed (the relay backs off and retries)."),
     ("outboxer_broker_connects_total", "broker_reconnects",
      "Successful broker connections: the first one of each destination and every reconnect."),
 )
+#: Counters of the relay as a whole (no label).
+_RELAY_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("outboxer_messages_cleaned_total", "cleaned",
+     "Finished messages and inbox entries this relay's retention deleted."),
+    ("outboxer_store_errors_total", "store_errors",
+     "Database statements or connections that failed (the relay backs off and retries)."),
+)
 
 
-def relay_metrics(stats: RelayStats, healthy: bool, now: float | None = None) -> list[Metric]:
-    metrics = [Metric(name, "counter", text, [({}, getattr(stats, attribute))])
-               for name, attribute, text in _RELAY_COUNTERS]
+def relay_metrics(stats: RelayStats, healthy: bool, now: float | None = None,
+                  destinations: Mapping[str, RelayStats] | None = None) -> list[Metric]:
+    """The relay's counters: per destination where ``destinations`` says, else unlabelled."""
+    per_destination = sorted((destinations or {}).items())
+    metrics = [
+        Metric(name, "counter", text,
+               [({"destination": destination}, getattr(counts, attribute)) for destination, counts in per_destination]
+               if per_destination else [({}, getattr(stats, attribute))])
+        for name, attribute, text in _DESTINATION_COUNTERS
+    ]
+    metrics += [Metric(name, "counter", text, [({}, getattr(stats, attribute))])
+                for name, attribute, text in _RELAY_COUNTERS]
     uptime = (time.time() if now is None else now) - stats.started_at
     metrics.append(Metric("outboxer_relay_uptime_seconds", "gauge", "Seconds since this relay started.",
                           [({}, max(uptime, 0.0))]))
@@ -487,7 +499,8 @@ class HttpApi:
     async def metrics(self, request: Request) -> Response:
         metrics: list[Metric] = []
         if self.relay is not None:
-            metrics += relay_metrics(self.relay.stats, not self.relay.health_problems())
+            metrics += relay_metrics(self.relay.stats, not self.relay.health_problems(),
+                                     destinations=self.relay.destination_stats)
         metrics += store_metrics(await self.status_cache.get())
         return Response(http.HTTPStatus.OK, render_metrics(metrics).encode(), PROMETHEUS_CONTENT_TYPE)
 

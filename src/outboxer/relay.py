@@ -67,6 +67,9 @@ class Relay:
         self.envelopes = dict(envelopes or {})
         self.backoff = self.settings.backoff
         self.stats = RelayStats()
+        #: The same counters per destination; ``stats`` holds their sums plus what no
+        #: destination owns (connecting to the database, cleanup).
+        self.destination_stats = {name: RelayStats() for name in self.publishers}
         self._stopping = asyncio.Event()
         self._in_flight: dict[str, int] = dict.fromkeys(self.publishers, 0)
         self._fatal: ConfigError | None = None
@@ -183,6 +186,10 @@ class Relay:
                 if await self._sleep(delay):
                     return False
 
+    def _stats(self, destination: str) -> tuple[RelayStats, RelayStats]:
+        """The relay's counters and the destination's: both take every count."""
+        return self.stats, self.destination_stats[destination]
+
     async def _ensure_publisher(self, destination: str) -> bool:
         """Connect the destination's publisher, backing off while the broker is down.
 
@@ -196,7 +203,8 @@ class Relay:
                 self._outage(f"broker {destination}", None)
                 if failures:
                     logger.info("destination %s: broker %s is back", destination, publisher.safe_url)
-                self.stats.broker_reconnects += 1
+                for stats in self._stats(destination):
+                    stats.broker_reconnects += 1
             except Exception as exc:  # noqa: BLE001 -- broker outage: log, back off, try again
                 if isinstance(exc, PublishError) and not exc.retryable:
                     # Misconfigured (say, an exchange of another type): retrying cannot help.
@@ -226,7 +234,8 @@ class Relay:
                                                settings.lock_timeout, settings.abandoned_blocks_key)
             except Exception as exc:  # noqa: BLE001 -- database outage: log, back off, resume by itself
                 store_failures += 1
-                self.stats.store_errors += 1
+                for stats in self._stats(destination):
+                    stats.store_errors += 1
                 delay = OUTAGE_BACKOFF.delay(store_failures)
                 self._outage("database", f"claim failed ({exc})")
                 logger.warning("destination %s: claim failed (%s); retrying in %.1fs",
@@ -235,7 +244,8 @@ class Relay:
                 continue
             store_failures = 0
             self._outage("database", None)
-            self.stats.claim_seconds += time.perf_counter() - started
+            for stats in self._stats(destination):
+                stats.claim_seconds += time.perf_counter() - started
             if len(batch) == settings.batch_size:
                 self.store.nudge()  # a full batch: there is likely more, let another loop help
             if not batch:
@@ -250,8 +260,9 @@ class Relay:
                 self._in_flight[destination] -= 1
 
     async def _process(self, destination: str, batch: Sequence[Message]) -> None:
-        self.stats.claimed += len(batch)
-        self.stats.batches += 1
+        for stats in self._stats(destination):
+            stats.claimed += len(batch)
+            stats.batches += 1
         publisher = self.publishers[destination]
         outgoing = batch
         if self.envelopes.get(destination) == "stripped":
@@ -263,7 +274,8 @@ class Relay:
             # Cancelled mid-publish (forced shutdown): nothing is known, give the rows back.
             await asyncio.shield(self._settle(destination, batch, [None] * len(batch)))
             raise
-        self.stats.publish_seconds += time.perf_counter() - started
+        for stats in self._stats(destination):
+            stats.publish_seconds += time.perf_counter() - started
         await self._settle(destination, batch, outcomes)
 
     async def _settle(self, destination: str, batch: Sequence[Message],
@@ -284,7 +296,8 @@ class Relay:
                                       self.backoff.delay_after(message.attempts + 1, outcome.retry_after),
                                       permanent))
                 if permanent or message.attempts + 1 >= self.settings.max_attempts:
-                    self.stats.abandoned_now += 1
+                    for stats in self._stats(destination):
+                        stats.abandoned_now += 1
                     logger.error("destination %s: message %s (topic %s) abandoned after %d attempt(s): %s",
                                  destination, message.id, message.topic, message.attempts + 1, error)
                 else:
@@ -307,7 +320,8 @@ class Relay:
                 break
             except Exception as exc:  # noqa: BLE001 -- database outage during settle
                 failures += 1
-                self.stats.store_errors += 1
+                for stats in self._stats(destination):
+                    stats.store_errors += 1
                 delay = OUTAGE_BACKOFF.delay(failures)
                 if self.stopping and failures > 3:
                     logger.error("destination %s: could not record %d outcomes (%s); their locks "
@@ -316,11 +330,12 @@ class Relay:
                 self._outage("database", f"settle failed ({exc})")
                 logger.warning("destination %s: settle failed (%s); retrying in %.1fs", destination, exc, delay)
                 await asyncio.sleep(delay)
-        self.stats.settle_seconds += time.perf_counter() - started
-        self.stats.published += result.published
-        self.stats.failed += result.failed
-        self.stats.released += result.released
-        self.stats.lost += result.lost
+        for stats in self._stats(destination):
+            stats.settle_seconds += time.perf_counter() - started
+            stats.published += result.published
+            stats.failed += result.failed
+            stats.released += result.released
+            stats.lost += result.lost
         if result.lost:
             logger.warning("destination %s: %d message(s) were taken over by another relay after "
                            "this relay's lock expired; raise --lock-timeout if publishing is slow",

@@ -49,7 +49,7 @@ def wait_until(check: Callable[[], bool], what: str, timeout: float = 30) -> Non
 def published_count(base: str) -> float:
     status, text = request(base + "/metrics")
     for line in text.splitlines() if status == 200 else []:
-        if line.startswith("outboxer_messages_published_total "):
+        if line.startswith('outboxer_messages_published_total{destination="default"} '):
             return float(line.split()[1])
     return -1
 

@@ -75,6 +75,11 @@ envelope = "stripped"
     assert len(rows["internal"]) == len(rows["partner"]) == 6
     assert all(attempts == 0 for _, attempts in rows["internal"]), "internal never failed"
     assert all(attempts >= 1 for _, attempts in rows["partner"][:1])
+    # Counted per destination (the HTTP API's metrics label them), and in sum.
+    internal, partner = relay.destination_stats["internal"], relay.destination_stats["partner"]
+    assert (internal.published, internal.failed) == (6, 0)
+    assert partner.published == 6 and partner.failed >= 1
+    assert relay.stats.published == 12 and relay.stats.failed == partner.failed
     assert sorted(d.message_id for d in rabbit_consumer.received) == sorted(str(m.id) for m in sent)
     assert all(d.headers.get("internal-tenant") == "acme" for d in rabbit_consumer.received), "full envelope inside"
     delivered = [r for r in receiver.requests if r.status == 200]

@@ -189,6 +189,20 @@ def test_relay_counters_and_uptime() -> None:
     render_metrics(metrics.values())  # every name is valid
 
 
+def test_relay_counters_per_destination() -> None:
+    totals = RelayStats(published=5, store_errors=2, cleaned=4)
+    per = {"webhooks": RelayStats(published=2), "default": RelayStats(published=3, broker_reconnects=1)}
+    metrics = {m.name: m for m in relay_metrics(totals, healthy=False, now=0.0, destinations=per)}
+    assert metrics["outboxer_messages_published_total"].samples == [
+        ({"destination": "default"}, 3), ({"destination": "webhooks"}, 2)]
+    assert metrics["outboxer_broker_connects_total"].samples == [
+        ({"destination": "default"}, 1), ({"destination": "webhooks"}, 0)]
+    # What no destination owns stays one series.
+    assert metrics["outboxer_store_errors_total"].samples == [({}, 2)]
+    assert metrics["outboxer_messages_cleaned_total"].samples == [({}, 4)]
+    assert 'outboxer_messages_published_total{destination="webhooks"} 2\n' in render_metrics(metrics.values())
+
+
 def test_store_gauges_list_every_status_and_say_when_the_query_failed() -> None:
     entry = DestinationStatus("partner", {"PENDING": 4, "ABANDONED": 1}, oldest_pending_age=12.5)
     text = render_metrics(store_metrics([entry, DestinationStatus("idle", {"PUBLISHED": 3})]))
