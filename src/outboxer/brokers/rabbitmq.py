@@ -111,10 +111,13 @@ def _encode_properties(content_type: str, delivery_mode: int, message_id: str,
     as long strings); None if a header is not a string or its name is over 128 bytes."""
     entries: list[bytes] = []
     for name, value in sorted(headers.items()):
-        if not isinstance(value, str) or len(name.encode("utf-8")) > _TABLE_KEY_MAX:
+        if not isinstance(value, str):
+            return None
+        key = name.encode("utf-8")
+        if len(key) > _TABLE_KEY_MAX:
             return None
         data = value.encode("utf-8")
-        entries += (_short_string(name), b"S", _U32.pack(len(data)), data)
+        entries += (bytes((len(key),)), key, b"S", _U32.pack(len(data)), data)
     table = b"".join(entries)
     flags = 0x2000 | 0x1000  # headers, delivery_mode
     parts = []
