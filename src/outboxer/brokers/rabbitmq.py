@@ -46,7 +46,7 @@ import struct
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlencode
 
 import aio_pika
@@ -135,10 +135,10 @@ def _encode_properties(content_type: str, delivery_mode: int, message_id: str,
 
 
 def _properties(content_type: str, delivery_mode: int, message_id: str,
-                timestamp: datetime | None, headers: Mapping[str, str]) -> spec.Basic.Properties:
-    table: FieldTable = dict(headers)
+                timestamp: datetime | None, headers: dict[str, str]) -> spec.Basic.Properties:
     properties = _Properties(content_type=content_type, delivery_mode=delivery_mode,
-                             message_id=message_id, timestamp=timestamp, headers=table)
+                             message_id=message_id, timestamp=timestamp,
+                             headers=cast(FieldTable, headers))  # a fresh dict: no copy needed
     properties.wire = _encode_properties(content_type, delivery_mode, message_id, timestamp, headers)
     return properties
 
@@ -308,10 +308,11 @@ class RabbitMQPublisher(Publisher):
             await self._quietly(channel.close())
         return _Lane(await self._open_channel(self._connection), self._generation)
 
-    def _return_lane(self, channel: AbstractChannel, generation: int, *, reusable: bool) -> None:
+    def _return_lane(self, lane: _Lane, *, reusable: bool) -> None:
         """Give a lane back after its wave: idle again if it is sound and of the current
         connection, else closed (a wave cut short may have left confirms pending on it)."""
-        if reusable and generation == self._generation and not channel.is_closed:
+        channel = lane.channel
+        if reusable and lane.generation == self._generation and not channel.is_closed:
             self._idle_lanes.append(channel)
         elif not channel.is_closed:
             task = asyncio.ensure_future(self._quietly(channel.close()))
@@ -382,7 +383,7 @@ class RabbitMQPublisher(Publisher):
             finished = True
             return results
         finally:
-            self._return_lane(lane.channel, lane.generation, reusable=finished)
+            self._return_lane(lane, reusable=finished)
 
     async def _publish_on_lane(self, lane: _Lane, prepared: dict[int, _Publish],
                                results: list[BaseException | None]) -> list[BaseException | None]:
