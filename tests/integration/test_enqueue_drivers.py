@@ -418,3 +418,88 @@ async def test_mysql_cleanup_forgets_unheld_key_rows_and_status_sees_the_writer(
     holder.rollback()
     holder.close()
     assert sorted(keys()) == ["a", "held"]
+
+
+def _waiting_for_key_locks(url: str, dialect: str) -> int:
+    """Transactions of the test database waiting for a key lock now."""
+    if dialect == "postgres":
+        import psycopg
+
+        with psycopg.connect(url, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+                "WHERE l.locktype = 'advisory' AND NOT l.granted AND a.datname = current_database()"
+            ).fetchone()
+    else:
+        conn = mysql_connect(url, autocommit=True)
+        try:
+            with conn.cursor() as cursor:
+                # The processlist, not innodb_trx: MariaDB may serve that from a stale cache.
+                # A key_lock statement still running while the holder has k1 is waiting.
+                cursor.execute("SELECT count(*) FROM information_schema.processlist "
+                               "WHERE db = DATABASE() AND command = 'Query' "
+                               "AND info LIKE 'INSERT INTO `outbox_keys`%'")
+                row = cursor.fetchone()
+        finally:
+            conn.close()
+    assert row is not None
+    return int(row[0])
+
+
+@pytest.mark.parametrize("dialect", ["postgres", "mysql"])
+def test_enqueue_many_with_keys_in_opposite_orders_never_deadlocks(
+        request: pytest.FixtureRequest, dialect: str) -> None:
+    """Two enqueue_many calls whose callers list the same keys in opposite orders.
+
+    The scene that deadlocks when each call locks its keys in its caller's order: a holder
+    has k1; A = [k1, k2] queues for k1 first; B = [k2, k1] would take k2, then queue for k1.
+    When the holder commits, A gets k1 and needs k2 from B, which needs k1 from A. Locking
+    every call's keys in one global order leaves B nothing to hold while it waits.
+    """
+    import threading
+    import time
+
+    import psycopg
+
+    url = request.getfixturevalue("pg_url" if dialect == "postgres" else "mysql_url")
+
+    def connect() -> Any:
+        return psycopg.connect(url) if dialect == "postgres" else mysql_connect(url)
+
+    holder = connect()
+    outboxer.enqueue(holder, "t", {"writer": "holder"}, key="k1")
+    errors: dict[str, BaseException] = {}
+
+    def write(name: str, keys: list[str]) -> None:
+        conn = connect()
+        try:
+            outboxer.enqueue_many(conn, [{"topic": "t", "payload": {"writer": name}, "key": k}
+                                         for k in keys])
+            conn.commit()
+        except BaseException as exc:  # the test reports it below
+            errors[name] = exc
+        finally:
+            conn.close()
+
+    def wait_for_waiters(count: int) -> None:
+        deadline = time.monotonic() + 10
+        while _waiting_for_key_locks(url, dialect) < count:
+            assert time.monotonic() < deadline, f"{count} writers never queued for a key lock: {errors}"
+            time.sleep(0.02)
+
+    first = threading.Thread(target=write, args=("A", ["k1", "k2"]))
+    first.start()
+    wait_for_waiters(1)
+    second = threading.Thread(target=write, args=("B", ["k2", "k1"]))
+    second.start()
+    wait_for_waiters(2)
+    holder.commit()
+    holder.close()
+    first.join(15)
+    second.join(15)
+    assert not first.is_alive() and not second.is_alive()
+    assert errors == {}, f"a writer failed: {errors}"
+    rows = stored(url) if dialect == "postgres" else mysql_stored(url)
+    writers = [json.loads(bytes(row["payload"]))["writer"] for row in rows]
+    assert sorted(writers) == ["A", "A", "B", "B", "holder"]
+    assert writers[0] == "holder", "a key's rows keep commit order"

@@ -17,17 +17,23 @@ LEFT JOIN LATERAL (
     WHERE m.key IS NOT NULL) AS key_lock ON true
 
 -- name: insert_many
--- -> PENDING for every row, in the caller's order (unnest keeps it), each key locked
--- before its row takes a seq, as in insert.
+-- -> PENDING for every row, in the caller's order (unnest keeps it). As in insert, every
+-- key is locked before any row takes a seq: key_locks runs first (the WHERE's uncorrelated
+-- subquery is an InitPlan, evaluated before the first row is produced). It takes the
+-- locks in one global order (by lock id: a volatile function in a sorted SELECT list runs
+-- after the sort), so two calls sharing keys never deadlock, whatever their callers' order.
+WITH key_locks AS MATERIALIZED (
+    SELECT pg_advisory_xact_lock(ids.lock_id)
+    FROM (SELECT DISTINCT hashtextextended('outboxer-key:' || k.key, 0) AS lock_id
+          FROM unnest(CAST(:keys AS text[])) AS k(key) WHERE k.key IS NOT NULL) AS ids
+    ORDER BY ids.lock_id)
 INSERT INTO {outbox} (id, destination, topic, key, payload, content_type, headers)
 SELECT m.id, m.destination, m.topic, m.key, m.payload, m.content_type, CAST(m.headers AS jsonb)
 FROM unnest(CAST(:ids AS uuid[]), CAST(:destinations AS text[]), CAST(:topics AS text[]),
             CAST(:keys AS text[]), CAST(:payloads AS bytea[]), CAST(:content_types AS text[]),
             CAST(:headers AS text[]))
      WITH ORDINALITY AS m(id, destination, topic, key, payload, content_type, headers, position)
-LEFT JOIN LATERAL (
-    SELECT pg_advisory_xact_lock(hashtextextended('outboxer-key:' || m.key, 0))
-    WHERE m.key IS NOT NULL) AS key_lock ON true
+WHERE (SELECT count(*) FROM key_locks) >= 0
 ORDER BY m.position
 
 -- name: destination_lock
