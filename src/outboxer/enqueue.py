@@ -32,8 +32,8 @@ from outboxer.stores.sqlfiles import (
 )
 
 SUPPORTED = (
-    "sync: psycopg.Connection, sqlite3.Connection, pymysql.Connection, MySQLdb connection, "
-    "SQLAlchemy Connection or Session; "
+    "sync: psycopg.Connection, psycopg2 connection, sqlite3.Connection, pymysql.Connection, "
+    "MySQLdb connection, SQLAlchemy Connection or Session, Django connection; "
     "async: psycopg.AsyncConnection, asyncpg.Connection (or pool connection), "
     "aiomysql.Connection, SQLAlchemy AsyncConnection or AsyncSession"
 )
@@ -300,6 +300,61 @@ class _Psycopg(_Driver):
         return int(conn.execute(_pyformat(sql), params).rowcount)
 
 
+class _Psycopg2(_Driver):
+    name = "psycopg2 connection"
+
+    def execute(self, conn: Any, sql: str, params: dict[str, Any]) -> int:
+        with conn.cursor() as cursor:
+            cursor.execute(_pyformat(sql), _psycopg2_params(params))
+            return int(cursor.rowcount)
+
+
+def _psycopg2_params(params: dict[str, Any]) -> dict[str, Any]:
+    """UUIDs as text (the SQL casts them): psycopg2 adapts uuid.UUID only once the
+    application has called psycopg2.extras.register_uuid(), which outboxer must not do."""
+    return {name: [str(item) for item in value] if name == "ids"
+            else str(value) if name == "id" else value
+            for name, value in params.items()}
+
+
+class _Django(_Driver):
+    """A Django connection (``django.db.connection`` or ``connections[alias]``).
+
+    SQL runs through Django's own cursor, so it shows in Django's query log and debug tools.
+    Django runs in autocommit outside ``transaction.atomic()``; there the message would
+    commit on its own, apart from the business rows, so enqueue refuses.
+    """
+
+    name = "Django connection"
+    _DIALECTS = {"postgresql": "postgres", "sqlite": "sqlite", "mysql": "mysql"}
+
+    def dialect(self, conn: Any) -> str:
+        vendor = str(conn.vendor)
+        if vendor not in self._DIALECTS:
+            raise TypeError(f"Django database vendor {vendor!r} is not supported by outboxer")
+        return self._DIALECTS[vendor]
+
+    def execute(self, conn: Any, sql: str, params: dict[str, Any]) -> int:
+        with conn.cursor() as cursor:
+            cursor.execute(_pyformat(sql), params)
+            return int(cursor.rowcount)
+
+    def execute_many(self, conn: Any, sql: str, rows: Sequence[dict[str, Any]]) -> None:
+        with conn.cursor() as cursor:  # on MySQL, INSERTs become one multi-row statement
+            cursor.executemany(_pyformat(sql), rows)
+
+    def write(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> None:
+        if conn.get_autocommit():
+            raise TypeError(f"the {conn.alias!r} Django connection is in autocommit mode: "
+                            "enqueue inside transaction.atomic(), with the rows it announces; "
+                            "outboxer never commits for you")
+        for sql, rows in self.statements(outbox, self.dialect(conn), messages):
+            if len(rows) == 1:
+                self.execute(conn, sql, rows[0])
+            else:
+                self.execute_many(conn, sql, rows)
+
+
 class _PsycopgAsync(_Driver):
     name = "psycopg.AsyncConnection"
     is_async = True
@@ -384,10 +439,13 @@ def _escape_aiomysql_bytes(value: _AiomysqlBytes, mapping: object = None) -> str
 
 @functools.cache
 def _register_aiomysql_bytes() -> None:
-    from pymysql import converters
+    # The table aiomysql escapes with: `pymysql.converters` can name another copy of the
+    # module once pymysql.install_as_MySQLdb() has let something import MySQLdb.converters
+    # (Django's MySQL backend on PyMySQL does).
+    from aiomysql import connection
 
     # A new entry for outboxer's own type: no other value escapes differently.
-    converters.encoders.setdefault(_AiomysqlBytes, _escape_aiomysql_bytes)
+    connection.encoders.setdefault(_AiomysqlBytes, _escape_aiomysql_bytes)
 
 
 def _aiomysql_params(params: dict[str, Any]) -> dict[str, Any]:
@@ -481,6 +539,10 @@ def _driver_for(kind: type) -> _Driver:
                 return _Psycopg()
             if name == "AsyncConnection":
                 return _PsycopgAsync()
+        elif root == "psycopg2" and name == "connection":
+            return _Psycopg2()
+        elif root == "django" and name in ("BaseDatabaseWrapper", "ConnectionProxy"):
+            return _Django()  # the proxy (django.db.connection) hands every attribute on
         elif root == "asyncpg" and name in ("Connection", "PoolConnectionProxy"):
             return _Asyncpg()
         elif root == "sqlite3" and name == "Connection":
