@@ -85,3 +85,55 @@ async def test_two_relays_publish_each_row_once_in_key_order(mysql_url: str) -> 
             by_key_committed[key].append(row_id)
     assert by_key_sent == by_key_committed, "per key, publish order = seq order = commit order"
     assert all(json.loads(message.payload)["seed"] in range(3) for message in broker.messages)
+
+
+def _commit_one(url: str, key: str | None = "k") -> None:
+    conn = mysql_connect(url)
+    try:
+        outboxer.enqueue(conn, "t", {"n": 1}, key=key)
+        conn.commit()
+    finally:
+        conn.close()
+
+
+async def test_idle_relay_wakes_on_a_commit_well_before_its_poll_interval(mysql_url: str) -> None:
+    """No LISTEN/NOTIFY on MySQL: the idle relay's probe sees the commit within ~50 ms."""
+    import time
+
+    broker = memory_broker(f"wake-{uuid.uuid4().hex[:8]}")
+    relay = Relay.from_settings(load_settings({
+        "db": mysql_url, "broker": f"memory://{broker.name}", "poll_interval": 30}, environ={}))
+    running = asyncio.create_task(relay.run())
+    try:
+        latencies = []
+        for _ in range(5):
+            await asyncio.sleep(0.3)  # every loop idle, waiting
+            committed = time.monotonic()
+            await asyncio.to_thread(_commit_one, mysql_url)
+            sent = len(broker.messages)
+            while len(broker.messages) == sent:
+                assert time.monotonic() - committed < 5, "not published: the relay slept through it"
+                await asyncio.sleep(0.005)
+            latencies.append(time.monotonic() - committed)
+    finally:
+        relay.stop()
+        await running
+    assert max(latencies) < 1.0, latencies  # the poll interval is 30 s
+
+
+async def test_wait_for_wakeup_sees_commits_made_while_it_was_not_waiting(mysql_url: str) -> None:
+    """A commit between a claim and the wait is news; one change wakes one waiter; a quiet
+    outbox times out."""
+    from outboxer.stores import create_store
+
+    async with create_store(mysql_url) as store:
+        assert await store.wait_for_wakeup(0.2) is False, "an empty outbox: nothing to wake for"
+        await asyncio.to_thread(_commit_one, mysql_url)  # between a claim and the next wait
+        assert await store.wait_for_wakeup(5) is True
+        first, second = (asyncio.create_task(store.wait_for_wakeup(0.5)) for _ in range(2))
+        await asyncio.sleep(0.1)
+        await asyncio.to_thread(_commit_one, mysql_url, None)
+        assert sorted(await asyncio.gather(first, second)) == [False, True], "one waiter per change"
+        await store.claim("default", "r", 10, 30.0, False)  # the mark shrinks: not news
+        assert await store.wait_for_wakeup(0.2) is True  # a change all the same: one extra look
+        assert await store.wait_for_wakeup(0.2) is False

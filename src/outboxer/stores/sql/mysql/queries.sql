@@ -202,3 +202,10 @@ DELETE FROM {inbox}
 WHERE received_at < UTC_TIMESTAMP(6) - INTERVAL :retention SECOND
 ORDER BY received_at
 LIMIT :limit
+
+-- name: pending_mark
+-- The wake-up probe of an idle relay (MySQL has no LISTEN/NOTIFY): a mark of the committed
+-- PENDING rows. A commit of new rows changes it: the count grows, or, if a claim took as
+-- many meanwhile, a larger seq appears. A covering range of finished_idx (status, then the
+-- primary key seq); few rows are PENDING while a relay is idle, so it is cheap.
+SELECT COUNT(*) AS pending, COALESCE(MAX(seq), 0) AS last_seq FROM {outbox} WHERE status = 'PENDING'
