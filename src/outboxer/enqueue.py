@@ -348,11 +348,7 @@ class _Django(_Driver):
             raise TypeError(f"the {conn.alias!r} Django connection is in autocommit mode: "
                             "enqueue inside transaction.atomic(), with the rows it announces; "
                             "outboxer never commits for you")
-        for sql, rows in self.statements(outbox, self.dialect(conn), messages):
-            if len(rows) == 1:
-                self.execute(conn, sql, rows[0])
-            else:
-                self.execute_many(conn, sql, rows)
+        super().write(outbox, conn, messages)
 
 
 class _PsycopgAsync(_Driver):

@@ -56,10 +56,10 @@ CREATE TABLE IF NOT EXISTS {migrations} (
 ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin;
 """
 
-#: Every relay session: each statement reads what was committed when it started.
 #: Seconds between two wake-up probes of an idle relay: the latency floor on MySQL.
 WAKE_PROBE_INTERVAL = 0.05
 
+#: Every relay session: each statement reads what was committed when it started.
 _SESSION_SETUP = "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"
 
 #: Seconds ``apply_schema`` waits for another process applying the schema.
