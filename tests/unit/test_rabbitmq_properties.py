@@ -62,3 +62,47 @@ def test_the_properties_read_back_as_given() -> None:
     assert (header.content_type, header.message_id, header.delivery_mode) == (
         "application/json", "0193-abc", 2)
     assert header.timestamp == WHEN.replace(microsecond=0)
+
+
+def _publish(exchange: str, routing_key: str, body: bytes, message_id: str) -> Any:
+    from outboxer.brokers.rabbitmq import _Publish
+
+    return _Publish(exchange, routing_key, body, _properties(
+        content_type="application/json", delivery_mode=2, message_id=message_id, timestamp=WHEN,
+        headers={"outboxer-id": message_id, "traceparent": "00-ab-cd-01"}))
+
+
+@pytest.mark.parametrize("mandatory", [True, False])
+def test_wave_frames_are_pamqps_frames_back_to_back(mandatory: bool) -> None:
+    """What a wave writes in one go is, byte for byte, what aiormq's basic_publish writes for
+    each message in turn: method frame, content header, body split at the channel's
+    max_content_size (frame_max - 8), no body frame for an empty body."""
+    import pamqp.frame
+    from pamqp.body import ContentBody
+    from pamqp.header import ContentHeader
+
+    from outboxer.brokers.rabbitmq import _wave_frames
+
+    max_content_size = 1000
+    publishes = [_publish("outboxer", "orders.created", b'{"n": 1}', "a"),
+                 _publish("", "some-queue", b"x" * 2500, "b"),  # three body frames
+                 _publish("other", "k", b"", "c"),  # none
+                 _publish("outboxer", "r", b"y" * 1000, "d")]  # exactly one frame's worth
+    expected = b""
+    for publish in publishes:
+        frames: list[Any] = [
+            spec.Basic.Publish(exchange=publish.exchange, routing_key=publish.routing_key,
+                               mandatory=mandatory),
+            ContentHeader(body_size=len(publish.body), properties=publish.properties),
+            *(ContentBody(publish.body[i:i + max_content_size])
+              for i in range(0, len(publish.body), max_content_size)),
+        ]
+        expected += b"".join(pamqp.frame.marshal(frame, 7) for frame in frames)
+    assert _wave_frames(7, max_content_size, publishes, mandatory) == expected
+
+
+def test_wave_frames_reject_what_pamqp_rejects() -> None:
+    from outboxer.brokers.rabbitmq import _wave_frames
+
+    with pytest.raises(ValueError):
+        _wave_frames(1, 1000, [_publish("bad exchange name!", "k", b"", "a")], True)

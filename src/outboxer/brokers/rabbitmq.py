@@ -2,7 +2,8 @@
 
 Each message is one ``basic.publish`` with ``mandatory`` set, on a channel in
 confirm mode; it counts as published once RabbitMQ answered ``basic.ack``. A
-wave's publishes are all written before any confirm is awaited.
+wave's publishes are all written before any confirm is awaited, in one write of
+all their frames (see ``_write_wave``).
 
 Where a message goes: the topic (or its route) is the routing key on the
 exchange ``exchange`` (a durable topic exchange declared on connect). A route
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import struct
 from collections.abc import Awaitable, Mapping, Sequence
@@ -51,8 +53,10 @@ from urllib.parse import urlencode
 
 import aio_pika
 import aiormq
+import pamqp.frame
 from aio_pika.abc import AbstractChannel, AbstractConnection
 from aiormq import spec
+from aiormq.abc import ChannelFrame
 from pamqp import encode
 from pamqp.common import FieldTable
 
@@ -143,12 +147,61 @@ def _properties(content_type: str, delivery_mode: int, message_id: str,
     return properties
 
 
+_FRAME_HEAD = struct.Struct(">BHI")  # frame type, channel, payload size
+_FRAME_END = b"\xce"
+_METHOD, _HEADER, _BODY = 1, 2, 3
+_CONTENT_HEADER = struct.Struct(">HHQ")  # class (Basic), weight (0), body size
+#: The channel internals a wave writes through (aiormq 7.2): where they are missing, each
+#: message goes out through ``basic_publish`` instead.
+_WAVE_ATTRIBUTES = ("lock", "delivery_tag", "confirmations", "message_id_delivery_tag",
+                    "write_queue", "max_content_size", "create_future", "number")
+
+
+@functools.lru_cache(maxsize=4096)
+def _publish_method(exchange: str, routing_key: str, mandatory: bool) -> bytes:
+    """The payload of a ``basic.publish`` method frame; pamqp validates the names once."""
+    frame = pamqp.frame.marshal(spec.Basic.Publish(exchange=exchange, routing_key=routing_key,
+                                                   mandatory=mandatory), 0)
+    return bytes(frame[_FRAME_HEAD.size:-1])
+
+
+def _wave_frames(channel_number: int, max_content_size: int, publishes: Sequence[_Publish],
+                 mandatory: bool) -> bytes:
+    """Every frame of a wave, as aiormq's ``basic_publish`` would write them one message at a
+    time (a test compares the bytes): method, content header, body split at the frame size."""
+    head = _FRAME_HEAD.pack
+    parts: list[bytes] = []
+    for publish in publishes:
+        method = _publish_method(publish.exchange, publish.routing_key, mandatory)
+        body = publish.body
+        header = _CONTENT_HEADER.pack(60, 0, len(body)) + publish.properties.marshal()
+        parts += (head(_METHOD, channel_number, len(method)), method, _FRAME_END,
+                  head(_HEADER, channel_number, len(header)), header, _FRAME_END)
+        for start in range(0, len(body), max_content_size):
+            chunk = body[start:start + max_content_size]
+            parts += (head(_BODY, channel_number, len(chunk)), chunk, _FRAME_END)
+    return b"".join(parts)
+
+
+def _fail_pending(confirmations: Sequence[asyncio.Future[Any]], watcher: asyncio.Future[Any]) -> None:
+    """A wave's watcher ended: if the channel closed, its pending confirmations fail with the
+    close's reason (a refusal names the message that caused it)."""
+    if watcher.cancelled():
+        return
+    reason = watcher.exception() or aiormq.exceptions.ChannelClosed(None, "channel closed")
+    for confirmation in confirmations:
+        if not confirmation.done():
+            confirmation.set_exception(reason)
+
+
 @dataclass(slots=True)
 class _Lane:
     """One wave's channel, and the generation of the connection it belongs to."""
 
     channel: AbstractChannel
     generation: int
+    #: Its last wave went out in one write (``_write_wave``), not a basic_publish each.
+    whole_waves: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +218,8 @@ class RabbitMQPublisher(Publisher):
     """Publishes to a RabbitMQ exchange with publisher confirms and ``mandatory``."""
 
     schemes = ("amqp", "amqps")
+    #: Write each wave in one go (see ``_write_wave``); False: a ``basic_publish`` each.
+    _wave_writes = True
 
     def __init__(
         self,
@@ -231,6 +286,11 @@ class RabbitMQPublisher(Publisher):
             if len(text.encode("utf-8")) > _SHORTSTR:
                 raise PublishError(f"{what} {text[:40]!r}… is longer than AMQP's {_SHORTSTR} bytes",
                                    retryable=False)
+        try:
+            _publish_method(exchange, routing_key, self.mandatory)  # pamqp's checks, cached
+        except ValueError as exc:
+            raise PublishError(f"AMQP cannot carry the message to exchange {exchange[:40]!r}: {exc}",
+                               retryable=False) from exc
         properties = _properties(message.content_type, 2 if self.persistent else 1, str(message.id),
                                  message.created_at, message.envelope_headers())
         return _Publish(exchange, routing_key, message.payload, properties)
@@ -321,8 +381,7 @@ class RabbitMQPublisher(Publisher):
 
     # ----- publishing -----------------------------------------------------------------------
 
-    async def _send_all(self, channel: AbstractChannel,
-                        publishes: Sequence[_Publish]) -> list[BaseException | None]:
+    async def _send_all(self, lane: _Lane, publishes: Sequence[_Publish]) -> list[BaseException | None]:
         """Publish all of them on the channel at once; each one's outcome (None = acked).
 
         A publish still pending when the channel closes comes back as ``ChannelClosed``:
@@ -330,11 +389,17 @@ class RabbitMQPublisher(Publisher):
         connection's writer, which would wait forever (another lane's refusal can take the
         connection down).
         """
+        watcher: asyncio.Future[Any] | None = None  # see _write_wave
         try:
-            underlay = await channel.get_underlay_channel()
+            underlay = await lane.channel.get_underlay_channel()
+            lane.whole_waves = self._wave_writes and all(hasattr(underlay, name)
+                                                         for name in _WAVE_ATTRIBUTES)
+            if lane.whole_waves:
+                sends, watcher = await self._write_wave(underlay, publishes)
+            else:
+                sends = [asyncio.ensure_future(self._send(underlay, publish)) for publish in publishes]
         except aiormq.exceptions.ChannelInvalidStateError as exc:
             return [exc] * len(publishes)
-        sends = [asyncio.ensure_future(self._send(underlay, publish)) for publish in publishes]
         everything = asyncio.gather(*sends, return_exceptions=True)
         closing = underlay.closing
         try:
@@ -344,11 +409,85 @@ class RabbitMQPublisher(Publisher):
                 await asyncio.wait((everything,), timeout=_CLOSED_GRACE)
         finally:
             closing.cancel()  # only stops observing
+            if watcher is not None:
+                watcher.cancel()
             for send in sends:
                 send.cancel()
             await asyncio.wait(sends)  # the cancelled ones end at once
-        return [aiormq.exceptions.ChannelClosed(None, "closed with the publish pending")
-                if send.cancelled() else send.exception() for send in sends]
+            message_ids = getattr(underlay, "message_id_delivery_tag", None)
+            if message_ids is not None:
+                # What basic_publish's own callback does: returns are matched by message id.
+                for publish in publishes:
+                    message_ids.pop(publish.properties.message_id or "", None)
+        return [self._outcome(send) for send in sends]
+
+    @staticmethod
+    def _outcome(send: asyncio.Future[Any]) -> BaseException | None:
+        error = None if send.cancelled() else send.exception()
+        # A close without a reason (ours: a lane reconnecting closes the connection under the
+        # others) fails aiormq's pending futures with a bare Exception: still just a close.
+        if send.cancelled() or type(error) is Exception:
+            return aiormq.exceptions.ChannelClosed(None, "closed with the publish pending")
+        if error is None and not isinstance(send.result(), spec.Basic.Ack | None):
+            return PublishError(f"RabbitMQ answered {send.result()!r} instead of basic.ack")
+        return error
+
+    async def _write_wave(self, underlay: Any, publishes: Sequence[_Publish],
+                          ) -> tuple[list[asyncio.Future[Any]], asyncio.Future[Any]]:
+        """Register a confirmation for each publish, then write the whole wave as one frame
+        buffer: one socket write instead of a task, a lock round and a write per message,
+        which were two thirds of the relay's CPU when draining to RabbitMQ.
+
+        This is what ``basic_publish`` does for one message, on the same channel state
+        (delivery tags, confirmations, the message ids returns are matched by), so aiormq's
+        reader settles these confirmations and reports returns. A close fails the pending
+        ones with its reason through one watcher per wave, which aiormq rejects on a close
+        as it would each confirmation of its own (registering each one costs more than
+        writing it).
+        """
+        loop = asyncio.get_running_loop()
+        async with underlay.lock:  # raises ChannelInvalidStateError once the channel closed
+            first = underlay.delivery_tag + 1
+            confirmations = [loop.create_future() for _ in publishes]
+            try:
+                for tag, (publish, confirmation) in enumerate(zip(publishes, confirmations,
+                                                                  strict=True), start=first):
+                    underlay.confirmations[tag] = confirmation
+                    underlay.message_id_delivery_tag[publish.properties.message_id] = tag
+                frames = _wave_frames(underlay.number, underlay.max_content_size, publishes,
+                                      self.mandatory)
+                underlay.delivery_tag = first + len(publishes) - 1
+                await self._enqueue_frames(underlay, ChannelFrame(payload=frames, should_close=False))
+            except BaseException:
+                # Not written: RabbitMQ numbers its confirms by what it received, so the
+                # tags are given back, as basic_publish does.
+                underlay.delivery_tag = first - 1
+                for tag in range(first, first + len(confirmations)):
+                    underlay.confirmations.pop(tag, None)
+                raise
+        watcher = underlay.create_future()
+        watcher.add_done_callback(functools.partial(_fail_pending, confirmations))
+        return confirmations, watcher
+
+    @staticmethod
+    async def _enqueue_frames(underlay: Any, frame: ChannelFrame) -> None:
+        """Hand the frames to the connection's writer; raises ChannelInvalidStateError, with
+        nothing handed over, if the channel closes while the writer's queue is full (a dead
+        connection's writer never empties it)."""
+        try:
+            underlay.write_queue.put_nowait(frame)
+            return
+        except asyncio.QueueFull:
+            pass
+        put = asyncio.ensure_future(underlay.write_queue.put(frame))
+        closing = underlay.closing
+        try:
+            await asyncio.wait((put, closing), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closing.cancel()  # only stops observing
+            put.cancel()  # a put that has not happened yet never will
+        if put.cancelled():
+            raise aiormq.exceptions.ChannelInvalidStateError("the channel closed before the wave was written")
 
     async def _send(self, underlay: aiormq.abc.AbstractChannel, publish: _Publish) -> None:
         """One ``basic.publish``; returns once RabbitMQ acked it, raises the driver's error else."""
@@ -397,7 +536,7 @@ class RabbitMQPublisher(Publisher):
             if loop.time() > deadline:
                 return self._fail(results, todo, PublishError(
                     "RabbitMQ closed the channel; no time was left to publish the message again"))
-            raw = await self._send_all(lane.channel, [prepared[i] for i in todo])
+            raw = await self._send_all(lane, [prepared[i] for i in todo])
             in_flight: list[int] = []  # written before the channel closed, in write order
             unsent: list[int] = []  # refused by the client once the channel was closed
             for index, outcome in zip(todo, raw, strict=True):
@@ -414,10 +553,13 @@ class RabbitMQPublisher(Publisher):
             if not in_flight:  # the channel closed before any of them went out: not their doing
                 return self._fail(results, unsent, self._lost(None))
             # One of the in-flight messages closed the channel (or another lane's refusal took
-            # the connection down). Frames written after the close may make RabbitMQ close the
-            # connection too: start over on a fresh one (unless another lane already did).
+            # the connection down). Publishes written one by one after the close may make
+            # RabbitMQ close the connection too: start over on a fresh one (unless another
+            # lane already did). A wave written whole reached the socket before the close came
+            # back, and nothing more goes out on that channel: a new channel is enough, and
+            # the other lanes keep the connection their waves are on.
             try:
-                await self._replace_lane(lane, fresh_connection=True)
+                await self._replace_lane(lane, fresh_connection=not lane.whole_waves)
             except Exception as exc:  # noqa: BLE001 - reported on each message
                 return self._fail(results, in_flight + unsent, self._lost(exc))
             # Send them again one at a time, in write order, until one closes the channel on its
@@ -454,7 +596,7 @@ class RabbitMQPublisher(Publisher):
         try:
             if lane.channel.is_closed:
                 await self._replace_lane(lane, fresh_connection=False)
-            [outcome] = await self._send_all(lane.channel, [publish])
+            [outcome] = await self._send_all(lane, [publish])
             if outcome is not None:
                 raise outcome
         except Exception as exc:  # noqa: BLE001 - returned as the message's outcome
