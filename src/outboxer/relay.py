@@ -258,6 +258,10 @@ class Relay:
                 await self._process(destination, batch)
             finally:
                 self._in_flight[destination] -= 1
+            if len(batch) < settings.batch_size and self.store.gathers_batches:
+                # Caught up: a claim at once would take the few rows committed meanwhile, at
+                # the cost of two transactions. A short wait gathers a larger batch.
+                await self._wait_for_work(settings.poll_interval)
 
     async def _process(self, destination: str, batch: Sequence[Message]) -> None:
         for stats in self._stats(destination):

@@ -166,6 +166,56 @@ def test_one_notify_per_transaction_while_a_relay_waits(pg_url: str) -> None:
     assert count_notifications(pg_url) == 0, "a registration that expired (its relay got busy or died)"
 
 
+def live_registrations(pg_url: str) -> int:
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        row = conn.execute("SELECT count(*) FROM outboxer.outbox_listeners WHERE until > now()").fetchone()
+    return int(row[0]) if row else 0
+
+
+async def test_a_busy_relay_polls_and_a_quiet_one_registers_for_notifies(pg_url: str) -> None:
+    """Store level: right after a claim found work, waiting means looking again within a few
+    ms, with no registration (writers skip the NOTIFY); after a quiet spell the store
+    registers; a claim that finds work withdraws the registration."""
+    async with outboxer.create_store(pg_url) as store:
+        with psycopg.connect(pg_url) as conn:
+            outboxer.enqueue(conn, "t", {"n": 1})
+        assert len(await store.claim("default", "r", 10, 30, False)) == 1
+        started = time.monotonic()
+        assert await store.wait_for_wakeup(30) is True
+        assert time.monotonic() - started < 1.0, "busy: a short poll, not the 30 s wait"
+        assert live_registrations(pg_url) == 0
+        await asyncio.sleep(0.1)  # a quiet spell
+        assert await store.wait_for_wakeup(30) is True, "fresh registration: look once more"
+        assert live_registrations(pg_url) == 1
+        with psycopg.connect(pg_url) as conn:
+            outboxer.enqueue(conn, "t", {"n": 2})
+        assert await store.wait_for_wakeup(30) is True, "woken by the writer's NOTIFY"
+        assert len(await store.claim("default", "r", 10, 30, False)) == 1
+        await eventually(lambda: _true(live_registrations(pg_url) == 0), timeout=5)
+
+
+async def test_writers_do_not_notify_a_relay_that_keeps_up(pg_url: str) -> None:
+    """A steady stream of commits reaches the relay by its polling: apart from the first
+    ones, which wake it from idle, no writer pays for a NOTIFY."""
+    relay = Relay.from_settings(settings(pg_url, "memory://steady", poll_interval=30))
+    task = await start(relay)
+    with psycopg.connect(pg_url, autocommit=True) as listener:
+        listener.execute('LISTEN "outboxer_outboxer_outbox"')
+        try:
+            await asyncio.sleep(0.5)  # idle and registered
+            with psycopg.connect(pg_url, autocommit=True) as conn:
+                for n in range(300):
+                    with conn.transaction():
+                        outboxer.enqueue(conn, "t", {"n": n})
+                    await asyncio.sleep(0.002)
+            await eventually(lambda: _true({r["status"] for r in rows(pg_url)} == {"PUBLISHED"}),
+                             timeout=10)
+        finally:
+            await stop(relay, task)
+        notifies = len(list(listener.notifies(timeout=0.5)))
+    assert notifies <= 5, f"{notifies} of 300 writers sent a NOTIFY"
+
+
 @pytest.mark.parametrize("relays", [2, 4])
 async def test_many_relays_share_a_table(pg_url: str, rabbit_consumer: RabbitConsumer, relays: int) -> None:
     keys = [f"key-{k}" for k in range(12)]

@@ -154,3 +154,35 @@ async def test_a_retry_after_from_the_broker_sets_the_least_wait_up_to_the_backo
     assert 29 <= waits[0] <= 31, waits  # Retry-After: 30 beats the 1 s backoff
     assert 59 <= waits[1] <= 61, waits  # an hour asked for, capped at backoff_max
     assert 0.9 <= waits[2] <= 2, waits  # no Retry-After: the backoff alone
+
+
+@pytest.mark.parametrize("gathers", [True, False])
+async def test_after_a_partial_batch_a_gathering_store_waits_before_claiming_again(
+        sqlite_url: str, broker: MemoryBroker, monkeypatch: pytest.MonkeyPatch, gathers: bool) -> None:
+    enqueue(sqlite_url, "a", "b", "c")
+    relay = make_relay(sqlite_url, broker, batch_size=10, concurrency=1)
+    monkeypatch.setattr(relay.store, "gathers_batches", gathers)
+    calls: list[str] = []
+    claim, wait = relay.store.claim, relay.store.wait_for_wakeup
+
+    async def logged_claim(*args: Any) -> list[outboxer.Message]:
+        batch = await claim(*args)
+        calls.append(f"claim {len(batch)}")
+        return batch
+
+    async def logged_wait(timeout: float) -> bool:
+        calls.append("wait")
+        return await wait(timeout)
+
+    monkeypatch.setattr(relay.store, "claim", logged_claim)
+    monkeypatch.setattr(relay.store, "wait_for_wakeup", logged_wait)
+    task = asyncio.create_task(relay.run())
+    for _ in range(100):
+        if len(calls) >= 3:
+            break
+        await asyncio.sleep(0.02)
+    relay.stop()
+    await asyncio.wait_for(task, 10)
+    assert len(broker.messages) == 3
+    expected = ["claim 3", "wait", "claim 0"] if gathers else ["claim 3", "claim 0", "wait"]
+    assert calls[:3] == expected

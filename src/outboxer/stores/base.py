@@ -88,6 +88,10 @@ class Store(ABC):
     """An outbox table in one database."""
 
     dialect: str
+    #: After a batch smaller than asked for (the relay has caught up), the relay waits in
+    #: ``wait_for_wakeup`` before claiming again, so that the next batch gathers more than a
+    #: handful of rows. Only for stores whose wait is short while work keeps coming.
+    gathers_batches = False
 
     def __init__(self, url: str, *, schema: str = "outboxer", table: str = "outbox") -> None:
         self.url = url

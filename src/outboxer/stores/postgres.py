@@ -12,6 +12,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -28,6 +29,10 @@ logger = logging.getLogger("outboxer.store")
 
 #: Seconds a listener registration outlives the poll it was made for.
 _REGISTRATION_MARGIN = 2.0
+#: For this long after a claim found work, an idle relay looks again every _CHASE_POLL
+#: seconds instead of registering for NOTIFYs (see wait_for_wakeup).
+_CHASE_SECONDS = 0.05
+_CHASE_POLL = 0.005
 
 _MIGRATIONS_TABLE = """
 CREATE SCHEMA IF NOT EXISTS {schema};
@@ -72,6 +77,7 @@ def asyncpg_dsn(url: str) -> str:
 
 class PostgresStore(Store):
     dialect = "postgres"
+    gathers_batches = True  # busy, wait_for_wakeup polls every _CHASE_POLL seconds
     migrations_table_sql = _MIGRATIONS_TABLE
 
     def __init__(self, url: str, *, schema: str = "outboxer", table: str = "outbox",
@@ -87,6 +93,10 @@ class PostgresStore(Store):
         self._listener_name = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._registered_until = 0.0
         self._listener_lock = asyncio.Lock()
+        #: When a claim last found work; whether a loop is polling for more (see _chase).
+        self._worked_at = -math.inf
+        self._chasing = False
+        self._unregistering: asyncio.Task[None] | None = None
         tokens = self.tokens()
         self._sql: dict[str, tuple[str, tuple[str, ...]]] = {
             name: to_numbered(render(sql, tokens)) for name, sql in queries("postgres").items()
@@ -102,12 +112,19 @@ class PostgresStore(Store):
             self._pool = await asyncpg.create_pool(
                 asyncpg_dsn(self.url), min_size=1, max_size=self.pool_size,
                 connection_class=_connection_class(),
-                command_timeout=60, server_settings={"application_name": "outboxer-relay"},
+                command_timeout=60,
+                # The relay's own commits (claim, settle, cleanup) need not wait for the WAL
+                # flush: one lost in a crash only makes its rows publish again, in order,
+                # which at-least-once allows. The writers' commits, which make the rows exist,
+                # keep their own setting; operators' changes ask for a flush (_durably).
+                server_settings={"application_name": "outboxer-relay", "synchronous_commit": "off"},
             )
         except (OSError, asyncpg.PostgresError) as exc:
             raise StoreError(f"cannot connect to PostgreSQL: {exc}") from exc
 
     async def close(self) -> None:
+        if self._unregistering is not None:
+            await asyncio.gather(self._unregistering, return_exceptions=True)
         if self._listener is not None:
             listener, self._listener = self._listener, None
             if not listener.is_closed():
@@ -130,6 +147,7 @@ class PostgresStore(Store):
         tokens = self.tokens()
         applied: list[str] = []
         async with self._pool.acquire() as conn, conn.transaction():
+            await _durably(conn)
             # One schema change at a time, whoever runs it.
             await conn.execute("SELECT pg_advisory_xact_lock($1)", self.lock_key("schema"))
             await conn.execute(render(_MIGRATIONS_TABLE, tokens))
@@ -164,6 +182,10 @@ class PostgresStore(Store):
         })
         async with self._pool.acquire() as conn:
             rows = await conn.fetch(sql, *args)
+        if rows:
+            self._worked_at = time.monotonic()
+            if self._registered_until > self._worked_at:
+                self._stop_listening()
         rows = sorted(rows, key=lambda row: row["seq"])
         return [
             Message(
@@ -235,6 +257,7 @@ class PostgresStore(Store):
         })
         lock_sql, _ = self._sql["destination_lock"]
         async with self._pool.acquire() as conn, conn.transaction():
+            await _durably(conn)
             for destination in destinations:
                 await conn.execute(lock_sql, self.lock_key(destination))
             return _count(await conn.execute(sql, *args))
@@ -273,12 +296,20 @@ class PostgresStore(Store):
         self.nudge()
 
     async def wait_for_wakeup(self, timeout: float) -> bool:
-        """Register as an idle listener, then wait for a NOTIFY (or the timeout).
+        """Wait for work: by polling while the relay is busy, else for a NOTIFY (or the timeout).
 
-        Writers notify only while a registration is current (see migration 0003). Right
-        after a fresh registration this returns at once, so the relay looks for work once
-        more: a writer that committed just before the registration did not notify.
+        A NOTIFY holds a cluster-wide lock through the writer's commit, WAL flush included,
+        so writers that notify commit one at a time. Writers notify only while a relay is
+        registered as idle (migration 0003), and a relay registers only after a quiet spell:
+        for _CHASE_SECONDS after a claim found work one loop looks again every _CHASE_POLL
+        seconds, and a claim that finds work withdraws the registration. Under a steady
+        stream of writes nobody notifies; a trickle is still announced.
+
+        Right after a fresh registration this returns at once, so the relay looks for work
+        once more: a writer that committed just before the registration did not notify.
         """
+        if time.monotonic() - self._worked_at < _CHASE_SECONDS:
+            return await self._chase(timeout)
         try:
             # The relay's loops share one listening connection: one query on it at a time.
             async with self._listener_lock:
@@ -295,6 +326,24 @@ class PostgresStore(Store):
             self._registered_until = 0.0
             await self._drop_listener()
             logger.warning("cannot LISTEN for wake-ups, polling instead: %s", exc, exc_info=False)
+        return await self._wait(timeout)
+
+    async def _chase(self, timeout: float) -> bool:
+        """One loop looks again shortly; the others wait to be nudged, as for a NOTIFY."""
+        if self._pending_wakeup:
+            self._pending_wakeup = False
+            return True
+        if self._chasing:
+            return await self._wait(min(timeout, _CHASE_SECONDS))
+        self._chasing = True
+        try:
+            await self._wait(min(timeout, _CHASE_POLL))
+        finally:
+            self._chasing = False
+        return True
+
+    async def _wait(self, timeout: float) -> bool:
+        """Wait for a nudge (True) or the timeout (False)."""
         if self._pending_wakeup:
             self._pending_wakeup = False
             return True
@@ -308,6 +357,29 @@ class PostgresStore(Store):
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
         return True
+
+    def _stop_listening(self) -> None:
+        """Withdraw this relay's idle registration (it is busy), in the background."""
+        self._registered_until = 0.0
+        if self._unregistering is None or self._unregistering.done():
+            self._unregistering = asyncio.get_running_loop().create_task(self._unregister())
+
+    async def _unregister(self) -> None:
+        try:
+            async with self._listener_lock:
+                listener = self._listener
+                if (listener is None or listener.is_closed()
+                        or time.monotonic() < self._registered_until):  # registered again since
+                    return
+                sql, args = self._args("unregister_listener", {"relay": self._listener_name})
+                await listener.execute(sql, *args)
+        except Exception as exc:  # noqa: BLE001 -- asyncpg's errors too; the registration lapses anyway
+            logger.info("could not withdraw the idle registration (it lapses by itself): %s", exc)
+
+
+async def _durably(conn: Any) -> None:
+    """This transaction's commit waits for the WAL flush (the pool's default does not)."""
+    await conn.execute("SET LOCAL synchronous_commit = on")
 
 
 def _headers(text: str) -> dict[str, str]:
