@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     relay = commands.add_parser("relay", help="publish committed outbox messages to the broker")
     _common(relay)
     relay.add_argument("--broker", help="broker URL of the 'default' destination (env OUTBOXER_BROKER)")
-    relay.add_argument("--batch-size", help="rows claimed per batch (default 200)")
+    relay.add_argument("--batch-size", help="rows claimed per batch (default 500)")
     relay.add_argument("--lock-timeout", help="seconds a claim stays locked (default 60)")
     relay.add_argument("--max-attempts", help="attempts before ABANDONED (default 10)")
     relay.add_argument("--poll-interval", help="seconds between polls without NOTIFY (default 1)")

@@ -3,7 +3,7 @@
 A file can name several destinations, each with its own broker::
 
     db = "postgresql://localhost/app"
-    batch_size = 200
+    batch_size = 500
 
     [destinations.internal]
     broker = "amqp://guest:guest@localhost/"
@@ -150,7 +150,7 @@ class Settings:
     schema: str = "outboxer"
     table: str = "outbox"
     destinations: Mapping[str, DestinationSettings] = field(default_factory=dict)
-    batch_size: int = 200
+    batch_size: int = 500
     #: Seconds a claimed row stays locked; a relay that dies releases its rows after this.
     lock_timeout: float = 60.0
     max_attempts: int = 10

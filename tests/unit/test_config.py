@@ -21,7 +21,7 @@ def test_flags_beat_environment_beat_file(tmp_path: Path) -> None:
 
 def test_defaults_are_documented_values() -> None:
     settings = load_settings({}, environ={})
-    assert (settings.batch_size, settings.lock_timeout, settings.max_attempts, settings.poll_interval) == (200, 60.0, 10, 1.0)
+    assert (settings.batch_size, settings.lock_timeout, settings.max_attempts, settings.poll_interval) == (500, 60.0, 10, 1.0)
     assert settings.published_retention == 7 * 86400 and settings.abandoned_retention == 30 * 86400
 
 
