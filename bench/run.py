@@ -90,6 +90,8 @@ class Sizes:
     half_rate_cap: float = math.inf
     #: Messages each shape of the RabbitMQ broker maximum publishes.
     broker_max_messages: int = 8_000
+    #: The "half" latency load in msg/s, instead of half of section 1's relay rate (--half-rate).
+    half_rate: float | None = None
 
 
 FULL = Sizes(backlog=100_000, keys=10_000, runs=3, simple_seconds=3.0,
@@ -539,7 +541,7 @@ class Bench:
         # HALF_LOAD_TRANSACTIONS transactions/s (several messages each if need be), so that the
         # writers leave this 2-core machine's CPU to the relay, PostgreSQL and RabbitMQ.
         max_rate = self.median("throughput.relay.rabbitmq", 2000.0)
-        half = min(max_rate / 2, self.sizes.half_rate_cap)
+        half = self.sizes.half_rate or min(max_rate / 2, self.sizes.half_rate_cap)
         per_txn = max(1, math.ceil(half / HALF_LOAD_TRANSACTIONS))
         self.report.meta["latency"] = {"trickle_rate": 10, "half_rate": round(half),
                                        "half_writers": 4, "half_messages_per_transaction": per_txn}
@@ -758,10 +760,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", metavar="FILE", help="write the figures here")
     parser.add_argument("--runs", type=int, help="runs per figure (default 3, --quick 1)")
     parser.add_argument("--only", help=f"comma-separated sections of {','.join(SECTIONS)}")
+    parser.add_argument("--half-rate", type=float, metavar="MSG_PER_S",
+                        help="the latency section's 'half' load, instead of half the relay's rate")
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
     if args.runs:
         sizes = Sizes(**{**asdict(sizes), "runs": args.runs})
+    if args.half_rate is not None:
+        if args.half_rate <= 0:
+            parser.error("--half-rate must be positive")
+        sizes = Sizes(**{**asdict(sizes), "half_rate": args.half_rate})
     sections = [s.strip() for s in args.only.split(",")] if args.only else list(SECTIONS)
     unknown = set(sections) - set(SECTIONS)
     if unknown:

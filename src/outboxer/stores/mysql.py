@@ -133,6 +133,21 @@ def _headers(text: str | bytes) -> dict[str, str]:
     return {} if text == "{}" else dict(json.loads(text))
 
 
+def without_overtaking(claimed: Sequence[Mapping[str, Any]],
+                       earlier: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The claimed rows (in seq order) that no unfinished row of their key outside the batch
+    precedes (see queries.sql: claim_earlier); the others stay unclaimed, their locks end
+    with the transaction."""
+    taken = {row["seq"] for row in claimed}
+    first_outside: dict[str, int] = {}
+    for row in earlier:
+        if row["seq"] not in taken:
+            key = row["key"]
+            first_outside[key] = min(row["seq"], first_outside.get(key, row["seq"]))
+    return [row for row in claimed
+            if row["key"] is None or row["seq"] < first_outside.get(row["key"], row["seq"] + 1)]
+
+
 class MySQLStore(Store):
     dialect = "mysql"
     migrations_table_sql = _MIGRATIONS_TABLE
@@ -280,6 +295,10 @@ class MySQLStore(Store):
             await self._execute(cursor, "claim", {
                 "destination": destination, "limit": limit, "abandoned_blocks": abandoned_blocks})
             rows = await cursor.fetchall()
+            if any(row["key"] is not None for row in rows):
+                await self._execute(cursor, "claim_earlier", {
+                    "destination": destination, "last_seq": max(row["seq"] for row in rows)})
+                rows = without_overtaking(rows, await cursor.fetchall())
             if not rows:
                 return []
             updated = await self._execute(cursor, "claim_update", {

@@ -80,6 +80,15 @@ ORDER BY o.seq
 LIMIT :limit
 FOR UPDATE SKIP LOCKED
 
+-- name: claim_earlier
+-- Unfinished keyed rows before the claim's last row, as the latest commits show them: a
+-- fresh read after claim. SKIP LOCKED also passes over a committed row another transaction
+-- holds, and claim's NOT EXISTS reads a snapshot from its start, so a key's later row could
+-- otherwise go ahead of an earlier one that was locked, or committed, while claim ran. The
+-- store keeps a claimed row only if no row of its key outside the batch comes before it.
+SELECT seq, `key` FROM {outbox}
+WHERE destination = :destination AND unfinished = 1 AND seq < :last_seq AND `key` IS NOT NULL
+
 -- name: claim_update
 -- The rows claim locked -> PROCESSING, locked by this relay until :lock_seconds from now;
 -- same transaction, so they cannot have changed since. Taking over an expired lock: the
