@@ -414,11 +414,10 @@ class RabbitMQPublisher(Publisher):
             for send in sends:
                 send.cancel()
             await asyncio.wait(sends)  # the cancelled ones end at once
-            message_ids = getattr(underlay, "message_id_delivery_tag", None)
-            if message_ids is not None:
+            if watcher is not None:
                 # What basic_publish's own callback does: returns are matched by message id.
                 for publish in publishes:
-                    message_ids.pop(publish.properties.message_id or "", None)
+                    cast(Any, underlay).message_id_delivery_tag.pop(publish.properties.message_id or "", None)
         return [self._outcome(send) for send in sends]
 
     @staticmethod

@@ -145,7 +145,7 @@ def without_overtaking(claimed: Sequence[Mapping[str, Any]],
             key = row["key"]
             first_outside[key] = min(row["seq"], first_outside.get(key, row["seq"]))
     return [row for row in claimed
-            if row["key"] is None or row["seq"] < first_outside.get(row["key"], row["seq"] + 1)]
+            if row["key"] not in first_outside or row["seq"] < first_outside[row["key"]]]
 
 
 class MySQLStore(Store):

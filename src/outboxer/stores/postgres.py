@@ -330,9 +330,6 @@ class PostgresStore(Store):
 
     async def _chase(self, timeout: float) -> bool:
         """One loop looks again shortly; the others wait to be nudged, as for a NOTIFY."""
-        if self._pending_wakeup:
-            self._pending_wakeup = False
-            return True
         if self._chasing:
             return await self._wait(min(timeout, _CHASE_SECONDS))
         self._chasing = True
