@@ -459,6 +459,26 @@ class StoreContract(ABC):
         assert [m.stored_seq for m in again] == sorted(m.stored_seq for m in again)
         assert next(m.id for m in again) == head[0].id and len(again) == 2
 
+    async def test_a_key_never_overtakes_a_row_another_transaction_holds(self, url: str, store: Any) -> None:
+        # SKIP LOCKED passes over a committed row that someone else holds locked (a manual
+        # SELECT ... FOR UPDATE; on MySQL also a row committed while the claim ran).
+        first, later, other = self.enqueue(url, ("t", "k"), ("t", "k"), ("t", "other"))
+        holder = self.hold_row(url, first)
+        try:
+            claimed = await self.claim(store, "relay-a")
+            assert [m.id for m in claimed] == [other.id], "k's later row waits for its first"
+        finally:
+            holder.rollback()
+            holder.close()
+        claimed = await self.claim(store, "relay-b")
+        assert [m.id for m in claimed] == [first.id, later.id]
+
+    def hold_row(self, url: str, message: Message) -> Any:
+        """A connection holding ``message``'s row locked until it rolls back."""
+        conn = self.connect_sync(url)
+        conn.cursor().execute(f"SELECT seq FROM {self.table} WHERE id = '{message.id}' FOR UPDATE")
+        return conn
+
     async def test_abandoned_head_blocks_its_key_only_when_configured(self, url: str, store: Any) -> None:
         from outboxer.stores import Failure
 

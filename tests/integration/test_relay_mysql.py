@@ -137,29 +137,3 @@ async def test_wait_for_wakeup_sees_commits_made_while_it_was_not_waiting(mysql_
         await store.claim("default", "r", 10, 30.0, False)  # the mark shrinks: not news
         assert await store.wait_for_wakeup(0.2) is True  # a change all the same: one extra look
         assert await store.wait_for_wakeup(0.2) is False
-
-
-async def test_a_claim_never_lets_a_key_overtake_a_row_it_skipped(mysql_url: str) -> None:
-    """SKIP LOCKED passes over a row another transaction holds (here a manual lock; in the
-    wild, a row committed while the claim ran). Its key's later row must wait for it."""
-    conn = mysql_connect(mysql_url)
-    try:
-        first, later, other = outboxer.enqueue_many(conn, [
-            {"topic": "t", "payload": {"n": 1}, "key": "k"},
-            {"topic": "t", "payload": {"n": 2}, "key": "k"},
-            {"topic": "t", "payload": {"n": 3}, "key": "other"}])
-        conn.commit()
-        holder = mysql_connect(mysql_url)
-        try:
-            with holder.cursor() as cursor:
-                cursor.execute("SELECT seq FROM outbox WHERE id = %s FOR UPDATE", (str(first.id),))
-            async with outboxer.create_store(mysql_url) as store:
-                claimed = await store.claim("default", "r", 10, 30, False)
-                assert [m.id for m in claimed] == [other.id], "k's later row waits for its first"
-                holder.rollback()  # the lock ends
-                claimed = await store.claim("default", "r", 10, 30, False)
-                assert [m.id for m in claimed] == [first.id, later.id]
-        finally:
-            holder.close()
-    finally:
-        conn.close()
