@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 import uuid
 from collections.abc import Sequence
@@ -310,3 +311,50 @@ async def raw_ceiling(name: str, messages: Sequence[Message], batch_size: int,
     if name == "redis":
         return await raw_redis_ceiling(messages, batch_size, concurrency)
     return None
+
+
+# ----- the latency section's broker control ---------------------------------------------------
+
+
+def publish_paced(url: str, rate: float, messages: int, start_at: float, end_at: float, keys: int,
+                  seed: int) -> dict[str, Any]:
+    """The relay's latency without a database: a wave of ``messages`` straight to ``url``
+    through outboxer's publisher every 1/``rate`` s (one wave per writer transaction), in a
+    process of its own as the relay is. Returns each message's wave-start-to-confirm ms."""
+    return asyncio.run(_publish_paced(url, rate, messages, start_at, end_at, keys, seed))
+
+
+async def _publish_paced(url: str, rate: float, messages: int, start_at: float, end_at: float,
+                         keys: int, seed: int) -> dict[str, Any]:
+    import json
+
+    from harness import backlog_items
+
+    waves = max(1, math.ceil((end_at - start_at) * rate))
+    items = backlog_items(waves * messages, keys, seed=seed)
+    sent = [Message(id=uuid.uuid4(), topic=item["topic"], key=item["key"], headers=item["headers"],
+                    payload=json.dumps(item["payload"], separators=(",", ":")).encode())
+            for item in items]
+    latencies: list[float] = []
+    failed = 0
+
+    async def wave(batch: Sequence[Message]) -> None:
+        nonlocal failed
+        started = time.time()
+        outcomes = await publisher.publish_batch(batch)
+        confirmed = time.time()
+        failed += sum(not outcome.published for outcome in outcomes)
+        latencies.extend([(confirmed - started) * 1000.0] * len(batch))
+
+    publisher = create_publisher(url)
+    async with publisher:
+        await wave(sent[:1])  # warm up: connection and channels open
+        latencies.clear()
+        pending = []
+        for n in range(waves):
+            await asyncio.sleep(max(0.0, start_at + n / rate - time.time()))
+            pending.append(asyncio.ensure_future(wave(sent[n * messages:(n + 1) * messages])))
+        await asyncio.gather(*pending)
+    if failed:
+        raise RuntimeError(f"broker latency control: {failed} messages failed")
+    return {"latencies": latencies, "rate": len(latencies) / (end_at - start_at)}

@@ -36,6 +36,7 @@ from brokers import (
     RabbitSink,
     adapter_ceiling,
     close_leftovers,
+    publish_paced,
     rabbitmq_shape,
     raw_ceiling,
     sink,
@@ -145,7 +146,8 @@ FIGURES: dict[str, list[tuple[str, str]]] = {
     "latency": [(f"latency.{load}.{what}", unit) for load in ("trickle", "half")
                 for what, unit in (("rate", "msg/s"), ("p50_ms", "ms"), ("p99_ms", "ms"),
                                    ("max_ms", "ms"), ("consumer_p50_ms", "ms"),
-                                   ("consumer_p99_ms", "ms"), ("box_busy", "cores"),
+                                   ("consumer_p99_ms", "ms"), ("broker_p50_ms", "ms"),
+                                   ("broker_p99_ms", "ms"), ("box_busy", "cores"),
                                    ("relay_cpu_us_per_msg", "CPU us/msg"))],
     "scaling": [*[(f"scaling.{broker}.batch.{b}", "msg/s") for broker in SCALING_BROKERS
                   for b in BATCH_SIZES],
@@ -561,10 +563,14 @@ class Bench:
                 arrivals = got["consumer"]
                 self.report.add(f"latency.{load}.consumer_p50_ms", "ms", percentile(arrivals, 50))
                 self.report.add(f"latency.{load}.consumer_p99_ms", "ms", percentile(arrivals, 99))
+                control = got["broker"]
+                self.report.add(f"latency.{load}.broker_p50_ms", "ms", percentile(control, 50))
+                self.report.add(f"latency.{load}.broker_p99_ms", "ms", percentile(control, 99))
                 log(f"  {load}: {got['rate']:,.0f} msg/s, to confirm p50 {percentile(values, 50):.2f} ms, "
                     f"p99 {percentile(values, 99):.2f} ms, max {max(values):.2f} ms; to consumer p50 "
                     f"{percentile(arrivals, 50):.2f} ms, p99 {percentile(arrivals, 99):.2f} ms; "
-                    f"box {_cores(got['box'])}")
+                    f"box {_cores(got['box'])}; broker alone p50 {percentile(control, 50):.2f} ms, "
+                    f"p99 {percentile(control, 99):.2f} ms")
 
     def latency_once(self, half: float, per_txn: int) -> dict[str, dict[str, Any]]:
         db = self.dbs.empty("latency")
@@ -576,7 +582,11 @@ class Bench:
 
     async def _latency_run(self, db: str, half: float, per_txn: int) -> dict[str, dict[str, Any]]:
         """One relay (CLI, defaults) to a fresh exchange and queue, which a consumer drains;
-        latencies to the confirm and to the consumer.
+        latencies to the confirm and to the consumer. Then the control, without the relay:
+        the writers commit the same events into a plain table at the same rate while one
+        process publishes the same waves (one per transaction) straight to the same exchange
+        through outboxer's publisher: what RabbitMQ, the consumer and the writers' database
+        load alone cost in latency on this box.
 
         The confirm, as the relay sees it: ``published_at`` is the start of the settle that
         the relay runs once RabbitMQ confirmed the message, so it errs late (it includes the
@@ -616,7 +626,17 @@ class Bench:
                 missing = sum(mid not in arrived for mid, _ in committed)
                 if missing:
                     raise RuntimeError(f"{missing} of {len(committed)} messages never reached the consumer")
-                return {"rate": len(committed) / seconds, "box": box,
+                # The control, no relay: the writers commit the same events into a plain table
+                # while one process publishes the same waves straight to the same exchange.
+                start_at = time.time() + 0.3
+                end_at = start_at + seconds
+                control_writers = [loop.run_in_executor(
+                    self.pool(), writers.write_paced, db, rate / count, messages, start_at, end_at,
+                    self.sizes.keys, 100 + i, "control") for i in range(count)]
+                control, *_ = await asyncio.gather(loop.run_in_executor(
+                    self.pool(), publish_paced, target.url, rate, messages, start_at, end_at,
+                    self.sizes.keys, 99), *control_writers)
+                return {"rate": len(committed) / seconds, "box": box, "broker": control["latencies"],
                         "relay_cpu_us_per_msg": 1e6 * relay_cpu / len(committed),
                         "latencies": [(confirmed[mid] - at) * 1000.0 for mid, at in committed],
                         "consumer": [(arrived[mid] - at) * 1000.0 for mid, at in committed]}

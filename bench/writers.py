@@ -108,8 +108,9 @@ def _transaction(conn: psycopg.Connection[Any], rnd: random.Random, keys: int, m
         event = _event(row[0], customer, total)
         headers = {"traceparent": f"00-{rnd.getrandbits(128):032x}-{rnd.getrandbits(64):016x}-01"}
         if mode == "control":  # the same event, encoded as outboxer encodes it, into a plain table
-            conn.execute(INSERT_EVENT, (_uuid7(), "order.placed", customer, _json(event).encode(),
-                                        "application/json", _json(headers)))
+            for _ in range(messages):
+                conn.execute(INSERT_EVENT, (_uuid7(), "order.placed", customer, _json(event).encode(),
+                                            "application/json", _json(headers)))
         elif messages == 1:
             ids.append(str(outboxer.enqueue(conn, "order.placed", event, key=customer,
                                             headers=headers).id))
@@ -166,8 +167,10 @@ def write_for(url: str, mode: str, start_at: float, end_at: float, keys: int,
 
 
 def write_paced(url: str, rate: float, messages: int, start_at: float, end_at: float, keys: int,
-                seed: int) -> dict[str, Any]:
+                seed: int, mode: str = "enqueue") -> dict[str, Any]:
     """Commit a transaction of ``messages`` enqueued messages every 1/rate s; record commit times.
+
+    ``mode="control"`` writes the same events into a plain table instead (no outboxer code).
 
     Returns ``[(message id, wall time COMMIT returned)]`` and how far behind schedule it fell.
     """
@@ -187,7 +190,7 @@ def write_paced(url: str, rate: float, messages: int, start_at: float, end_at: f
                 time.sleep(wait)
             else:
                 late = max(late, -wait)
-            ids = _transaction(conn, rnd, keys, "enqueue", messages=messages)
+            ids = _transaction(conn, rnd, keys, mode, messages=messages)
             done = time.time()
             committed.extend((message_id, done) for message_id in ids)
             n += 1
