@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import time
 import uuid
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from harness import AMQP_URL, REDIS_URL, BoxMeter, log
+from harness import AMQP_URL, REDIS_URL, BoxMeter, backlog_items, log
 from outboxer.brokers import create_publisher
 from outboxer.message import Message
 
@@ -326,10 +327,6 @@ def publish_paced(url: str, rate: float, messages: int, start_at: float, end_at:
 
 async def _publish_paced(url: str, rate: float, messages: int, start_at: float, end_at: float,
                          keys: int, seed: int) -> dict[str, Any]:
-    import json
-
-    from harness import backlog_items
-
     waves = max(1, math.ceil((end_at - start_at) * rate))
     items = backlog_items(waves * messages, keys, seed=seed)
     sent = [Message(id=uuid.uuid4(), topic=item["topic"], key=item["key"], headers=item["headers"],

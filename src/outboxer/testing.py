@@ -349,6 +349,12 @@ class StoreContract(ABC):
         finally:
             conn.close()
 
+    def hold_row(self, url: str, message: Message) -> Any:
+        """A connection holding ``message``'s row locked until it rolls back."""
+        conn = self.connect_sync(url)
+        conn.cursor().execute(f"SELECT seq FROM {self.table} WHERE id = '{message.id}' FOR UPDATE")
+        return conn
+
     @pytest.fixture
     async def store(self, url: str) -> Any:
         from outboxer.stores import create_store
@@ -472,12 +478,6 @@ class StoreContract(ABC):
             holder.close()
         claimed = await self.claim(store, "relay-b")
         assert [m.id for m in claimed] == [first.id, later.id]
-
-    def hold_row(self, url: str, message: Message) -> Any:
-        """A connection holding ``message``'s row locked until it rolls back."""
-        conn = self.connect_sync(url)
-        conn.cursor().execute(f"SELECT seq FROM {self.table} WHERE id = '{message.id}' FOR UPDATE")
-        return conn
 
     async def test_abandoned_head_blocks_its_key_only_when_configured(self, url: str, store: Any) -> None:
         from outboxer.stores import Failure
