@@ -148,6 +148,11 @@ FIGURES: dict[str, list[tuple[str, str]]] = {
                                    ("max_ms", "ms"), ("consumer_p50_ms", "ms"),
                                    ("consumer_p99_ms", "ms"), ("broker_p50_ms", "ms"),
                                    ("broker_p99_ms", "ms"), ("box_busy", "cores"),
+                                   # where the box's CPU went: the relay, the services, the rest
+                                   # (the writers, the bench's consumer, the kernel)
+                                   ("box_relay", "cores"), ("box_postgres", "cores"),
+                                   ("box_rabbitmq", "cores"), ("box_other", "cores"),
+                                   ("broker_box_busy", "cores"),
                                    ("relay_cpu_us_per_msg", "CPU us/msg"))],
     "scaling": [*[(f"scaling.{broker}.batch.{b}", "msg/s") for broker in SCALING_BROKERS
                   for b in BATCH_SIZES],
@@ -558,6 +563,10 @@ class Bench:
                 self.report.add(f"latency.{load}.p99_ms", "ms", percentile(values, 99))
                 self.report.add(f"latency.{load}.max_ms", "ms", max(values))
                 self.report.add(f"latency.{load}.box_busy", "cores", got["box"]["busy"])
+                for who in ("postgres", "rabbitmq", "other"):
+                    self.report.add(f"latency.{load}.box_{who}", "cores", got["box"].get(who, 0.0))
+                self.report.add(f"latency.{load}.box_relay", "cores", got["box"]["client"])
+                self.report.add(f"latency.{load}.broker_box_busy", "cores", got["broker_box"]["busy"])
                 self.report.add(f"latency.{load}.relay_cpu_us_per_msg", "CPU us/msg",
                                 got["relay_cpu_us_per_msg"])
                 arrivals = got["consumer"]
@@ -570,7 +579,7 @@ class Bench:
                     f"p99 {percentile(values, 99):.2f} ms, max {max(values):.2f} ms; to consumer p50 "
                     f"{percentile(arrivals, 50):.2f} ms, p99 {percentile(arrivals, 99):.2f} ms; "
                     f"box {_cores(got['box'])}; broker alone p50 {percentile(control, 50):.2f} ms, "
-                    f"p99 {percentile(control, 99):.2f} ms")
+                    f"p99 {percentile(control, 99):.2f} ms, box {_cores(got['broker_box'])}")
 
     def latency_once(self, half: float, per_txn: int) -> dict[str, dict[str, Any]]:
         db = self.dbs.empty("latency")
@@ -633,10 +642,13 @@ class Bench:
                 control_writers = [loop.run_in_executor(
                     self.pool(), writers.write_paced, db, rate / count, messages, start_at, end_at,
                     self.sizes.keys, 100 + i, "control") for i in range(count)]
+                await asyncio.sleep(max(0.0, start_at - time.time()))
+                meter = BoxMeter().start()
                 control, *_ = await asyncio.gather(loop.run_in_executor(
                     self.pool(), publish_paced, target.url, rate, messages, start_at, end_at,
                     self.sizes.keys, 99), *control_writers)
                 return {"rate": len(committed) / seconds, "box": box, "broker": control["latencies"],
+                        "broker_box": meter.stop(),
                         "relay_cpu_us_per_msg": 1e6 * relay_cpu / len(committed),
                         "latencies": [(confirmed[mid] - at) * 1000.0 for mid, at in committed],
                         "consumer": [(arrived[mid] - at) * 1000.0 for mid, at in committed]}
