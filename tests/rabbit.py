@@ -50,9 +50,14 @@ class RabbitConsumer:
         await queue.consume(on_message)
         return self
 
-    async def wait_for(self, count: int, timeout: float = 20.0) -> list[Delivered]:
+    async def wait_for(self, count: int, timeout: float = 20.0, *, distinct: bool = False) -> list[Delivered]:
+        """Wait until ``count`` deliveries arrived (``distinct``: of that many message ids,
+        as redeliveries after a crash would reach a plain count early)."""
+        def arrived() -> int:
+            return len({d.message_id for d in self.received}) if distinct else len(self.received)
+
         deadline = time.monotonic() + timeout
-        while len(self.received) < count and time.monotonic() < deadline:
+        while arrived() < count and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         return list(self.received)
 

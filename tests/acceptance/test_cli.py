@@ -72,7 +72,7 @@ async def test_sigkill_mid_batch_loses_nothing_and_keeps_key_order(
                 process.kill()
                 process.wait()
 
-    delivered = await rabbit_consumer.wait_for(total, timeout=30)
+    delivered = await rabbit_consumer.wait_for(total, timeout=30, distinct=True)
     ids = [d.message_id for d in delivered]
     assert len(set(ids)) == total, "nothing lost"
     duplicates = {i for i in ids if ids.count(i) > 1}
