@@ -227,7 +227,7 @@ class Relay:
         while not self.stopping:
             if not await self._ensure_publisher(destination):
                 return
-            self.store.reset_wakeup()
+            self.store.reset_wakeup(destination)
             started = time.perf_counter()
             try:
                 batch = await self.store.claim(destination, self.relay_id, settings.batch_size,
@@ -247,11 +247,11 @@ class Relay:
             for stats in self._stats(destination):
                 stats.claim_seconds += time.perf_counter() - started
             if len(batch) == settings.batch_size:
-                self.store.nudge()  # a full batch: there is likely more, let another loop help
+                self.store.nudge(destination)  # a full batch: there is likely more, let another loop help
             if not batch:
                 if settings.exit_when_idle and self._in_flight[destination] == 0:
                     return
-                await self._wait_for_work(settings.poll_interval if not settings.exit_when_idle else 0.05)
+                await self._wait_for_work(destination, settings.poll_interval if not settings.exit_when_idle else 0.05)
                 continue
             self._in_flight[destination] += 1
             try:
@@ -261,7 +261,7 @@ class Relay:
             if len(batch) < settings.batch_size and self.store.gathers_batches:
                 # Caught up: a claim at once would take the few rows committed meanwhile, at
                 # the cost of two transactions. A short wait gathers a larger batch.
-                await self._wait_for_work(settings.poll_interval)
+                await self._wait_for_work(destination, settings.poll_interval)
 
     async def _process(self, destination: str, batch: Sequence[Message]) -> None:
         for stats in self._stats(destination):
@@ -345,8 +345,8 @@ class Relay:
                            "this relay's lock expired; raise --lock-timeout if publishing is slow",
                            destination, result.lost)
 
-    async def _wait_for_work(self, timeout: float) -> None:
-        waiter = asyncio.create_task(self.store.wait_for_wakeup(timeout))
+    async def _wait_for_work(self, destination: str, timeout: float) -> None:
+        waiter = asyncio.create_task(self.store.wait_for_wakeup(destination, timeout))
         stopper = asyncio.create_task(self._stopping.wait())
         try:
             await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)

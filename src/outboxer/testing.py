@@ -538,3 +538,33 @@ class StoreContract(ABC):
         conn.close()
         assert self.rows(url) == []
         assert await self.claim(store) == []
+
+    async def test_a_commit_wakes_a_waiting_loop_of_every_destination(self, url: str, store: Any) -> None:
+        """A commit with rows for two destinations wakes a waiting loop of each: a wake-up
+        taken by one destination's loop must not leave the other's asleep until its poll
+        interval."""
+        from outboxer.enqueue import Outbox
+
+        destinations = ("internal", "partner")
+        for destination in destinations:  # settle: a first wait may report a first look
+            store.reset_wakeup(destination)
+            for _ in range(5):
+                if not await store.wait_for_wakeup(destination, 0.05):
+                    break
+        waiting = [asyncio.create_task(store.wait_for_wakeup(destination, 20))
+                   for destination in destinations]
+        await asyncio.sleep(0.3)
+        conn = self.connect_sync(url)
+        try:
+            Outbox(destinations=destinations).enqueue(conn, "t", {"n": 1})
+            conn.commit()
+        finally:
+            conn.close()
+        started = time.monotonic()
+        try:
+            woken = await asyncio.wait_for(asyncio.gather(*waiting), 10)
+        finally:
+            for task in waiting:
+                task.cancel()
+        assert woken == [True, True]
+        assert time.monotonic() - started < 10

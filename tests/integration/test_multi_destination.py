@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import psycopg
@@ -90,3 +91,39 @@ envelope = "stripped"
     assert json.loads(first.body) == {"n": 0}
 
 
+
+
+async def test_an_idle_relay_wakes_for_every_destination_at_once(pg_url: str, tmp_path: Path) -> None:
+    """One commit for two destinations wakes both destinations' loops from idle: neither
+    waits for the poll interval (30 s here)."""
+    config = tmp_path / "outboxer.toml"
+    config.write_text(f"""
+db = "{pg_url}"
+poll_interval = 30
+
+[destinations.internal]
+broker = "memory://wake-internal"
+
+[destinations.partner]
+broker = "memory://wake-partner"
+""")
+    relay = Relay.from_settings(load_settings({}, config_file=config, environ={}))
+    task = asyncio.create_task(relay.run())
+    outbox = outboxer.Outbox(destinations=("internal", "partner"))
+    try:
+        await asyncio.sleep(1.0)  # both destinations idle, waiting for a NOTIFY
+        for n in range(3):
+            with psycopg.connect(pg_url) as conn:
+                outbox.enqueue(conn, "order.placed", {"n": n})
+            started = time.monotonic()
+
+            async def both_published(count: int = n + 1) -> bool:
+                rows = by_destination(pg_url)
+                return all(sum(s == "PUBLISHED" for s, _ in rows.get(d, [])) == count
+                           for d in ("internal", "partner"))
+            await eventually(both_published, timeout=10)
+            assert time.monotonic() - started < 2.0, "woken, not polled"
+            await asyncio.sleep(0.3)  # idle again
+    finally:
+        relay.stop()
+        await asyncio.wait_for(task, 30)

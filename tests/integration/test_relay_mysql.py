@@ -127,13 +127,13 @@ async def test_wait_for_wakeup_sees_commits_made_while_it_was_not_waiting(mysql_
     from outboxer.stores import create_store
 
     async with create_store(mysql_url) as store:
-        assert await store.wait_for_wakeup(0.2) is False, "an empty outbox: nothing to wake for"
+        assert await store.wait_for_wakeup("default", 0.2) is False, "an empty outbox: nothing to wake for"
         await asyncio.to_thread(_commit_one, mysql_url)  # between a claim and the next wait
-        assert await store.wait_for_wakeup(5) is True
-        first, second = (asyncio.create_task(store.wait_for_wakeup(0.5)) for _ in range(2))
+        assert await store.wait_for_wakeup("default", 5) is True
+        first, second = (asyncio.create_task(store.wait_for_wakeup("default", 0.5)) for _ in range(2))
         await asyncio.sleep(0.1)
         await asyncio.to_thread(_commit_one, mysql_url, None)
         assert sorted(await asyncio.gather(first, second)) == [False, True], "one waiter per change"
         await store.claim("default", "r", 10, 30.0, False)  # the mark shrinks: not news
-        assert await store.wait_for_wakeup(0.2) is True  # a change all the same: one extra look
-        assert await store.wait_for_wakeup(0.2) is False
+        assert await store.wait_for_wakeup("default", 0.2) is True  # a change all the same: one extra look
+        assert await store.wait_for_wakeup("default", 0.2) is False

@@ -181,15 +181,15 @@ async def test_a_busy_relay_polls_and_a_quiet_one_registers_for_notifies(pg_url:
             outboxer.enqueue(conn, "t", {"n": 1})
         assert len(await store.claim("default", "r", 10, 30, False)) == 1
         started = time.monotonic()
-        assert await store.wait_for_wakeup(30) is True
+        assert await store.wait_for_wakeup("default", 30) is True
         assert time.monotonic() - started < 1.0, "busy: a short poll, not the 30 s wait"
         assert live_registrations(pg_url) == 0
         await asyncio.sleep(0.1)  # a quiet spell
-        assert await store.wait_for_wakeup(30) is True, "fresh registration: look once more"
+        assert await store.wait_for_wakeup("default", 30) is True, "fresh registration: look once more"
         assert live_registrations(pg_url) == 1
         with psycopg.connect(pg_url) as conn:
             outboxer.enqueue(conn, "t", {"n": 2})
-        assert await store.wait_for_wakeup(30) is True, "woken by the writer's NOTIFY"
+        assert await store.wait_for_wakeup("default", 30) is True, "woken by the writer's NOTIFY"
         assert len(await store.claim("default", "r", 10, 30, False)) == 1
         await eventually(lambda: _true(live_registrations(pg_url) == 0), timeout=5)
 

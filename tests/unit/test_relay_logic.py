@@ -170,9 +170,9 @@ async def test_after_a_partial_batch_a_gathering_store_waits_before_claiming_aga
         calls.append(f"claim {len(batch)}")
         return batch
 
-    async def logged_wait(timeout: float) -> bool:
+    async def logged_wait(destination: str, timeout: float) -> bool:
         calls.append("wait")
-        return await wait(timeout)
+        return await wait(destination, timeout)
 
     monkeypatch.setattr(relay.store, "claim", logged_claim)
     monkeypatch.setattr(relay.store, "wait_for_wakeup", logged_wait)

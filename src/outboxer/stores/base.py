@@ -202,16 +202,23 @@ class Store(ABC):
     async def requeue(self, destinations: Sequence[str], statuses: Sequence[str],
                       ids: Sequence[str] | None) -> int: ...
 
-    def reset_wakeup(self) -> None:
-        """Forget earlier wake-ups; called just before a claim, so none is missed after it."""
+    # Wake-ups are per destination: a commit may hold rows for several destinations, and
+    # each destination's loops must hear of it (one destination's loop taking the only
+    # wake-up would leave the others asleep until their poll interval).
+
+    def reset_wakeup(self, destination: str) -> None:
+        """Forget the destination's earlier wake-ups; called just before a claim, so none
+        is missed after it."""
         return None
 
-    def nudge(self) -> None:
-        """Wake one loop waiting in ``wait_for_wakeup``: more work is likely there."""
+    def nudge(self, destination: str) -> None:
+        """Wake one of the destination's loops waiting in ``wait_for_wakeup``: more work is
+        likely there."""
         return None
 
-    async def wait_for_wakeup(self, timeout: float) -> bool:
-        """Sleep until new messages may be there or ``timeout`` passes; True if woken early."""
+    async def wait_for_wakeup(self, destination: str, timeout: float) -> bool:
+        """Sleep until new messages may be there for ``destination`` or ``timeout`` passes;
+        True if woken early."""
         await asyncio.sleep(timeout)
         return False
 

@@ -158,10 +158,12 @@ class MySQLStore(Store):
         self.connect_args = mysql_connect_args(url)
         self.pool_size = pool_size
         self._pool: Any = None
-        #: The last pending_mark any waiting loop saw; every claim after that reading sees
-        #: the rows it counts. None until the first probe.
-        self._mark: tuple[int, int] | None = None
-        self._nudged = False
+        #: The latest pending_mark reading, shared by the waiting loops; and per destination
+        #: the last one any of its waiting loops saw (every claim after that reading sees the
+        #: rows it counts), and whether a loop was nudged.
+        self._reading: tuple[int, int] | None = None
+        self._marks: dict[str, tuple[int, int]] = {}
+        self._nudged: set[str] = set()
         self._probe_lock = asyncio.Lock()
         self._probed_at = 0.0
         tokens = self.tokens()
@@ -417,35 +419,37 @@ class MySQLStore(Store):
 
     # ----- wake-ups ------------------------------------------------------------------------
 
-    def nudge(self) -> None:
-        """Wake one waiting loop: a loop claimed a full batch, so more is likely due."""
-        self._nudged = True
+    def nudge(self, destination: str) -> None:
+        """Wake one of the destination's waiting loops: a loop claimed a full batch, so more
+        is likely due."""
+        self._nudged.add(destination)
 
     async def _probe(self) -> tuple[int, int]:
         """The current pending_mark; the relay's waiting loops share one reading per interval."""
         async with self._probe_lock:
-            if self._mark is None or time.monotonic() - self._probed_at >= WAKE_PROBE_INTERVAL / 2:
+            if self._reading is None or time.monotonic() - self._probed_at >= WAKE_PROBE_INTERVAL / 2:
                 async with self._transaction() as cursor:
                     await self._execute(cursor, "pending_mark")
                     row = await cursor.fetchone()
                 self._probed_at = time.monotonic()
-                return int(row["pending"]), int(row["last_seq"])
-            return self._mark
+                self._reading = int(row["pending"]), int(row["last_seq"])
+            return self._reading
 
-    async def wait_for_wakeup(self, timeout: float) -> bool:
+    async def wait_for_wakeup(self, destination: str, timeout: float) -> bool:
         """Probe the mark of PENDING rows until it changes (True) or ``timeout`` passes.
 
-        It is compared with the last mark any loop saw, not with one read now: a row that
-        committed after this loop's claim began but before this call is then still news.
-        The first loop to see a change takes it (one wake-up per change, as a NOTIFY).
+        It is compared with the last mark any loop of the destination saw, not with one read
+        now: a row that committed after this loop's claim began but before this call is then
+        still news. The destination's first loop to see a change takes it: one wake-up per
+        change and destination, as a NOTIFY (the mark does not say whose rows changed).
         """
         deadline = time.monotonic() + timeout
         while True:
-            if self._nudged:
-                self._nudged = False
+            if destination in self._nudged:
+                self._nudged.discard(destination)
                 return True
             mark = await self._probe()
-            previous, self._mark = self._mark, mark
+            previous, self._marks[destination] = self._marks.get(destination), mark
             # The first reading has nothing to compare with: PENDING rows then mean look again.
             if mark != previous and (previous is not None or mark[0] > 0):
                 return True

@@ -86,16 +86,18 @@ class PostgresStore(Store):
         self.pool_size = pool_size
         self._pool: Any = None
         self._listener: Any = None
-        #: Loops waiting for a wake-up (each wakes one), and a wake-up nobody waited for yet.
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-        self._pending_wakeup = False
+        #: Per destination: loops waiting for a wake-up (each wakes one), and whether a
+        #: wake-up came that nobody waited for yet (a key for every destination seen).
+        self._waiters: dict[str, collections.deque[asyncio.Future[None]]] = {}
+        self._pending_wakeup: dict[str, bool] = {}
         #: This store's name among the idle listeners, and until when it is registered.
         self._listener_name = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._registered_until = 0.0
         self._listener_lock = asyncio.Lock()
-        #: When a claim last found work; whether a loop is polling for more (see _chase).
+        #: When a claim (of any destination) last found work; the destinations one of whose
+        #: loops is polling for more (see _chase).
         self._worked_at = -math.inf
-        self._chasing = False
+        self._chasing: set[str] = set()
         self._unregistering: asyncio.Task[None] | None = None
         tokens = self.tokens()
         self._sql: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -264,18 +266,24 @@ class PostgresStore(Store):
 
     # ----- wake-ups ------------------------------------------------------------------------
 
-    def reset_wakeup(self) -> None:
+    def reset_wakeup(self, destination: str) -> None:
         # The claim that follows sees everything committed before this point.
-        self._pending_wakeup = False
+        self._pending_wakeup[destination] = False
 
-    def nudge(self) -> None:
-        """Wake one waiting loop (a NOTIFY, or a loop that found a full batch)."""
-        while self._waiters:
-            waiter = self._waiters.popleft()
+    def nudge(self, destination: str) -> None:
+        """Wake one of the destination's waiting loops (a loop that found a full batch)."""
+        waiters = self._waiters.get(destination)
+        while waiters:
+            waiter = waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
                 return
-        self._pending_wakeup = True
+        self._pending_wakeup[destination] = True
+
+    def _nudge_every_destination(self) -> None:
+        # A NOTIFY does not say which destinations the commit wrote rows for.
+        for destination in list(self._pending_wakeup):
+            self.nudge(destination)
 
     async def _ensure_listener(self) -> None:
         if self._listener is not None and not self._listener.is_closed():
@@ -285,7 +293,7 @@ class PostgresStore(Store):
             asyncpg_dsn(self.url), server_settings={"application_name": "outboxer-relay-listen"})
         await self._listener.add_listener(self.channel, self._on_notify)
         # Anything committed before LISTEN took effect was not announced: look once.
-        self.nudge()
+        self._nudge_every_destination()
 
     async def _drop_listener(self) -> None:
         listener, self._listener = self._listener, None
@@ -293,23 +301,25 @@ class PostgresStore(Store):
             listener.terminate()  # it may be broken: do not wait for a goodbye
 
     def _on_notify(self, *_: object) -> None:
-        self.nudge()
+        self._nudge_every_destination()
 
-    async def wait_for_wakeup(self, timeout: float) -> bool:
+    async def wait_for_wakeup(self, destination: str, timeout: float) -> bool:
         """Wait for work: by polling while the relay is busy, else for a NOTIFY (or the timeout).
 
         A NOTIFY holds a cluster-wide lock through the writer's commit, WAL flush included,
         so writers that notify commit one at a time. Writers notify only while a relay is
         registered as idle (migration 0003), and a relay registers only after a quiet spell:
-        for _CHASE_SECONDS after a claim found work one loop looks again every _CHASE_POLL
-        seconds, and a claim that finds work withdraws the registration. Under a steady
-        stream of writes nobody notifies; a trickle is still announced.
+        for _CHASE_SECONDS after a claim (of any destination) found work, one loop of each
+        destination looks again every _CHASE_POLL seconds, and a claim that finds work
+        withdraws the registration. Under a steady stream of writes nobody notifies; a
+        trickle is still announced, and a NOTIFY wakes a loop of every destination.
 
         Right after a fresh registration this returns at once, so the relay looks for work
         once more: a writer that committed just before the registration did not notify.
         """
+        self._pending_wakeup.setdefault(destination, False)
         if time.monotonic() - self._worked_at < _CHASE_SECONDS:
-            return await self._chase(timeout)
+            return await self._chase(destination, timeout)
         try:
             # The relay's loops share one listening connection: one query on it at a time.
             async with self._listener_lock:
@@ -326,33 +336,35 @@ class PostgresStore(Store):
             self._registered_until = 0.0
             await self._drop_listener()
             logger.warning("cannot LISTEN for wake-ups, polling instead: %s", exc, exc_info=False)
-        return await self._wait(timeout)
+        return await self._wait(destination, timeout)
 
-    async def _chase(self, timeout: float) -> bool:
-        """One loop looks again shortly; the others wait to be nudged, as for a NOTIFY."""
-        if self._chasing:
-            return await self._wait(min(timeout, _CHASE_SECONDS))
-        self._chasing = True
+    async def _chase(self, destination: str, timeout: float) -> bool:
+        """One loop of the destination looks again shortly; its others wait to be nudged,
+        as for a NOTIFY."""
+        if destination in self._chasing:
+            return await self._wait(destination, min(timeout, _CHASE_SECONDS))
+        self._chasing.add(destination)
         try:
-            await self._wait(min(timeout, _CHASE_POLL))
+            await self._wait(destination, min(timeout, _CHASE_POLL))
         finally:
-            self._chasing = False
+            self._chasing.discard(destination)
         return True
 
-    async def _wait(self, timeout: float) -> bool:
-        """Wait for a nudge (True) or the timeout (False)."""
-        if self._pending_wakeup:
-            self._pending_wakeup = False
+    async def _wait(self, destination: str, timeout: float) -> bool:
+        """Wait for a nudge of the destination (True) or the timeout (False)."""
+        if self._pending_wakeup.get(destination):
+            self._pending_wakeup[destination] = False
             return True
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        waiters = self._waiters.setdefault(destination, collections.deque())
+        waiters.append(waiter)
         try:
             await asyncio.wait_for(waiter, timeout)
         except TimeoutError:
             return False
         finally:
-            if waiter in self._waiters:
-                self._waiters.remove(waiter)
+            if waiter in waiters:
+                waiters.remove(waiter)
         return True
 
     def _stop_listening(self) -> None:

@@ -66,7 +66,8 @@ class SqliteStore(Store):
         self.path = sqlite_path(url)
         self._conn: sqlite3.Connection | None = None
         self._lock = threading.Lock()
-        self._data_version: int | None = None
+        #: Per destination, the last data_version one of its waiting loops saw.
+        self._data_versions: dict[str, int] = {}
         tokens = self.tokens()
         self._sql = {name: render(sql, tokens) for name, sql in queries("sqlite").items()}
 
@@ -237,12 +238,17 @@ class SqliteStore(Store):
 
     # ----- wake-ups ------------------------------------------------------------------------
 
-    async def wait_for_wakeup(self, timeout: float) -> bool:
-        """Poll ``PRAGMA data_version`` (a cheap read) until another connection commits."""
+    async def wait_for_wakeup(self, destination: str, timeout: float) -> bool:
+        """Poll ``PRAGMA data_version`` (a cheap read) until another connection commits.
+
+        Compared per destination: one destination's loop seeing a commit leaves it news for
+        the others' (the version does not say whose rows changed).
+        """
         deadline = time.monotonic() + timeout
         while True:
             version = await self._run(lambda conn: conn.execute("PRAGMA data_version").fetchone()[0])
-            previous, self._data_version = self._data_version, version
+            previous = self._data_versions.get(destination)
+            self._data_versions[destination] = version
             if previous is not None and version != previous:
                 return True
             remaining = deadline - time.monotonic()
