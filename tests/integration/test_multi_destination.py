@@ -91,8 +91,6 @@ envelope = "stripped"
     assert json.loads(first.body) == {"n": 0}
 
 
-
-
 async def test_an_idle_relay_wakes_for_every_destination_at_once(pg_url: str, tmp_path: Path) -> None:
     """One commit for two destinations wakes both destinations' loops from idle: neither
     waits for the poll interval (30 s here)."""
