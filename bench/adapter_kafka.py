@@ -19,9 +19,15 @@ from outboxer.brokers.kafka import KafkaPublisher
 
 async def main() -> None:
     parser = arguments("KafkaPublisher throughput", "kafka://mock?test.mock.num.brokers=1")
-    parser.add_argument("--config", default="{}", help='librdkafka properties as JSON, e.g. {"linger.ms": 20}')
+    parser.add_argument(
+        "--config", default="{}", help='librdkafka properties as JSON, e.g. {"linger.ms": 20}'
+    )
     args = parser.parse_args()
-    await measure(KafkaPublisher(args.url, config=json.loads(args.config)), args, f"bench-{uuid.uuid4().hex[:8]}")
+    await measure(
+        KafkaPublisher(args.url, config=json.loads(args.config)),
+        args,
+        f"bench-{uuid.uuid4().hex[:8]}",
+    )
 
 
 if __name__ == "__main__":

@@ -20,8 +20,11 @@ from outboxer.brokers.rabbitmq import RabbitMQPublisher
 async def main() -> None:
     parser = arguments("RabbitMQPublisher throughput", "amqp://guest:guest@127.0.0.1:5672/")
     parser.add_argument("--exchange", default="outboxer-bench")
-    parser.add_argument("--transient", action="store_true",
-                        help="delivery_mode 1 and a non-durable queue (no disk writes)")
+    parser.add_argument(
+        "--transient",
+        action="store_true",
+        help="delivery_mode 1 and a non-durable queue (no disk writes)",
+    )
     args = parser.parse_args()
     topic = f"bench.{uuid.uuid4().hex[:8]}"
     connection = await aio_pika.connect(args.url)

@@ -27,13 +27,22 @@ def arguments(description: str, url: str) -> argparse.ArgumentParser:
     return parser
 
 
-async def measure(publisher: Publisher, args: argparse.Namespace, topic: str,
-                  cleanup: Callable[[], Awaitable[None]] | None = None) -> float:
+async def measure(
+    publisher: Publisher,
+    args: argparse.Namespace,
+    topic: str,
+    cleanup: Callable[[], Awaitable[None]] | None = None,
+) -> float:
     """Publish ``args.messages`` messages over ``args.keys`` keys; print and return messages/s."""
     body = b'{"data":"' + b"x" * max(args.size - 11, 0) + b'"}'
     messages = [
-        Message(id=uuid7(), topic=topic, payload=body, key=f"key-{n % args.keys}",
-                headers={"trace": uuid.uuid4().hex})
+        Message(
+            id=uuid7(),
+            topic=topic,
+            payload=body,
+            key=f"key-{n % args.keys}",
+            headers={"trace": uuid.uuid4().hex},
+        )
         for n in range(args.messages)
     ]
     async with publisher:
@@ -41,15 +50,17 @@ async def measure(publisher: Publisher, args: argparse.Namespace, topic: str,
         started = time.perf_counter()
         failed = 0
         for offset in range(0, len(messages), args.batch):
-            outcomes = await publisher.publish_batch(messages[offset:offset + args.batch])
+            outcomes = await publisher.publish_batch(messages[offset : offset + args.batch])
             failed += sum(not outcome.published for outcome in outcomes)
         elapsed = time.perf_counter() - started
     if cleanup is not None:
         await cleanup()
     rate = len(messages) / elapsed
-    print(f"{type(publisher).__name__}: {len(messages)} messages of {len(body)} bytes over "
-          f"{args.keys} keys in batches of {args.batch}: {elapsed:.2f}s, {rate:,.0f} msg/s"
-          + (f", {failed} FAILED" if failed else ""))
+    print(
+        f"{type(publisher).__name__}: {len(messages)} messages of {len(body)} bytes over "
+        f"{args.keys} keys in batches of {args.batch}: {elapsed:.2f}s, {rate:,.0f} msg/s"
+        + (f", {failed} FAILED" if failed else "")
+    )
     return rate
 
 

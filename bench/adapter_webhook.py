@@ -51,7 +51,9 @@ async def main() -> None:
         child = multiprocessing.Process(target=_receiver, args=(sock,), daemon=True)
         child.start()
     try:
-        publisher = WebhookPublisher(args.url, secret=args.secret or None, max_connections=args.max_connections)
+        publisher = WebhookPublisher(
+            args.url, secret=args.secret or None, max_connections=args.max_connections
+        )
         await measure(publisher, args, f"bench.{uuid.uuid4().hex[:8]}")
     finally:
         if child is not None:

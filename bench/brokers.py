@@ -60,7 +60,9 @@ class RabbitSink(Sink):
         _OPEN[self.tag] = self
         self._connection = await aio_pika.connect(AMQP_URL)
         channel = await self._connection.channel()
-        exchange = await channel.declare_exchange(self.tag, aio_pika.ExchangeType.TOPIC, durable=True)
+        exchange = await channel.declare_exchange(
+            self.tag, aio_pika.ExchangeType.TOPIC, durable=True
+        )
         self._queue = await channel.declare_queue(self.tag, durable=True)
         await self._queue.bind(exchange, "#")
         return self
@@ -171,7 +173,7 @@ async def close_leftovers() -> list[str]:
 
 
 def _batches(messages: Sequence[Message], size: int) -> list[Sequence[Message]]:
-    return [messages[i:i + size] for i in range(0, len(messages), size)]
+    return [messages[i : i + size] for i in range(0, len(messages), size)]
 
 
 @dataclass
@@ -180,8 +182,14 @@ class Ceiling:
     box: dict[str, float]  # cores busy meanwhile, by service (harness.BoxMeter)
 
 
-async def _timed(label: str, target: Sink, publish: Any, messages: Sequence[Message],
-                 batch_size: int, concurrency: int) -> Ceiling:
+async def _timed(
+    label: str,
+    target: Sink,
+    publish: Any,
+    messages: Sequence[Message],
+    batch_size: int,
+    concurrency: int,
+) -> Ceiling:
     """Publish one message (warm-up), then the rest in batches from ``concurrency`` loops taking
     the next batch in turn, as the relay's loops do; check they all arrived; messages/s."""
     await publish(messages[:1])
@@ -202,8 +210,9 @@ async def _timed(label: str, target: Sink, publish: Any, messages: Sequence[Mess
     return Ceiling((len(messages) - 1) / seconds, box)
 
 
-async def adapter_ceiling(name: str, messages: Sequence[Message], batch_size: int,
-                          concurrency: int) -> Ceiling:
+async def adapter_ceiling(
+    name: str, messages: Sequence[Message], batch_size: int, concurrency: int
+) -> Ceiling:
     """Messages/s through the outboxer adapter's ``publish_batch``, no database involved."""
     target = await sink(name).open()
     try:
@@ -216,8 +225,9 @@ async def adapter_ceiling(name: str, messages: Sequence[Message], batch_size: in
             failed += sum(not outcome.published for outcome in outcomes)
 
         async with publisher:
-            ceiling = await _timed(f"{name} adapter ceiling", target, publish, messages,
-                                   batch_size, concurrency)
+            ceiling = await _timed(
+                f"{name} adapter ceiling", target, publish, messages, batch_size, concurrency
+            )
         if failed:
             raise RuntimeError(f"{name} adapter ceiling: {failed} messages failed")
     finally:
@@ -234,8 +244,14 @@ RABBITMQ_SHAPES: dict[str, tuple[int, int, int]] = {
 }
 
 
-async def raw_rabbitmq_ceiling(messages: Sequence[Message], batch_size: int, concurrency: int, *,
-                               connections: int = 1, channels: int = 1) -> Ceiling:
+async def raw_rabbitmq_ceiling(
+    messages: Sequence[Message],
+    batch_size: int,
+    concurrency: int,
+    *,
+    connections: int = 1,
+    channels: int = 1,
+) -> Ceiling:
     """Messages/s of a plain aio-pika loop: same properties, mandatory, confirms, batch in flight.
 
     ``concurrency`` loops take the next batch in turn; each publishes it on a channel of its
@@ -257,14 +273,21 @@ async def raw_rabbitmq_ceiling(messages: Sequence[Message], batch_size: int, con
             lanes.put_nowait(exchanges[n % len(exchanges)])
 
         def amqp(m: Message) -> aio_pika.Message:
-            return aio_pika.Message(m.payload, content_type=m.content_type, message_id=str(m.id),
-                                    timestamp=m.created_at, headers=dict(m.envelope_headers()),
-                                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT)
+            return aio_pika.Message(
+                m.payload,
+                content_type=m.content_type,
+                message_id=str(m.id),
+                timestamp=m.created_at,
+                headers=dict(m.envelope_headers()),
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            )
 
         async def publish(batch: Sequence[Message]) -> None:
             exchange = lanes.get_nowait()
             try:
-                await asyncio.gather(*(exchange.publish(amqp(m), m.topic, mandatory=True) for m in batch))
+                await asyncio.gather(
+                    *(exchange.publish(amqp(m), m.topic, mandatory=True) for m in batch)
+                )
             finally:
                 lanes.put_nowait(exchange)
 
@@ -279,12 +302,14 @@ async def raw_rabbitmq_ceiling(messages: Sequence[Message], batch_size: int, con
 async def rabbitmq_shape(shape: str, messages: Sequence[Message]) -> Ceiling:
     """``raw_rabbitmq_ceiling`` in one of RABBITMQ_SHAPES: one loop per channel."""
     connections, channels, batch_size = RABBITMQ_SHAPES[shape]
-    return await raw_rabbitmq_ceiling(messages, batch_size, connections * channels,
-                                      connections=connections, channels=channels)
+    return await raw_rabbitmq_ceiling(
+        messages, batch_size, connections * channels, connections=connections, channels=channels
+    )
 
 
-async def raw_redis_ceiling(messages: Sequence[Message], batch_size: int,
-                            concurrency: int) -> Ceiling:
+async def raw_redis_ceiling(
+    messages: Sequence[Message], batch_size: int, concurrency: int
+) -> Ceiling:
     """Messages/s of a plain redis-py loop: one non-transactional XADD pipeline per batch."""
     import redis.asyncio as aioredis
 
@@ -293,6 +318,7 @@ async def raw_redis_ceiling(messages: Sequence[Message], batch_size: int,
     target = RedisSink()
     client = aioredis.Redis.from_url(REDIS_URL)
     try:
+
         async def publish(batch: Sequence[Message]) -> None:
             async with client.pipeline(transaction=False) as pipe:
                 for m in batch:
@@ -305,8 +331,9 @@ async def raw_redis_ceiling(messages: Sequence[Message], batch_size: int,
         await target.close()
 
 
-async def raw_ceiling(name: str, messages: Sequence[Message], batch_size: int,
-                      concurrency: int) -> Ceiling | None:
+async def raw_ceiling(
+    name: str, messages: Sequence[Message], batch_size: int, concurrency: int
+) -> Ceiling | None:
     if name == "rabbitmq":
         return await raw_rabbitmq_ceiling(messages, batch_size, concurrency)
     if name == "redis":
@@ -317,21 +344,30 @@ async def raw_ceiling(name: str, messages: Sequence[Message], batch_size: int,
 # ----- the latency section's broker control ---------------------------------------------------
 
 
-def publish_paced(url: str, rate: float, messages: int, start_at: float, end_at: float, keys: int,
-                  seed: int) -> dict[str, Any]:
+def publish_paced(
+    url: str, rate: float, messages: int, start_at: float, end_at: float, keys: int, seed: int
+) -> dict[str, Any]:
     """The relay's latency without a database: a wave of ``messages`` straight to ``url``
     through outboxer's publisher every 1/``rate`` s (one wave per writer transaction), in a
     process of its own as the relay is. Returns each message's wave-start-to-confirm ms."""
     return asyncio.run(_publish_paced(url, rate, messages, start_at, end_at, keys, seed))
 
 
-async def _publish_paced(url: str, rate: float, messages: int, start_at: float, end_at: float,
-                         keys: int, seed: int) -> dict[str, Any]:
+async def _publish_paced(
+    url: str, rate: float, messages: int, start_at: float, end_at: float, keys: int, seed: int
+) -> dict[str, Any]:
     waves = max(1, math.ceil((end_at - start_at) * rate))
     items = backlog_items(waves * messages, keys, seed=seed)
-    sent = [Message(id=uuid.uuid4(), topic=item["topic"], key=item["key"], headers=item["headers"],
-                    payload=json.dumps(item["payload"], separators=(",", ":")).encode())
-            for item in items]
+    sent = [
+        Message(
+            id=uuid.uuid4(),
+            topic=item["topic"],
+            key=item["key"],
+            headers=item["headers"],
+            payload=json.dumps(item["payload"], separators=(",", ":")).encode(),
+        )
+        for item in items
+    ]
     latencies: list[float] = []
     failed = 0
 
@@ -350,7 +386,7 @@ async def _publish_paced(url: str, rate: float, messages: int, start_at: float, 
         pending = []
         for n in range(waves):
             await asyncio.sleep(max(0.0, start_at + n / rate - time.time()))
-            pending.append(asyncio.ensure_future(wave(sent[n * messages:(n + 1) * messages])))
+            pending.append(asyncio.ensure_future(wave(sent[n * messages : (n + 1) * messages])))
         await asyncio.gather(*pending)
     if failed:
         raise RuntimeError(f"broker latency control: {failed} messages failed")

@@ -75,8 +75,14 @@ class Figure:
         return max(self.runs) if self.runs else math.nan
 
     def as_dict(self) -> dict[str, Any]:
-        return {"unit": self.unit, "median": self.median, "min": self.low, "max": self.high,
-                "runs": list(self.runs), "note": self.note}
+        return {
+            "unit": self.unit,
+            "median": self.median,
+            "min": self.low,
+            "max": self.high,
+            "runs": list(self.runs),
+            "note": self.note,
+        }
 
 
 @dataclass(frozen=True)
@@ -112,16 +118,23 @@ class Report:
 
 
 def _pad() -> int:
-    sample = {"order_id": 10_000_000, "customer": "customer-00000", "total": "12345.67",
-              "currency": "EUR", "lines": [{"sku": "SKU-000000", "qty": 9}] * 3, "note": ""}
+    sample = {
+        "order_id": 10_000_000,
+        "customer": "customer-00000",
+        "total": "12345.67",
+        "currency": "EUR",
+        "lines": [{"sku": "SKU-000000", "qty": 9}] * 3,
+        "note": "",
+    }
     return PAYLOAD_BYTES - len(json.dumps(sample, separators=(",", ":")))
 
 
 _PAD = "x" * max(_pad(), 0)
 
 
-def backlog_items(count: int, keys: int, *, seed: int = 7, start: int = 0,
-                  keyless_share: float = 0.05) -> Iterator[dict[str, Any]]:
+def backlog_items(
+    count: int, keys: int, *, seed: int = 7, start: int = 0, keyless_share: float = 0.05
+) -> Iterator[dict[str, Any]]:
     """``enqueue`` arguments of ``count`` messages of ~300 bytes over ``keys`` keys, a few keyless.
 
     Keys are drawn at random (seeded), so a batch of 200 usually has a key or two twice:
@@ -130,12 +143,22 @@ def backlog_items(count: int, keys: int, *, seed: int = 7, start: int = 0,
     rnd = random.Random(seed + start)
     for n in range(start, start + count):
         key = None if rnd.random() < keyless_share else f"customer-{rnd.randrange(keys):05d}"
-        payload = {"order_id": 10_000_000 + n, "customer": key or "anonymous",
-                   "total": f"{rnd.randrange(100, 1_000_000) / 100:.2f}", "currency": "EUR",
-                   "lines": [{"sku": f"SKU-{rnd.randrange(1_000_000):06d}", "qty": 1 + n % 9}] * 3,
-                   "note": _PAD}
-        yield {"topic": TOPICS[n % len(TOPICS)], "payload": payload, "key": key,
-               "headers": {"traceparent": f"00-{rnd.getrandbits(128):032x}-{rnd.getrandbits(64):016x}-01"}}
+        payload = {
+            "order_id": 10_000_000 + n,
+            "customer": key or "anonymous",
+            "total": f"{rnd.randrange(100, 1_000_000) / 100:.2f}",
+            "currency": "EUR",
+            "lines": [{"sku": f"SKU-{rnd.randrange(1_000_000):06d}", "qty": 1 + n % 9}] * 3,
+            "note": _PAD,
+        }
+        yield {
+            "topic": TOPICS[n % len(TOPICS)],
+            "payload": payload,
+            "key": key,
+            "headers": {
+                "traceparent": f"00-{rnd.getrandbits(128):032x}-{rnd.getrandbits(64):016x}-01"
+            },
+        }
 
 
 def prefill(url: str, count: int, keys: int, chunk: int = 1000) -> float:
@@ -157,10 +180,24 @@ def load_messages(url: str, limit: int) -> list[Message]:
     with psycopg.connect(url) as conn:
         rows = conn.execute(
             "SELECT seq, id, destination, topic, key, payload, content_type, CAST(headers AS text),"
-            " attempts, created_at FROM outboxer.outbox ORDER BY seq LIMIT %s", (limit,)).fetchall()
-    return [Message(id=r[1], topic=r[3], payload=bytes(r[5]), key=r[4], headers=json.loads(r[7]),
-                    content_type=r[6], destination=r[2], created_at=r[9], attempts=r[8], seq=r[0])
-            for r in rows]
+            " attempts, created_at FROM outboxer.outbox ORDER BY seq LIMIT %s",
+            (limit,),
+        ).fetchall()
+    return [
+        Message(
+            id=r[1],
+            topic=r[3],
+            payload=bytes(r[5]),
+            key=r[4],
+            headers=json.loads(r[7]),
+            content_type=r[6],
+            destination=r[2],
+            created_at=r[9],
+            attempts=r[8],
+            seq=r[0],
+        )
+        for r in rows
+    ]
 
 
 # ----- databases ----------------------------------------------------------------------------
@@ -227,15 +264,24 @@ class Databases:
 
 
 def server_facts(url: str) -> dict[str, str]:
-    names = ("server_version", "shared_buffers", "synchronous_commit", "fsync", "autovacuum",
-             "wal_level", "max_connections")
+    names = (
+        "server_version",
+        "shared_buffers",
+        "synchronous_commit",
+        "fsync",
+        "autovacuum",
+        "wal_level",
+        "max_connections",
+    )
     with psycopg.connect(url) as conn:
         return {name: str(conn.execute(f"SHOW {name}").fetchone()[0]) for name in names}  # type: ignore[index]
 
 
 def outbox_counts(url: str) -> dict[str, int]:
     with psycopg.connect(url) as conn:
-        rows = conn.execute("SELECT status, count(*) FROM outboxer.outbox GROUP BY status").fetchall()
+        rows = conn.execute(
+            "SELECT status, count(*) FROM outboxer.outbox GROUP BY status"
+        ).fetchall()
     return {status: int(n) for status, n in rows}
 
 
@@ -249,12 +295,16 @@ def published_times(url: str, ids: Sequence[str], timeout: float = 15.0) -> dict
         while True:
             rows = conn.execute(
                 "SELECT id::text, EXTRACT(EPOCH FROM published_at)::float8 FROM outboxer.outbox "
-                "WHERE id = ANY(%s::uuid[]) AND status = 'PUBLISHED'", (list(ids),)).fetchall()
+                "WHERE id = ANY(%s::uuid[]) AND status = 'PUBLISHED'",
+                (list(ids),),
+            ).fetchall()
             if len(rows) == len(ids):
                 return {mid: float(at) for mid, at in rows}
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{len(ids) - len(rows)} of {len(ids)} messages not published "
-                                   f"after {timeout:.0f} s")
+                raise RuntimeError(
+                    f"{len(ids) - len(rows)} of {len(ids)} messages not published "
+                    f"after {timeout:.0f} s"
+                )
             time.sleep(0.05)
 
 
@@ -266,8 +316,14 @@ _DEFAULTS = outboxer.Settings()
 
 
 #: Which service a process belongs to, by its name (``comm``).
-_SERVICES = {"postgres": "postgres", "beam.smp": "rabbitmq", "erl_child_setup": "rabbitmq",
-             "inet_gethost": "rabbitmq", "epmd": "rabbitmq", "redis-server": "redis"}
+_SERVICES = {
+    "postgres": "postgres",
+    "beam.smp": "rabbitmq",
+    "erl_child_setup": "rabbitmq",
+    "inet_gethost": "rabbitmq",
+    "epmd": "rabbitmq",
+    "redis-server": "redis",
+}
 
 
 def _service_cpu() -> dict[str, float]:
@@ -281,7 +337,7 @@ def _service_cpu() -> dict[str, float]:
             text = Path(f"/proc/{entry.name}/stat").read_text()
         except OSError:  # ended meanwhile
             continue
-        comm = text[text.index("(") + 1:text.rindex(")")]
+        comm = text[text.index("(") + 1 : text.rindex(")")]
         service = _SERVICES.get(comm) or ("postgres" if comm.startswith("postgres") else None)
         if service is not None:
             fields = text.rsplit(")", 1)[1].split()
@@ -358,16 +414,39 @@ class RelayRun:
 class RelayProcess:
     """``outboxer relay`` in a subprocess, with its log in a temporary file."""
 
-    def __init__(self, db_url: str, broker_url: str, *, batch_size: int = _DEFAULTS.batch_size,
-                 concurrency: int = _DEFAULTS.concurrency,
-                 exit_when_idle: bool = True, extra: Sequence[str] = ()) -> None:
-        self.argv = [sys.executable, "-c", _CLI, "relay", "--db", db_url, "--broker", broker_url,
-                     "--batch-size", str(batch_size), "--concurrency", str(concurrency),
-                     "--log-level", "WARNING", *extra]
+    def __init__(
+        self,
+        db_url: str,
+        broker_url: str,
+        *,
+        batch_size: int = _DEFAULTS.batch_size,
+        concurrency: int = _DEFAULTS.concurrency,
+        exit_when_idle: bool = True,
+        extra: Sequence[str] = (),
+    ) -> None:
+        self.argv = [
+            sys.executable,
+            "-c",
+            _CLI,
+            "relay",
+            "--db",
+            db_url,
+            "--broker",
+            broker_url,
+            "--batch-size",
+            str(batch_size),
+            "--concurrency",
+            str(concurrency),
+            "--log-level",
+            "WARNING",
+            *extra,
+        ]
         if exit_when_idle:
             self.argv.append("--exit-when-idle")
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="outboxer-bench-relay-", suffix=".log",  # noqa: SIM115
-                                               delete=False)
+        # Kept open for the relay's whole life and closed in stop(): no context manager fits.
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115
+            "w+", prefix="outboxer-bench-relay-", suffix=".log", delete=False
+        )
         self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT)
         self.cpu_at_start = 0.0
         self.cpu_total: float | None = None
@@ -425,9 +504,16 @@ def waiting_for_lock(conn: psycopg.Connection[Any]) -> int:
     return int(row[0]) if row else 0
 
 
-def run_relays(db_url: str, broker_url: str, *, relays: int = 1, batch_size: int = _DEFAULTS.batch_size,
-               concurrency: int = _DEFAULTS.concurrency, stop_after: float | None = None,
-               timeout: float = 300.0) -> RelayRun:
+def run_relays(
+    db_url: str,
+    broker_url: str,
+    *,
+    relays: int = 1,
+    batch_size: int = _DEFAULTS.batch_size,
+    concurrency: int = _DEFAULTS.concurrency,
+    stop_after: float | None = None,
+    timeout: float = 300.0,
+) -> RelayRun:
     """Start ``relays`` relay processes on a prepared table, all held at a gate; time the drain.
 
     The gate is the destination's claim lock (a session advisory lock held here): every
@@ -440,17 +526,22 @@ def run_relays(db_url: str, broker_url: str, *, relays: int = 1, batch_size: int
     with psycopg.connect(db_url, autocommit=True) as gate:
         gate.execute("SELECT pg_advisory_lock(%s)", (lock_key,))
         try:
-            started = [RelayProcess(db_url, broker_url, batch_size=batch_size,
-                                    concurrency=concurrency) for _ in range(relays)]
+            started = [
+                RelayProcess(db_url, broker_url, batch_size=batch_size, concurrency=concurrency)
+                for _ in range(relays)
+            ]
             deadline = time.monotonic() + 60
             while waiting_for_lock(gate) < relays * concurrency:
                 for relay in started:
                     if relay.reap():
-                        raise RuntimeError(f"relay exited before the start ({relay.status}):\n"
-                                           + relay.output())
+                        raise RuntimeError(
+                            f"relay exited before the start ({relay.status}):\n" + relay.output()
+                        )
                 if time.monotonic() > deadline:
-                    raise RuntimeError("relays did not reach their first claim within 60 s:\n"
-                                       + "\n".join(r.output() for r in started))
+                    raise RuntimeError(
+                        "relays did not reach their first claim within 60 s:\n"
+                        + "\n".join(r.output() for r in started)
+                    )
                 time.sleep(0.02)
             for relay in started:
                 relay.mark()
@@ -467,26 +558,43 @@ def run_relays(db_url: str, broker_url: str, *, relays: int = 1, batch_size: int
                     for relay in started:
                         relay.terminate()
                 if elapsed > timeout:
-                    raise RuntimeError(f"relays still running after {timeout:.0f} s:\n"
-                                       + "\n".join(r.output() for r in started))
+                    raise RuntimeError(
+                        f"relays still running after {timeout:.0f} s:\n"
+                        + "\n".join(r.output() for r in started)
+                    )
                 time.sleep(0.02)
             box = meter.stop(client_cpu=sum(r.cpu_seconds for r in started))
             # -SIGTERM: our stop reached a relay that was exiting anyway (its handlers were gone).
-            failed = [r for r in started if r.status != 0 and not (stopping and r.status == -signal.SIGTERM)]
+            failed = [
+                r
+                for r in started
+                if r.status != 0 and not (stopping and r.status == -signal.SIGTERM)
+            ]
             if failed:
                 raise RuntimeError(f"relay exited with {failed[0].status}:\n{failed[0].output()}")
             row = gate.execute(
                 "SELECT count(*), EXTRACT(EPOCH FROM max(published_at)) FROM outboxer.outbox "
-                "WHERE status = 'PUBLISHED'").fetchone()
-            warnings = [line for relay in started for line in relay.output().splitlines()
-                        if " WARNING " in line or " ERROR " in line]
+                "WHERE status = 'PUBLISHED'"
+            ).fetchone()
+            warnings = [
+                line
+                for relay in started
+                for line in relay.output().splitlines()
+                if " WARNING " in line or " ERROR " in line
+            ]
         finally:
             for relay in started:
                 relay.close()
     assert row is not None
     published, last = int(row[0]), float(row[1] or opened)
-    return RelayRun(published, max(last - opened, 1e-6), sum(r.cpu_seconds for r in started),
-                    outbox_counts(db_url), warnings, box)
+    return RelayRun(
+        published,
+        max(last - opened, 1e-6),
+        sum(r.cpu_seconds for r in started),
+        outbox_counts(db_url),
+        warnings,
+        box,
+    )
 
 
 def wait_listening(db_url: str, relays: int = 1, timeout: float = 30.0) -> None:
@@ -494,8 +602,10 @@ def wait_listening(db_url: str, relays: int = 1, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     with psycopg.connect(db_url, autocommit=True) as conn:
         while True:
-            row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                               " AND application_name = 'outboxer-relay-listen'").fetchone()
+            row = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                " AND application_name = 'outboxer-relay-listen'"
+            ).fetchone()
             if row is not None and int(row[0]) >= relays:
                 return
             if time.monotonic() > deadline:

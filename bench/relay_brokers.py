@@ -34,10 +34,13 @@ def fill(url: str, messages: int, keys: int, size: int) -> None:
     body = {"data": "x" * max(size - 11, 0)}
     with psycopg.connect(url) as conn:
         for offset in range(0, messages, 5000):
-            outboxer.enqueue_many(conn, [
-                {"topic": "bench.event", "payload": body, "key": f"key-{n % keys}"}
-                for n in range(offset, min(offset + 5000, messages))
-            ])
+            outboxer.enqueue_many(
+                conn,
+                [
+                    {"topic": "bench.event", "payload": body, "key": f"key-{n % keys}"}
+                    for n in range(offset, min(offset + 5000, messages))
+                ],
+            )
 
 
 @asynccontextmanager
@@ -94,8 +97,9 @@ async def nats() -> AsyncIterator[str]:
 
     tag = uuid.uuid4().hex[:8]
     try:
-        yield (f"nats://127.0.0.1:4222?subject_prefix=bench{tag}.&stream=BENCH{tag}"
-               "&create_stream=true")
+        yield (
+            f"nats://127.0.0.1:4222?subject_prefix=bench{tag}.&stream=BENCH{tag}&create_stream=true"
+        )
     finally:
         client = await nats_client.connect("nats://127.0.0.1:4222")
         try:
@@ -132,8 +136,13 @@ async def memory() -> AsyncIterator[str]:
 
 
 BROKERS: dict[str, Callable[[], Any]] = {
-    "memory": memory, "rabbitmq": rabbitmq, "kafka": kafka, "redis": redis,
-    "nats": nats, "mqtt": mqtt, "webhook": webhook,
+    "memory": memory,
+    "rabbitmq": rabbitmq,
+    "kafka": kafka,
+    "redis": redis,
+    "nats": nats,
+    "mqtt": mqtt,
+    "webhook": webhook,
 }
 
 
@@ -152,8 +161,9 @@ async def run(name: str, args: argparse.Namespace) -> tuple[float, float] | None
     try:
         async with BROKERS[name]() as broker, database(args.messages, args.keys, args.size) as db:
             relay = await relay_rate(db, broker, args.batch, args.messages)
-            adapter_args = argparse.Namespace(messages=args.messages, keys=args.keys, batch=args.batch,
-                                              size=args.size)
+            adapter_args = argparse.Namespace(
+                messages=args.messages, keys=args.keys, batch=args.batch, size=args.size
+            )
             adapter = await measure(outboxer.create_publisher(broker), adapter_args, "bench.event")
             return relay, adapter
     except Exception as exc:  # a broker that is down is reported, the others still run
@@ -177,8 +187,6 @@ async def main() -> None:
     print(f"\n{'broker':<10} {'relay msg/s':>12} {'adapter msg/s':>14} {'relay/adapter':>14}")
     for name, (relay, adapter) in results.items():
         print(f"{name:<10} {relay:>12,.0f} {adapter:>14,.0f} {relay / adapter:>14.2f}")
-
-
 
 
 if __name__ == "__main__":

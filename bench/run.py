@@ -95,11 +95,28 @@ class Sizes:
     half_rate: float | None = None
 
 
-FULL = Sizes(backlog=100_000, keys=10_000, runs=3, simple_seconds=3.0,
-             write_seconds=1.5, trickle_seconds=10.0, half_seconds=4.0, scaling_seconds=1.5)
-QUICK = Sizes(backlog=2_000, keys=200, runs=1, simple_seconds=0.5,
-              write_seconds=0.5, trickle_seconds=1.0, half_seconds=0.8, scaling_seconds=0.6,
-              half_rate_cap=500.0, broker_max_messages=500)
+FULL = Sizes(
+    backlog=100_000,
+    keys=10_000,
+    runs=3,
+    simple_seconds=3.0,
+    write_seconds=1.5,
+    trickle_seconds=10.0,
+    half_seconds=4.0,
+    scaling_seconds=1.5,
+)
+QUICK = Sizes(
+    backlog=2_000,
+    keys=200,
+    runs=1,
+    simple_seconds=0.5,
+    write_seconds=0.5,
+    trickle_seconds=1.0,
+    half_seconds=0.8,
+    scaling_seconds=0.6,
+    half_rate_cap=500.0,
+    broker_max_messages=500,
+)
 
 
 def _write_names() -> list[tuple[str, str]]:
@@ -108,16 +125,29 @@ def _write_names() -> list[tuple[str, str]]:
         for relay in ("relay_off", "relay_on"):
             base = f"write.w{n}.{relay}"
             for mode in writers.MODES:
-                names += [(f"{base}.{mode}.txn_per_s", "txn/s"), (f"{base}.{mode}.p50_ms", "ms"),
-                          (f"{base}.{mode}.p99_ms", "ms")]
-            names += [(f"{base}.throughput_ratio", "x"), (f"{base}.p50_ratio", "x"),
-                      (f"{base}.p99_ratio", "x")]
+                names += [
+                    (f"{base}.{mode}.txn_per_s", "txn/s"),
+                    (f"{base}.{mode}.p50_ms", "ms"),
+                    (f"{base}.{mode}.p99_ms", "ms"),
+                ]
+            names += [
+                (f"{base}.throughput_ratio", "x"),
+                (f"{base}.p50_ratio", "x"),
+                (f"{base}.p99_ratio", "x"),
+            ]
             # The control: the same event INSERTed into a plain table (bound of what any outbox costs).
-            names += [(f"{base}.control_throughput_ratio", "x"), (f"{base}.control_p50_ratio", "x"),
-                      (f"{base}.control_p99_ratio", "x"), (f"{base}.enqueue_over_control", "x")]
+            names += [
+                (f"{base}.control_throughput_ratio", "x"),
+                (f"{base}.control_p50_ratio", "x"),
+                (f"{base}.control_p99_ratio", "x"),
+                (f"{base}.enqueue_over_control", "x"),
+            ]
             if relay == "relay_off":  # where the time goes: CPU per transaction
-                names += [(f"{base}.{mode}.{side}_cpu_us", "CPU us/txn")
-                          for mode in writers.MODES for side in ("client", "server")]
+                names += [
+                    (f"{base}.{mode}.{side}_cpu_us", "CPU us/txn")
+                    for mode in writers.MODES
+                    for side in ("client", "server")
+                ]
             else:
                 names += [(f"{base}.relay_cpu_us_per_msg", "CPU us/msg")]
     return names
@@ -134,31 +164,57 @@ FIGURES: dict[str, list[tuple[str, str]]] = {
         *[(f"throughput.vs_ceiling.{b}", "x") for b in BROKERS],
         *[(f"cpu.relay.{b}", "CPU s/1k msg") for b in BROKERS],
         # Where the machine's CPU went during each measurement, in cores (see harness.BoxMeter).
-        *[(f"cpu.box.relay.{b}.{who}", "cores") for b in BROKERS
-          for who in ("busy", "postgres", *(("broker",) if b != "memory" else ()), "client")],
-        *[(f"cpu.box.broker_ceiling.{b}.{who}", "cores") for b in ("rabbitmq", "redis")
-          for who in ("busy", "broker", "client")],
+        *[
+            (f"cpu.box.relay.{b}.{who}", "cores")
+            for b in BROKERS
+            for who in ("busy", "postgres", *(("broker",) if b != "memory" else ()), "client")
+        ],
+        *[
+            (f"cpu.box.broker_ceiling.{b}.{who}", "cores")
+            for b in ("rabbitmq", "redis")
+            for who in ("busy", "broker", "client")
+        ],
         *[(f"cpu.box.db_ceiling.{who}", "cores") for who in ("busy", "postgres", "client")],
     ],
-    "simple": [("simple_relay.rabbitmq", "msg/s"), ("simple_relay.speedup", "x"),
-               ("simple_relay.speedup_bound", "x")],
+    "simple": [
+        ("simple_relay.rabbitmq", "msg/s"),
+        ("simple_relay.speedup", "x"),
+        ("simple_relay.speedup_bound", "x"),
+    ],
     "write": _write_names(),
-    "latency": [(f"latency.{load}.{what}", unit) for load in ("trickle", "half")
-                for what, unit in (("rate", "msg/s"), ("p50_ms", "ms"), ("p99_ms", "ms"),
-                                   ("max_ms", "ms"), ("consumer_p50_ms", "ms"),
-                                   ("consumer_p99_ms", "ms"), ("broker_p50_ms", "ms"),
-                                   ("broker_p99_ms", "ms"), ("box_busy", "cores"),
-                                   # where the box's CPU went: the relay, the services, the rest
-                                   # (the writers, the bench's consumer, the kernel)
-                                   ("box_relay", "cores"), ("box_postgres", "cores"),
-                                   ("box_rabbitmq", "cores"), ("box_other", "cores"),
-                                   ("broker_box_busy", "cores"),
-                                   ("relay_cpu_us_per_msg", "CPU us/msg"))],
-    "scaling": [*[(f"scaling.{broker}.batch.{b}", "msg/s") for broker in SCALING_BROKERS
-                  for b in BATCH_SIZES],
-                *[(f"scaling.{broker}.batch500_over_batch1", "x") for broker in SCALING_BROKERS],
-                ("scaling.rabbitmq.batch500_over_batch1_bound", "x"),
-                *[(f"scaling.rabbitmq.relays.{n}", "msg/s") for n in RELAY_COUNTS]],
+    "latency": [
+        (f"latency.{load}.{what}", unit)
+        for load in ("trickle", "half")
+        for what, unit in (
+            ("rate", "msg/s"),
+            ("p50_ms", "ms"),
+            ("p99_ms", "ms"),
+            ("max_ms", "ms"),
+            ("consumer_p50_ms", "ms"),
+            ("consumer_p99_ms", "ms"),
+            ("broker_p50_ms", "ms"),
+            ("broker_p99_ms", "ms"),
+            ("box_busy", "cores"),
+            # where the box's CPU went: the relay, the services, the rest
+            # (the writers, the bench's consumer, the kernel)
+            ("box_relay", "cores"),
+            ("box_postgres", "cores"),
+            ("box_rabbitmq", "cores"),
+            ("box_other", "cores"),
+            ("broker_box_busy", "cores"),
+            ("relay_cpu_us_per_msg", "CPU us/msg"),
+        )
+    ],
+    "scaling": [
+        *[
+            (f"scaling.{broker}.batch.{b}", "msg/s")
+            for broker in SCALING_BROKERS
+            for b in BATCH_SIZES
+        ],
+        *[(f"scaling.{broker}.batch500_over_batch1", "x") for broker in SCALING_BROKERS],
+        ("scaling.rabbitmq.batch500_over_batch1_bound", "x"),
+        *[(f"scaling.rabbitmq.relays.{n}", "msg/s") for n in RELAY_COUNTS],
+    ],
 }
 
 #: The goals written in bench/README.md.
@@ -167,21 +223,43 @@ TARGETS = [
     Target("throughput.vs_ceiling.redis", ">=", 0.6, "relay >= 0.6 x min(ceilings), Redis Streams"),
     Target("throughput.vs_ceiling.memory", ">=", 0.6, "relay >= 0.6 x min(ceilings), memory://"),
     Target("simple_relay.speedup", ">=", 10.0, "relay >= 10 x the simple relay (RabbitMQ)"),
-    Target("write.w8.relay_off.throughput_ratio", ">=", 0.9, "8 writers: enqueue keeps >= 0.9 x bare throughput"),
-    Target("write.w8.relay_off.p99_ratio", "<=", 1.15, "8 writers: p99 commit latency <= 1.15 x bare"),
+    Target(
+        "write.w8.relay_off.throughput_ratio",
+        ">=",
+        0.9,
+        "8 writers: enqueue keeps >= 0.9 x bare throughput",
+    ),
+    Target(
+        "write.w8.relay_off.p99_ratio", "<=", 1.15, "8 writers: p99 commit latency <= 1.15 x bare"
+    ),
     Target("write.w8.relay_on.throughput_ratio", ">=", 0.9, "same, relay draining: >= 0.9 x bare"),
     Target("write.w8.relay_on.p99_ratio", "<=", 1.15, "same, relay draining: p99 <= 1.15 x bare"),
     Target("latency.trickle.p50_ms", "<=", 5.0, "commit -> confirm p50 <= 5 ms at 10 msg/s"),
     Target("latency.trickle.p99_ms", "<=", 25.0, "commit -> confirm p99 <= 25 ms at 10 msg/s"),
-    Target("latency.half.p99_ms", "<=", 50.0, "commit -> confirm p99 <= 50 ms at half the max rate"),
-    Target("scaling.rabbitmq.batch500_over_batch1", ">=", 20.0, "batch 500 >= 20 x batch 1, RabbitMQ"),
-    Target("scaling.memory.batch500_over_batch1", ">=", 20.0, "batch 500 >= 20 x batch 1, memory://"),
+    Target(
+        "latency.half.p99_ms", "<=", 50.0, "commit -> confirm p99 <= 50 ms at half the max rate"
+    ),
+    Target(
+        "scaling.rabbitmq.batch500_over_batch1", ">=", 20.0, "batch 500 >= 20 x batch 1, RabbitMQ"
+    ),
+    Target(
+        "scaling.memory.batch500_over_batch1", ">=", 20.0, "batch 500 >= 20 x batch 1, memory://"
+    ),
 ]
 
 T = TypeVar("T")
 #: Relay log words that mean a service went away during the run.
-_OUTAGE = ("unreachable", "claim failed", "settle failed", "could not record", "will be retried",
-           "failed, attempt", "abandoned", "taken over", "refuses")
+_OUTAGE = (
+    "unreachable",
+    "claim failed",
+    "settle failed",
+    "could not record",
+    "will be retried",
+    "failed, attempt",
+    "abandoned",
+    "taken over",
+    "refuses",
+)
 
 
 # ----- robustness: the services are shared --------------------------------------------------
@@ -249,7 +327,9 @@ def attempt(label: str, action: Callable[[], T], tries: int = 3) -> T:
             failures += 1
             if failures >= tries:
                 raise
-            log(f"{label}: attempt {failures} disturbed ({type(exc).__name__}: {str(exc)[:300]}); again")
+            log(
+                f"{label}: attempt {failures} disturbed ({type(exc).__name__}: {str(exc)[:300]}); again"
+            )
             time.sleep(2)
             wait_for_services()
 
@@ -271,7 +351,9 @@ class Bench:
 
     def pool(self) -> ProcessPoolExecutor:
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(max(WRITERS), mp_context=multiprocessing.get_context("spawn"))
+            self._pool = ProcessPoolExecutor(
+                max(WRITERS), mp_context=multiprocessing.get_context("spawn")
+            )
             list(self._pool.map(writers.warm_up, range(max(WRITERS))))
         return self._pool
 
@@ -296,16 +378,29 @@ class Bench:
 
     # ----- 1. throughput and ceilings, 6. CPU ------------------------------------------------
 
-    def drain(self, broker: str, *, relays: int = 1, batch_size: int = BATCH,
-              stop_after: float | None = None) -> RelayRun:
+    def drain(
+        self,
+        broker: str,
+        *,
+        relays: int = 1,
+        batch_size: int = BATCH,
+        stop_after: float | None = None,
+    ) -> RelayRun:
         db = self.dbs.clone(self.template, "drain")
         try:
+
             async def go() -> tuple[RelayRun, int | None]:
                 target = await sink(broker).open()
                 try:
-                    run = await asyncio.to_thread(run_relays, db, target.url, relays=relays,
-                                                  batch_size=batch_size, concurrency=CONCURRENCY,
-                                                  stop_after=stop_after)
+                    run = await asyncio.to_thread(
+                        run_relays,
+                        db,
+                        target.url,
+                        relays=relays,
+                        batch_size=batch_size,
+                        concurrency=CONCURRENCY,
+                        stop_after=stop_after,
+                    )
                     return run, await target.count()
                 finally:
                     await target.close()
@@ -364,21 +459,37 @@ class Bench:
                 report.add(f"throughput.relay.{broker}", "msg/s", result.rate)
                 report.add(f"cpu.relay.{broker}", "CPU s/1k msg", result.cpu_per_1000)
                 self.add_box(f"cpu.box.relay.{broker}", result.box, broker)
-                log(f"  {result.rate:,.0f} msg/s, {result.cpu_per_1000:.3f} CPU s/1k, "
-                    f"box {_cores(result.box)}")
+                log(
+                    f"  {result.rate:,.0f} msg/s, {result.cpu_per_1000:.3f} CPU s/1k, "
+                    f"box {_cores(result.box)}"
+                )
             for broker in BROKERS:
-                ceiling = attempt(f"ceiling {broker}", functools.partial(
-                    self.ceiling, adapter_ceiling, broker, messages, BATCH, CONCURRENCY))
+                ceiling = attempt(
+                    f"ceiling {broker}",
+                    functools.partial(
+                        self.ceiling, adapter_ceiling, broker, messages, BATCH, CONCURRENCY
+                    ),
+                )
                 report.add(f"throughput.broker_ceiling.{broker}", "msg/s", ceiling.rate)
                 if broker != "memory":
                     self.add_box(f"cpu.box.broker_ceiling.{broker}", ceiling.box, broker)
                 # For reference only (no target): taken once, to keep the bench under 10 minutes.
-                raw = attempt(f"raw {broker}", functools.partial(
-                    self.ceiling, raw_ceiling, broker, messages, BATCH, CONCURRENCY)) if run == 1 else None
+                raw = (
+                    attempt(
+                        f"raw {broker}",
+                        functools.partial(
+                            self.ceiling, raw_ceiling, broker, messages, BATCH, CONCURRENCY
+                        ),
+                    )
+                    if run == 1
+                    else None
+                )
                 if raw is not None:
                     report.add(f"throughput.raw_client.{broker}", "msg/s", raw.rate)
-                log(f"  broker ceiling {broker}: {ceiling.rate:,.0f} msg/s, box {_cores(ceiling.box)}"
-                    + (f" (raw {raw.rate:,.0f})" if raw else ""))
+                log(
+                    f"  broker ceiling {broker}: {ceiling.rate:,.0f} msg/s, box {_cores(ceiling.box)}"
+                    + (f" (raw {raw.rate:,.0f})" if raw else "")
+                )
             report.add("throughput.broker_max.rabbitmq", "msg/s", self.broker_max(messages))
             rate, box = attempt("db ceiling", self.db_ceiling)
             report.add("throughput.db_ceiling", "msg/s", rate)
@@ -387,8 +498,11 @@ class Bench:
         db = report.figures["throughput.db_ceiling"].median
         for broker in BROKERS:
             ceiling = min(report.figures[f"throughput.broker_ceiling.{broker}"].median, db)
-            ratio = report.figure(f"throughput.vs_ceiling.{broker}", "x",
-                                  note=f"relay / min(broker {broker}, database) = relay / {ceiling:,.0f}")
+            ratio = report.figure(
+                f"throughput.vs_ceiling.{broker}",
+                "x",
+                note=f"relay / min(broker {broker}, database) = relay / {ceiling:,.0f}",
+            )
             ratio.runs = [r / ceiling for r in report.figures[f"throughput.relay.{broker}"].runs]
         report.figures["throughput.broker_max.rabbitmq"].note = self.broker_max_note()
 
@@ -398,34 +512,47 @@ class Bench:
         Each shape publishes the first ``broker_max_messages`` rows to a fresh exchange and
         queue; which shape won, and every shape's rate, go to ``meta.broker_max``.
         """
-        sample = messages[:self.sizes.broker_max_messages]
+        sample = messages[: self.sizes.broker_max_messages]
         rates: dict[str, float] = {}
         for shape in RABBITMQ_SHAPES:
-            rates[shape] = attempt(f"broker max ({shape})", functools.partial(
-                self.ceiling, rabbitmq_shape, shape, sample)).rate
+            rates[shape] = attempt(
+                f"broker max ({shape})",
+                functools.partial(self.ceiling, rabbitmq_shape, shape, sample),
+            ).rate
         best = max(rates, key=rates.__getitem__)
         self.report.meta.setdefault("broker_max", []).append(
-            {"best": best, "messages": len(sample), "rates": {k: round(v) for k, v in rates.items()}})
-        log(f"  broker max rabbitmq: {rates[best]:,.0f} msg/s ({best}); "
-            + ", ".join(f"{k} {v:,.0f}" for k, v in rates.items()))
+            {
+                "best": best,
+                "messages": len(sample),
+                "rates": {k: round(v) for k, v in rates.items()},
+            }
+        )
+        log(
+            f"  broker max rabbitmq: {rates[best]:,.0f} msg/s ({best}); "
+            + ", ".join(f"{k} {v:,.0f}" for k, v in rates.items())
+        )
         return rates[best]
 
     def broker_max_note(self) -> str:
         best = ", ".join(run["best"] for run in self.report.meta.get("broker_max", []))
-        return (f"best of {len(RABBITMQ_SHAPES)} plain aio-pika shapes (meta.broker_max), "
-                f"{self.sizes.broker_max_messages:,} messages each; best per run: {best}")
+        return (
+            f"best of {len(RABBITMQ_SHAPES)} plain aio-pika shapes (meta.broker_max), "
+            f"{self.sizes.broker_max_messages:,} messages each; best per run: {best}"
+        )
 
     # ----- 2. the simple relay ---------------------------------------------------------------
 
     def simple_once(self) -> float:
         db = self.dbs.clone(self.template, "simple")
         try:
+
             async def go() -> tuple[int, float, dict[str, float]]:
                 target = await RabbitSink().open()
                 try:
                     meter = BoxMeter().start()
-                    published, seconds = await simple_relay(db, AMQP_URL, target.tag,
-                                                            self.sizes.simple_seconds)
+                    published, seconds = await simple_relay(
+                        db, AMQP_URL, target.tag, self.sizes.simple_seconds
+                    )
                     return published, seconds, meter.stop()
                 finally:
                     await target.close()
@@ -444,10 +571,15 @@ class Bench:
         simple = self.report.figures["simple_relay.rabbitmq"].median
         ours = self.report.figures.get("throughput.relay.rabbitmq")
         if ours is None or not ours.runs:  # --only simple: measure ours here
-            ours = Figure("relay", "msg/s", [attempt("relay rabbitmq", lambda: self.drain("rabbitmq")).rate])
+            ours = Figure(
+                "relay", "msg/s", [attempt("relay rabbitmq", lambda: self.drain("rabbitmq")).rate]
+            )
             log(f"  outboxer relay: {ours.median:,.0f} msg/s")
-        speedup = self.report.figure("simple_relay.speedup", "x",
-                                     note=f"outboxer relay ({ours.median:,.0f} msg/s) / simple relay, same backlog")
+        speedup = self.report.figure(
+            "simple_relay.speedup",
+            "x",
+            note=f"outboxer relay ({ours.median:,.0f} msg/s) / simple relay, same backlog",
+        )
         speedup.runs = [rate / simple for rate in ours.runs]
         most = self.report.figures.get("throughput.broker_max.rabbitmq")
         note = ""
@@ -456,9 +588,11 @@ class Bench:
             most = Figure("broker max", "msg/s", [self.broker_max(messages)])
             note = f"; {self.broker_max_note()}"
         bound = self.report.figure(
-            "simple_relay.speedup_bound", "x",
+            "simple_relay.speedup_bound",
+            "x",
             note=f"broker max RabbitMQ ({most.median:,.0f} msg/s) / simple relay: the most any relay"
-                 f" could reach over the simple one on this box{note}")
+            f" could reach over the simple one on this box{note}",
+        )
         bound.runs = [rate / simple for rate in most.runs]
 
     # ----- 3. write path ---------------------------------------------------------------------
@@ -467,17 +601,22 @@ class Bench:
         pool = self.pool()
         start_at = time.time() + 0.3 + 0.05 * count
         end_at = start_at + self.sizes.write_seconds
-        futures = [pool.submit(writers.write_for, db, mode, start_at, end_at, self.sizes.keys,
-                               seed + i) for i in range(count)]
+        futures = [
+            pool.submit(writers.write_for, db, mode, start_at, end_at, self.sizes.keys, seed + i)
+            for i in range(count)
+        ]
         results = [future.result() for future in futures]
         late = max(result["late_s"] for result in results)
         if late > 0.02:
             raise RuntimeError(f"a writer started {late:.3f} s late")
         count = sum(r["count"] for r in results)
-        return {"rate": count / self.sizes.write_seconds, "count": count,
-                "latencies": [value for result in results for value in result["latencies_ms"]],
-                "client_cpu_us": 1e6 * sum(r["client_cpu_s"] for r in results) / count,
-                "server_cpu_us": 1e6 * sum(r["server_cpu_s"] for r in results) / count}
+        return {
+            "rate": count / self.sizes.write_seconds,
+            "count": count,
+            "latencies": [value for result in results for value in result["latencies_ms"]],
+            "client_cpu_us": 1e6 * sum(r["client_cpu_s"] for r in results) / count,
+            "server_cpu_us": 1e6 * sum(r["server_cpu_s"] for r in results) / count,
+        }
 
     def write(self) -> None:
         report = self.report
@@ -485,57 +624,97 @@ class Bench:
         for count in WRITERS:
             for relay_on in (False, True):
                 base = f"write.w{count}.{'relay_on' if relay_on else 'relay_off'}"
-                idle = " (control writes no outbox rows: the relay idles, as in bare runs)" if relay_on else ""
+                idle = (
+                    " (control writes no outbox rows: the relay idles, as in bare runs)"
+                    if relay_on
+                    else ""
+                )
                 db = self.dbs.empty("write")
                 writers.create_business_table(db)
                 relay = None
                 try:
                     if relay_on:
-                        relay = RelayProcess(db, f"memory://bench-{uuid.uuid4().hex[:8]}",
-                                             exit_when_idle=False)
+                        relay = RelayProcess(
+                            db, f"memory://bench-{uuid.uuid4().hex[:8]}", exit_when_idle=False
+                        )
                         wait_listening(db)
                     for run in range(1, self.runs + 1):
                         shift = (run - 1) % len(modes)  # rotate who goes first
                         got: dict[str, dict[str, Any]] = {}
                         for mode in modes[shift:] + modes[:shift]:
                             relay_cpu = cpu_of(relay.pid) if relay is not None else 0.0
-                            got[mode] = attempt(base, functools.partial(
-                                self.write_once, db, count, mode, run * 100))
+                            got[mode] = attempt(
+                                base, functools.partial(self.write_once, db, count, mode, run * 100)
+                            )
                             if relay is not None and mode == "enqueue":
-                                report.add(f"{base}.relay_cpu_us_per_msg", "CPU us/msg",
-                                           1e6 * (cpu_of(relay.pid) - relay_cpu) / got[mode]["count"])
+                                report.add(
+                                    f"{base}.relay_cpu_us_per_msg",
+                                    "CPU us/msg",
+                                    1e6 * (cpu_of(relay.pid) - relay_cpu) / got[mode]["count"],
+                                )
                         for mode in modes:
                             result, latencies = got[mode], got[mode]["latencies"]
                             report.add(f"{base}.{mode}.txn_per_s", "txn/s", result["rate"])
                             report.add(f"{base}.{mode}.p50_ms", "ms", percentile(latencies, 50))
                             report.add(f"{base}.{mode}.p99_ms", "ms", percentile(latencies, 99))
                             if relay is None:
-                                report.add(f"{base}.{mode}.client_cpu_us", "CPU us/txn", result["client_cpu_us"])
-                                report.add(f"{base}.{mode}.server_cpu_us", "CPU us/txn", result["server_cpu_us"])
+                                report.add(
+                                    f"{base}.{mode}.client_cpu_us",
+                                    "CPU us/txn",
+                                    result["client_cpu_us"],
+                                )
+                                report.add(
+                                    f"{base}.{mode}.server_cpu_us",
+                                    "CPU us/txn",
+                                    result["server_cpu_us"],
+                                )
                         rate = {mode: got[mode]["rate"] for mode in modes}
                         p50 = {mode: percentile(got[mode]["latencies"], 50) for mode in modes}
                         p99 = {mode: percentile(got[mode]["latencies"], 99) for mode in modes}
                         report.add(f"{base}.throughput_ratio", "x", rate["enqueue"] / rate["bare"])
                         report.add(f"{base}.p50_ratio", "x", p50["enqueue"] / p50["bare"])
                         report.add(f"{base}.p99_ratio", "x", p99["enqueue"] / p99["bare"])
-                        report.add(f"{base}.control_throughput_ratio", "x", rate["control"] / rate["bare"],
-                                   note="control / bare throughput: a plain INSERT of the same event,"
-                                        " no outboxer code" + idle)
-                        report.add(f"{base}.control_p50_ratio", "x", p50["control"] / p50["bare"],
-                                   note="control / bare p50" + idle)
-                        report.add(f"{base}.control_p99_ratio", "x", p99["control"] / p99["bare"],
-                                   note="control / bare p99" + idle)
-                        report.add(f"{base}.enqueue_over_control", "x", rate["enqueue"] / rate["control"],
-                                   note="enqueue / control throughput: what outboxer costs beyond writing"
-                                        " the event row (key lock, trigger, indexes, Python)"
-                                        + (" and the relay draining meanwhile" if relay_on else ""))
-                        log(f"{base} run {run}: " + ", ".join(
-                            f"{mode} {rate[mode]:,.0f} txn/s p99 {p99[mode]:.2f} ms" for mode in modes))
+                        report.add(
+                            f"{base}.control_throughput_ratio",
+                            "x",
+                            rate["control"] / rate["bare"],
+                            note="control / bare throughput: a plain INSERT of the same event,"
+                            " no outboxer code" + idle,
+                        )
+                        report.add(
+                            f"{base}.control_p50_ratio",
+                            "x",
+                            p50["control"] / p50["bare"],
+                            note="control / bare p50" + idle,
+                        )
+                        report.add(
+                            f"{base}.control_p99_ratio",
+                            "x",
+                            p99["control"] / p99["bare"],
+                            note="control / bare p99" + idle,
+                        )
+                        report.add(
+                            f"{base}.enqueue_over_control",
+                            "x",
+                            rate["enqueue"] / rate["control"],
+                            note="enqueue / control throughput: what outboxer costs beyond writing"
+                            " the event row (key lock, trigger, indexes, Python)"
+                            + (" and the relay draining meanwhile" if relay_on else ""),
+                        )
+                        log(
+                            f"{base} run {run}: "
+                            + ", ".join(
+                                f"{mode} {rate[mode]:,.0f} txn/s p99 {p99[mode]:.2f} ms"
+                                for mode in modes
+                            )
+                        )
                     if relay is not None:
                         relay.terminate()
                         relay.reap(block=True)
                         if relay.status != 0:
-                            raise RuntimeError(f"write-path relay exited {relay.status}: {relay.output()}")
+                            raise RuntimeError(
+                                f"write-path relay exited {relay.status}: {relay.output()}"
+                            )
                 finally:
                     if relay is not None:
                         relay.close()
@@ -550,11 +729,17 @@ class Bench:
         max_rate = self.median("throughput.relay.rabbitmq", 2000.0)
         half = self.sizes.half_rate or min(max_rate / 2, self.sizes.half_rate_cap)
         per_txn = max(1, math.ceil(half / HALF_LOAD_TRANSACTIONS))
-        self.report.meta["latency"] = {"trickle_rate": 10, "half_rate": round(half),
-                                       "half_writers": 4, "half_messages_per_transaction": per_txn}
+        self.report.meta["latency"] = {
+            "trickle_rate": 10,
+            "half_rate": round(half),
+            "half_writers": 4,
+            "half_messages_per_transaction": per_txn,
+        }
         for run in range(1, self.runs + 1):
-            log(f"latency run {run}: 10 msg/s for {self.sizes.trickle_seconds} s, "
-                f"{half:,.0f} msg/s for {self.sizes.half_seconds} s ({per_txn}/txn)")
+            log(
+                f"latency run {run}: 10 msg/s for {self.sizes.trickle_seconds} s, "
+                f"{half:,.0f} msg/s for {self.sizes.half_seconds} s ({per_txn}/txn)"
+            )
             loads = attempt("latency", functools.partial(self.latency_once, half, per_txn))
             for load, got in loads.items():
                 values = got["latencies"]
@@ -566,20 +751,27 @@ class Bench:
                 for who in ("postgres", "rabbitmq", "other"):
                     self.report.add(f"latency.{load}.box_{who}", "cores", got["box"].get(who, 0.0))
                 self.report.add(f"latency.{load}.box_relay", "cores", got["box"]["client"])
-                self.report.add(f"latency.{load}.broker_box_busy", "cores", got["broker_box"]["busy"])
-                self.report.add(f"latency.{load}.relay_cpu_us_per_msg", "CPU us/msg",
-                                got["relay_cpu_us_per_msg"])
+                self.report.add(
+                    f"latency.{load}.broker_box_busy", "cores", got["broker_box"]["busy"]
+                )
+                self.report.add(
+                    f"latency.{load}.relay_cpu_us_per_msg",
+                    "CPU us/msg",
+                    got["relay_cpu_us_per_msg"],
+                )
                 arrivals = got["consumer"]
                 self.report.add(f"latency.{load}.consumer_p50_ms", "ms", percentile(arrivals, 50))
                 self.report.add(f"latency.{load}.consumer_p99_ms", "ms", percentile(arrivals, 99))
                 control = got["broker"]
                 self.report.add(f"latency.{load}.broker_p50_ms", "ms", percentile(control, 50))
                 self.report.add(f"latency.{load}.broker_p99_ms", "ms", percentile(control, 99))
-                log(f"  {load}: {got['rate']:,.0f} msg/s, to confirm p50 {percentile(values, 50):.2f} ms, "
+                log(
+                    f"  {load}: {got['rate']:,.0f} msg/s, to confirm p50 {percentile(values, 50):.2f} ms, "
                     f"p99 {percentile(values, 99):.2f} ms, max {max(values):.2f} ms; to consumer p50 "
                     f"{percentile(arrivals, 50):.2f} ms, p99 {percentile(arrivals, 99):.2f} ms; "
                     f"box {_cores(got['box'])}; broker alone p50 {percentile(control, 50):.2f} ms, "
-                    f"p99 {percentile(control, 99):.2f} ms, box {_cores(got['broker_box'])}")
+                    f"p99 {percentile(control, 99):.2f} ms, box {_cores(got['broker_box'])}"
+                )
 
     def latency_once(self, half: float, per_txn: int) -> dict[str, dict[str, Any]]:
         db = self.dbs.empty("latency")
@@ -614,48 +806,93 @@ class Bench:
             relay = RelayProcess(db, target.url, exit_when_idle=False)
             await asyncio.to_thread(wait_listening, db)
 
-            async def paced(rate: float, count: int, messages: int, seconds: float) -> dict[str, Any]:
+            async def paced(
+                rate: float, count: int, messages: int, seconds: float
+            ) -> dict[str, Any]:
                 """``count`` writers commit ``rate`` transactions/s in all; latencies, CPU."""
                 assert relay is not None
                 start_at = time.time() + 0.3
                 end_at = start_at + seconds
-                futures = [loop.run_in_executor(self.pool(), writers.write_paced, db, rate / count,
-                                                messages, start_at, end_at, self.sizes.keys, i)
-                           for i in range(count)]
+                futures = [
+                    loop.run_in_executor(
+                        self.pool(),
+                        writers.write_paced,
+                        db,
+                        rate / count,
+                        messages,
+                        start_at,
+                        end_at,
+                        self.sizes.keys,
+                        i,
+                    )
+                    for i in range(count)
+                ]
                 await asyncio.sleep(max(0.0, start_at - time.time()))
                 meter, relay_cpu = BoxMeter().start(), cpu_of(relay.pid)
                 results = await asyncio.gather(*futures)
                 committed = [pair for result in results for pair in result["committed"]]
-                confirmed = await asyncio.to_thread(published_times, db, [mid for mid, _ in committed])
+                confirmed = await asyncio.to_thread(
+                    published_times, db, [mid for mid, _ in committed]
+                )
                 deadline = time.monotonic() + 15
-                while any(mid not in arrived for mid, _ in committed) and time.monotonic() < deadline:  # noqa: ASYNC110
+                pending = [mid for mid, _ in committed]
+                while any(mid not in arrived for mid in pending) and time.monotonic() < deadline:  # noqa: ASYNC110
                     await asyncio.sleep(0.05)
                 relay_cpu = cpu_of(relay.pid) - relay_cpu
                 box = meter.stop(client_cpu=relay_cpu)
                 missing = sum(mid not in arrived for mid, _ in committed)
                 if missing:
-                    raise RuntimeError(f"{missing} of {len(committed)} messages never reached the consumer")
+                    raise RuntimeError(
+                        f"{missing} of {len(committed)} messages never reached the consumer"
+                    )
                 # The control, no relay: the writers commit the same events into a plain table
                 # while one process publishes the same waves straight to the same exchange.
                 start_at = time.time() + 0.3
                 end_at = start_at + seconds
-                control_writers = [loop.run_in_executor(
-                    self.pool(), writers.write_paced, db, rate / count, messages, start_at, end_at,
-                    self.sizes.keys, 100 + i, "control") for i in range(count)]
-                publisher = loop.run_in_executor(self.pool(), publish_paced, target.url, rate, messages,
-                                                 start_at, end_at, self.sizes.keys, 99)
+                control_writers = [
+                    loop.run_in_executor(
+                        self.pool(),
+                        writers.write_paced,
+                        db,
+                        rate / count,
+                        messages,
+                        start_at,
+                        end_at,
+                        self.sizes.keys,
+                        100 + i,
+                        "control",
+                    )
+                    for i in range(count)
+                ]
+                publisher = loop.run_in_executor(
+                    self.pool(),
+                    publish_paced,
+                    target.url,
+                    rate,
+                    messages,
+                    start_at,
+                    end_at,
+                    self.sizes.keys,
+                    99,
+                )
                 await asyncio.sleep(max(0.0, start_at - time.time()))
                 meter = BoxMeter().start()
                 control, *_ = await asyncio.gather(publisher, *control_writers)
-                return {"rate": len(committed) / seconds, "box": box, "broker": control["latencies"],
-                        "broker_box": meter.stop(),
-                        "relay_cpu_us_per_msg": 1e6 * relay_cpu / len(committed),
-                        "latencies": [(confirmed[mid] - at) * 1000.0 for mid, at in committed],
-                        "consumer": [(arrived[mid] - at) * 1000.0 for mid, at in committed]}
+                return {
+                    "rate": len(committed) / seconds,
+                    "box": box,
+                    "broker": control["latencies"],
+                    "broker_box": meter.stop(),
+                    "relay_cpu_us_per_msg": 1e6 * relay_cpu / len(committed),
+                    "latencies": [(confirmed[mid] - at) * 1000.0 for mid, at in committed],
+                    "consumer": [(arrived[mid] - at) * 1000.0 for mid, at in committed],
+                }
 
             await paced(20, 1, 1, 1.0)  # warm up: relay awake, connections in use
-            return {"trickle": await paced(10, 1, 1, self.sizes.trickle_seconds),
-                    "half": await paced(half / per_txn, 4, per_txn, self.sizes.half_seconds)}
+            return {
+                "trickle": await paced(10, 1, 1, self.sizes.trickle_seconds),
+                "half": await paced(half / per_txn, 4, per_txn, self.sizes.half_seconds),
+            }
         finally:
             if relay is not None:
                 relay.close()
@@ -668,33 +905,47 @@ class Bench:
         for run in range(1, self.runs + 1):
             for broker in SCALING_BROKERS:
                 for batch in BATCH_SIZES:
-                    result = attempt(f"{broker} batch {batch}", functools.partial(
-                        self.drain, broker, batch_size=batch, stop_after=seconds))
+                    result = attempt(
+                        f"{broker} batch {batch}",
+                        functools.partial(self.drain, broker, batch_size=batch, stop_after=seconds),
+                    )
                     report.add(f"scaling.{broker}.batch.{batch}", "msg/s", result.rate)
                     log(f"scaling run {run}: {broker} batch {batch}: {result.rate:,.0f} msg/s")
             for count in RELAY_COUNTS:
-                result = attempt(f"{count} relays", functools.partial(
-                    self.drain, "rabbitmq", relays=count, stop_after=seconds))
+                result = attempt(
+                    f"{count} relays",
+                    functools.partial(self.drain, "rabbitmq", relays=count, stop_after=seconds),
+                )
                 report.add(f"scaling.rabbitmq.relays.{count}", "msg/s", result.rate)
                 log(f"scaling run {run}: {count} relays: {result.rate:,.0f} msg/s")
         for broker in SCALING_BROKERS:
             one = report.figures[f"scaling.{broker}.batch.1"].runs
             five = report.figures[f"scaling.{broker}.batch.500"].runs
-            ratio = report.figure(f"scaling.{broker}.batch500_over_batch1", "x", note="paired per run")
+            ratio = report.figure(
+                f"scaling.{broker}.batch500_over_batch1", "x", note="paired per run"
+            )
             ratio.runs = [b / a for a, b in zip(one, five, strict=True)]
         ceiling = report.figures.get("throughput.broker_ceiling.rabbitmq")
         if ceiling is None or not ceiling.runs:
-            log("scaling: no RabbitMQ broker ceiling in this run; batch500_over_batch1_bound skipped")
+            log(
+                "scaling: no RabbitMQ broker ceiling in this run; batch500_over_batch1_bound skipped"
+            )
             return
-        bound = report.figure("scaling.rabbitmq.batch500_over_batch1_bound", "x",
-                              note=f"broker ceiling ({ceiling.median:,.0f} msg/s) / batch 1: what batch"
-                                   " 500 at exactly the ceiling would reach")
-        bound.runs = [ceiling.median / rate for rate in report.figures["scaling.rabbitmq.batch.1"].runs]
+        bound = report.figure(
+            "scaling.rabbitmq.batch500_over_batch1_bound",
+            "x",
+            note=f"broker ceiling ({ceiling.median:,.0f} msg/s) / batch 1: what batch"
+            " 500 at exactly the ceiling would reach",
+        )
+        bound.runs = [
+            ceiling.median / rate for rate in report.figures["scaling.rabbitmq.batch.1"].runs
+        ]
 
 
 def _cores(box: dict[str, float]) -> str:
-    return ", ".join(f"{name} {cores:.2f}" for name, cores in box.items()
-                     if cores >= 0.05 and name != "seconds")
+    return ", ".join(
+        f"{name} {cores:.2f}" for name, cores in box.items() if cores >= 0.05 and name != "seconds"
+    )
 
 
 async def _db_ceiling(url: str, batch: int, concurrency: int) -> tuple[float, dict[str, float]]:
@@ -710,8 +961,14 @@ async def _db_ceiling(url: str, batch: int, concurrency: int) -> tuple[float, di
             claimed: list[Message] = await store.claim(DESTINATION, relay_id, batch, 60.0, False)
             if not claimed:
                 return
-            result = await store.settle(DESTINATION, relay_id, [m.stored_seq for m in claimed], [], [],
-                                        SETTINGS.max_attempts)
+            result = await store.settle(
+                DESTINATION,
+                relay_id,
+                [m.stored_seq for m in claimed],
+                [],
+                [],
+                SETTINGS.max_attempts,
+            )
             total += result.published
 
     try:
@@ -749,8 +1006,10 @@ def table(report: Report, sections: Sequence[str]) -> str:
             if name in targets:
                 t = targets[name]
                 goal = f"{t.op} {t.bound:g}  {'pass' if t.passed(figure.median) else 'FAIL'}"
-            lines.append(f"{name:<44} {_fmt(figure.median, unit):>10} {_fmt(figure.low, unit):>10} "
-                         f"{_fmt(figure.high, unit):>10}  {unit:<13} {goal}")
+            lines.append(
+                f"{name:<44} {_fmt(figure.median, unit):>10} {_fmt(figure.low, unit):>10} "
+                f"{_fmt(figure.high, unit):>10}  {unit:<13} {goal}"
+            )
     return "\n".join(lines)
 
 
@@ -767,33 +1026,52 @@ def _clean(value: Any) -> Any:
 def as_json(report: Report, sections: Sequence[str]) -> dict[str, Any]:
     names = [name for section in sections for name, _ in FIGURES[section]]
     figures = {name: report.figures[name].as_dict() for name in names if name in report.figures}
-    targets = [{"figure": t.figure, "target": f"{t.op} {t.bound:g}", "text": t.text,
-                "value": report.figures[t.figure].median if t.figure in report.figures else None,
-                "pass": t.passed(report.figures[t.figure].median) if t.figure in report.figures else None}
-               for t in TARGETS if t.figure in names]
+    targets = [
+        {
+            "figure": t.figure,
+            "target": f"{t.op} {t.bound:g}",
+            "text": t.text,
+            "value": report.figures[t.figure].median if t.figure in report.figures else None,
+            "pass": t.passed(report.figures[t.figure].median)
+            if t.figure in report.figures
+            else None,
+        }
+        for t in TARGETS
+        if t.figure in names
+    ]
     return _clean({"meta": report.meta, "figures": figures, "targets": targets})
 
 
 def _git() -> str:
     """The commit measured, with ``+dirty`` if src/ has uncommitted changes."""
+
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=False).stdout.strip()
+        return subprocess.run(
+            ["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent, check=False
+        ).stdout.strip()
 
     try:
-        return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "../src") else "")
+        return git("rev-parse", "--short", "HEAD") + (
+            "+dirty" if git("status", "--porcelain", "../src") else ""
+        )
     except OSError:
         return "?"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one run (smoke test)")
     parser.add_argument("--json", metavar="FILE", help="write the figures here")
     parser.add_argument("--runs", type=int, help="runs per figure (default 3, --quick 1)")
     parser.add_argument("--only", help=f"comma-separated sections of {','.join(SECTIONS)}")
-    parser.add_argument("--half-rate", type=float, metavar="MSG_PER_S",
-                        help="the latency section's 'half' load, instead of half the relay's rate")
+    parser.add_argument(
+        "--half-rate",
+        type=float,
+        metavar="MSG_PER_S",
+        help="the latency section's 'half' load, instead of half the relay's rate",
+    )
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
     if args.runs:
@@ -809,12 +1087,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     report = Report()
     started = time.time()
-    report.meta.update({
-        "command": " ".join([Path(sys.executable).name, *sys.argv]), "quick": args.quick,
-        "sizes": asdict(sizes), "relay": {"batch_size": BATCH, "concurrency": CONCURRENCY},
-        "outboxer": outboxer.__version__, "git": _git(), "cpus": os.cpu_count(),
-        "loadavg_start": os.getloadavg(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    })
+    report.meta.update(
+        {
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "quick": args.quick,
+            "sizes": asdict(sizes),
+            "relay": {"batch_size": BATCH, "concurrency": CONCURRENCY},
+            "outboxer": outboxer.__version__,
+            "git": _git(),
+            "cpus": os.cpu_count(),
+            "loadavg_start": os.getloadavg(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+    )
     wait_for_services(timeout=10)
     bench = Bench(sizes, report)
     report.meta["run_id"] = bench.dbs.run_id  # databases are outboxer_bench_<run_id>_*
@@ -830,8 +1115,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     report.meta["noisy"] = NOISY
     report.meta["loadavg_end"] = os.getloadavg()
     print(table(report, sections))
-    print(f"\n{len(report.figures)} figures; whole run {report.meta['seconds']:.0f} s; "
-          f"load average at start {report.meta['loadavg_start'][0]:.2f}")
+    print(
+        f"\n{len(report.figures)} figures; whole run {report.meta['seconds']:.0f} s; "
+        f"load average at start {report.meta['loadavg_start'][0]:.2f}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(as_json(report, sections), indent=2) + "\n")
         log(f"wrote {args.json}")

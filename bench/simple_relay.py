@@ -22,11 +22,15 @@ LIMIT 1
 FOR UPDATE SKIP LOCKED
 """
 #: By the table's key (id, destination): unique, and indexed whatever else the schema indexes.
-MARK = ("UPDATE outboxer.outbox SET status = 'PUBLISHED', published_at = now() "
-        "WHERE id = $1 AND destination = $2")
+MARK = (
+    "UPDATE outboxer.outbox SET status = 'PUBLISHED', published_at = now() "
+    "WHERE id = $1 AND destination = $2"
+)
 
 
-async def simple_relay(db_url: str, amqp_url: str, exchange_name: str, seconds: float) -> tuple[int, float]:
+async def simple_relay(
+    db_url: str, amqp_url: str, exchange_name: str, seconds: float
+) -> tuple[int, float]:
     """Relay for ``seconds`` (or until nothing is pending); (messages published, elapsed s)."""
     db = await asyncpg.connect(db_url)
     broker = await aio_pika.connect(amqp_url)
@@ -43,10 +47,15 @@ async def simple_relay(db_url: str, amqp_url: str, exchange_name: str, seconds: 
                 headers = json.loads(row["headers"])
                 headers["outboxer-key"] = row["key"] or ""
                 await exchange.publish(  # returns once RabbitMQ confirmed it
-                    aio_pika.Message(bytes(row["payload"]), content_type=row["content_type"],
-                                     message_id=str(row["id"]), headers=headers,
-                                     delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
-                    routing_key=row["topic"])
+                    aio_pika.Message(
+                        bytes(row["payload"]),
+                        content_type=row["content_type"],
+                        message_id=str(row["id"]),
+                        headers=headers,
+                        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                    ),
+                    routing_key=row["topic"],
+                )
                 await db.execute(MARK, row["id"], row["destination"])
             published += 1
         elapsed = time.perf_counter() - started

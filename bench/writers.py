@@ -51,8 +51,10 @@ CREATE TABLE IF NOT EXISTS bench_events (
 
 INSERT = "INSERT INTO bench_orders (customer, total, details) VALUES (%s, %s, %s) RETURNING id"
 #: The control's INSERT, parameters as outboxer's insert passes them (headers as JSON text).
-INSERT_EVENT = ("INSERT INTO bench_events (id, topic, key, payload, content_type, headers)"
-                " VALUES (%s, %s, %s, %s, %s, CAST(%s AS jsonb))")
+INSERT_EVENT = (
+    "INSERT INTO bench_events (id, topic, key, payload, content_type, headers)"
+    " VALUES (%s, %s, %s, %s, %s, CAST(%s AS jsonb))"
+)
 _NOTE = "x" * 150
 #: What each writer does in a transaction besides the business INSERT (see the module doc).
 MODES = ("bare", "enqueue", "control")
@@ -80,9 +82,14 @@ def _order(rnd: random.Random, keys: int) -> tuple[str, str, str]:
 
 def _event(order_id: int, customer: str, total: str) -> dict[str, Any]:
     """The ~300-byte event that announces the order."""
-    return {"order_id": order_id, "customer": customer, "total": total, "currency": "EUR",
-            "lines": [{"sku": "SKU-000001", "qty": 1}, {"sku": "SKU-000002", "qty": 2}],
-            "note": _NOTE}
+    return {
+        "order_id": order_id,
+        "customer": customer,
+        "total": total,
+        "currency": "EUR",
+        "lines": [{"sku": "SKU-000001", "qty": 1}, {"sku": "SKU-000002", "qty": 2}],
+        "note": _NOTE,
+    }
 
 
 def _json(value: Any) -> str:
@@ -94,12 +101,14 @@ def _uuid7() -> uuid.UUID:
     """A time-ordered UUID, as outboxer's ids are (the primary key index grows at its end)."""
     rand = int.from_bytes(os.urandom(10), "big")  # 80 random bits: 12 for rand_a, 62 for rand_b
     millis = time.time_ns() // 1_000_000
-    return uuid.UUID(int=millis << 80 | 0x7 << 76 | (rand >> 68) << 64 | 0b10 << 62
-                     | rand & ((1 << 62) - 1))
+    return uuid.UUID(
+        int=millis << 80 | 0x7 << 76 | (rand >> 68) << 64 | 0b10 << 62 | rand & ((1 << 62) - 1)
+    )
 
 
-def _transaction(conn: psycopg.Connection[Any], rnd: random.Random, keys: int, mode: str,
-                 messages: int = 1) -> list[str]:
+def _transaction(
+    conn: psycopg.Connection[Any], rnd: random.Random, keys: int, mode: str, messages: int = 1
+) -> list[str]:
     customer, total, details = _order(rnd, keys)
     row = conn.execute(INSERT, (customer, total, details)).fetchone()
     assert row is not None
@@ -109,15 +118,29 @@ def _transaction(conn: psycopg.Connection[Any], rnd: random.Random, keys: int, m
         headers = {"traceparent": f"00-{rnd.getrandbits(128):032x}-{rnd.getrandbits(64):016x}-01"}
         if mode == "control":  # the same event, encoded as outboxer encodes it, into a plain table
             for _ in range(messages):
-                conn.execute(INSERT_EVENT, (_uuid7(), "order.placed", customer, _json(event).encode(),
-                                            "application/json", _json(headers)))
+                conn.execute(
+                    INSERT_EVENT,
+                    (
+                        _uuid7(),
+                        "order.placed",
+                        customer,
+                        _json(event).encode(),
+                        "application/json",
+                        _json(headers),
+                    ),
+                )
         elif messages == 1:
-            ids.append(str(outboxer.enqueue(conn, "order.placed", event, key=customer,
-                                            headers=headers).id))
+            ids.append(
+                str(outboxer.enqueue(conn, "order.placed", event, key=customer, headers=headers).id)
+            )
         else:
-            sent = outboxer.enqueue_many(conn, [
-                {"topic": "order.placed", "payload": event, "key": customer, "headers": headers}
-                for _ in range(messages)])
+            sent = outboxer.enqueue_many(
+                conn,
+                [
+                    {"topic": "order.placed", "payload": event, "key": customer, "headers": headers}
+                    for _ in range(messages)
+                ],
+            )
             ids.extend(str(message.id) for message in sent)
     conn.commit()
     return ids
@@ -138,8 +161,9 @@ def _cpu(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def write_for(url: str, mode: str, start_at: float, end_at: float, keys: int,
-              seed: int) -> dict[str, Any]:
+def write_for(
+    url: str, mode: str, start_at: float, end_at: float, keys: int, seed: int
+) -> dict[str, Any]:
     """Commit transactions of ``mode`` (see MODES) back to back from ``start_at`` to ``end_at``.
 
     Returns the count, each transaction's latency (first statement to COMMIT returned),
@@ -162,12 +186,25 @@ def write_for(url: str, mode: str, start_at: float, end_at: float, keys: int,
         client, server = _cpu() - client, _cpu(backend) - server
     finally:
         conn.close()
-    return {"count": len(latencies), "latencies_ms": latencies, "late_s": late,
-            "client_cpu_s": client, "server_cpu_s": server}
+    return {
+        "count": len(latencies),
+        "latencies_ms": latencies,
+        "late_s": late,
+        "client_cpu_s": client,
+        "server_cpu_s": server,
+    }
 
 
-def write_paced(url: str, rate: float, messages: int, start_at: float, end_at: float, keys: int,
-                seed: int, mode: str = "enqueue") -> dict[str, Any]:
+def write_paced(
+    url: str,
+    rate: float,
+    messages: int,
+    start_at: float,
+    end_at: float,
+    keys: int,
+    seed: int,
+    mode: str = "enqueue",
+) -> dict[str, Any]:
     """Commit a transaction of ``messages`` enqueued messages every 1/rate s; record commit times.
 
     ``mode="control"`` writes the same events into a plain table instead (no outboxer code).

@@ -15,7 +15,9 @@ from outboxer.stores import create_store
 from tests.services import require
 
 PG_ADMIN = os.environ.get("OUTBOXER_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
-TEMPLATE = "outboxer_test_template"
+# One template per pytest process: several runs (a developer's and CI's, or parallel
+# worktrees) share the server, and one run must not drop the template another is cloning.
+TEMPLATE = f"outboxer_test_template_{os.getpid()}"
 MYSQL_ADMIN = os.environ.get("OUTBOXER_TEST_MYSQL", "mysql://root@127.0.0.1:3306/test")
 
 
@@ -40,12 +42,13 @@ def _admin_execute(*statements: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def pg_template() -> str:
+def pg_template() -> Iterator[str]:
     """A database with the outbox schema applied, cloned by every test that needs PostgreSQL."""
     require("postgresql")
     _admin_execute(f"DROP DATABASE IF EXISTS {TEMPLATE}", f"CREATE DATABASE {TEMPLATE}")
     _apply_schema(_pg_url(TEMPLATE))
-    return TEMPLATE
+    yield TEMPLATE
+    _admin_execute(f"DROP DATABASE IF EXISTS {TEMPLATE} WITH (FORCE)")
 
 
 @pytest.fixture
@@ -110,8 +113,11 @@ def _drop_mysql_database(name: str) -> None:
     admin = mysql_connect(MYSQL_ADMIN, autocommit=True)
     try:
         with admin.cursor() as cursor:
-            cursor.execute("SELECT ID FROM information_schema.PROCESSLIST "
-                           "WHERE DB = %s AND ID <> CONNECTION_ID()", (name,))
+            cursor.execute(
+                "SELECT ID FROM information_schema.PROCESSLIST "
+                "WHERE DB = %s AND ID <> CONNECTION_ID()",
+                (name,),
+            )
             for (session,) in cursor.fetchall():
                 with contextlib.suppress(pymysql.err.OperationalError):  # it ended meanwhile
                     cursor.execute(f"KILL {int(session)}")

@@ -37,22 +37,34 @@ class RabbitConsumer:
 
         self._connection = await aio_pika.connect(AMQP_URL)
         channel = await self._connection.channel()
-        exchange = await channel.declare_exchange(self.exchange, aio_pika.ExchangeType.TOPIC, durable=True)
+        exchange = await channel.declare_exchange(
+            self.exchange, aio_pika.ExchangeType.TOPIC, durable=True
+        )
         queue = await channel.declare_queue(exclusive=True)
         await queue.bind(exchange, self.binding)
 
         async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
-            self.received.append(Delivered(
-                str(message.message_id), message.routing_key or "", dict(message.headers or {}),
-                message.body, message.content_type, message.delivery_mode == aio_pika.DeliveryMode.PERSISTENT))
+            self.received.append(
+                Delivered(
+                    str(message.message_id),
+                    message.routing_key or "",
+                    dict(message.headers or {}),
+                    message.body,
+                    message.content_type,
+                    message.delivery_mode == aio_pika.DeliveryMode.PERSISTENT,
+                )
+            )
             await message.ack()
 
         await queue.consume(on_message)
         return self
 
-    async def wait_for(self, count: int, timeout: float = 20.0, *, distinct: bool = False) -> list[Delivered]:
+    async def wait_for(
+        self, count: int, timeout: float = 20.0, *, distinct: bool = False
+    ) -> list[Delivered]:
         """Wait until ``count`` deliveries arrived (``distinct``: of that many message ids,
         as redeliveries after a crash would reach a plain count early)."""
+
         def arrived() -> int:
             return len({d.message_id for d in self.received}) if distinct else len(self.received)
 

@@ -22,17 +22,27 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--db", help="database URL (env OUTBOXER_DB)")
-    parser.add_argument("--config", help="TOML settings file (env OUTBOXER_CONFIG; default ./outboxer.toml)")
+    parser.add_argument(
+        "--config", help="TOML settings file (env OUTBOXER_CONFIG; default ./outboxer.toml)"
+    )
     parser.add_argument("--schema", help="schema of the outbox table (default outboxer)")
     parser.add_argument("--table", help="outbox table name (default outbox)")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
 
 
 def _http_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--http", metavar="HOST:PORT",
-                        help="serve the HTTP API (health, metrics, status, requeue) here (env OUTBOXER_HTTP)")
-    parser.add_argument("--http-token", metavar="TOKEN",
-                        help="bearer token the API's POST endpoints require (env OUTBOXER_HTTP_TOKEN)")
+    parser.add_argument(
+        "--http",
+        metavar="HOST:PORT",
+        help="serve the HTTP API (health, metrics, status, requeue) here (env OUTBOXER_HTTP)",
+    )
+    parser.add_argument(
+        "--http-token",
+        metavar="TOKEN",
+        help="bearer token the API's POST endpoints require (env OUTBOXER_HTTP_TOKEN)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,12 +51,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     relay = commands.add_parser("relay", help="publish committed outbox messages to the broker")
     _common(relay)
-    relay.add_argument("--broker", help="broker URL of the 'default' destination (env OUTBOXER_BROKER)")
+    relay.add_argument(
+        "--broker", help="broker URL of the 'default' destination (env OUTBOXER_BROKER)"
+    )
     relay.add_argument("--batch-size", help="rows claimed per batch (default 500)")
     relay.add_argument("--lock-timeout", help="seconds a claim stays locked (default 60)")
     relay.add_argument("--max-attempts", help="attempts before ABANDONED (default 10)")
     relay.add_argument("--poll-interval", help="seconds between polls without NOTIFY (default 1)")
-    relay.add_argument("--concurrency", help="claim-publish-settle loops per destination (default 4)")
+    relay.add_argument(
+        "--concurrency", help="claim-publish-settle loops per destination (default 4)"
+    )
     relay.add_argument("--backoff-base", help="first retry delay in seconds (default 1)")
     relay.add_argument("--backoff-multiplier", help="growth per attempt (default 2)")
     relay.add_argument("--backoff-max", help="longest retry delay in seconds (default 300)")
@@ -55,14 +69,22 @@ def build_parser() -> argparse.ArgumentParser:
     relay.add_argument("--published-retention", help="keep PUBLISHED rows this long (default 7d)")
     relay.add_argument("--abandoned-retention", help="keep ABANDONED rows this long (default 30d)")
     relay.add_argument("--cleanup-interval", help="seconds between retention runs (default 300)")
-    relay.add_argument("--abandoned-blocks-key", choices=["true", "false"],
-                       help="whether an abandoned message holds back its key (default false)")
-    relay.add_argument("--relay-id", help="name of this relay in locked_by (default host:pid:random)")
-    relay.add_argument("--exit-when-idle", action="store_const", const=True,
-                       help="publish what is due, then exit")
+    relay.add_argument(
+        "--abandoned-blocks-key",
+        choices=["true", "false"],
+        help="whether an abandoned message holds back its key (default false)",
+    )
+    relay.add_argument(
+        "--relay-id", help="name of this relay in locked_by (default host:pid:random)"
+    )
+    relay.add_argument(
+        "--exit-when-idle", action="store_const", const=True, help="publish what is due, then exit"
+    )
     _http_flags(relay)
 
-    serve = commands.add_parser("serve", help="the HTTP API without a relay (health, metrics, status, requeue)")
+    serve = commands.add_parser(
+        "serve", help="the HTTP API without a relay (health, metrics, status, requeue)"
+    )
     _common(serve)
     _http_flags(serve)
 
@@ -72,8 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     _common(apply)
     sql = schema_commands.add_parser("sql", help="print the DDL for your own migration tool")
     _common(sql)
-    sql.add_argument("--dialect", choices=sorted(_DIALECT_URLS),
-                     help="print for this database (default: from --db, else postgres)")
+    sql.add_argument(
+        "--dialect",
+        choices=sorted(_DIALECT_URLS),
+        help="print for this database (default: from --db, else postgres)",
+    )
 
     status = commands.add_parser("status", help="counts per status, oldest pending age, retry rate")
     _common(status)
@@ -87,13 +112,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     messages = commands.add_parser("messages", help="list messages in a status (default ABANDONED)")
     _common(messages)
-    messages.add_argument("--status", action="append", choices=["PENDING", "PROCESSING", "PUBLISHED", "FAILED", "ABANDONED"])
+    messages.add_argument(
+        "--status",
+        action="append",
+        choices=["PENDING", "PROCESSING", "PUBLISHED", "FAILED", "ABANDONED"],
+    )
     messages.add_argument("--limit", type=int, default=50)
     messages.add_argument("--json", action="store_true")
 
-    requeue = commands.add_parser("requeue", help="make ABANDONED (or FAILED) messages PENDING again")
+    requeue = commands.add_parser(
+        "requeue", help="make ABANDONED (or FAILED) messages PENDING again"
+    )
     _common(requeue)
-    requeue.add_argument("--id", action="append", dest="ids", help="message id (repeatable); default: all")
+    requeue.add_argument(
+        "--id", action="append", dest="ids", help="message id (repeatable); default: all"
+    )
     requeue.add_argument("--status", action="append", choices=["ABANDONED", "FAILED"])
     requeue.add_argument("--destination", action="append")
 
@@ -106,23 +139,50 @@ def build_parser() -> argparse.ArgumentParser:
     enqueue.add_argument("--header", action="append", default=[], metavar="NAME=VALUE")
     enqueue.add_argument("--destination", action="append")
 
-    demo = commands.add_parser("demo", help="the pattern end to end on SQLite and a JSON-lines file")
+    demo = commands.add_parser(
+        "demo", help="the pattern end to end on SQLite and a JSON-lines file"
+    )
     demo.add_argument("--dir", default="outboxer-demo", help="where the demo writes its files")
-    demo.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    demo.add_argument(
+        "--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
     return parser
 
 
 #: A URL of each dialect, for printing its DDL without a database.
-_DIALECT_URLS = {"postgres": "postgresql://localhost/", "sqlite": "sqlite:///outboxer.db",
-                 "mysql": "mysql://localhost/outboxer"}
+_DIALECT_URLS = {
+    "postgres": "postgresql://localhost/",
+    "sqlite": "sqlite:///outboxer.db",
+    "mysql": "mysql://localhost/outboxer",
+}
 
 
 def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
-    names = ("db", "schema", "table", "broker", "batch_size", "lock_timeout", "max_attempts",
-             "poll_interval", "concurrency", "backoff_base", "backoff_multiplier", "backoff_max",
-             "backoff_jitter", "publish_timeout", "published_retention", "abandoned_retention",
-             "cleanup_interval", "abandoned_blocks_key", "relay_id", "exit_when_idle",
-             "inbox_retention", "http", "http_token")
+    names = (
+        "db",
+        "schema",
+        "table",
+        "broker",
+        "batch_size",
+        "lock_timeout",
+        "max_attempts",
+        "poll_interval",
+        "concurrency",
+        "backoff_base",
+        "backoff_multiplier",
+        "backoff_max",
+        "backoff_jitter",
+        "publish_timeout",
+        "published_retention",
+        "abandoned_retention",
+        "cleanup_interval",
+        "abandoned_blocks_key",
+        "relay_id",
+        "exit_when_idle",
+        "inbox_retention",
+        "http",
+        "http_token",
+    )
     flags = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     flags.update(extra)
     return load_settings(flags, config_file=getattr(args, "config", None))
@@ -165,10 +225,15 @@ async def _schema_apply(args: argparse.Namespace) -> int:
 
 def _schema_sql(args: argparse.Namespace) -> int:
     settings = _settings(args)
-    store = create_store(settings.db or _DIALECT_URLS[args.dialect or "postgres"],
-                         schema=settings.schema, table=settings.table)
+    store = create_store(
+        settings.db or _DIALECT_URLS[args.dialect or "postgres"],
+        schema=settings.schema,
+        table=settings.table,
+    )
     if args.dialect and store.dialect != args.dialect:
-        store = create_store(_DIALECT_URLS[args.dialect], schema=settings.schema, table=settings.table)
+        store = create_store(
+            _DIALECT_URLS[args.dialect], schema=settings.schema, table=settings.table
+        )
     print(store.schema_sql(), end="")
     return EXIT_OK
 
@@ -218,8 +283,10 @@ async def _messages(args: argparse.Namespace) -> int:
         print(json.dumps(rows, default=str, indent=2))
     else:
         for row in rows:
-            print(f"{row['id']}  {row['status']:<10} {row['destination']:<10} {row['topic']:<24} "
-                  f"key={row['key']} attempts={row['attempts']} error={row['last_error']}")
+            print(
+                f"{row['id']}  {row['status']:<10} {row['destination']:<10} {row['topic']:<24} "
+                f"key={row['key']} attempts={row['attempts']} error={row['last_error']}"
+            )
     return EXIT_OK
 
 
@@ -241,7 +308,9 @@ def _enqueue(args: argparse.Namespace) -> int:
         try:
             payload = json.loads(args.payload)
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"--payload is not JSON ({exc}); pass --text to send it as text") from None
+            raise ConfigError(
+                f"--payload is not JSON ({exc}); pass --text to send it as text"
+            ) from None
     headers = {}
     for item in args.header:
         name, sep, value = item.partition("=")
@@ -268,8 +337,9 @@ def _enqueue(args: argparse.Namespace) -> int:
 
         conn = psycopg.connect(db)
     try:  # the CLI owns this transaction: it commits on success
-        message = outbox.enqueue(conn, args.topic, payload, key=args.key, headers=headers,
-                                 destinations=args.destination)
+        message = outbox.enqueue(
+            conn, args.topic, payload, key=args.key, headers=headers, destinations=args.destination
+        )
         conn.commit()
     finally:
         conn.close()
@@ -279,15 +349,22 @@ def _enqueue(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     try:
         if args.command == "relay":
             return asyncio.run(_relay(args))
         if args.command == "serve":
             return asyncio.run(_serve(args))
         if args.command == "schema":
-            return _schema_sql(args) if args.schema_command == "sql" else asyncio.run(_schema_apply(args))
+            return (
+                _schema_sql(args)
+                if args.schema_command == "sql"
+                else asyncio.run(_schema_apply(args))
+            )
         if args.command == "status":
             return asyncio.run(_status(args))
         if args.command == "cleanup":

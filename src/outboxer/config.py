@@ -49,7 +49,9 @@ def parse_duration(value: object, name: str) -> float:
     elif isinstance(value, str) and (match := _DURATION.match(value)):
         seconds = float(match.group(1)) * _UNITS[match.group(2)]
     else:
-        raise ConfigError(f"{name} must be a duration such as 30, '30s', '5m' or '7d'; got {value!r}")
+        raise ConfigError(
+            f"{name} must be a duration such as 30, '30s', '5m' or '7d'; got {value!r}"
+        )
     if seconds < 0:
         raise ConfigError(f"{name} must not be negative")
     return seconds
@@ -67,7 +69,11 @@ def int_option(value: object, name: str, low: int, high: int) -> int:
 
 def float_option(value: object, name: str, low: float, high: float) -> float:
     try:
-        number = float(str(value)) if not isinstance(value, int | float) or isinstance(value, bool) else float(value)
+        number = (
+            float(str(value))
+            if not isinstance(value, int | float) or isinstance(value, bool)
+            else float(value)
+        )
     except ValueError:
         raise ConfigError(f"{name} must be a number; got {value!r}") from None
     if isinstance(value, bool) or not low <= number <= high:
@@ -93,9 +99,13 @@ def parse_http_address(value: object, name: str) -> tuple[str, int]:
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     elif ":" in host:
-        raise ConfigError(f"{name}: write an IPv6 address in brackets, as in [::1]:8080; got {value!r}")
+        raise ConfigError(
+            f"{name}: write an IPv6 address in brackets, as in [::1]:8080; got {value!r}"
+        )
     if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ConfigError(f"{name} must be HOST:PORT, such as 127.0.0.1:8080 or 0.0.0.0:8080; got {value!r}")
+        raise ConfigError(
+            f"{name} must be HOST:PORT, such as 127.0.0.1:8080 or 0.0.0.0:8080; got {value!r}"
+        )
     return host, int(port_text)
 
 
@@ -139,7 +149,9 @@ class DestinationSettings:
         if self.envelope not in ("full", "stripped"):
             raise ConfigError(f"destination {self.name!r}: envelope must be 'full' or 'stripped'")
         if "://" not in self.broker:
-            raise ConfigError(f"destination {self.name!r}: broker must be a URL such as amqp://host/; got {self.broker!r}")
+            raise ConfigError(
+                f"destination {self.name!r}: broker must be a URL such as amqp://host/; got {self.broker!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -180,7 +192,9 @@ class Settings:
 
     @property
     def backoff(self) -> Backoff:
-        return Backoff(self.backoff_base, self.backoff_multiplier, self.backoff_max, self.backoff_jitter)
+        return Backoff(
+            self.backoff_base, self.backoff_multiplier, self.backoff_max, self.backoff_jitter
+        )
 
     @property
     def destination_names(self) -> list[str]:
@@ -229,7 +243,9 @@ _CHECKS: dict[str, Any] = {
 
 def _url(value: object, name: str) -> str:
     if not isinstance(value, str) or "://" not in value:
-        raise ConfigError(f"{name} must be a URL such as postgresql://host/db or sqlite:///file.db; got {value!r}")
+        raise ConfigError(
+            f"{name} must be a URL such as postgresql://host/db or sqlite:///file.db; got {value!r}"
+        )
     return value
 
 
@@ -252,8 +268,13 @@ def _destinations(raw: object, origin: str) -> dict[str, DestinationSettings]:
             raise ConfigError(f"{origin}: destination {name!r}: routes must map topics to names")
         if not isinstance(options, Mapping):
             raise ConfigError(f"{origin}: destination {name!r}: options must be a table")
-        result[name] = DestinationSettings(name, str(spec["broker"]), str(spec.get("envelope", "full")),
-                                           dict(routes), dict(options))
+        result[name] = DestinationSettings(
+            name,
+            str(spec["broker"]),
+            str(spec.get("envelope", "full")),
+            dict(routes),
+            dict(options),
+        )
     return result
 
 
@@ -283,7 +304,9 @@ def load_settings(
         file_values = dict(file_values.get("outboxer", file_values))
     unknown = set(file_values) - set(SETTING_NAMES) - {"destinations", "broker"}
     if unknown:
-        raise ConfigError(f"{path}: unknown settings {sorted(unknown)}; known: {sorted(SETTING_NAMES)}")
+        raise ConfigError(
+            f"{path}: unknown settings {sorted(unknown)}; known: {sorted(SETTING_NAMES)}"
+        )
 
     values: dict[str, Any] = {}
     for name in SETTING_NAMES:
@@ -302,7 +325,8 @@ def load_settings(
     if broker is not None:
         base = destinations.get(DEFAULT_DESTINATION)
         destinations[DEFAULT_DESTINATION] = (
-            dataclasses.replace(base, broker=str(broker)) if base
+            dataclasses.replace(base, broker=str(broker))
+            if base
             else DestinationSettings(DEFAULT_DESTINATION, str(broker))
         )
     values["destinations"] = destinations

@@ -23,12 +23,20 @@ def _say(text: str = "") -> None:
     print(text, flush=True)
 
 
-def _place_order(conn: sqlite3.Connection, order_id: int, customer: str, total: float,
-                 fail: bool = False) -> None:
+def _place_order(
+    conn: sqlite3.Connection, order_id: int, customer: str, total: float, fail: bool = False
+) -> None:
     with conn:  # one transaction: the order row and its event commit or roll back together
-        conn.execute("INSERT INTO orders (id, customer, total) VALUES (?, ?, ?)", (order_id, customer, total))
-        enqueue(conn, "order.placed", {"order_id": order_id, "customer": customer, "total": total},
-                key=customer, headers={"source": "demo"})
+        conn.execute(
+            "INSERT INTO orders (id, customer, total) VALUES (?, ?, ?)", (order_id, customer, total)
+        )
+        enqueue(
+            conn,
+            "order.placed",
+            {"order_id": order_id, "customer": customer, "total": total},
+            key=customer,
+            headers={"source": "demo"},
+        )
         if fail:
             raise RuntimeError("payment service timed out")
 
@@ -74,8 +82,12 @@ def run_demo(directory: str) -> int:
             if not inbox.claim(conn, "shipping", event["id"]):
                 _say(f"   {event['id']}  duplicate delivery, already applied: skipped")
                 continue
-            conn.execute("INSERT INTO shipments (order_id) VALUES (?)", (event["payload"]["order_id"],))
-        _say(f"   {event['id']}  {event['topic']}  key={event['key']}  {json.dumps(event['payload'])}")
+            conn.execute(
+                "INSERT INTO shipments (order_id) VALUES (?)", (event["payload"]["order_id"],)
+            )
+        _say(
+            f"   {event['id']}  {event['topic']}  key={event['key']}  {json.dumps(event['payload'])}"
+        )
     shipments = conn.execute("SELECT count(*) FROM shipments").fetchone()[0]
     _say(f"   shipments created: {shipments} (one per order, despite the duplicate)")
 

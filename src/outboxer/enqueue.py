@@ -86,10 +86,17 @@ class Outbox:
 
     # ----- building rows ------------------------------------------------------------------
 
-    def build(self, topic: str, payload: object, *, key: str | None = None,
-              headers: Mapping[str, str] | None = None, message_id: object = None,
-              content_type: str | None = None,
-              destinations: Sequence[str] | None = None) -> list[Message]:
+    def build(
+        self,
+        topic: str,
+        payload: object,
+        *,
+        key: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        message_id: object = None,
+        content_type: str | None = None,
+        destinations: Sequence[str] | None = None,
+    ) -> list[Message]:
         """Validate and encode one message, one copy per destination. Raises PayloadError."""
         topic, key, clean_headers = validate_envelope(topic, key, headers)
         body, kind = encode_payload(payload, content_type)
@@ -98,8 +105,15 @@ class Outbox:
         if not targets or not all(isinstance(d, str) and d for d in targets):
             raise ConfigError("destinations must be a non-empty list of destination names")
         return [
-            Message(id=identifier, topic=topic, payload=body, key=key, headers=clean_headers,
-                    content_type=kind, destination=destination)
+            Message(
+                id=identifier,
+                topic=topic,
+                payload=body,
+                key=key,
+                headers=clean_headers,
+                content_type=kind,
+                destination=destination,
+            )
             for destination in targets
         ]
 
@@ -108,8 +122,10 @@ class Outbox:
     def _sql(self, dialect: str, name: str) -> str:
         cache_key = f"{dialect}:{name}"
         if cache_key not in self._cache:
-            tokens = {"outbox": table_name(dialect, self.schema, self.table),
-                      "keys": table_name(dialect, self.schema, self.table + "_keys")}
+            tokens = {
+                "outbox": table_name(dialect, self.schema, self.table),
+                "keys": table_name(dialect, self.schema, self.table + "_keys"),
+            }
             rendered = render(queries(dialect)[name], tokens)
             # PyMySQL and aiomysql batch an executemany into one INSERT only without comments.
             self._cache[cache_key] = strip_comments(rendered) if dialect == "mysql" else rendered
@@ -118,13 +134,28 @@ class Outbox:
 
     # ----- sync --------------------------------------------------------------------------
 
-    def enqueue(self, conn: Any, topic: str, payload: object, *, key: str | None = None,
-                headers: Mapping[str, str] | None = None, message_id: object = None,
-                content_type: str | None = None,
-                destinations: Sequence[str] | None = None) -> Message:
+    def enqueue(
+        self,
+        conn: Any,
+        topic: str,
+        payload: object,
+        *,
+        key: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        message_id: object = None,
+        content_type: str | None = None,
+        destinations: Sequence[str] | None = None,
+    ) -> Message:
         """Add one message in the caller's transaction; return it (with its id)."""
-        messages = self.build(topic, payload, key=key, headers=headers, message_id=message_id,
-                              content_type=content_type, destinations=destinations)
+        messages = self.build(
+            topic,
+            payload,
+            key=key,
+            headers=headers,
+            message_id=message_id,
+            content_type=content_type,
+            destinations=destinations,
+        )
         self._write(conn, messages)
         return messages[0]
 
@@ -148,16 +179,33 @@ class Outbox:
 
     # ----- async -------------------------------------------------------------------------
 
-    async def enqueue_async(self, conn: Any, topic: str, payload: object, *, key: str | None = None,
-                            headers: Mapping[str, str] | None = None, message_id: object = None,
-                            content_type: str | None = None,
-                            destinations: Sequence[str] | None = None) -> Message:
-        messages = self.build(topic, payload, key=key, headers=headers, message_id=message_id,
-                              content_type=content_type, destinations=destinations)
+    async def enqueue_async(
+        self,
+        conn: Any,
+        topic: str,
+        payload: object,
+        *,
+        key: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        message_id: object = None,
+        content_type: str | None = None,
+        destinations: Sequence[str] | None = None,
+    ) -> Message:
+        messages = self.build(
+            topic,
+            payload,
+            key=key,
+            headers=headers,
+            message_id=message_id,
+            content_type=content_type,
+            destinations=destinations,
+        )
         await self._write_async(conn, messages)
         return messages[0]
 
-    async def enqueue_many_async(self, conn: Any, items: Iterable[Mapping[str, Any]]) -> list[Message]:
+    async def enqueue_many_async(
+        self, conn: Any, items: Iterable[Mapping[str, Any]]
+    ) -> list[Message]:
         built = [self.build(**dict(item)) for item in items]
         await self._write_async(conn, [m for copies in built for m in copies])
         return [copies[0] for copies in built]
@@ -181,11 +229,15 @@ def _raise_duplicate(exc: BaseException, messages: Sequence[Message]) -> None:
     while seen is not None:  # SQLAlchemy wraps the driver's error
         name = type(seen).__name__
         text = str(seen)
-        if name in ("UniqueViolation", "UniqueViolationError") or (
-            name == "IntegrityError" and "UNIQUE" in text and ".id" in text
-        ) or (mysql_errno(seen) == _ER_DUP_ENTRY and "id_destination" in text):
+        if (
+            name in ("UniqueViolation", "UniqueViolationError")
+            or (name == "IntegrityError" and "UNIQUE" in text and ".id" in text)
+            or (mysql_errno(seen) == _ER_DUP_ENTRY and "id_destination" in text)
+        ):
             ids = ", ".join(sorted({str(m.id) for m in messages}))
-            raise DuplicateMessageError(f"a message with id {ids} is already in the outbox") from exc
+            raise DuplicateMessageError(
+                f"a message with id {ids} is already in the outbox"
+            ) from exc
         seen = seen.__cause__ or getattr(seen, "orig", None)
 
 
@@ -203,9 +255,12 @@ def mysql_errno(exc: BaseException) -> int | None:
 def _many_params(messages: Sequence[Message]) -> dict[str, list[Any]]:
     rows = [_Row(m).params("postgres") for m in messages]
     return {
-        "ids": [r["id"] for r in rows], "destinations": [r["destination"] for r in rows],
-        "topics": [r["topic"] for r in rows], "keys": [r["key"] for r in rows],
-        "payloads": [r["payload"] for r in rows], "content_types": [r["content_type"] for r in rows],
+        "ids": [r["id"] for r in rows],
+        "destinations": [r["destination"] for r in rows],
+        "topics": [r["topic"] for r in rows],
+        "keys": [r["key"] for r in rows],
+        "payloads": [r["payload"] for r in rows],
+        "content_types": [r["content_type"] for r in rows],
         "headers": [r["headers"] for r in rows],
     }
 
@@ -241,15 +296,21 @@ class _Driver:
         return conn
 
     @staticmethod
-    def statements(outbox: Outbox, dialect: str,
-                   messages: Sequence[Message]) -> list[tuple[str, list[dict[str, Any]]]]:
+    def statements(
+        outbox: Outbox, dialect: str, messages: Sequence[Message]
+    ) -> list[tuple[str, list[dict[str, Any]]]]:
         """The statements that insert ``messages``, each with its rows of parameters."""
         if dialect == "mysql":
             # Each key locked (sorted: two writers lock shared keys in one order) before any
             # row takes its seq; see queries.sql, key_lock.
             keys = sorted({m.key for m in messages if m.key is not None})
-            locks = [(outbox._sql(dialect, "key_lock"), [{"key": key} for key in keys])] if keys else []
-            return [*locks, (outbox._sql(dialect, "insert"), [_Row(m).params(dialect) for m in messages])]
+            locks = (
+                [(outbox._sql(dialect, "key_lock"), [{"key": key} for key in keys])] if keys else []
+            )
+            return [
+                *locks,
+                (outbox._sql(dialect, "insert"), [_Row(m).params(dialect) for m in messages]),
+            ]
         if dialect == "sqlite" or len(messages) == 1:  # SQLite has no arrays: one row a statement
             return [(outbox._sql(dialect, "insert"), [_Row(m).params(dialect) for m in messages])]
         return [(outbox._sql(dialect, "insert_many"), [_many_params(messages)])]
@@ -288,9 +349,11 @@ def _refuse_autocommit(name: str, raw: Any) -> None:
         get_autocommit = getattr(raw, "get_autocommit", None)
         refused = bool(get_autocommit()) if get_autocommit is not None else False
     if refused:
-        raise TypeError(f"{name} is in autocommit mode and no transaction is open: begin a "
-                        "transaction first (conn.begin()) or turn autocommit off; outboxer never "
-                        "commits for you")
+        raise TypeError(
+            f"{name} is in autocommit mode and no transaction is open: begin a "
+            "transaction first (conn.begin()) or turn autocommit off; outboxer never "
+            "commits for you"
+        )
 
 
 class _Psycopg(_Driver):
@@ -312,9 +375,14 @@ class _Psycopg2(_Driver):
 def _psycopg2_params(params: dict[str, Any]) -> dict[str, Any]:
     """UUIDs as text (the SQL casts them): psycopg2 adapts uuid.UUID only once the
     application has called psycopg2.extras.register_uuid(), which outboxer must not do."""
-    return {name: [str(item) for item in value] if name == "ids"
-            else str(value) if name == "id" else value
-            for name, value in params.items()}
+    return {
+        name: [str(item) for item in value]
+        if name == "ids"
+        else str(value)
+        if name == "id"
+        else value
+        for name, value in params.items()
+    }
 
 
 class _Django(_Driver):
@@ -345,9 +413,11 @@ class _Django(_Driver):
 
     def write(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> None:
         if conn.get_autocommit():
-            raise TypeError(f"the {conn.alias!r} Django connection is in autocommit mode: "
-                            "enqueue inside transaction.atomic(), with the rows it announces; "
-                            "outboxer never commits for you")
+            raise TypeError(
+                f"the {conn.alias!r} Django connection is in autocommit mode: "
+                "enqueue inside transaction.atomic(), with the rows it announces; "
+                "outboxer never commits for you"
+            )
         super().write(outbox, conn, messages)
 
 
@@ -378,8 +448,10 @@ class _Sqlite(_Driver):
     def execute(self, conn: Any, sql: str, params: dict[str, Any]) -> int:
         if conn.isolation_level is None and not conn.in_transaction:
             # Autocommit would commit each statement on its own; outboxer never commits for you.
-            raise TypeError("sqlite3 connection is in autocommit mode and no transaction is open: "
-                            "run BEGIN first, or use the default isolation_level")
+            raise TypeError(
+                "sqlite3 connection is in autocommit mode and no transaction is open: "
+                "run BEGIN first, or use the default isolation_level"
+            )
         return int(conn.execute(sql, params).rowcount)
 
 
@@ -446,8 +518,10 @@ def _register_aiomysql_bytes() -> None:
 
 def _aiomysql_params(params: dict[str, Any]) -> dict[str, Any]:
     _register_aiomysql_bytes()
-    return {name: _AiomysqlBytes(value) if isinstance(value, bytes) else value
-            for name, value in params.items()}
+    return {
+        name: _AiomysqlBytes(value) if isinstance(value, bytes) else value
+        for name, value in params.items()
+    }
 
 
 class _SqlAlchemy(_Driver):
@@ -554,38 +628,73 @@ def _driver_for(kind: type) -> _Driver:
                 return _SqlAlchemy(f"sqlalchemy {name}", is_async=False)
             if name in ("AsyncConnection", "AsyncSession"):
                 return _SqlAlchemy(f"sqlalchemy {name}", is_async=True)
-    raise TypeError(f"unsupported connection type {kind.__module__}.{kind.__qualname__}; "
-                    f"outboxer supports {SUPPORTED}")
+    raise TypeError(
+        f"unsupported connection type {kind.__module__}.{kind.__qualname__}; "
+        f"outboxer supports {SUPPORTED}"
+    )
 
 
 DEFAULT_OUTBOX = Outbox()
 
 
-def configure(*, schema: str = "outboxer", table: str = "outbox",
-              destinations: Sequence[str] = (DEFAULT_DESTINATION,)) -> Outbox:
+def configure(
+    *,
+    schema: str = "outboxer",
+    table: str = "outbox",
+    destinations: Sequence[str] = (DEFAULT_DESTINATION,),
+) -> Outbox:
     """Set the names and destinations that the module-level ``enqueue`` functions use."""
     global DEFAULT_OUTBOX
     DEFAULT_OUTBOX = Outbox(schema=schema, table=table, destinations=tuple(destinations))
     return DEFAULT_OUTBOX
 
 
-def enqueue(conn: Any, topic: str, payload: object, *, key: str | None = None,
-            headers: Mapping[str, str] | None = None, message_id: object = None,
-            content_type: str | None = None, destinations: Sequence[str] | None = None) -> Message:
+def enqueue(
+    conn: Any,
+    topic: str,
+    payload: object,
+    *,
+    key: str | None = None,
+    headers: Mapping[str, str] | None = None,
+    message_id: object = None,
+    content_type: str | None = None,
+    destinations: Sequence[str] | None = None,
+) -> Message:
     """Add a message to the default outbox in the caller's transaction (never commits)."""
-    return DEFAULT_OUTBOX.enqueue(conn, topic, payload, key=key, headers=headers,
-                                  message_id=message_id, content_type=content_type,
-                                  destinations=destinations)
+    return DEFAULT_OUTBOX.enqueue(
+        conn,
+        topic,
+        payload,
+        key=key,
+        headers=headers,
+        message_id=message_id,
+        content_type=content_type,
+        destinations=destinations,
+    )
 
 
-async def enqueue_async(conn: Any, topic: str, payload: object, *, key: str | None = None,
-                        headers: Mapping[str, str] | None = None, message_id: object = None,
-                        content_type: str | None = None,
-                        destinations: Sequence[str] | None = None) -> Message:
+async def enqueue_async(
+    conn: Any,
+    topic: str,
+    payload: object,
+    *,
+    key: str | None = None,
+    headers: Mapping[str, str] | None = None,
+    message_id: object = None,
+    content_type: str | None = None,
+    destinations: Sequence[str] | None = None,
+) -> Message:
     """Async twin of :func:`enqueue` for asyncpg, psycopg async and SQLAlchemy async."""
-    return await DEFAULT_OUTBOX.enqueue_async(conn, topic, payload, key=key, headers=headers,
-                                              message_id=message_id, content_type=content_type,
-                                              destinations=destinations)
+    return await DEFAULT_OUTBOX.enqueue_async(
+        conn,
+        topic,
+        payload,
+        key=key,
+        headers=headers,
+        message_id=message_id,
+        content_type=content_type,
+        destinations=destinations,
+    )
 
 
 def enqueue_many(conn: Any, items: Iterable[Mapping[str, Any]]) -> list[Message]:

@@ -18,7 +18,8 @@ INTERNAL_HEADER_PREFIXES = ("internal-", "x-internal-")
 
 def strip_envelope(message: Message) -> Message:
     headers = {
-        name: value for name, value in message.headers.items()
+        name: value
+        for name, value in message.headers.items()
         if not name.lower().startswith(INTERNAL_HEADER_PREFIXES)
     }
     return dataclasses.replace(message, headers=headers)

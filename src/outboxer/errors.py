@@ -53,8 +53,9 @@ class PublishError(OutboxerError):
     as too large will reject it again.
     """
 
-    def __init__(self, message: str, *, retryable: bool = True,
-                 retry_after: float | None = None) -> None:
+    def __init__(
+        self, message: str, *, retryable: bool = True, retry_after: float | None = None
+    ) -> None:
         super().__init__(message)
         self.retryable = retryable
         #: Seconds the broker asked us to wait before trying again (HTTP Retry-After), if any.

@@ -169,9 +169,13 @@ def parse_head(head: bytes) -> Request:
     if match is None:
         raise BadRequest(f"malformed HTTP version {version[:40]!r}")
     if match.group(1) != "1":
-        raise VersionNotSupported(f"HTTP/{match.group(1)}.{match.group(2)} is not supported; use HTTP/1.1")
+        raise VersionNotSupported(
+            f"HTTP/{match.group(1)}.{match.group(2)} is not supported; use HTTP/1.1"
+        )
     if not target.startswith("/"):
-        raise BadRequest(f"the request target must be a path starting with '/'; got {target[:100]!r}")
+        raise BadRequest(
+            f"the request target must be a path starting with '/'; got {target[:100]!r}"
+        )
     if len(lines) - 1 > MAX_HEADERS:
         raise HeadersTooLarge(f"more than {MAX_HEADERS} header fields")
     headers: dict[str, str] = {}
@@ -203,17 +207,24 @@ def body_length(headers: Mapping[str, str], max_body: int = MAX_BODY_BYTES) -> i
         raise BadRequest(f"malformed Content-Length {announced[:40]!r}")
     length = int(values.pop())
     if length > max_body:
-        raise PayloadTooLarge(f"the request body of {length} bytes is over the limit of {max_body} bytes")
+        raise PayloadTooLarge(
+            f"the request body of {length} bytes is over the limit of {max_body} bytes"
+        )
     return length
 
 
-async def read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter | None = None,
-                       max_body: int = MAX_BODY_BYTES) -> Request:
+async def read_request(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter | None = None,
+    max_body: int = MAX_BODY_BYTES,
+) -> Request:
     """Read one request; ``writer`` answers ``Expect: 100-continue`` before the body is read."""
     try:
         head = await reader.readuntil(b"\r\n\r\n")
     except asyncio.LimitOverrunError:
-        raise HeadersTooLarge(f"the request line and headers exceed {MAX_HEAD_BYTES} bytes") from None
+        raise HeadersTooLarge(
+            f"the request line and headers exceed {MAX_HEAD_BYTES} bytes"
+        ) from None
     except asyncio.IncompleteReadError as exc:
         if not exc.partial.strip():
             raise _ClientGone from None
@@ -231,14 +242,18 @@ async def read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
     return dataclasses.replace(request, body=body)
 
 
-def json_response(status: int, payload: object, headers: Mapping[str, str] | None = None) -> Response:
+def json_response(
+    status: int, payload: object, headers: Mapping[str, str] | None = None
+) -> Response:
     # default=str, as `outboxer messages --json` prints ids and times.
     body = (json.dumps(payload, default=str) + "\n").encode()
     return Response(status, body, JSON_CONTENT_TYPE, dict(headers or {}))
 
 
 def error_response(error: HttpError) -> Response:
-    return json_response(error.status, {"error": str(error), "type": type(error).__name__}, error.headers)
+    return json_response(
+        error.status, {"error": str(error), "type": type(error).__name__}, error.headers
+    )
 
 
 def encode_response(response: Response) -> bytes:
@@ -246,11 +261,13 @@ def encode_response(response: Response) -> bytes:
         reason = http.HTTPStatus(response.status).phrase
     except ValueError:
         reason = "Unknown"
-    lines = [f"HTTP/1.1 {response.status} {reason}",
-             f"Content-Type: {response.content_type}",
-             f"Content-Length: {len(response.body)}",
-             "Connection: close",
-             "Cache-Control: no-store"]
+    lines = [
+        f"HTTP/1.1 {response.status} {reason}",
+        f"Content-Type: {response.content_type}",
+        f"Content-Length: {len(response.body)}",
+        "Connection: close",
+        "Cache-Control: no-store",
+    ]
     lines += [f"{name}: {value}" for name, value in response.headers.items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + response.body
 
@@ -299,86 +316,171 @@ def render_metrics(metrics: Iterable[Metric]) -> str:
             for label in labels:
                 if not _LABEL_NAME.match(label) or label.startswith("__"):
                     raise ValueError(f"invalid label name {label!r}")
-            rendered = ",".join(f'{label}="{escape_label_value(text)}"' for label, text in labels.items())
-            lines.append(f"{metric.name}{{{rendered}}} {format_value(value)}" if rendered
-                         else f"{metric.name} {format_value(value)}")
+            rendered = ",".join(
+                f'{label}="{escape_label_value(text)}"' for label, text in labels.items()
+            )
+            lines.append(
+                f"{metric.name}{{{rendered}}} {format_value(value)}"
+                if rendered
+                else f"{metric.name} {format_value(value)}"
+            )
     return "\n".join(lines) + "\n" if lines else ""
 
 
 #: (metric, RelayStats attribute, help), one series per destination (label ``destination``).
 _DESTINATION_COUNTERS: tuple[tuple[str, str, str], ...] = (
-    ("outboxer_messages_claimed_total", "claimed",
-     "Messages this relay claimed (a message claimed again after a failure counts again)."),
-    ("outboxer_messages_published_total", "published",
-     "Messages the broker confirmed and this relay marked PUBLISHED."),
-    ("outboxer_messages_failed_total", "failed",
-     "Failed publish attempts this relay recorded (retried later, or abandoned)."),
-    ("outboxer_messages_abandoned_total", "abandoned_now",
-     "Messages this relay gave up on (ABANDONED): attempts used up or rejected for good."),
-    ("outboxer_messages_released_total", "released",
-     "Claimed messages given back without an attempt (behind a failed message of their key, or at shutdown)."),
-    ("outboxer_messages_lost_total", "lost",
-     "Messages another relay took over after this relay's lock expired."),
+    (
+        "outboxer_messages_claimed_total",
+        "claimed",
+        "Messages this relay claimed (a message claimed again after a failure counts again).",
+    ),
+    (
+        "outboxer_messages_published_total",
+        "published",
+        "Messages the broker confirmed and this relay marked PUBLISHED.",
+    ),
+    (
+        "outboxer_messages_failed_total",
+        "failed",
+        "Failed publish attempts this relay recorded (retried later, or abandoned).",
+    ),
+    (
+        "outboxer_messages_abandoned_total",
+        "abandoned_now",
+        "Messages this relay gave up on (ABANDONED): attempts used up or rejected for good.",
+    ),
+    (
+        "outboxer_messages_released_total",
+        "released",
+        "Claimed messages given back without an attempt (behind a failed message of their key, or at shutdown).",
+    ),
+    (
+        "outboxer_messages_lost_total",
+        "lost",
+        "Messages another relay took over after this relay's lock expired.",
+    ),
     ("outboxer_batches_total", "batches", "Batches this relay claimed and processed."),
     ("outboxer_claim_seconds_total", "claim_seconds", "Seconds spent in claim statements."),
-    ("outboxer_publish_seconds_total", "publish_seconds", "Seconds spent publishing batches and waiting for confirms."),
-    ("outboxer_settle_seconds_total", "settle_seconds", "Seconds spent recording outcomes (settle statements)."),
-    ("outboxer_broker_connects_total", "broker_reconnects",
-     "Successful broker connections: the first one of each destination and every reconnect."),
+    (
+        "outboxer_publish_seconds_total",
+        "publish_seconds",
+        "Seconds spent publishing batches and waiting for confirms.",
+    ),
+    (
+        "outboxer_settle_seconds_total",
+        "settle_seconds",
+        "Seconds spent recording outcomes (settle statements).",
+    ),
+    (
+        "outboxer_broker_connects_total",
+        "broker_reconnects",
+        "Successful broker connections: the first one of each destination and every reconnect.",
+    ),
 )
 #: Counters of the relay as a whole (no label).
 _RELAY_COUNTERS: tuple[tuple[str, str, str], ...] = (
-    ("outboxer_messages_cleaned_total", "cleaned",
-     "Finished messages and inbox entries this relay's retention deleted."),
-    ("outboxer_store_errors_total", "store_errors",
-     "Database statements or connections that failed (the relay backs off and retries)."),
+    (
+        "outboxer_messages_cleaned_total",
+        "cleaned",
+        "Finished messages and inbox entries this relay's retention deleted.",
+    ),
+    (
+        "outboxer_store_errors_total",
+        "store_errors",
+        "Database statements or connections that failed (the relay backs off and retries).",
+    ),
 )
 
 
-def relay_metrics(stats: RelayStats, healthy: bool, now: float | None = None,
-                  destinations: Mapping[str, RelayStats] | None = None) -> list[Metric]:
+def relay_metrics(
+    stats: RelayStats,
+    healthy: bool,
+    now: float | None = None,
+    destinations: Mapping[str, RelayStats] | None = None,
+) -> list[Metric]:
     """The relay's counters: per destination where ``destinations`` says, else unlabelled."""
     per_destination = sorted((destinations or {}).items())
     metrics = [
-        Metric(name, "counter", text,
-               [({"destination": destination}, getattr(counts, attribute)) for destination, counts in per_destination]
-               if per_destination else [({}, getattr(stats, attribute))])
+        Metric(
+            name,
+            "counter",
+            text,
+            [
+                ({"destination": destination}, getattr(counts, attribute))
+                for destination, counts in per_destination
+            ]
+            if per_destination
+            else [({}, getattr(stats, attribute))],
+        )
         for name, attribute, text in _DESTINATION_COUNTERS
     ]
-    metrics += [Metric(name, "counter", text, [({}, getattr(stats, attribute))])
-                for name, attribute, text in _RELAY_COUNTERS]
+    metrics += [
+        Metric(name, "counter", text, [({}, getattr(stats, attribute))])
+        for name, attribute, text in _RELAY_COUNTERS
+    ]
     uptime = (time.time() if now is None else now) - stats.started_at
-    metrics.append(Metric("outboxer_relay_uptime_seconds", "gauge", "Seconds since this relay started.",
-                          [({}, max(uptime, 0.0))]))
-    metrics.append(Metric("outboxer_relay_healthy", "gauge",
-                          "1 while the relay's loops run and nothing is in an outage backoff (as /health).",
-                          [({}, int(healthy))]))
+    metrics.append(
+        Metric(
+            "outboxer_relay_uptime_seconds",
+            "gauge",
+            "Seconds since this relay started.",
+            [({}, max(uptime, 0.0))],
+        )
+    )
+    metrics.append(
+        Metric(
+            "outboxer_relay_healthy",
+            "gauge",
+            "1 while the relay's loops run and nothing is in an outage backoff (as /health).",
+            [({}, int(healthy))],
+        )
+    )
     return metrics
 
 
 def store_metrics(statuses: Sequence[DestinationStatus] | None) -> list[Metric]:
     """Gauges from ``store.status()``; None when the query failed (only ``outboxer_store_up``)."""
-    metrics = [Metric("outboxer_store_up", "gauge",
-                      "1 if the last outbox status query succeeded (it is cached for a few seconds).",
-                      [({}, int(statuses is not None))])]
+    metrics = [
+        Metric(
+            "outboxer_store_up",
+            "gauge",
+            "1 if the last outbox status query succeeded (it is cached for a few seconds).",
+            [({}, int(statuses is not None))],
+        )
+    ]
     if statuses is None:
         return metrics
     # Every status of every destination, zeros included, so a series never vanishes mid-graph.
-    counts = [({"destination": entry.destination, "status": status}, entry.counts.get(status, 0))
-              for entry in statuses for status in ALL_STATUSES]
-    ages = [({"destination": entry.destination}, entry.oldest_pending_age or 0.0) for entry in statuses]
-    metrics.append(Metric("outboxer_messages", "gauge", "Rows in the outbox, by destination and status.", counts))
-    metrics.append(Metric("outboxer_oldest_pending_age_seconds", "gauge",
-                          "Age of the oldest unfinished (PENDING, FAILED, PROCESSING) message; 0 when none.",
-                          ages))
+    counts = [
+        ({"destination": entry.destination, "status": status}, entry.counts.get(status, 0))
+        for entry in statuses
+        for status in ALL_STATUSES
+    ]
+    ages = [
+        ({"destination": entry.destination}, entry.oldest_pending_age or 0.0) for entry in statuses
+    ]
+    metrics.append(
+        Metric(
+            "outboxer_messages", "gauge", "Rows in the outbox, by destination and status.", counts
+        )
+    )
+    metrics.append(
+        Metric(
+            "outboxer_oldest_pending_age_seconds",
+            "gauge",
+            "Age of the oldest unfinished (PENDING, FAILED, PROCESSING) message; 0 when none.",
+            ages,
+        )
+    )
     return metrics
 
 
 class StatusCache:
     """One ``store.status()`` answer (or failure) reused for ``ttl`` seconds by every caller."""
 
-    def __init__(self, query: Callable[[], Awaitable[list[DestinationStatus]]], ttl: float,
-                 timeout: float) -> None:
+    def __init__(
+        self, query: Callable[[], Awaitable[list[DestinationStatus]]], ttl: float, timeout: float
+    ) -> None:
         self.query = query
         self.ttl = ttl
         self.timeout = timeout
@@ -410,9 +512,16 @@ Handler = Callable[[Request], Awaitable[Response]]
 class HttpApi:
     """Routes a parsed request to its endpoint; no sockets here, so tests can call ``handle``."""
 
-    def __init__(self, store: Store, settings: Settings, relay: Relay | None = None, *,
-                 token: str | None = None, status_cache_seconds: float = STATUS_CACHE_SECONDS,
-                 store_timeout: float = STORE_TIMEOUT) -> None:
+    def __init__(
+        self,
+        store: Store,
+        settings: Settings,
+        relay: Relay | None = None,
+        *,
+        token: str | None = None,
+        status_cache_seconds: float = STATUS_CACHE_SECONDS,
+        store_timeout: float = STORE_TIMEOUT,
+    ) -> None:
         self.store = store
         self.settings = settings
         self.relay = relay
@@ -439,8 +548,10 @@ class HttpApi:
             handler = methods.get(request.method)
             if handler is None:
                 allowed = ", ".join(sorted(methods))
-                raise MethodNotAllowed(f"{request.path} accepts {allowed}, not {request.method}",
-                                       headers={"Allow": allowed})
+                raise MethodNotAllowed(
+                    f"{request.path} accepts {allowed}, not {request.method}",
+                    headers={"Allow": allowed},
+                )
             if request.method != "GET":
                 self._authorize(request)
             return await handler(request)
@@ -449,20 +560,29 @@ class HttpApi:
         except Exception as exc:
             if not _is_database_error(exc):
                 logger.exception("%s %s failed", request.method, request.path)
-                return json_response(http.HTTPStatus.INTERNAL_SERVER_ERROR, {
-                    "error": "internal server error; the traceback is in the server's log",
-                    "type": type(exc).__name__})
-            logger.warning("%s %s: database error: %s", request.method, request.path, _describe(exc))
+                return json_response(
+                    http.HTTPStatus.INTERNAL_SERVER_ERROR,
+                    {
+                        "error": "internal server error; the traceback is in the server's log",
+                        "type": type(exc).__name__,
+                    },
+                )
+            logger.warning(
+                "%s %s: database error: %s", request.method, request.path, _describe(exc)
+            )
             return error_response(ServiceUnavailable(f"database error: {_describe(exc)}"))
 
     def _authorize(self, request: Request) -> None:
         if self.token is None:  # only allowed on a loopback address (see check_exposure)
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode("latin-1"),
-                                                                   self.token.encode()):
-            raise Unauthorized("this endpoint needs the header Authorization: Bearer <token>",
-                               headers={"WWW-Authenticate": 'Bearer realm="outboxer"'})
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            given.strip().encode("latin-1"), self.token.encode()
+        ):
+            raise Unauthorized(
+                "this endpoint needs the header Authorization: Bearer <token>",
+                headers={"WWW-Authenticate": 'Bearer realm="outboxer"'},
+            )
 
     async def _connected_store(self) -> Store:
         # Connect lazily and again after a failure, so the API starts while the database is
@@ -499,10 +619,15 @@ class HttpApi:
     async def metrics(self, request: Request) -> Response:
         metrics: list[Metric] = []
         if self.relay is not None:
-            metrics += relay_metrics(self.relay.stats, not self.relay.health_problems(),
-                                     destinations=self.relay.destination_stats)
+            metrics += relay_metrics(
+                self.relay.stats,
+                not self.relay.health_problems(),
+                destinations=self.relay.destination_stats,
+            )
         metrics += store_metrics(await self.status_cache.get())
-        return Response(http.HTTPStatus.OK, render_metrics(metrics).encode(), PROMETHEUS_CONTENT_TYPE)
+        return Response(
+            http.HTTPStatus.OK, render_metrics(metrics).encode(), PROMETHEUS_CONTENT_TYPE
+        )
 
     async def status(self, request: Request) -> Response:
         store = await self._connected_store()
@@ -511,9 +636,12 @@ class HttpApi:
 
     async def messages(self, request: Request) -> Response:
         _only(request.query, {"status", "limit"}, "query parameter")
-        statuses = _statuses([part for value in request.query.get("status", [])
-                              for part in value.split(",")] or [Status.ABANDONED.value],
-                             ALL_STATUSES, "status")
+        statuses = _statuses(
+            [part for value in request.query.get("status", []) for part in value.split(",")]
+            or [Status.ABANDONED.value],
+            ALL_STATUSES,
+            "status",
+        )
         limits = request.query.get("limit", [str(MESSAGES_DEFAULT_LIMIT)])
         if len(limits) != 1:
             raise BadRequest("give limit once")
@@ -534,12 +662,15 @@ class HttpApi:
         except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8/16/32
             raise BadRequest(f"the body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
-            raise BadRequest('the body must be a JSON object such as {"statuses": ["ABANDONED"]} '
-                             "({} requeues every ABANDONED message)")
+            raise BadRequest(
+                'the body must be a JSON object such as {"statuses": ["ABANDONED"]} '
+                "({} requeues every ABANDONED message)"
+            )
         _only(body, {"destinations", "statuses", "ids"}, "field")
         destinations = _string_list(body, "destinations") or self.settings.destination_names
-        statuses = _statuses(_string_list(body, "statuses") or [Status.ABANDONED.value],
-                             REQUEUE_STATUSES, "statuses")
+        statuses = _statuses(
+            _string_list(body, "statuses") or [Status.ABANDONED.value], REQUEUE_STATUSES, "statuses"
+        )
         ids = _string_list(body, "ids")
         if ids is not None:
             try:
@@ -549,9 +680,13 @@ class HttpApi:
         # No timeout here: an abandoned requeue could still commit after the client was told
         # it failed. The store's own statement timeout bounds it.
         count = await (await self._connected_store()).requeue(destinations, statuses, ids)
-        logger.info("requeued %d message(s) (destinations %s, statuses %s%s)", count,
-                    ", ".join(destinations), ", ".join(statuses),
-                    f", {len(ids)} id(s)" if ids is not None else "")
+        logger.info(
+            "requeued %d message(s) (destinations %s, statuses %s%s)",
+            count,
+            ", ".join(destinations),
+            ", ".join(statuses),
+            f", {len(ids)} id(s)" if ids is not None else "",
+        )
         return json_response(http.HTTPStatus.OK, {"requeued": count})
 
 
@@ -565,23 +700,33 @@ def _describe(exc: BaseException) -> str:
 
 
 def _is_database_error(exc: BaseException) -> bool:
-    return (isinstance(exc, StoreError | OSError)  # OSError includes TimeoutError
-            or type(exc).__module__.split(".")[0] in _DATABASE_DRIVERS)
+    return (
+        isinstance(exc, StoreError | OSError)  # OSError includes TimeoutError
+        or type(exc).__module__.split(".")[0] in _DATABASE_DRIVERS
+    )
 
 
 def _only(given: Mapping[str, object], known: set[str], kind: str) -> None:
     # A mistyped name must not silently widen a requeue to every message.
     unknown = sorted(set(given) - known)
     if unknown:
-        raise BadRequest(f"unknown {kind}(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        raise BadRequest(
+            f"unknown {kind}(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
 
 
 def _string_list(body: Mapping[str, Any], name: str) -> list[str] | None:
     value = body.get(name)
     if value is None:
         return None
-    if not isinstance(value, list) or not value or not all(isinstance(item, str) and item for item in value):
-        raise BadRequest(f"{name} must be a non-empty list of non-empty strings (leave it out for the default)")
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(item, str) and item for item in value)
+    ):
+        raise BadRequest(
+            f"{name} must be a non-empty list of non-empty strings (leave it out for the default)"
+        )
     return list(value)
 
 
@@ -599,8 +744,15 @@ def _statuses(values: Sequence[str], allowed: Sequence[str], name: str) -> list[
 class HttpServer:
     """Serves an ``HttpApi`` on ``host:port``, one request per connection."""
 
-    def __init__(self, api: HttpApi, host: str, port: int, *, read_timeout: float = READ_TIMEOUT,
-                 max_connections: int = MAX_CONNECTIONS) -> None:
+    def __init__(
+        self,
+        api: HttpApi,
+        host: str,
+        port: int,
+        *,
+        read_timeout: float = READ_TIMEOUT,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
         self.api = api
         self.host = host
         self.port = port
@@ -616,14 +768,19 @@ class HttpServer:
 
     async def start(self) -> HttpServer:
         try:
-            self._server = await asyncio.start_server(self._serve_connection, self.host, self.port,
-                                                      limit=MAX_HEAD_BYTES)
+            self._server = await asyncio.start_server(
+                self._serve_connection, self.host, self.port, limit=MAX_HEAD_BYTES
+            )
         except OSError as exc:
-            raise ConfigError(f"the HTTP API cannot listen on {self.host}:{self.port}: "
-                              f"{exc.strerror or exc}") from None
+            raise ConfigError(
+                f"the HTTP API cannot listen on {self.host}:{self.port}: {exc.strerror or exc}"
+            ) from None
         self.port = self._server.sockets[0].getsockname()[1]  # the port chosen for port 0
-        logger.info("HTTP API listening on %s (requeue %s)", self.url,
-                    "needs the bearer token" if self.api.token else "open to local clients")
+        logger.info(
+            "HTTP API listening on %s (requeue %s)",
+            self.url,
+            "needs the bearer token" if self.api.token else "open to local clients",
+        )
         return self
 
     async def close(self) -> None:
@@ -647,13 +804,17 @@ class HttpServer:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._connections.add(task)
         try:
             if len(self._connections) > self.max_connections:
-                await self._send(writer, error_response(ServiceUnavailable("too many open connections")))
+                await self._send(
+                    writer, error_response(ServiceUnavailable("too many open connections"))
+                )
                 return
             response, unread_input = await self._answer(reader, writer)
             if response is not None:
@@ -666,8 +827,9 @@ class HttpServer:
             self._connections.discard(task)
             await self._close_writer(writer)
 
-    async def _answer(self, reader: asyncio.StreamReader,
-                      writer: asyncio.StreamWriter) -> tuple[Response | None, bool]:
+    async def _answer(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> tuple[Response | None, bool]:
         """The response (None: nobody to answer) and whether request bytes may be left unread."""
         started = time.perf_counter()
         try:
@@ -676,12 +838,19 @@ class HttpServer:
         except _ClientGone:
             return None, False
         except TimeoutError:
-            return error_response(RequestTimeout(f"no complete request within {self.read_timeout:g}s")), False
+            return error_response(
+                RequestTimeout(f"no complete request within {self.read_timeout:g}s")
+            ), False
         except HttpError as exc:
             return error_response(exc), True
         response = await self.api.handle(request)
-        logger.debug("%s %s -> %d in %.1f ms", request.method, request.path, response.status,
-                     (time.perf_counter() - started) * 1000)
+        logger.debug(
+            "%s %s -> %d in %.1f ms",
+            request.method,
+            request.path,
+            response.status,
+            (time.perf_counter() - started) * 1000,
+        )
         return response, False
 
     async def _send(self, writer: asyncio.StreamWriter, response: Response) -> None:
@@ -689,7 +858,9 @@ class HttpServer:
         async with asyncio.timeout(self.read_timeout):
             await writer.drain()
 
-    async def _discard_input(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _discard_input(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         with contextlib.suppress(OSError):  # a timeout or a reset: close anyway
             if writer.can_write_eof():
                 writer.write_eof()
@@ -714,8 +885,10 @@ class HttpServer:
 def check_exposure(host: str, token: str | None) -> None:
     """Refuse to offer requeue without a token to anyone but this machine."""
     if token is None and not is_loopback(host):
-        raise ConfigError(f"set --http-token to expose requeue on a non-loopback address ({host}); "
-                          "or bind the HTTP API to 127.0.0.1")
+        raise ConfigError(
+            f"set --http-token to expose requeue on a non-loopback address ({host}); "
+            "or bind the HTTP API to 127.0.0.1"
+        )
 
 
 async def start_http_api(settings: Settings, relay: Relay | None = None) -> HttpServer:

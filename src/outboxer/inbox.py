@@ -52,12 +52,15 @@ class Inbox:
     def __post_init__(self) -> None:
         check_identifier("schema", self.schema)
 
-    def _params(self, conn: Any, consumer: str,
-                message_id: object) -> tuple[Any, str, str, dict[str, Any]]:
+    def _params(
+        self, conn: Any, consumer: str, message_id: object
+    ) -> tuple[Any, str, str, dict[str, Any]]:
         if not isinstance(consumer, str) or not consumer or len(consumer) > 255:
             raise PayloadError("consumer must be a non-empty string of at most 255 characters")
         try:
-            identifier = message_id if isinstance(message_id, uuid.UUID) else uuid.UUID(str(message_id))
+            identifier = (
+                message_id if isinstance(message_id, uuid.UUID) else uuid.UUID(str(message_id))
+            )
         except ValueError:
             raise PayloadError(f"message_id is not a UUID: {message_id!r}") from None
         driver = detect(conn)

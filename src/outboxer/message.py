@@ -116,9 +116,7 @@ def encode_payload(payload: object, content_type: str | None = None) -> tuple[by
         except (TypeError, ValueError) as exc:
             raise PayloadError(f"payload is not JSON-serializable: {exc}") from exc
         return encoded.encode("utf-8"), content_type or JSON
-    raise PayloadError(
-        f"payload must be dict, list, str or bytes, not {type(payload).__name__}"
-    )
+    raise PayloadError(f"payload must be dict, list, str or bytes, not {type(payload).__name__}")
 
 
 def validate_envelope(
@@ -126,9 +124,13 @@ def validate_envelope(
 ) -> tuple[str, str | None, dict[str, str]]:
     """Check topic, key and headers at the boundary; return them normalised."""
     if not isinstance(topic, str) or not topic or len(topic) > MAX_TOPIC_LENGTH:
-        raise PayloadError(f"topic must be a non-empty string of at most {MAX_TOPIC_LENGTH} characters")
+        raise PayloadError(
+            f"topic must be a non-empty string of at most {MAX_TOPIC_LENGTH} characters"
+        )
     if key is not None and (not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH):
-        raise PayloadError(f"key must be None or a non-empty string of at most {MAX_KEY_LENGTH} characters")
+        raise PayloadError(
+            f"key must be None or a non-empty string of at most {MAX_KEY_LENGTH} characters"
+        )
     if headers is None:
         return topic, key, {}
     if not isinstance(headers, Mapping):
@@ -149,7 +151,9 @@ def coerce_message_id(message_id: object) -> uuid.UUID:
             return uuid.UUID(message_id)
         except ValueError as exc:
             raise PayloadError(f"message_id is not a UUID: {message_id!r}") from exc
-    raise PayloadError(f"message_id must be a UUID or a UUID string, not {type(message_id).__name__}")
+    raise PayloadError(
+        f"message_id must be a UUID or a UUID string, not {type(message_id).__name__}"
+    )
 
 
 _uuid7_lock = threading.Lock()

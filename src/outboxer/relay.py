@@ -56,9 +56,14 @@ class RelayStats:
 class Relay:
     """Moves committed outbox rows to their brokers: at least once, in order per key."""
 
-    def __init__(self, store: Store, publishers: Mapping[str, Publisher],
-                 settings: Settings | None = None, *,
-                 envelopes: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        publishers: Mapping[str, Publisher],
+        settings: Settings | None = None,
+        *,
+        envelopes: Mapping[str, str] | None = None,
+    ) -> None:
         if not publishers:
             raise ValueError("a relay needs at least one destination publisher")
         self.store = store
@@ -81,10 +86,16 @@ class Relay:
     def from_settings(cls, settings: Settings) -> Relay:
         store = create_store(settings.require_db(), schema=settings.schema, table=settings.table)
         if not settings.destinations:
-            raise ConfigError("no broker: pass --broker URL, set OUTBOXER_BROKER, or name destinations in outboxer.toml")
+            raise ConfigError(
+                "no broker: pass --broker URL, set OUTBOXER_BROKER, or name destinations in outboxer.toml"
+            )
         publishers = {
-            name: create_publisher(dest.broker, routes=dest.routes,
-                                   publish_timeout=settings.publish_timeout, **dest.options)
+            name: create_publisher(
+                dest.broker,
+                routes=dest.routes,
+                publish_timeout=settings.publish_timeout,
+                **dest.options,
+            )
             for name, dest in settings.destinations.items()
         }
         envelopes = {name: dest.envelope for name, dest in settings.destinations.items()}
@@ -131,12 +142,17 @@ class Relay:
         """Run until ``stop()`` (or, with ``exit_when_idle``, until nothing is due)."""
         if not await self._connect_store():
             return self.stats
-        logger.info("relay %s started: destinations %s, batch %d, concurrency %d",
-                    self.relay_id, ", ".join(self.publishers), self.settings.batch_size,
-                    self.settings.concurrency)
+        logger.info(
+            "relay %s started: destinations %s, batch %d, concurrency %d",
+            self.relay_id,
+            ", ".join(self.publishers),
+            self.settings.batch_size,
+            self.settings.concurrency,
+        )
         loops = [
             asyncio.create_task(self._loop(name), name=f"outboxer-{name}-{n}")
-            for name in self.publishers for n in range(self.settings.concurrency)
+            for name in self.publishers
+            for n in range(self.settings.concurrency)
         ]
         cleanup = asyncio.create_task(self._cleanup_loop(), name="outboxer-cleanup")
         self._loops_running = True
@@ -202,21 +218,29 @@ class Relay:
                 await publisher.connect()
                 self._outage(f"broker {destination}", None)
                 if failures:
-                    logger.info("destination %s: broker %s is back", destination, publisher.safe_url)
+                    logger.info(
+                        "destination %s: broker %s is back", destination, publisher.safe_url
+                    )
                 for stats in self._stats(destination):
                     stats.broker_reconnects += 1
             except Exception as exc:  # noqa: BLE001 -- broker outage: log, back off, try again
                 if isinstance(exc, PublishError) and not exc.retryable:
                     # Misconfigured (say, an exchange of another type): retrying cannot help.
-                    logger.error("destination %s: broker refuses this configuration: %s", destination, exc)
+                    logger.error(
+                        "destination %s: broker refuses this configuration: %s", destination, exc
+                    )
                     self._fatal = ConfigError(f"destination {destination}: {exc}")
                     self.stop()
                     return False
                 failures += 1
                 delay = OUTAGE_BACKOFF.delay(failures)
                 self._outage(f"broker {destination}", f"unreachable ({exc})")
-                logger.warning("destination %s: broker unreachable (%s); retrying in %.1fs",
-                               destination, exc, delay)
+                logger.warning(
+                    "destination %s: broker unreachable (%s); retrying in %.1fs",
+                    destination,
+                    exc,
+                    delay,
+                )
                 if await self._sleep(delay):
                     return False
         return True
@@ -230,16 +254,22 @@ class Relay:
             self.store.reset_wakeup(destination)
             started = time.perf_counter()
             try:
-                batch = await self.store.claim(destination, self.relay_id, settings.batch_size,
-                                               settings.lock_timeout, settings.abandoned_blocks_key)
+                batch = await self.store.claim(
+                    destination,
+                    self.relay_id,
+                    settings.batch_size,
+                    settings.lock_timeout,
+                    settings.abandoned_blocks_key,
+                )
             except Exception as exc:  # noqa: BLE001 -- database outage: log, back off, resume by itself
                 store_failures += 1
                 for stats in self._stats(destination):
                     stats.store_errors += 1
                 delay = OUTAGE_BACKOFF.delay(store_failures)
                 self._outage("database", f"claim failed ({exc})")
-                logger.warning("destination %s: claim failed (%s); retrying in %.1fs",
-                               destination, exc, delay)
+                logger.warning(
+                    "destination %s: claim failed (%s); retrying in %.1fs", destination, exc, delay
+                )
                 await self._sleep(delay)
                 continue
             store_failures = 0
@@ -247,11 +277,15 @@ class Relay:
             for stats in self._stats(destination):
                 stats.claim_seconds += time.perf_counter() - started
             if len(batch) == settings.batch_size:
-                self.store.nudge(destination)  # a full batch: there is likely more, let another loop help
+                self.store.nudge(
+                    destination
+                )  # a full batch: there is likely more, let another loop help
             if not batch:
                 if settings.exit_when_idle and self._in_flight[destination] == 0:
                     return
-                await self._wait_for_work(destination, settings.poll_interval if not settings.exit_when_idle else 0.05)
+                await self._wait_for_work(
+                    destination, settings.poll_interval if not settings.exit_when_idle else 0.05
+                )
                 continue
             self._in_flight[destination] += 1
             try:
@@ -282,8 +316,9 @@ class Relay:
             stats.publish_seconds += time.perf_counter() - started
         await self._settle(destination, batch, outcomes)
 
-    async def _settle(self, destination: str, batch: Sequence[Message],
-                      outcomes: Sequence[Outcome | None]) -> None:
+    async def _settle(
+        self, destination: str, batch: Sequence[Message], outcomes: Sequence[Outcome | None]
+    ) -> None:
         published: list[int] = []
         failed: list[Failure] = []
         released: list[int] = []
@@ -296,21 +331,37 @@ class Relay:
             else:
                 error = outcome.error or "unknown error"
                 permanent = not outcome.retryable
-                failed.append(Failure(message.stored_seq, error,
-                                      self.backoff.delay_after(message.attempts + 1, outcome.retry_after),
-                                      permanent))
+                failed.append(
+                    Failure(
+                        message.stored_seq,
+                        error,
+                        self.backoff.delay_after(message.attempts + 1, outcome.retry_after),
+                        permanent,
+                    )
+                )
                 if permanent or message.attempts + 1 >= self.settings.max_attempts:
                     for stats in self._stats(destination):
                         stats.abandoned_now += 1
-                    logger.error("destination %s: message %s (topic %s) abandoned after %d attempt(s): %s",
-                                 destination, message.id, message.topic, message.attempts + 1, error)
+                    logger.error(
+                        "destination %s: message %s (topic %s) abandoned after %d attempt(s): %s",
+                        destination,
+                        message.id,
+                        message.topic,
+                        message.attempts + 1,
+                        error,
+                    )
                 else:
                     retrying.setdefault(error, []).append(message)
         # One line per distinct error, not per message: an outage fails whole batches.
         for error, messages in retrying.items():
             shown = ", ".join(str(m.id) for m in messages[:3]) + (" …" if len(messages) > 3 else "")
-            logger.warning("destination %s: %d message(s) failed and will be retried (%s): %s",
-                           destination, len(messages), shown, error)
+            logger.warning(
+                "destination %s: %d message(s) failed and will be retried (%s): %s",
+                destination,
+                len(messages),
+                shown,
+                error,
+            )
         # Settling must not be given up lightly: the broker already has these messages.
         # Retry until the database answers; if this relay dies first, the lock expires and
         # another relay publishes them again (a duplicate, never a loss).
@@ -318,8 +369,14 @@ class Relay:
         started = time.perf_counter()
         while True:
             try:
-                result = await self.store.settle(destination, self.relay_id, published, failed,
-                                                 released, self.settings.max_attempts)
+                result = await self.store.settle(
+                    destination,
+                    self.relay_id,
+                    published,
+                    failed,
+                    released,
+                    self.settings.max_attempts,
+                )
                 self._outage("database", None)
                 break
             except Exception as exc:  # noqa: BLE001 -- database outage during settle
@@ -328,11 +385,18 @@ class Relay:
                     stats.store_errors += 1
                 delay = OUTAGE_BACKOFF.delay(failures)
                 if self.stopping and failures > 3:
-                    logger.error("destination %s: could not record %d outcomes (%s); their locks "
-                                 "expire and they will be published again", destination, len(batch), exc)
+                    logger.error(
+                        "destination %s: could not record %d outcomes (%s); their locks "
+                        "expire and they will be published again",
+                        destination,
+                        len(batch),
+                        exc,
+                    )
                     return
                 self._outage("database", f"settle failed ({exc})")
-                logger.warning("destination %s: settle failed (%s); retrying in %.1fs", destination, exc, delay)
+                logger.warning(
+                    "destination %s: settle failed (%s); retrying in %.1fs", destination, exc, delay
+                )
                 await asyncio.sleep(delay)
         for stats in self._stats(destination):
             stats.settle_seconds += time.perf_counter() - started
@@ -341,9 +405,12 @@ class Relay:
             stats.released += result.released
             stats.lost += result.lost
         if result.lost:
-            logger.warning("destination %s: %d message(s) were taken over by another relay after "
-                           "this relay's lock expired; raise --lock-timeout if publishing is slow",
-                           destination, result.lost)
+            logger.warning(
+                "destination %s: %d message(s) were taken over by another relay after "
+                "this relay's lock expired; raise --lock-timeout if publishing is slow",
+                destination,
+                result.lost,
+            )
 
     async def _wait_for_work(self, destination: str, timeout: float) -> None:
         waiter = asyncio.create_task(self.store.wait_for_wakeup(destination, timeout))
@@ -380,8 +447,12 @@ async def cleanup(store: Store, settings: Settings, max_batches: int = 100) -> i
     """Delete finished rows past their retention in bounded batches; return how many."""
     deleted = 0
     steps: list[Callable[[], Awaitable[int]]] = [
-        functools.partial(store.cleanup, "PUBLISHED", settings.published_retention, settings.cleanup_batch),
-        functools.partial(store.cleanup, "ABANDONED", settings.abandoned_retention, settings.cleanup_batch),
+        functools.partial(
+            store.cleanup, "PUBLISHED", settings.published_retention, settings.cleanup_batch
+        ),
+        functools.partial(
+            store.cleanup, "ABANDONED", settings.abandoned_retention, settings.cleanup_batch
+        ),
         functools.partial(store.cleanup_inbox, settings.inbox_retention, settings.cleanup_batch),
     ]
     for step in steps:

@@ -47,8 +47,9 @@ class Backoff:
         spread = nominal * self.jitter * (2.0 * rand() - 1.0)
         return min(max(nominal + spread, 0.0), self.cap)
 
-    def delay_after(self, failures: int, retry_after: float | None,
-                    rand: Callable[[], float] = random.random) -> float:
+    def delay_after(
+        self, failures: int, retry_after: float | None, rand: Callable[[], float] = random.random
+    ) -> float:
         """``delay(failures)``, but no less than the wait the broker asked for (HTTP
         Retry-After), which is honoured up to ``cap``: a receiver asking for an hour must
         not hold a key back longer than the backoff would at worst."""

@@ -47,11 +47,22 @@ class Consumer(ABC):
         return None
 
 
-def make_message(topic: str, payload: object = None, *, key: str | None = None,
-                 headers: dict[str, str] | None = None) -> Message:
+def make_message(
+    topic: str,
+    payload: object = None,
+    *,
+    key: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Message:
     body, content_type = encode_payload(payload if payload is not None else {"n": 1})
-    return Message(id=uuid7(), topic=topic, payload=body, key=key, headers=headers or {},
-                   content_type=content_type)
+    return Message(
+        id=uuid7(),
+        topic=topic,
+        payload=body,
+        key=key,
+        headers=headers or {},
+        content_type=content_type,
+    )
 
 
 class PublisherContract(ABC):
@@ -93,7 +104,9 @@ class PublisherContract(ABC):
         topic = self.fresh_topic()
         consumer = await self.start_consumer(topic)
         sent = [
-            make_message(topic, {"order": 1, "text": "zürich ✓"}, key="k-1", headers={"trace": "abc"}),
+            make_message(
+                topic, {"order": 1, "text": "zürich ✓"}, key="k-1", headers={"trace": "abc"}
+            ),
             make_message(topic, "plain text", key=None, headers={"a": "1", "b": "2"}),
             make_message(topic, b"\x00\x01binary\xff", key="k-2"),
         ]
@@ -115,8 +128,11 @@ class PublisherContract(ABC):
         consumer = await self.start_consumer(topic)
         keys = [f"key-{n}" for n in range(5)]
         batches = [
-            [make_message(topic, {"key": key, "n": batch * 20 + n}, key=key)
-             for n in range(20) for key in keys]
+            [
+                make_message(topic, {"key": key, "n": batch * 20 + n}, key=key)
+                for n in range(20)
+                for key in keys
+            ]
             for batch in range(3)
         ]
         async with self.make_publisher() as publisher:
@@ -276,8 +292,9 @@ class TcpProxy:
             task.cancel()
 
 
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 15.0,
-                     interval: float = 0.05) -> None:
+async def eventually(
+    check: Callable[[], Awaitable[bool]], timeout: float = 15.0, interval: float = 0.05
+) -> None:
     """Wait until ``check()`` is true, else fail the test."""
     deadline = time.monotonic() + timeout
     while True:
@@ -335,7 +352,9 @@ class StoreContract(ABC):
         conn = self.connect_sync(url)
         try:
             cursor = conn.cursor()
-            cursor.execute(f"SELECT seq, id, key, status, attempts, last_error, locked_by FROM {self.table} ORDER BY seq")
+            cursor.execute(
+                f"SELECT seq, id, key, status, attempts, last_error, locked_by FROM {self.table} ORDER BY seq"
+            )
             names = [d[0] for d in cursor.description]
             return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
         finally:
@@ -364,8 +383,14 @@ class StoreContract(ABC):
         yield store
         await store.close()
 
-    async def claim(self, store: Any, relay: str = "relay-a", limit: int = 100,
-                    lock: float = 60.0, abandoned_blocks: bool = False) -> list[Message]:
+    async def claim(
+        self,
+        store: Any,
+        relay: str = "relay-a",
+        limit: int = 100,
+        lock: float = 60.0,
+        abandoned_blocks: bool = False,
+    ) -> list[Message]:
         return list(await store.claim("default", relay, limit, lock, abandoned_blocks))
 
     # ----- schema -------------------------------------------------------------------------
@@ -376,7 +401,9 @@ class StoreContract(ABC):
 
         await store.check_schema()  # fully migrated: silent
         latest = migrations(store.dialect)[-1]
-        self.execute(url, f"DELETE FROM {store.tokens()['migrations']} WHERE version = {latest.version}")
+        self.execute(
+            url, f"DELETE FROM {store.tokens()['migrations']} WHERE version = {latest.version}"
+        )
         with pytest.raises(SchemaError, match=f"{latest.name}.*outboxer schema apply"):
             await store.check_schema()
 
@@ -396,7 +423,9 @@ class StoreContract(ABC):
         first, second = await self.claim(store)
         other = await store.settle("default", "relay-other", [first.stored_seq], [], [], 5)
         assert other.lost == 1 and other.published == 0
-        result = await store.settle("default", "relay-a", [first.stored_seq, second.stored_seq], [], [], 5)
+        result = await store.settle(
+            "default", "relay-a", [first.stored_seq, second.stored_seq], [], [], 5
+        )
         assert result.published == 2 and result.lost == 0
         assert [r["status"] for r in self.rows(url)] == ["PUBLISHED", "PUBLISHED"]
         assert {r["locked_by"] for r in self.rows(url)} == {None}
@@ -407,7 +436,9 @@ class StoreContract(ABC):
 
         self.enqueue(url, ("t", "a"))
         [message] = await self.claim(store)
-        await store.settle("default", "relay-a", [], [Failure(message.stored_seq, "boom", 30.0, False)], [], 5)
+        await store.settle(
+            "default", "relay-a", [], [Failure(message.stored_seq, "boom", 30.0, False)], [], 5
+        )
         [row] = self.rows(url)
         assert (row["status"], row["attempts"], row["last_error"]) == ("FAILED", 1, "boom")
         assert await self.claim(store) == [], "not due before its backoff"
@@ -415,19 +446,32 @@ class StoreContract(ABC):
         [again] = await self.claim(store)
         assert again.id == message.id and again.attempts == 1
 
-    async def test_attempts_used_up_or_permanent_failure_abandons(self, url: str, store: Any) -> None:
+    async def test_attempts_used_up_or_permanent_failure_abandons(
+        self, url: str, store: Any
+    ) -> None:
         from outboxer.stores import Failure
 
         self.enqueue(url, ("t", "a"), ("t", "b"))
         first, second = await self.claim(store)
         self.execute(url, f"UPDATE {self.table} SET attempts = 2 WHERE seq = {first.stored_seq}")
-        await store.settle("default", "relay-a", [], [Failure(first.stored_seq, "again", 0.0, False),
-                                                      Failure(second.stored_seq, "too large", 0.0, True)], [], 3)
+        await store.settle(
+            "default",
+            "relay-a",
+            [],
+            [
+                Failure(first.stored_seq, "again", 0.0, False),
+                Failure(second.stored_seq, "too large", 0.0, True),
+            ],
+            [],
+            3,
+        )
         rows = self.rows(url)
         assert [(r["status"], r["attempts"]) for r in rows] == [("ABANDONED", 3), ("ABANDONED", 1)]
         assert await self.claim(store) == []
 
-    async def test_release_returns_rows_without_counting_an_attempt(self, url: str, store: Any) -> None:
+    async def test_release_returns_rows_without_counting_an_attempt(
+        self, url: str, store: Any
+    ) -> None:
         self.enqueue(url, ("t", "a"))
         [message] = await self.claim(store)
         result = await store.settle("default", "relay-a", [], [], [message.stored_seq], 5)
@@ -457,15 +501,21 @@ class StoreContract(ABC):
         head = await self.claim(store, "relay-a", limit=1)
         assert head[0].key == "k"
         rest = await self.claim(store, "relay-b")
-        assert [m.key for m in rest] == ["other", None], "k's second row waits while its head is in flight"
-        await store.settle("default", "relay-a", [], [Failure(head[0].stored_seq, "down", 60.0, False)], [], 5)
+        assert [m.key for m in rest] == ["other", None], (
+            "k's second row waits while its head is in flight"
+        )
+        await store.settle(
+            "default", "relay-a", [], [Failure(head[0].stored_seq, "down", 60.0, False)], [], 5
+        )
         assert await self.claim(store, "relay-c") == [], "k waits while its head backs off"
         self.execute(url, self.shift_sql("next_attempt_at", 61))
         again = await self.claim(store, "relay-c")
         assert [m.stored_seq for m in again] == sorted(m.stored_seq for m in again)
         assert next(m.id for m in again) == head[0].id and len(again) == 2
 
-    async def test_a_key_never_overtakes_a_row_another_transaction_holds(self, url: str, store: Any) -> None:
+    async def test_a_key_never_overtakes_a_row_another_transaction_holds(
+        self, url: str, store: Any
+    ) -> None:
         # SKIP LOCKED passes over a committed row that someone else holds locked (a manual
         # SELECT ... FOR UPDATE; on MySQL also a row committed while the claim ran).
         first, later, other = self.enqueue(url, ("t", "k"), ("t", "k"), ("t", "other"))
@@ -479,23 +529,35 @@ class StoreContract(ABC):
         claimed = await self.claim(store, "relay-b")
         assert [m.id for m in claimed] == [first.id, later.id]
 
-    async def test_abandoned_head_blocks_its_key_only_when_configured(self, url: str, store: Any) -> None:
+    async def test_abandoned_head_blocks_its_key_only_when_configured(
+        self, url: str, store: Any
+    ) -> None:
         from outboxer.stores import Failure
 
         self.enqueue(url, ("t", "k"), ("t", "k"))
         [head] = await self.claim(store, limit=1)
-        await store.settle("default", "relay-a", [], [Failure(head.stored_seq, "rejected", 0.0, True)], [], 5)
+        await store.settle(
+            "default", "relay-a", [], [Failure(head.stored_seq, "rejected", 0.0, True)], [], 5
+        )
         assert await self.claim(store, abandoned_blocks=True) == []
         [follower] = await self.claim(store, abandoned_blocks=False)
         assert follower.stored_seq > head.stored_seq
 
-    async def test_cleanup_deletes_old_finished_rows_in_bounded_batches(self, url: str, store: Any) -> None:
+    async def test_cleanup_deletes_old_finished_rows_in_bounded_batches(
+        self, url: str, store: Any
+    ) -> None:
         from outboxer.stores import Failure
 
         self.enqueue(url, *[("t", None)] * 5)
         claimed = await self.claim(store)
-        await store.settle("default", "relay-a", [m.stored_seq for m in claimed[:4]],
-                           [Failure(claimed[4].stored_seq, "x", 0.0, True)], [], 5)
+        await store.settle(
+            "default",
+            "relay-a",
+            [m.stored_seq for m in claimed[:4]],
+            [Failure(claimed[4].stored_seq, "x", 0.0, True)],
+            [],
+            5,
+        )
         assert await store.cleanup("PUBLISHED", 3600, 10) == 0, "too young"
         self.execute(url, self.shift_sql("updated_at", 7200))
         assert await store.cleanup("PUBLISHED", 3600, 3) == 3
@@ -509,8 +571,14 @@ class StoreContract(ABC):
 
         sent = self.enqueue(url, ("t", "a"), ("t", "b"), ("t", "c"))
         claimed = await self.claim(store, limit=2)
-        await store.settle("default", "relay-a", [claimed[0].stored_seq],
-                           [Failure(claimed[1].stored_seq, "no", 0.0, True)], [], 5)
+        await store.settle(
+            "default",
+            "relay-a",
+            [claimed[0].stored_seq],
+            [Failure(claimed[1].stored_seq, "no", 0.0, True)],
+            [],
+            5,
+        )
         [report] = await store.status()
         assert report.counts == {"PUBLISHED": 1, "ABANDONED": 1, "PENDING": 1}
         assert report.retried == 1 and report.oldest_pending_age is not None
@@ -539,7 +607,9 @@ class StoreContract(ABC):
         assert self.rows(url) == []
         assert await self.claim(store) == []
 
-    async def test_a_commit_wakes_a_waiting_loop_of_every_destination(self, url: str, store: Any) -> None:
+    async def test_a_commit_wakes_a_waiting_loop_of_every_destination(
+        self, url: str, store: Any
+    ) -> None:
         """A commit with rows for two destinations wakes a waiting loop of each: a wake-up
         taken by one destination's loop must not leave the other's asleep until its poll
         interval."""
@@ -551,8 +621,10 @@ class StoreContract(ABC):
             for _ in range(5):
                 if not await store.wait_for_wakeup(destination, 0.05):
                     break
-        waiting = [asyncio.create_task(store.wait_for_wakeup(destination, 20))
-                   for destination in destinations]
+        waiting = [
+            asyncio.create_task(store.wait_for_wakeup(destination, 20))
+            for destination in destinations
+        ]
         await asyncio.sleep(0.3)
         conn = self.connect_sync(url)
         try:

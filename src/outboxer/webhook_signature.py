@@ -90,13 +90,16 @@ def verify_signature(
     raw_timestamp = _header(headers, HEADER_TIMESTAMP)
     raw_signature = _header(headers, HEADER_SIGNATURE)
     if not raw_timestamp.isdigit() or not raw_timestamp.isascii():
-        raise WebhookSignatureError("malformed", f"{HEADER_TIMESTAMP} is not Unix seconds: {raw_timestamp[:40]!r}")
+        raise WebhookSignatureError(
+            "malformed", f"{HEADER_TIMESTAMP} is not Unix seconds: {raw_timestamp[:40]!r}"
+        )
     timestamp = int(raw_timestamp)
     if tolerance is not None:
         current = time.time() if now is None else now
         if abs(current - timestamp) > tolerance:
             raise WebhookSignatureError(
-                "expired", f"signed at {timestamp}, {current - timestamp:+.0f}s from now (tolerance {tolerance:g}s)"
+                "expired",
+                f"signed at {timestamp}, {current - timestamp:+.0f}s from now (tolerance {tolerance:g}s)",
             )
     candidates = _signatures(raw_signature)
     for key in secrets:
@@ -131,7 +134,9 @@ def _signatures(header: str) -> list[str]:
     for entry in re.split(r"[,\s]+", header.strip()):
         match = _ENTRY.match(entry)
         if match is None:
-            raise WebhookSignatureError("malformed", f"cannot parse {HEADER_SIGNATURE} entry {entry[:80]!r}")
+            raise WebhookSignatureError(
+                "malformed", f"cannot parse {HEADER_SIGNATURE} entry {entry[:80]!r}"
+            )
         if match.group(1) == SCHEME:
             found.append(match.group(2).lower())
     if not found:

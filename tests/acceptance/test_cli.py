@@ -21,31 +21,63 @@ from tests.rabbit import RabbitConsumer
 OUTBOXER = [sys.executable, "-m", "outboxer.cli"]
 
 
-def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*OUTBOXER, *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+def cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*OUTBOXER, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def spawn_relay(db: str, broker: str, relay_id: str, log: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [*OUTBOXER, "relay", "--db", db, "--broker", broker, "--relay-id", relay_id,
-         "--batch-size", "40", "--lock-timeout", "3", "--poll-interval", "0.2", "--concurrency", "2"],
-        stdout=log.open("ab"), stderr=subprocess.STDOUT)
+        [
+            *OUTBOXER,
+            "relay",
+            "--db",
+            db,
+            "--broker",
+            broker,
+            "--relay-id",
+            relay_id,
+            "--batch-size",
+            "40",
+            "--lock-timeout",
+            "3",
+            "--poll-interval",
+            "0.2",
+            "--concurrency",
+            "2",
+        ],
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 def statuses(db: str) -> dict[str, int]:
     with psycopg.connect(db) as conn:
-        return dict(conn.execute("SELECT status, count(*) FROM outboxer.outbox GROUP BY status").fetchall())
+        return dict(
+            conn.execute("SELECT status, count(*) FROM outboxer.outbox GROUP BY status").fetchall()
+        )
 
 
 async def test_sigkill_mid_batch_loses_nothing_and_keeps_key_order(
-        pg_url: str, rabbit_consumer: RabbitConsumer, tmp_path: Path) -> None:
+    pg_url: str, rabbit_consumer: RabbitConsumer, tmp_path: Path
+) -> None:
     total_keys, per_key = 25, 120
     with psycopg.connect(pg_url) as conn:
-        outboxer.enqueue_many(conn, [
-            {"topic": "order.placed", "payload": {"key": f"k{k}", "n": n}, "key": f"k{k}"}
-            for n in range(per_key) for k in range(total_keys)
-        ])
+        outboxer.enqueue_many(
+            conn,
+            [
+                {"topic": "order.placed", "payload": {"key": f"k{k}", "n": n}, "key": f"k{k}"}
+                for n in range(per_key)
+                for k in range(total_keys)
+            ],
+        )
     total = total_keys * per_key
     log = tmp_path / "relays.log"
     victim = spawn_relay(pg_url, rabbit_consumer.broker_url, "relay-victim", log)
@@ -56,8 +88,12 @@ async def test_sigkill_mid_batch_loses_nothing_and_keeps_key_order(
         victim.send_signal(signal.SIGKILL)
         victim.wait(10)
         with psycopg.connect(pg_url) as conn:
-            in_flight = {str(row[0]) for row in conn.execute(
-                "SELECT id FROM outboxer.outbox WHERE status = 'PROCESSING' AND locked_by = 'relay-victim'")}
+            in_flight = {
+                str(row[0])
+                for row in conn.execute(
+                    "SELECT id FROM outboxer.outbox WHERE status = 'PROCESSING' AND locked_by = 'relay-victim'"
+                )
+            }
         restarted = spawn_relay(pg_url, rabbit_consumer.broker_url, "relay-restarted", log)
         deadline = time.monotonic() + 120
         while statuses(pg_url) != {"PUBLISHED": total} and time.monotonic() < deadline:
@@ -92,8 +128,10 @@ def test_sigterm_exits_zero_and_releases_nothing_half_done(pg_url: str, tmp_path
     out = tmp_path / "events.jsonl"
     with psycopg.connect(pg_url) as conn:
         outboxer.enqueue(conn, "t", {"n": 1})
-    process = subprocess.Popen([*OUTBOXER, "relay", "--db", pg_url, "--broker", f"file://{out}",
-                                "--poll-interval", "0.1"], stderr=subprocess.PIPE)
+    process = subprocess.Popen(
+        [*OUTBOXER, "relay", "--db", pg_url, "--broker", f"file://{out}", "--poll-interval", "0.1"],
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 30
     while statuses(pg_url) != {"PUBLISHED": 1} and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -105,8 +143,22 @@ def test_sigterm_exits_zero_and_releases_nothing_half_done(pg_url: str, tmp_path
 
 def test_exit_when_idle_status_cleanup_and_schema(pg_url: str, tmp_path: Path) -> None:
     out = tmp_path / "events.jsonl"
-    assert cli("enqueue", "--db", pg_url, "--topic", "t", "--key", "k", "--payload", '{"a": 1}',
-               "--header", "h=v").returncode == 0
+    assert (
+        cli(
+            "enqueue",
+            "--db",
+            pg_url,
+            "--topic",
+            "t",
+            "--key",
+            "k",
+            "--payload",
+            '{"a": 1}',
+            "--header",
+            "h=v",
+        ).returncode
+        == 0
+    )
     done = cli("relay", "--db", pg_url, "--broker", f"file://{out}", "--exit-when-idle")
     assert done.returncode == 0, done.stderr
     [line] = out.read_text().splitlines()
@@ -123,22 +175,45 @@ def test_exit_when_idle_status_cleanup_and_schema(pg_url: str, tmp_path: Path) -
     assert cli("schema", "apply", "--db", pg_url).stdout.strip() == "schema is up to date"
 
 
-@pytest.mark.parametrize(("args", "env", "message"), [
-    (["relay", "--db", "postgresql://x/y", "--broker", "nope://x"], {}, "unknown broker URL scheme"),
-    (["relay", "--broker", "memory://"], {"OUTBOXER_DB": ""}, "no database"),
-    (["relay", "--db", "postgresql://x/y", "--broker", "memory://", "--batch-size", "0"], {}, "--batch-size"),
-    (["status", "--db", "mysql2://x"], {}, "unknown database URL scheme"),
-    (["relay", "--db", "sqlite:///x.db", "--broker", "memory://"], {"OUTBOXER_LOCK_TIMEOUT": "soon"}, "OUTBOXER_LOCK_TIMEOUT"),
-])
-def test_bad_configuration_is_a_clear_error(args: list[str], env: dict[str, Any], message: str) -> None:
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (
+            ["relay", "--db", "postgresql://x/y", "--broker", "nope://x"],
+            {},
+            "unknown broker URL scheme",
+        ),
+        (["relay", "--broker", "memory://"], {"OUTBOXER_DB": ""}, "no database"),
+        (
+            ["relay", "--db", "postgresql://x/y", "--broker", "memory://", "--batch-size", "0"],
+            {},
+            "--batch-size",
+        ),
+        (["status", "--db", "mysql2://x"], {}, "unknown database URL scheme"),
+        (
+            ["relay", "--db", "sqlite:///x.db", "--broker", "memory://"],
+            {"OUTBOXER_LOCK_TIMEOUT": "soon"},
+            "OUTBOXER_LOCK_TIMEOUT",
+        ),
+    ],
+)
+def test_bad_configuration_is_a_clear_error(
+    args: list[str], env: dict[str, Any], message: str
+) -> None:
     result = cli(*args, env=env)
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
 def test_relay_refuses_a_database_without_the_schema(tmp_path: Path) -> None:
-    result = cli("relay", "--db", f"sqlite:///{tmp_path / 'empty.db'}", "--broker", "memory://",
-                 "--exit-when-idle")
+    result = cli(
+        "relay",
+        "--db",
+        f"sqlite:///{tmp_path / 'empty.db'}",
+        "--broker",
+        "memory://",
+        "--exit-when-idle",
+    )
     assert result.returncode == 2, result.stderr
     assert "0001_outbox" in result.stderr and "outboxer schema apply" in result.stderr
     assert "Traceback" not in result.stderr
@@ -147,16 +222,31 @@ def test_relay_refuses_a_database_without_the_schema(tmp_path: Path) -> None:
 def test_sigterm_under_load_finishes_in_flight_and_exits_zero(pg_url: str, tmp_path: Path) -> None:
     out = tmp_path / "events.jsonl"
     with psycopg.connect(pg_url) as conn:
-        outboxer.enqueue_many(conn, [{"topic": "t", "payload": {"n": n}, "key": f"k{n % 50}"} for n in range(20000)])
-    process = subprocess.Popen([*OUTBOXER, "relay", "--db", pg_url, "--broker", f"file://{out}?fsync=false",
-                                "--batch-size", "100"], stderr=subprocess.PIPE)
+        outboxer.enqueue_many(
+            conn, [{"topic": "t", "payload": {"n": n}, "key": f"k{n % 50}"} for n in range(20000)]
+        )
+    process = subprocess.Popen(
+        [
+            *OUTBOXER,
+            "relay",
+            "--db",
+            pg_url,
+            "--broker",
+            f"file://{out}?fsync=false",
+            "--batch-size",
+            "100",
+        ],
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 60
     while statuses(pg_url).get("PUBLISHED", 0) < 1000 and time.monotonic() < deadline:
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
     assert process.wait(30) == 0
     counts = statuses(pg_url)
-    assert "PROCESSING" not in counts, f"in-flight batches are settled or released on SIGTERM: {counts}"
+    assert "PROCESSING" not in counts, (
+        f"in-flight batches are settled or released on SIGTERM: {counts}"
+    )
     published = counts.get("PUBLISHED", 0)
     assert 1000 <= published < 20000, counts
     lines = out.read_text().splitlines()

@@ -16,8 +16,19 @@ def test_schema_enqueue_relay_status_and_operations(mysql_empty_url: str, tmp_pa
     assert cli("schema", "apply", "--db", db).stdout.strip() == "applied: 0001_outbox"
     assert cli("schema", "apply", "--db", db).stdout.strip() == "schema is up to date"
     for n in range(3):
-        added = cli("enqueue", "--db", db, "--topic", "t", "--key", "k", "--payload", json.dumps({"n": n}),
-                    "--header", "h=v")
+        added = cli(
+            "enqueue",
+            "--db",
+            db,
+            "--topic",
+            "t",
+            "--key",
+            "k",
+            "--payload",
+            json.dumps({"n": n}),
+            "--header",
+            "h=v",
+        )
         assert added.returncode == 0, added.stderr
     done = cli("relay", "--db", db, "--broker", f"file://{out}", "--exit-when-idle")
     assert done.returncode == 0, done.stderr
@@ -33,4 +44,7 @@ def test_schema_enqueue_relay_status_and_operations(mysql_empty_url: str, tmp_pa
     assert "deleted 0" in cli("cleanup", "--db", db).stdout
     assert "deleted 3" in cli("cleanup", "--db", db, "--published-retention", "0").stdout
     ddl = cli("schema", "sql", "--dialect", "mysql").stdout
-    assert "CREATE TABLE IF NOT EXISTS `outbox`" in ddl and "INSERT IGNORE INTO `outbox_migrations`" in ddl
+    assert (
+        "CREATE TABLE IF NOT EXISTS `outbox`" in ddl
+        and "INSERT IGNORE INTO `outbox_migrations`" in ddl
+    )

@@ -26,11 +26,14 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def request(url: str, *, data: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, str]:
+def request(
+    url: str, *, data: bytes | None = None, headers: dict[str, str] | None = None
+) -> tuple[int, str]:
     """(status, body) of one request; an error status is an answer too, a refused connection is (0, reason)."""
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers or {}),
-                                    timeout=5) as response:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, data=data, headers=headers or {}), timeout=5
+        ) as response:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
@@ -65,17 +68,33 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
 
 
 def test_relay_serves_metrics_while_it_publishes_and_stops_on_sigterm(
-        sqlite_url: str, tmp_path: Path, processes: list[subprocess.Popen[bytes]]) -> None:
+    sqlite_url: str, tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
     port, out, log = free_port(), tmp_path / "events.jsonl", tmp_path / "relay.log"
     base = f"http://127.0.0.1:{port}"
     with log.open("ab") as sink:
-        relay = subprocess.Popen([*OUTBOXER, "relay", "--db", sqlite_url, "--broker", f"file://{out}",
-                                  "--http", f"127.0.0.1:{port}", "--poll-interval", "0.1"],
-                                 stdout=sink, stderr=subprocess.STDOUT)
+        relay = subprocess.Popen(
+            [
+                *OUTBOXER,
+                "relay",
+                "--db",
+                sqlite_url,
+                "--broker",
+                f"file://{out}",
+                "--http",
+                f"127.0.0.1:{port}",
+                "--poll-interval",
+                "0.1",
+            ],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
     processes.append(relay)
     wait_until(lambda: request(base + "/health")[0] == 200, "the relay answers /health with 200")
     assert published_count(base) == 0
-    enqueued = cli("enqueue", "--db", sqlite_url, "--topic", "order.placed", "--payload", '{"n": 1}')
+    enqueued = cli(
+        "enqueue", "--db", sqlite_url, "--topic", "order.placed", "--payload", '{"n": 1}'
+    )
     assert enqueued.returncode == 0, enqueued.stderr
     wait_until(lambda: published_count(base) == 1, "outboxer_messages_published_total reaches 1")
     relay.send_signal(signal.SIGTERM)
@@ -86,23 +105,29 @@ def test_relay_serves_metrics_while_it_publishes_and_stops_on_sigterm(
 
 
 def test_serve_requeues_with_the_token_from_the_environment(
-        pg_url: str, tmp_path: Path, processes: list[subprocess.Popen[bytes]]) -> None:
+    pg_url: str, tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
     with psycopg.connect(pg_url) as conn:
         message = outboxer.enqueue(conn, "t", {"n": 1})
         conn.execute("UPDATE outboxer.outbox SET status = 'ABANDONED', attempts = 10")
     port, log = free_port(), tmp_path / "serve.log"
     base = f"http://127.0.0.1:{port}"
     with log.open("ab") as sink:
-        serve = subprocess.Popen([*OUTBOXER, "serve", "--db", pg_url, "--http", f"127.0.0.1:{port}"],
-                                 env={**os.environ, "OUTBOXER_HTTP_TOKEN": "t0ken"},
-                                 stdout=sink, stderr=subprocess.STDOUT)
+        serve = subprocess.Popen(
+            [*OUTBOXER, "serve", "--db", pg_url, "--http", f"127.0.0.1:{port}"],
+            env={**os.environ, "OUTBOXER_HTTP_TOKEN": "t0ken"},
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
     processes.append(serve)
     wait_until(lambda: request(base + "/health")[0] == 200, "serve answers /health with 200")
     status, text = request(base + "/messages")
     assert status == 200 and [m["id"] for m in json.loads(text)["messages"]] == [str(message.id)]
     body = b'{"statuses": ["ABANDONED"]}'
     assert request(base + "/messages/requeue", data=body)[0] == 401
-    status, text = request(base + "/messages/requeue", data=body, headers={"Authorization": "Bearer t0ken"})
+    status, text = request(
+        base + "/messages/requeue", data=body, headers={"Authorization": "Bearer t0ken"}
+    )
     assert (status, json.loads(text)) == (200, {"requeued": 1})
     status, text = request(base + "/status")
     assert json.loads(text)["destinations"][0]["counts"] == {"PENDING": 1}
@@ -114,16 +139,35 @@ def test_serve_requeues_with_the_token_from_the_environment(
     assert "t0ken" not in log.read_text(), "the token is never logged"
 
 
-@pytest.mark.parametrize(("args", "env", "message"), [
-    (["relay", "--db", "sqlite:///x.db", "--broker", "memory://", "--http", "8080"], {},
-     "--http must be HOST:PORT"),
-    (["relay", "--db", "sqlite:///x.db", "--broker", "memory://", "--http", "0.0.0.0:0"], {},
-     "set --http-token to expose requeue on a non-loopback address"),
-    (["serve", "--db", "sqlite:///x.db"], {"OUTBOXER_HTTP": "localhost"}, "OUTBOXER_HTTP must be HOST:PORT"),
-    (["serve", "--db", "sqlite:///x.db"], {"OUTBOXER_HTTP": ""}, "no HTTP address"),
-    (["serve", "--db", "sqlite:///x.db", "--http", "127.0.0.1:99999"], {}, "--http must be HOST:PORT"),
-])
-def test_bad_http_settings_are_a_clear_error(args: list[str], env: dict[str, str], message: str) -> None:
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (
+            ["relay", "--db", "sqlite:///x.db", "--broker", "memory://", "--http", "8080"],
+            {},
+            "--http must be HOST:PORT",
+        ),
+        (
+            ["relay", "--db", "sqlite:///x.db", "--broker", "memory://", "--http", "0.0.0.0:0"],
+            {},
+            "set --http-token to expose requeue on a non-loopback address",
+        ),
+        (
+            ["serve", "--db", "sqlite:///x.db"],
+            {"OUTBOXER_HTTP": "localhost"},
+            "OUTBOXER_HTTP must be HOST:PORT",
+        ),
+        (["serve", "--db", "sqlite:///x.db"], {"OUTBOXER_HTTP": ""}, "no HTTP address"),
+        (
+            ["serve", "--db", "sqlite:///x.db", "--http", "127.0.0.1:99999"],
+            {},
+            "--http must be HOST:PORT",
+        ),
+    ],
+)
+def test_bad_http_settings_are_a_clear_error(
+    args: list[str], env: dict[str, str], message: str
+) -> None:
     result = cli(*args, env=env)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
@@ -136,4 +180,6 @@ def test_a_port_in_use_is_a_clear_error(sqlite_url: str) -> None:
         port = taken.getsockname()[1]
         result = cli("serve", "--db", sqlite_url, "--http", f"127.0.0.1:{port}")
     assert result.returncode == 2
-    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "Traceback" not in result.stderr
+    assert (
+        f"cannot listen on 127.0.0.1:{port}" in result.stderr and "Traceback" not in result.stderr
+    )

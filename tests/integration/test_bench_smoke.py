@@ -46,9 +46,15 @@ def test_quick_bench_runs_end_to_end_and_emits_every_figure(tmp_path: Path) -> N
     for service in ("postgresql", "rabbitmq", "redis"):
         require(service)
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, str(BENCH / "run.py"), "--quick", "--json", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=260, check=False,
-                          env={**os.environ, "OUTBOXER_BENCH_PG": PG_ADMIN})
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "run.py"), "--quick", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=260,
+        check=False,
+        env={**os.environ, "OUTBOXER_BENCH_PG": PG_ADMIN},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = json.loads(out.read_text())
     bench = _bench_run_module()
@@ -73,6 +79,7 @@ def test_quick_bench_runs_end_to_end_and_emits_every_figure(tmp_path: Path) -> N
     assert "left_on_brokers" not in data["meta"], data["meta"]["left_on_brokers"]
     run_id = data["meta"]["run_id"]
     with psycopg.connect(PG_ADMIN) as conn:
-        left = conn.execute("SELECT datname FROM pg_database WHERE datname LIKE %s",
-                            (f"outboxer_bench_{run_id}_%",)).fetchall()
+        left = conn.execute(
+            "SELECT datname FROM pg_database WHERE datname LIKE %s", (f"outboxer_bench_{run_id}_%",)
+        ).fetchall()
     assert left == [], f"the bench left databases behind: {left}"

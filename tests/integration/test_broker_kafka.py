@@ -84,17 +84,23 @@ class TopicConsumer(Consumer):
 
     def __init__(self, bootstrap: str, topic: str, partitions: list[int]) -> None:
         self.raw: list[KafkaMessage] = []
-        self._consumer = KafkaConsumer({
-            "bootstrap.servers": bootstrap, "group.id": f"test-{uuid.uuid4().hex}",
-            "enable.auto.commit": False, "logger": quiet,
-        })
+        self._consumer = KafkaConsumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": f"test-{uuid.uuid4().hex}",
+                "enable.auto.commit": False,
+                "logger": quiet,
+            }
+        )
         self._consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
 
     async def receive(self, count: int, timeout: float = 10.0) -> list[Received]:
         deadline = time.monotonic() + timeout
         got: list[Received] = []
         while len(got) < count and (left := deadline - time.monotonic()) > 0:
-            batch = await asyncio.to_thread(self._consumer.consume, count - len(got), min(left, 0.5))
+            batch = await asyncio.to_thread(
+                self._consumer.consume, count - len(got), min(left, 0.5)
+            )
             for message in batch:
                 if message.error() is None:
                     self.raw.append(message)
@@ -189,7 +195,11 @@ class TestKafkaMockCluster(KafkaContract):
     async def test_a_large_batch_is_in_flight_at_once_and_keeps_key_order(self) -> None:
         topic = self.fresh_topic()
         consumer = await self.start_consumer(topic)
-        batch = [make_message(topic, {"k": k, "n": n}, key=f"k{k}") for n in range(10) for k in range(200)]
+        batch = [
+            make_message(topic, {"k": k, "n": n}, key=f"k{k}")
+            for n in range(10)
+            for k in range(200)
+        ]
         async with self.make_publisher(config={"linger.ms": 20}) as publisher:
             started = time.monotonic()
             outcomes = await publisher.publish_batch(batch)
@@ -214,7 +224,9 @@ class TestKafkaMockCluster(KafkaContract):
         [first] = await publisher.publish_batch([make_message("gone", key="k")])
         assert first.published, first
         cluster.stop()
-        outcomes = await publisher.publish_batch([make_message("gone", key="k"), make_message("gone")])
+        outcomes = await publisher.publish_batch(
+            [make_message("gone", key="k"), make_message("gone")]
+        )
         assert [o.kind for o in outcomes] == [OutcomeKind.FAILED] * 2, outcomes
         assert all(o.retryable for o in outcomes)
         assert not publisher.connected  # the relay reconnects before going on
@@ -240,7 +252,10 @@ class TestKafkaMockCluster(KafkaContract):
             assert outcome.published
 
 
-@pytest.mark.skipif(not REAL_BOOTSTRAP, reason="set OUTBOXER_KAFKA_BOOTSTRAP=host:port to run against a real Kafka broker")
+@pytest.mark.skipif(
+    not REAL_BOOTSTRAP,
+    reason="set OUTBOXER_KAFKA_BOOTSTRAP=host:port to run against a real Kafka broker",
+)
 class TestKafkaRealBroker(KafkaContract):
     @pytest.fixture(autouse=True)
     def _cluster(self) -> None:
@@ -290,7 +305,9 @@ def test_credentials_in_the_url_are_sasl_and_hidden() -> None:
         ("kafka:///just-a-path", None, "bootstrap"),
     ],
 )
-def test_invalid_configuration_is_a_config_error(url: str, config: dict[str, object] | None, match: str) -> None:
+def test_invalid_configuration_is_a_config_error(
+    url: str, config: dict[str, object] | None, match: str
+) -> None:
     with pytest.raises(ConfigError, match=match):
         KafkaPublisher(url, config=config)
 

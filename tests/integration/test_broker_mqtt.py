@@ -51,8 +51,12 @@ class TopicConsumer(Consumer):
         self.task: asyncio.Task[None] | None = None
 
     async def start(self) -> TopicConsumer:
-        self.client = aiomqtt.Client(HOST, self.port, protocol=aiomqtt.ProtocolVersion.V5,
-                                     identifier=f"consumer-{uuid.uuid4().hex[:8]}")
+        self.client = aiomqtt.Client(
+            HOST,
+            self.port,
+            protocol=aiomqtt.ProtocolVersion.V5,
+            identifier=f"consumer-{uuid.uuid4().hex[:8]}",
+        )
         await self.client.__aenter__()
         await self.client.subscribe(self.topic, qos=1)
         self.task = asyncio.create_task(self._collect())
@@ -73,9 +77,15 @@ class TopicConsumer(Consumer):
         found = []
         for message in await self.messages(count, timeout):
             headers = dict(message.properties.UserProperty)  # type: ignore[union-attr]
-            found.append(Received(id=headers[HEADER_ID], topic=headers[HEADER_TOPIC],
-                                  key=headers.get(HEADER_KEY), headers=headers,
-                                  payload=bytes(message.payload)))  # type: ignore[arg-type]
+            found.append(
+                Received(
+                    id=headers[HEADER_ID],
+                    topic=headers[HEADER_TOPIC],
+                    key=headers.get(HEADER_KEY),
+                    headers=headers,
+                    payload=bytes(message.payload),
+                )
+            )  # type: ignore[arg-type]
         return found
 
     async def close(self) -> None:
@@ -125,6 +135,7 @@ class TestMqttPublisherContract(PublisherContract):
 
 # ----- a private Mosquitto with an ACL and a maximum packet size --------------------------------
 
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind((HOST, 0))
@@ -141,11 +152,15 @@ def strict_broker() -> Iterator[int]:
     (folder / "acl").write_text("topic readwrite allowed/#\n")
     (folder / "mosquitto.conf").write_text(
         f"listener {port} {HOST}\nallow_anonymous true\nmax_packet_size 2000\n"
-        f"acl_file {folder / 'acl'}\npersistence false\nlog_dest none\n")
+        f"acl_file {folder / 'acl'}\npersistence false\nlog_dest none\n"
+    )
     for path in (folder, folder / "acl", folder / "mosquitto.conf"):
         path.chmod(0o755 if path.is_dir() else 0o644)
-    broker = subprocess.Popen(["mosquitto", "-c", str(folder / "mosquitto.conf")],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    broker = subprocess.Popen(
+        ["mosquitto", "-c", str(folder / "mosquitto.conf")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 10
         while not port_open(port):
@@ -162,8 +177,8 @@ async def test_broker_refusals_are_permanent_and_spare_the_rest(strict_broker: i
     consumer = await TopicConsumer("allowed/#", strict_broker).start()
     batch = [
         make_message("allowed/a", {"n": 1}),
-        make_message("denied/a", {"n": 2}),                 # ACL: PUBACK 0x87 Not authorized
-        make_message("allowed/b", b"x" * 3000),             # above the broker's maximum packet size
+        make_message("denied/a", {"n": 2}),  # ACL: PUBACK 0x87 Not authorized
+        make_message("allowed/b", b"x" * 3000),  # above the broker's maximum packet size
         make_message("allowed/c", {"n": 4}),
     ]
     async with MqttPublisher(f"mqtt://{HOST}:{strict_broker}") as publisher:
@@ -205,8 +220,12 @@ async def test_envelope_travels_as_v5_properties() -> None:
     assert got.properties.ContentType == "application/json"  # type: ignore[union-attr]
     assert got.properties.CorrelationData == str(message.id).encode()  # type: ignore[union-attr]
     assert dict(got.properties.UserProperty) == {  # type: ignore[union-attr]
-        HEADER_ID: str(message.id), HEADER_TOPIC: topic, HEADER_KEY: "order-1",
-        "content-type": "application/json", "trace": "t-1", "ü": "✓",
+        HEADER_ID: str(message.id),
+        HEADER_TOPIC: topic,
+        HEADER_KEY: "order-1",
+        "content-type": "application/json",
+        "trace": "t-1",
+        "ü": "✓",
     }
 
 
@@ -267,9 +286,13 @@ async def test_connection_lost_mid_wave_fails_fast() -> None:
             await proxy.cut()
             return time.monotonic()
 
-        outcomes, cut_at = await asyncio.wait_for(asyncio.gather(
-            publisher.publish_batch([make_message(f"{PREFIX}lost") for _ in range(5)]),
-            cut_later()), 10)
+        outcomes, cut_at = await asyncio.wait_for(
+            asyncio.gather(
+                publisher.publish_batch([make_message(f"{PREFIX}lost") for _ in range(5)]),
+                cut_later(),
+            ),
+            10,
+        )
         assert time.monotonic() - cut_at < 5
         assert all(o.kind is OutcomeKind.FAILED and o.retryable for o in outcomes), outcomes
         assert not publisher.connected
@@ -282,11 +305,17 @@ async def test_connection_lost_mid_wave_fails_fast() -> None:
 
 
 def test_options() -> None:
-    publisher = MqttPublisher("mqtts://user:secret@broker.example?topic_prefix=app/&retain=yes"
-                              "&client_id=relay-1&keepalive=30&max_inflight=50")
+    publisher = MqttPublisher(
+        "mqtts://user:secret@broker.example?topic_prefix=app/&retain=yes"
+        "&client_id=relay-1&keepalive=30&max_inflight=50"
+    )
     assert (publisher.hostname, publisher.port, publisher.tls) == ("broker.example", 8883, True)
     assert (publisher.username, publisher.password) == ("user", "secret")
-    assert (publisher.topic_prefix, publisher.retain, publisher.client_id) == ("app/", True, "relay-1")
+    assert (publisher.topic_prefix, publisher.retain, publisher.client_id) == (
+        "app/",
+        True,
+        "relay-1",
+    )
     assert (publisher.keepalive, publisher.max_inflight) == (30, 50)
     assert publisher.topic_for(make_message("orders")) == "app/orders"
     assert "secret" not in publisher.safe_url

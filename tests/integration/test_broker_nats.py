@@ -48,8 +48,11 @@ async def drop_stream(js: JetStreamContext, name: str) -> None:
 @pytest.fixture(scope="module", autouse=True)
 def _stream() -> Iterator[None]:
     require("nats")
-    asyncio.run(with_js(lambda js: js.add_stream(name=STREAM, subjects=[f"{PREFIX}>"],
-                                                 duplicate_window=120)))
+    asyncio.run(
+        with_js(
+            lambda js: js.add_stream(name=STREAM, subjects=[f"{PREFIX}>"], duplicate_window=120)
+        )
+    )
     yield
     asyncio.run(with_js(lambda js: drop_stream(js, STREAM)))
 
@@ -64,9 +67,9 @@ class StreamConsumer(Consumer):
 
     async def start(self) -> StreamConsumer:
         self.nc = await nats.connect(URL)
-        self.sub = await self.nc.jetstream().subscribe(self.subject, stream=STREAM,
-                                                       ordered_consumer=True,
-                                                       deliver_policy=DeliverPolicy.NEW)
+        self.sub = await self.nc.jetstream().subscribe(
+            self.subject, stream=STREAM, ordered_consumer=True, deliver_policy=DeliverPolicy.NEW
+        )
         return self
 
     async def messages(self, count: int, wait: float) -> list[Any]:
@@ -84,8 +87,13 @@ class StreamConsumer(Consumer):
 
     async def receive(self, count: int, timeout: float = 10.0) -> list[Received]:
         return [
-            Received(id=msg.headers[HEADER_ID], topic=msg.headers[HEADER_TOPIC],
-                     key=msg.headers.get(HEADER_KEY), headers=dict(msg.headers), payload=msg.data)
+            Received(
+                id=msg.headers[HEADER_ID],
+                topic=msg.headers[HEADER_TOPIC],
+                key=msg.headers.get(HEADER_KEY),
+                headers=dict(msg.headers),
+                payload=msg.data,
+            )
             for msg in await self.messages(count, timeout)
         ]
 
@@ -95,7 +103,9 @@ class StreamConsumer(Consumer):
 
 
 def nats_pid() -> int | None:
-    found = subprocess.run(["pgrep", "-x", "nats-server"], capture_output=True, text=True).stdout.split()
+    found = subprocess.run(
+        ["pgrep", "-x", "nats-server"], capture_output=True, text=True
+    ).stdout.split()
     return int(found[0]) if found else None
 
 
@@ -163,8 +173,12 @@ async def test_headers_carry_the_envelope() -> None:
     assert got.subject == PREFIX + topic
     assert got.data == b"text"
     assert got.headers == {
-        MSG_ID_HEADER: str(message.id), HEADER_ID: str(message.id), HEADER_TOPIC: topic,
-        HEADER_KEY: "order-1", "content-type": "text/plain; charset=utf-8", "trace": "t-9",
+        MSG_ID_HEADER: str(message.id),
+        HEADER_ID: str(message.id),
+        HEADER_TOPIC: topic,
+        HEADER_KEY: "order-1",
+        "content-type": "text/plain; charset=utf-8",
+        "trace": "t-9",
     }
 
 
@@ -184,11 +198,13 @@ async def test_stream_refusal_is_permanent_and_headers_count_towards_max_payload
     try:
         async with NatsPublisher(URL, subject_prefix=prefix) as publisher:
             limit = publisher._nc.max_payload
-            outcomes = await publisher.publish_batch([
-                make_message("a", b"y" * 2000),               # the stream's max_msg_size
-                make_message("a", b"z" * (limit - 20)),        # fits alone, not with its headers
-                make_message("a", b"small"),
-            ])
+            outcomes = await publisher.publish_batch(
+                [
+                    make_message("a", b"y" * 2000),  # the stream's max_msg_size
+                    make_message("a", b"z" * (limit - 20)),  # fits alone, not with its headers
+                    make_message("a", b"small"),
+                ]
+            )
     finally:
         await with_js(lambda js: drop_stream(js, name))
     assert outcomes[0].kind is OutcomeKind.FAILED and not outcomes[0].retryable
@@ -207,11 +223,13 @@ async def test_expected_stream_mismatch_is_permanent() -> None:
 async def test_invalid_subject_or_header_name_is_refused_before_sending() -> None:
     topic = f"ok.{uuid.uuid4().hex[:8]}"
     async with NatsPublisher(URL, subject_prefix=PREFIX, stream=STREAM) as publisher:
-        outcomes = await publisher.publish_batch([
-            make_message("with space"),
-            make_message(topic, headers={"bad name": "x"}),
-            make_message(topic, headers={"good-name": "x"}),
-        ])
+        outcomes = await publisher.publish_batch(
+            [
+                make_message("with space"),
+                make_message(topic, headers={"bad name": "x"}),
+                make_message(topic, headers={"good-name": "x"}),
+            ]
+        )
         assert publisher._replies == {}
     assert [(o.kind, o.retryable) for o in outcomes[:2]] == [(OutcomeKind.FAILED, False)] * 2
     assert outcomes[2].published
@@ -275,8 +293,12 @@ async def test_connection_lost_mid_wave_fails_fast() -> None:
             await proxy.cut()
             return time.monotonic()
 
-        outcomes, cut_at = await asyncio.wait_for(asyncio.gather(
-            publisher.publish_batch([make_message(subject) for _ in range(5)]), cut_later()), 10)
+        outcomes, cut_at = await asyncio.wait_for(
+            asyncio.gather(
+                publisher.publish_batch([make_message(subject) for _ in range(5)]), cut_later()
+            ),
+            10,
+        )
         assert time.monotonic() - cut_at < 5
         assert all(o.kind is OutcomeKind.FAILED and o.retryable for o in outcomes), outcomes
         assert not publisher.connected
@@ -290,14 +312,23 @@ async def test_connection_lost_mid_wave_fails_fast() -> None:
 
 
 def test_options() -> None:
-    publisher = NatsPublisher("nats://u:p@a:4222,b:4223?subject_prefix=app.&stream=APP"
-                              "&create_stream=yes&duplicate_window=300")
+    publisher = NatsPublisher(
+        "nats://u:p@a:4222,b:4223?subject_prefix=app.&stream=APP"
+        "&create_stream=yes&duplicate_window=300"
+    )
     assert publisher.servers == ["nats://u:p@a:4222", "nats://b:4223"]
-    assert (publisher.subject_prefix, publisher.stream, publisher.create_stream) == ("app.", "APP", True)
+    assert (publisher.subject_prefix, publisher.stream, publisher.create_stream) == (
+        "app.",
+        "APP",
+        True,
+    )
     assert publisher.subjects == ["app.>"] and publisher.duplicate_window == 300
     assert publisher.subject_for(make_message("orders")) == "app.orders"
-    keyword = NatsPublisher(f"{URL}?stream=APP&create_stream=true&subjects=a.*,b.>",
-                            create_stream=False, duplicate_window=5)
+    keyword = NatsPublisher(
+        f"{URL}?stream=APP&create_stream=true&subjects=a.*,b.>",
+        create_stream=False,
+        duplicate_window=5,
+    )
     assert keyword.subjects == ["a.*", "b.>"] and not keyword.create_stream
     assert keyword.duplicate_window == 5
     assert NatsPublisher(URL).stream is None

@@ -42,8 +42,9 @@ async def declare(*exchanges: tuple[str, dict[str, Any]], sink: bool = False) ->
         for name, options in exchanges:
             await channel.declare_exchange(name, options.pop("type", "topic"), **options)
         if sink:
-            queue = await channel.declare_queue(SINK_QUEUE, durable=True,
-                                                arguments={"x-max-length": 0})
+            queue = await channel.declare_queue(
+                SINK_QUEUE, durable=True, arguments={"x-max-length": 0}
+            )
             await queue.bind(EXCHANGE, "contract.#")
 
 
@@ -57,8 +58,11 @@ async def delete_exchange(name: str) -> None:
 @pytest.fixture(autouse=True)
 async def _rabbitmq() -> None:
     require("rabbitmq")
-    await declare((EXCHANGE, {"durable": True}),
-                  (INTERNAL_EXCHANGE, {"durable": True, "internal": True}), sink=True)
+    await declare(
+        (EXCHANGE, {"durable": True}),
+        (INTERNAL_EXCHANGE, {"durable": True, "internal": True}),
+        sink=True,
+    )
 
 
 @pytest.fixture(autouse=True, params=["waves", "per-message"])
@@ -124,13 +128,15 @@ class QueueConsumer(Consumer):
         received = []
         for message in await self.messages(count, timeout):
             headers = {name: header_text(value) for name, value in message.headers.items()}
-            received.append(Received(
-                id=str(message.message_id),
-                topic=headers.get(HEADER_TOPIC, message.routing_key or ""),
-                key=headers.get(HEADER_KEY),
-                headers=headers,
-                payload=message.body,
-            ))
+            received.append(
+                Received(
+                    id=str(message.message_id),
+                    topic=headers.get(HEADER_TOPIC, message.routing_key or ""),
+                    key=headers.get(HEADER_KEY),
+                    headers=headers,
+                    payload=message.body,
+                )
+            )
         return received
 
     async def close(self) -> None:
@@ -141,8 +147,9 @@ class QueueConsumer(Consumer):
 def run_ctl(*args: str) -> None:
     if shutil.which("rabbitmqctl") is None:
         pytest.skip("rabbitmqctl is not available to restart RabbitMQ")
-    done = subprocess.run(["rabbitmqctl", *args], capture_output=True, text=True, timeout=60,
-                          check=False)
+    done = subprocess.run(
+        ["rabbitmqctl", *args], capture_output=True, text=True, timeout=60, check=False
+    )
     if done.returncode != 0:
         pytest.skip(f"rabbitmqctl {' '.join(args)} failed: {done.stderr.strip()[:200]}")
 
@@ -150,7 +157,9 @@ def run_ctl(*args: str) -> None:
 class TestRabbitMQContract(PublisherContract):
     def make_publisher(self) -> Publisher:
         return RabbitMQPublisher(
-            URL, exchange=EXCHANGE, publish_timeout=10.0,
+            URL,
+            exchange=EXCHANGE,
+            publish_timeout=10.0,
             routes={REJECTED_TOPIC: f"{INTERNAL_EXCHANGE}/refused"},
         )
 
@@ -210,9 +219,15 @@ async def test_amqp_properties_carry_the_envelope() -> None:
     topic = fresh()
     consumer = await QueueConsumer.start(EXCHANGE, topic)
     created = datetime(2024, 5, 1, 12, 30, 15, tzinfo=UTC)
-    sent = Message(id=uuid.uuid4(), topic=topic, payload=b"hello", key="order-7",
-                   headers={"trace": "t-1"}, content_type="text/plain; charset=utf-8",
-                   created_at=created)
+    sent = Message(
+        id=uuid.uuid4(),
+        topic=topic,
+        payload=b"hello",
+        key="order-7",
+        headers={"trace": "t-1"},
+        content_type="text/plain; charset=utf-8",
+        created_at=created,
+    )
     async with RabbitMQPublisher(URL, exchange=EXCHANGE) as publisher:
         [outcome] = await publisher.publish_batch([sent])
     assert outcome.published, outcome
@@ -369,7 +384,9 @@ async def test_concurrent_waves_are_in_flight_together_on_lanes_of_one_connectio
         assert publisher._generation == 1, "lanes share one connection"
         # Later waves reuse the lanes rather than opening more channels.
         await asyncio.gather(*(publisher.publish_batch([make_message(topic)]) for _ in range(3)))
-        assert {id(channel) for channel in publisher._idle_lanes} == {id(channel) for channel in lanes}
+        assert {id(channel) for channel in publisher._idle_lanes} == {
+            id(channel) for channel in lanes
+        }
     finally:
         await publisher.close()
     expected = {str(m.id) for batch in batches for m in batch}
@@ -381,8 +398,9 @@ async def test_cut_connection_fails_retryably_and_connect_recovers() -> None:
     topic = fresh()
     consumer = await QueueConsumer.start(EXCHANGE, topic)
     proxy = await TcpProxy(HOST, PORT).start()
-    publisher = RabbitMQPublisher(f"amqp://guest:guest@{HOST}:{proxy.port}/", exchange=EXCHANGE,
-                                  publish_timeout=10.0)
+    publisher = RabbitMQPublisher(
+        f"amqp://guest:guest@{HOST}:{proxy.port}/", exchange=EXCHANGE, publish_timeout=10.0
+    )
     try:
         await publisher.connect()
         wave = [make_message(topic, {"n": n}) for n in range(3000)]
@@ -431,9 +449,13 @@ async def test_overlong_short_strings_are_permanent(field: str) -> None:
     """AMQP short strings hold 255 bytes: refused before anything is sent, the rest goes on."""
     topic, long = fresh(), "é" * 200  # 200 characters, 400 bytes
     consumer = await QueueConsumer.start(EXCHANGE, topic)
-    bad = Message(id=uuid.uuid4(), topic=long if field == "routing key" else topic, payload=b"x",
-                  content_type=long if field == "content type" else "text/plain",
-                  headers={long: "v"} if field == "header name" else {})
+    bad = Message(
+        id=uuid.uuid4(),
+        topic=long if field == "routing key" else topic,
+        payload=b"x",
+        content_type=long if field == "content type" else "text/plain",
+        headers={long: "v"} if field == "header name" else {},
+    )
     good = make_message(topic)
     async with RabbitMQPublisher(URL, exchange=EXCHANGE) as publisher:
         outcomes = await publisher.publish_batch([bad, good])
@@ -453,20 +475,34 @@ def test_options_from_url_and_keywords() -> None:
     assert publisher.exchange == "events"
     assert publisher.exchange_type == "fanout"
     assert (publisher.declare_exchange, publisher.persistent, publisher.mandatory) == (
-        False, False, False)
+        False,
+        False,
+        False,
+    )
     assert publisher.connect_timeout == 2.5
     assert publisher._driver_url == "amqps://u:p@host:5671/vh?heartbeat=15"
     assert RabbitMQPublisher(f"{URL}?exchange=a", exchange="b").exchange == "b"
     assert RabbitMQPublisher(f"{URL}?exchange=").exchange == ""
     defaults = RabbitMQPublisher(URL)
-    assert (defaults.exchange, defaults.exchange_type, defaults.declare_exchange,
-            defaults.persistent, defaults.mandatory) == ("outboxer", "topic", True, True, True)
+    assert (
+        defaults.exchange,
+        defaults.exchange_type,
+        defaults.declare_exchange,
+        defaults.persistent,
+        defaults.mandatory,
+    ) == ("outboxer", "topic", True, True, True)
 
 
-@pytest.mark.parametrize("query", [
-    "declare_exchange=maybe", "persistent=2", "connect_timeout=soon", "connect_timeout=0",
-    "exchange_type=x-unknown",
-])
+@pytest.mark.parametrize(
+    "query",
+    [
+        "declare_exchange=maybe",
+        "persistent=2",
+        "connect_timeout=soon",
+        "connect_timeout=0",
+        "exchange_type=x-unknown",
+    ],
+)
 def test_invalid_options_raise_config_error(query: str) -> None:
     with pytest.raises(ConfigError):
         RabbitMQPublisher(f"{URL}?{query}")
@@ -483,7 +519,8 @@ async def test_unreachable_connect_is_bounded() -> None:
 
 
 async def test_a_wave_goes_out_whole_in_order_with_large_bodies_split(
-        monkeypatch: pytest.MonkeyPatch, write_path: str) -> None:
+    monkeypatch: pytest.MonkeyPatch, write_path: str
+) -> None:
     """The wave path writes frames itself: the messages arrive intact and in order, a body
     over RabbitMQ's frame size (128 KiB) split into body frames, and aiormq's basic_publish
     is not called for any of them (if a newer aiormq lacked the channel state the wave path
@@ -501,8 +538,9 @@ async def test_a_wave_goes_out_whole_in_order_with_large_bodies_split(
     consumer = await QueueConsumer.start(EXCHANGE, topic)
     batch = [make_message(topic, {"n": n}) for n in range(60)]
     big = bytes(range(256)) * 1500  # 384,000 bytes: three body frames
-    batch[30] = Message(id=batch[30].id, topic=topic, payload=big, key="k",
-                        content_type="application/octet-stream")
+    batch[30] = Message(
+        id=batch[30].id, topic=topic, payload=big, key="k", content_type="application/octet-stream"
+    )
     batch[31] = Message(id=batch[31].id, topic=topic, payload=b"", key="k")
     try:
         async with RabbitMQPublisher(URL, exchange=EXCHANGE) as publisher:
@@ -524,7 +562,11 @@ async def test_an_exchange_name_amqp_cannot_carry_fails_only_its_message() -> No
     topic = fresh()
     consumer = await QueueConsumer.start(EXCHANGE, topic)
     routes = {"bad.route": "no spaces allowed!/k"}
-    batch = [make_message(topic, {"n": 0}), make_message("bad.route", {}), make_message(topic, {"n": 2})]
+    batch = [
+        make_message(topic, {"n": 0}),
+        make_message("bad.route", {}),
+        make_message(topic, {"n": 2}),
+    ]
     try:
         async with RabbitMQPublisher(URL, exchange=EXCHANGE, routes=routes) as publisher:
             first, bad, last = await publisher.publish_batch(batch)

@@ -57,8 +57,9 @@ class StreamConsumer(Consumer):
         found: list[dict[bytes, bytes]] = []
         deadline = time.monotonic() + wait
         while len(found) < count and time.monotonic() < deadline:
-            reply = await self.client.xread({self.stream: self.last_id}, count=count - len(found),
-                                            block=200)
+            reply = await self.client.xread(
+                {self.stream: self.last_id}, count=count - len(found), block=200
+            )
             for _stream, items in reply:
                 for entry_id, fields in items:
                     self.last_id = entry_id
@@ -139,8 +140,15 @@ async def test_entry_field_layout() -> None:
     topic = f"layout.{uuid.uuid4().hex[:8]}"
     created = datetime(2024, 5, 1, 12, 30, tzinfo=UTC)
     keyed = make_message(topic, {"a": 1}, key="order-7", headers={"trace": "t-1", "ü": "✓"})
-    keyed = Message(id=keyed.id, topic=topic, payload=keyed.payload, key="order-7",
-                    headers=keyed.headers, content_type=keyed.content_type, created_at=created)
+    keyed = Message(
+        id=keyed.id,
+        topic=topic,
+        payload=keyed.payload,
+        key="order-7",
+        headers=keyed.headers,
+        content_type=keyed.content_type,
+        created_at=created,
+    )
     keyless = make_message(topic, b"\x00raw")
     async with RedisPublisher(URL, stream_prefix=PREFIX) as publisher:
         outcomes = await publisher.publish_batch([keyed, keyless])
@@ -154,8 +162,9 @@ async def test_entry_field_layout() -> None:
         b"key": b"order-7",
         b"content_type": b"application/json",
         b"payload": b'{"a":1}',
-        b"headers": json.dumps({"trace": "t-1", "ü": "✓"}, ensure_ascii=False,
-                               separators=(",", ":")).encode(),
+        b"headers": json.dumps(
+            {"trace": "t-1", "ü": "✓"}, ensure_ascii=False, separators=(",", ":")
+        ).encode(),
         b"created_at": b"2024-05-01T12:30:00+00:00",
     }
     assert b"key" not in second and b"created_at" not in second
@@ -184,7 +193,9 @@ async def test_maxlen_trims_the_stream_approximately() -> None:
     async with RedisPublisher(f"{URL}?stream_prefix={PREFIX}&maxlen=10") as publisher:
         assert publisher.maxlen == 10
         for _ in range(3):
-            outcomes = await publisher.publish_batch([make_message(topic, {"n": n}) for n in range(150)])
+            outcomes = await publisher.publish_batch(
+                [make_message(topic, {"n": n}) for n in range(150)]
+            )
             assert all(o.published for o in outcomes)
     client = aioredis.Redis.from_url(URL)
     length = await client.xlen(PREFIX + topic)
@@ -234,16 +245,22 @@ def test_reply_classification() -> None:
     assert not reply_is_retryable(rexc.ResponseError("WRONGTYPE Operation against a key"))
     assert not reply_is_retryable(rexc.NoPermissionError("this user has no permissions"))
     assert not reply_is_retryable(rexc.ResponseError("ERR Protocol error: invalid bulk length"))
-    assert reply_is_retryable(rexc.OutOfMemoryError("command not allowed when used memory > 'maxmemory'"))
+    assert reply_is_retryable(
+        rexc.OutOfMemoryError("command not allowed when used memory > 'maxmemory'")
+    )
     assert reply_is_retryable(rexc.ReadOnlyError("You can't write against a read only replica."))
-    assert reply_is_retryable(rexc.ResponseError("MISCONF Redis is configured to save RDB snapshots"))
+    assert reply_is_retryable(
+        rexc.ResponseError("MISCONF Redis is configured to save RDB snapshots")
+    )
 
 
 def test_options_from_url_and_keywords() -> None:
     publisher = RedisPublisher(f"{URL}?stream_prefix=app:&maxlen=5000&socket_timeout=3")
     assert (publisher.stream_prefix, publisher.maxlen) == ("app:", 5000)
     assert publisher.stream_for(make_message("orders")) == "app:orders"
-    assert "stream_prefix" not in publisher._driver_url and "socket_timeout=3" in publisher._driver_url
+    assert (
+        "stream_prefix" not in publisher._driver_url and "socket_timeout=3" in publisher._driver_url
+    )
     keyword = RedisPublisher(f"{URL}?stream_prefix=app:&maxlen=5000", stream_prefix="", maxlen=7)
     assert (keyword.stream_prefix, keyword.maxlen) == ("", 7)
     assert RedisPublisher(URL).maxlen is None

@@ -67,7 +67,9 @@ class HookServer:
         return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     async def start(self) -> HookServer:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, ssl=self.tls)
+        self._server = await asyncio.start_server(
+            self._handle, "127.0.0.1", self.port, ssl=self.tls
+        )
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
@@ -121,11 +123,14 @@ class HookServer:
         self.requests.append(Request(method, target, headers, body, status))
         self.arrived.set()
         answer = f"status {status}".encode()
-        retry_after = decode_header_value(headers.get("test-retry-after", ""))  # sent percent-encoded
+        retry_after = decode_header_value(
+            headers.get("test-retry-after", "")
+        )  # sent percent-encoded
         extra = f"Retry-After: {retry_after}\r\n" if retry_after else ""
         writer.write(
             f"HTTP/1.1 {status} Test\r\nContent-Type: text/plain\r\n{extra}"
-            f"Content-Length: {len(answer)}\r\n\r\n".encode() + answer
+            f"Content-Length: {len(answer)}\r\n\r\n".encode()
+            + answer
         )
         await writer.drain()
         return True
@@ -152,8 +157,10 @@ class HookConsumer(Consumer):
 
     def accepted(self) -> list[Received]:
         return [
-            received(r) for r in self.server.requests[self.since:]
-            if 200 <= r.status < 300 and decode_header_value(r.headers.get("outboxer-topic", "")) == self.topic
+            received(r)
+            for r in self.server.requests[self.since :]
+            if 200 <= r.status < 300
+            and decode_header_value(r.headers.get("outboxer-topic", "")) == self.topic
         ]
 
     async def receive(self, count: int, timeout: float = 10.0) -> list[Received]:
@@ -199,7 +206,9 @@ class TestWebhook(PublisherContract):
 
     async def test_request_shape_and_signature(self) -> None:
         topic = self.fresh_topic()
-        message = make_message(topic, {"total": 12}, key="order-7", headers={"traceparent": "00-ab-cd-01"})
+        message = make_message(
+            topic, {"total": 12}, key="order-7", headers={"traceparent": "00-ab-cd-01"}
+        )
         async with self.make_publisher(secret="s3cret") as publisher:
             [outcome] = await publisher.publish_batch([message])
         assert outcome.published, outcome
@@ -245,7 +254,12 @@ class TestWebhook(PublisherContract):
         assert got.headers["note"] == "a b\r\nc ✓"
 
     async def test_reserved_header_names_are_prefixed(self) -> None:
-        headers = {"Content-Type": "text/evil", "Outboxer-Id": "forged", "host": "elsewhere", "x-ok": "1"}
+        headers = {
+            "Content-Type": "text/evil",
+            "Outboxer-Id": "forged",
+            "host": "elsewhere",
+            "x-ok": "1",
+        }
         message = make_message(self.fresh_topic(), {"a": 1}, headers=headers)
         async with self.make_publisher() as publisher:
             [outcome] = await publisher.publish_batch([message])
@@ -270,8 +284,16 @@ class TestWebhook(PublisherContract):
 
     @pytest.mark.parametrize(
         ("status", "retryable"),
-        [(500, True), (503, True), (429, True), (408, True), (400, False), (404, False),
-         (410, False), (301, False)],
+        [
+            (500, True),
+            (503, True),
+            (429, True),
+            (408, True),
+            (400, False),
+            (404, False),
+            (410, False),
+            (301, False),
+        ],
     )
     async def test_status_classification(self, status: int, retryable: bool) -> None:
         self.server.status = status
@@ -284,27 +306,35 @@ class TestWebhook(PublisherContract):
 
     async def test_retry_statuses_option(self) -> None:
         async with self.make_publisher("/hooks?retry_statuses=409,5xx") as publisher:
-            outcomes = await publisher.publish_batch([
-                make_message("t", headers={"test-answer": "409"}),
-                make_message("t", headers={"test-answer": "502"}),
-                make_message("t", headers={"test-answer": "429"}),
-            ])
+            outcomes = await publisher.publish_batch(
+                [
+                    make_message("t", headers={"test-answer": "409"}),
+                    make_message("t", headers={"test-answer": "502"}),
+                    make_message("t", headers={"test-answer": "429"}),
+                ]
+            )
         assert [o.retryable for o in outcomes] == [True, True, False], outcomes
 
     async def test_retry_after_of_a_retryable_answer_is_passed_on(self) -> None:
         later = format_datetime(datetime.now(UTC) + timedelta(seconds=90), usegmt=True)
         async with self.make_publisher() as publisher:
-            outcomes = await publisher.publish_batch([
-                make_message("t", headers={"test-answer": "429", "test-retry-after": "7"}),
-                make_message("t", headers={"test-answer": "503", "test-retry-after": later}),
-                make_message("t", headers={"test-answer": "503", "test-retry-after": "soon"}),
-                make_message("t", headers={"test-answer": "500"}),
-                make_message("t", headers={"test-answer": "400", "test-retry-after": "7"}),
-            ])
+            outcomes = await publisher.publish_batch(
+                [
+                    make_message("t", headers={"test-answer": "429", "test-retry-after": "7"}),
+                    make_message("t", headers={"test-answer": "503", "test-retry-after": later}),
+                    make_message("t", headers={"test-answer": "503", "test-retry-after": "soon"}),
+                    make_message("t", headers={"test-answer": "500"}),
+                    make_message("t", headers={"test-answer": "400", "test-retry-after": "7"}),
+                ]
+            )
         assert [o.retryable for o in outcomes] == [True, True, True, True, False], outcomes
         assert outcomes[0].retry_after == 7
         assert outcomes[1].retry_after is not None and 85 <= outcomes[1].retry_after <= 90
-        assert [o.retry_after for o in outcomes[2:]] == [None, None, None]  # unreadable, absent, permanent
+        assert [o.retry_after for o in outcomes[2:]] == [
+            None,
+            None,
+            None,
+        ]  # unreadable, absent, permanent
 
     async def test_a_slow_receiver_times_out_retryably(self) -> None:
         self.server.delay = 1.0
@@ -347,12 +377,16 @@ class TestWebhook(PublisherContract):
             "relative": "orders",
             "rooted": "/root/path",
         }
-        async with self.make_publisher("/hooks/?token=abc&secret=s&max_connections=3", routes=routes) as publisher:
+        async with self.make_publisher(
+            "/hooks/?token=abc&secret=s&max_connections=3", routes=routes
+        ) as publisher:
             outcomes = await publisher.publish_batch(
                 [make_message(topic) for topic in ("absolute", "relative", "rooted", "plain")]
             )
         assert all(o.published for o in outcomes), outcomes
-        targets = {decode_header_value(r.headers["outboxer-topic"]): r.target for r in self.server.requests}
+        targets = {
+            decode_header_value(r.headers["outboxer-topic"]): r.target for r in self.server.requests
+        }
         assert targets == {
             "absolute": "/elsewhere?x=1",
             "relative": "/hooks/orders?token=abc",
@@ -376,10 +410,28 @@ class TestWebhook(PublisherContract):
 def self_signed(tmp_path: Path) -> tuple[Path, Path]:
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True,
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
     )
     return cert, key
 
@@ -393,7 +445,9 @@ async def test_https_with_a_private_ca(self_signed: tuple[Path, Path]) -> None:
         async with WebhookPublisher(server.url + "/in", verify=str(cert)) as publisher:
             [outcome] = await publisher.publish_batch([make_message("t")])
         assert outcome.published, outcome
-        async with WebhookPublisher(server.url + "/in") as publisher:  # the system CAs do not know it
+        async with WebhookPublisher(
+            server.url + "/in"
+        ) as publisher:  # the system CAs do not know it
             [outcome] = await publisher.publish_batch([make_message("t")])
         assert outcome.kind is OutcomeKind.FAILED and outcome.retryable, outcome
         assert "CERTIFICATE_VERIFY_FAILED" in (outcome.error or "")
@@ -412,7 +466,9 @@ def test_options_and_defaults() -> None:
     assert publisher.max_connections == 8
     assert publisher.retry_statuses == DEFAULT_RETRY_STATUSES
     assert "x" not in publisher.safe_url.split("?")[1].replace("max_connections", "")
-    keyword = WebhookPublisher("https://h.example/in?secret=x&max_connections=8", secret="y", max_connections=2)
+    keyword = WebhookPublisher(
+        "https://h.example/in?secret=x&max_connections=8", secret="y", max_connections=2
+    )
     assert (keyword.secret, keyword.max_connections) == (b"y", 2)
     default = WebhookPublisher("http://h.example")
     assert (default.secret, default.max_connections, default.timeout) == (None, 64, 10.0)
@@ -447,7 +503,9 @@ def test_retry_statuses_parsing() -> None:
         ("http://h/x", {"headers": {"bad name": "v"}}, "header"),
     ],
 )
-def test_invalid_options_are_config_errors(url: str, options: dict[str, object], match: str) -> None:
+def test_invalid_options_are_config_errors(
+    url: str, options: dict[str, object], match: str
+) -> None:
     with pytest.raises(ConfigError, match=match):
         WebhookPublisher(url, **options)  # type: ignore[arg-type]
 

@@ -21,6 +21,7 @@ from outboxer.stores.sqlite import sqlite_path
 
 def claimed(url: str) -> list[Message]:
     """Every due message, in publish order, as a relay's claim returns them."""
+
     async def claim() -> list[Message]:
         async with create_store(url) as store:
             return await store.claim("default", "test-relay", 100, 30.0, False)
@@ -30,6 +31,7 @@ def claimed(url: str) -> list[Message]:
 
 def pending(url: str) -> list[dict[str, object]]:
     """The PENDING rows as `outboxer` lists them (a read: no lock waits behind a writer)."""
+
     async def read() -> list[dict[str, object]]:
         async with create_store(url) as store:
             return await store.list_messages(["PENDING"], 100)
@@ -51,13 +53,24 @@ def django_setup() -> None:
 
 def django_settings(vendor: str, url: str) -> dict[str, Any]:
     if vendor == "postgresql":
-        return {"ENGINE": "django.db.backends.postgresql", "NAME": url.rsplit("/", 1)[1],
-                "USER": "postgres", "HOST": "127.0.0.1", "PORT": "5432"}
+        return {
+            "ENGINE": "django.db.backends.postgresql",
+            "NAME": url.rsplit("/", 1)[1],
+            "USER": "postgres",
+            "HOST": "127.0.0.1",
+            "PORT": "5432",
+        }
     if vendor == "sqlite":
         return {"ENGINE": "django.db.backends.sqlite3", "NAME": str(sqlite_path(url))}
     args = mysql_connect_args(url)
-    return {"ENGINE": "django.db.backends.mysql", "NAME": args["database"], "USER": args["user"],
-            "PASSWORD": args.get("password", ""), "HOST": args["host"], "PORT": str(args["port"])}
+    return {
+        "ENGINE": "django.db.backends.mysql",
+        "NAME": args["database"],
+        "USER": args["user"],
+        "PASSWORD": args.get("password", ""),
+        "HOST": args["host"],
+        "PORT": str(args["port"]),
+    }
 
 
 @contextlib.contextmanager
@@ -67,7 +80,8 @@ def django_database(vendor: str, url: str) -> Iterator[str]:
 
     alias = f"outboxer_{uuid.uuid4().hex[:8]}"
     connections.settings[alias] = connections.configure_settings(
-        {"default": {}, alias: django_settings(vendor, url)})[alias]
+        {"default": {}, alias: django_settings(vendor, url)}
+    )[alias]
     try:
         yield alias
     finally:
@@ -82,20 +96,35 @@ VENDOR_FIXTURES = {"postgresql": "pg_url", "sqlite": "sqlite_url", "mysql": "mys
 @pytest.mark.parametrize("vendor", list(VENDOR_FIXTURES))
 @pytest.mark.parametrize("handle", ["connections[alias]", "ConnectionProxy"])
 def test_django_enqueue_commits_and_rolls_back_with_atomic(
-        request: pytest.FixtureRequest, django_setup: None, vendor: str, handle: str) -> None:
+    request: pytest.FixtureRequest, django_setup: None, vendor: str, handle: str
+) -> None:
     from django.db import connections, transaction
     from django.utils.connection import ConnectionProxy
 
     url = request.getfixturevalue(VENDOR_FIXTURES[vendor])
     with django_database(vendor, url) as alias:
         # django.db.connection is a ConnectionProxy of the default alias
-        conn = connections[alias] if handle == "connections[alias]" else ConnectionProxy(connections, alias)
+        conn = (
+            connections[alias]
+            if handle == "connections[alias]"
+            else ConnectionProxy(connections, alias)
+        )
         with transaction.atomic(using=alias):
-            first = outboxer.enqueue(conn, "order.placed", {"id": 1, "note": "ünïcode"}, key="order-1",
-                                     headers={"trace": "t-1"})
-            many = outboxer.enqueue_many(conn, [
-                {"topic": "order.paid", "payload": {"id": n}, "key": f"order-{n % 2}"} for n in range(3)
-            ] + [{"topic": "blob", "payload": b"\x00raw"}])
+            first = outboxer.enqueue(
+                conn,
+                "order.placed",
+                {"id": 1, "note": "ünïcode"},
+                key="order-1",
+                headers={"trace": "t-1"},
+            )
+            many = outboxer.enqueue_many(
+                conn,
+                [
+                    {"topic": "order.paid", "payload": {"id": n}, "key": f"order-{n % 2}"}
+                    for n in range(3)
+                ]
+                + [{"topic": "blob", "payload": b"\x00raw"}],
+            )
             assert pending(url) == [], "not visible before the atomic block commits"
         with pytest.raises(RuntimeError, match="business rule"), transaction.atomic(using=alias):
             outboxer.enqueue(conn, "order.placed", {"id": 2})
@@ -107,7 +136,8 @@ def test_django_enqueue_commits_and_rolls_back_with_atomic(
     messages = claimed(url)
     assert [m.id for m in messages] == [first.id] + [m.id for m in many]
     assert [(m.topic, m.key, m.payload) for m in messages] == [
-        (m.topic, m.key, m.payload) for m in [first, *many]]
+        (m.topic, m.key, m.payload) for m in [first, *many]
+    ]
     assert json.loads(messages[0].payload) == {"id": 1, "note": "ünïcode"}
     assert dict(messages[0].headers) == {"trace": "t-1"}
     assert messages[-1].payload == b"\x00raw"
@@ -122,8 +152,9 @@ def test_django_queries_show_in_djangos_query_log(pg_url: str, django_setup: Non
         conn.force_debug_cursor = True
         with transaction.atomic(using=alias):
             outboxer.enqueue(conn, "order.placed", {"id": 1}, key="order-1")
-        assert any("INSERT INTO" in query["sql"] and "outbox" in query["sql"]
-                   for query in conn.queries)
+        assert any(
+            "INSERT INTO" in query["sql"] and "outbox" in query["sql"] for query in conn.queries
+        )
 
 
 def test_psycopg2_commit_rollback_and_duplicates(pg_url: str) -> None:
@@ -136,9 +167,14 @@ def test_psycopg2_commit_rollback_and_duplicates(pg_url: str) -> None:
         conn.commit()
         outboxer.enqueue(conn, "order.placed", {"id": 2})
         conn.rollback()
-        many = outboxer.enqueue_many(conn, [
-            {"topic": "t", "payload": {"n": n}, "key": None if n == 2 else f"k{n % 2}"} for n in range(4)
-        ] + [{"topic": "blob", "payload": b"\x00raw"}])
+        many = outboxer.enqueue_many(
+            conn,
+            [
+                {"topic": "t", "payload": {"n": n}, "key": None if n == 2 else f"k{n % 2}"}
+                for n in range(4)
+            ]
+            + [{"topic": "blob", "payload": b"\x00raw"}],
+        )
         conn.commit()
         with pytest.raises(outboxer.DuplicateMessageError):
             outboxer.enqueue(conn, "order.placed", {"again": True}, message_id=first.id)

@@ -22,7 +22,8 @@ def stored(url: str) -> list[dict[str, Any]]:
     with psycopg.connect(url, row_factory=dict_row) as conn:
         return conn.execute(
             "SELECT id, topic, key, payload, content_type, headers, status, destination "
-            "FROM outboxer.outbox ORDER BY seq").fetchall()
+            "FROM outboxer.outbox ORDER BY seq"
+        ).fetchall()
 
 
 def check_one(rows: list[dict[str, Any]], message: outboxer.Message) -> None:
@@ -38,8 +39,13 @@ def test_psycopg_commit_and_rollback(pg_url: str) -> None:
     import psycopg
 
     with psycopg.connect(pg_url) as conn:
-        message = outboxer.enqueue(conn, "order.placed", {"id": 1, "note": "ünïcode"}, key="order-1",
-                                   headers={"trace": "t-1"})
+        message = outboxer.enqueue(
+            conn,
+            "order.placed",
+            {"id": 1, "note": "ünïcode"},
+            key="order-1",
+            headers={"trace": "t-1"},
+        )
         assert stored(pg_url) == [], "not visible before the caller commits"
         conn.commit()
         with conn.transaction(force_rollback=True):
@@ -54,12 +60,17 @@ def test_psycopg_enqueue_many_keeps_order(pg_url: str) -> None:
     import psycopg
 
     with psycopg.connect(pg_url) as conn:
-        sent = outboxer.enqueue_many(conn, [
-            {"topic": "t", "payload": {"n": n}, "key": f"k{n % 2}"} for n in range(5)
-        ] + [{"topic": "t", "payload": b"\x00raw"}])
+        sent = outboxer.enqueue_many(
+            conn,
+            [{"topic": "t", "payload": {"n": n}, "key": f"k{n % 2}"} for n in range(5)]
+            + [{"topic": "t", "payload": b"\x00raw"}],
+        )
     rows = stored(pg_url)
     assert [row["id"] for row in rows] == [m.id for m in sent]
-    assert bytes(rows[-1]["payload"]) == b"\x00raw" and rows[-1]["content_type"] == "application/octet-stream"
+    assert (
+        bytes(rows[-1]["payload"]) == b"\x00raw"
+        and rows[-1]["content_type"] == "application/octet-stream"
+    )
 
 
 async def test_psycopg_async(pg_url: str) -> None:
@@ -67,7 +78,9 @@ async def test_psycopg_async(pg_url: str) -> None:
 
     async with await psycopg.AsyncConnection.connect(pg_url) as conn:
         message = await outboxer.enqueue_async(conn, "t", "hello", key="k")
-        await outboxer.enqueue_many_async(conn, [{"topic": "t", "payload": "a"}, {"topic": "t", "payload": "b"}])
+        await outboxer.enqueue_many_async(
+            conn, [{"topic": "t", "payload": "a"}, {"topic": "t", "payload": "b"}]
+        )
         await conn.commit()
         await outboxer.enqueue_async(conn, "t", "rolled back")
         await conn.rollback()
@@ -106,14 +119,20 @@ def test_sqlalchemy_connection_and_session(pg_url: str) -> None:
         first = outboxer.enqueue(conn, "t", {"via": "connection"}, key="k")
     with Session(engine) as session, session.begin():
         outboxer.enqueue(session, "t", {"via": "session"}, key="k")
-        outboxer.enqueue_many(session, [{"topic": "t", "payload": "m1"}, {"topic": "t", "payload": "m2"}])
+        outboxer.enqueue_many(
+            session, [{"topic": "t", "payload": "m1"}, {"topic": "t", "payload": "m2"}]
+        )
     with Session(engine) as session:
         outboxer.enqueue(session, "t", {"via": "rolled back"})
         session.rollback()
     engine.dispose()
     rows = stored(pg_url)
-    assert [json.loads(bytes(r["payload"])).get("via") if r["content_type"] == "application/json" else None
-            for r in rows] == ["connection", "session", None, None]
+    assert [
+        json.loads(bytes(r["payload"])).get("via")
+        if r["content_type"] == "application/json"
+        else None
+        for r in rows
+    ] == ["connection", "session", None, None]
     assert rows[0]["id"] == first.id
 
 
@@ -151,16 +170,21 @@ def test_sqlite3_and_sqlalchemy_sqlite(sqlite_url: str) -> None:
     assert [json.loads(r[1])["n"] for r in rows] == [1, 3]
 
 
-@pytest.mark.parametrize(("payload", "kwargs"), [
-    ({"when": object()}, {}),
-    ({"nan": float("nan")}, {}),
-    (12, {}),
-    ({"ok": 1}, {"topic": ""}),
-    ({"ok": 1}, {"headers": {"n": 1}}),
-    ({"ok": 1}, {"key": 5}),
-    ({"ok": 1}, {"message_id": "not-a-uuid"}),
-])
-def test_bad_input_raises_payload_error_before_any_sql(pg_url: str, payload: object, kwargs: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    ("payload", "kwargs"),
+    [
+        ({"when": object()}, {}),
+        ({"nan": float("nan")}, {}),
+        (12, {}),
+        ({"ok": 1}, {"topic": ""}),
+        ({"ok": 1}, {"headers": {"n": 1}}),
+        ({"ok": 1}, {"key": 5}),
+        ({"ok": 1}, {"message_id": "not-a-uuid"}),
+    ],
+)
+def test_bad_input_raises_payload_error_before_any_sql(
+    pg_url: str, payload: object, kwargs: dict[str, Any]
+) -> None:
     import psycopg
 
     arguments: dict[str, Any] = {"topic": "t"} | kwargs
@@ -205,7 +229,10 @@ def test_several_destinations_and_own_names(pg_url: str) -> None:
     with psycopg.connect(pg_url) as conn:
         message = outbox.enqueue(conn, "t", {"a": 1}, key="k")
     rows = stored(pg_url)
-    assert [(r["id"], r["destination"]) for r in rows] == [(message.id, "internal"), (message.id, "partner")]
+    assert [(r["id"], r["destination"]) for r in rows] == [
+        (message.id, "internal"),
+        (message.id, "partner"),
+    ]
     with pytest.raises(outboxer.ConfigError):
         outboxer.Outbox(table="bad name; drop")
 
@@ -219,8 +246,10 @@ def mysql_stored(url: str) -> list[dict[str, Any]]:
     conn = mysql_connect(url, cursorclass=pymysql.cursors.DictCursor)
     try:
         with conn.cursor() as cursor:
-            cursor.execute("SELECT seq, id, topic, `key`, payload, content_type, headers, status, "
-                           "destination FROM outbox ORDER BY seq")
+            cursor.execute(
+                "SELECT seq, id, topic, `key`, payload, content_type, headers, status, "
+                "destination FROM outbox ORDER BY seq"
+            )
             return list(cursor.fetchall())
     finally:
         conn.close()
@@ -232,7 +261,9 @@ def check_mysql(url: str, first: outboxer.Message, second: outboxer.Message) -> 
     assert [row["id"] for row in rows] == [str(first.id), str(second.id)]
     assert (rows[0]["topic"], rows[0]["key"], rows[0]["status"]) == ("t", "k", "PENDING")
     assert rows[0]["payload"] == first.payload and json.loads(rows[0]["headers"]) == {"h": "v"}
-    assert rows[1]["payload"] == b"\x00raw" and rows[1]["content_type"] == "application/octet-stream"
+    assert (
+        rows[1]["payload"] == b"\x00raw" and rows[1]["content_type"] == "application/octet-stream"
+    )
 
 
 def sqlalchemy_mysql(url: str, driver: str) -> str:
@@ -297,7 +328,9 @@ async def test_mysql_async_drivers(mysql_url: str, kind: str) -> None:
         conn.close()
         return
     engine = create_async_engine(sqlalchemy_mysql(mysql_url, "aiomysql"))
-    async with engine.connect() if kind == "sqlalchemy connection" else AsyncSession(engine) as handle:
+    async with (
+        engine.connect() if kind == "sqlalchemy connection" else AsyncSession(engine) as handle
+    ):
         await mysql_scenario_async(handle, mysql_url)
     await engine.dispose()
 
@@ -351,8 +384,10 @@ def test_mysql_key_lock_holds_back_the_same_key_only(mysql_url: str, kind: str) 
         writer.commit_and_close()
         done[name] = time.monotonic()
 
-    threads = {name: threading.Thread(target=write, args=(name, key))
-               for name, key in (("same", "k"), ("other", "other-key"), ("keyless", None))}
+    threads = {
+        name: threading.Thread(target=write, args=(name, key))
+        for name, key in (("same", "k"), ("other", "other-key"), ("keyless", None))
+    }
     for thread in threads.values():
         thread.start()
     threads["other"].join(5)
@@ -365,8 +400,9 @@ def test_mysql_key_lock_holds_back_the_same_key_only(mysql_url: str, kind: str) 
     threads["same"].join(10)
     assert done["same"] >= committed
     rows = [row for row in mysql_stored(mysql_url) if row["key"] == "k"]
-    assert [json.loads(row["payload"])["writer"] for row in rows] == ["first", "same"], \
+    assert [json.loads(row["payload"])["writer"] for row in rows] == ["first", "same"], (
         "seq order = commit order for one key"
+    )
 
 
 async def test_aiomysql_key_lock_holds_back_the_same_key_only(mysql_url: str) -> None:
@@ -391,7 +427,9 @@ async def test_aiomysql_key_lock_holds_back_the_same_key_only(mysql_url: str) ->
     assert [json.loads(row["payload"])["writer"] for row in rows] == ["first", "same"]
 
 
-async def test_mysql_cleanup_forgets_unheld_key_rows_and_status_sees_the_writer(mysql_url: str) -> None:
+async def test_mysql_cleanup_forgets_unheld_key_rows_and_status_sees_the_writer(
+    mysql_url: str,
+) -> None:
     import asyncio
 
     def keys() -> list[str]:
@@ -403,7 +441,9 @@ async def test_mysql_cleanup_forgets_unheld_key_rows_and_status_sees_the_writer(
         return found
 
     finished = mysql_connect(mysql_url)
-    outboxer.enqueue_many(finished, [{"topic": "t", "payload": "x", "key": key} for key in ("a", "b", "held")])
+    outboxer.enqueue_many(
+        finished, [{"topic": "t", "payload": "x", "key": key} for key in ("a", "b", "held")]
+    )
     finished.commit()
     holder = mysql_connect(mysql_url)
     outboxer.enqueue(holder, "t", {"n": 1}, key="held")  # an open transaction holding its key's row
@@ -436,9 +476,11 @@ def _waiting_for_key_locks(url: str, dialect: str) -> int:
             with conn.cursor() as cursor:
                 # The processlist, not innodb_trx: MariaDB may serve that from a stale cache.
                 # A key_lock statement still running while the holder has k1 is waiting.
-                cursor.execute("SELECT count(*) FROM information_schema.processlist "
-                               "WHERE db = DATABASE() AND command = 'Query' "
-                               "AND info LIKE 'INSERT INTO `outbox_keys`%'")
+                cursor.execute(
+                    "SELECT count(*) FROM information_schema.processlist "
+                    "WHERE db = DATABASE() AND command = 'Query' "
+                    "AND info LIKE 'INSERT INTO `outbox_keys`%'"
+                )
                 row = cursor.fetchone()
         finally:
             conn.close()
@@ -448,7 +490,8 @@ def _waiting_for_key_locks(url: str, dialect: str) -> int:
 
 @pytest.mark.parametrize("dialect", ["postgres", "mysql"])
 def test_enqueue_many_with_keys_in_opposite_orders_never_deadlocks(
-        request: pytest.FixtureRequest, dialect: str) -> None:
+    request: pytest.FixtureRequest, dialect: str
+) -> None:
     """Two enqueue_many calls whose callers list the same keys in opposite orders.
 
     The scene that deadlocks when each call locks its keys in its caller's order: a holder
@@ -473,8 +516,9 @@ def test_enqueue_many_with_keys_in_opposite_orders_never_deadlocks(
     def write(name: str, keys: list[str]) -> None:
         conn = connect()
         try:
-            outboxer.enqueue_many(conn, [{"topic": "t", "payload": {"writer": name}, "key": k}
-                                         for k in keys])
+            outboxer.enqueue_many(
+                conn, [{"topic": "t", "payload": {"writer": name}, "key": k} for k in keys]
+            )
             conn.commit()
         except BaseException as exc:  # the test reports it below
             errors[name] = exc
@@ -484,7 +528,9 @@ def test_enqueue_many_with_keys_in_opposite_orders_never_deadlocks(
     def wait_for_waiters(count: int) -> None:
         deadline = time.monotonic() + 10
         while _waiting_for_key_locks(url, dialect) < count:
-            assert time.monotonic() < deadline, f"{count} writers never queued for a key lock: {errors}"
+            assert time.monotonic() < deadline, (
+                f"{count} writers never queued for a key lock: {errors}"
+            )
             time.sleep(0.02)
 
     first = threading.Thread(target=write, args=("A", ["k1", "k2"]))

@@ -64,8 +64,14 @@ def enqueue(url: str, count: int) -> list[outboxer.Message]:
 async def abandon(store: Store, count: int) -> None:
     """Claim ``count`` pending messages and record a permanent failure for each (ABANDONED)."""
     claimed = await store.claim("default", "relay-test", count, 60.0, False)
-    await store.settle("default", "relay-test", [], [Failure(m.stored_seq, "rejected", 0.0, True) for m in claimed],
-                       [], 10)
+    await store.settle(
+        "default",
+        "relay-test",
+        [],
+        [Failure(m.stored_seq, "rejected", 0.0, True) for m in claimed],
+        [],
+        10,
+    )
 
 
 async def statuses(store: Store) -> dict[str, int]:
@@ -80,9 +86,13 @@ def closed_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def serving(url: str, relay: Relay | None = None, **options: Any) -> AsyncIterator[httpx.AsyncClient]:
+async def serving(
+    url: str, relay: Relay | None = None, **options: Any
+) -> AsyncIterator[httpx.AsyncClient]:
     """The API on a free loopback port, and a client for it (``client.server`` is the server)."""
-    server_options = {k: options.pop(k) for k in ("read_timeout", "max_connections") if k in options}
+    server_options = {
+        k: options.pop(k) for k in ("read_timeout", "max_connections") if k in options
+    }
     api = HttpApi(create_store(url), load_settings({"db": url}, environ={}), relay, **options)
     server = await HttpServer(api, "127.0.0.1", 0, **server_options).start()
     try:
@@ -114,8 +124,11 @@ async def running(relay: Relay) -> AsyncIterator[asyncio.Task[Any]]:
 
 
 def make_relay(url: str, broker_url: str) -> Relay:
-    return Relay.from_settings(load_settings(
-        {"db": url, "broker": broker_url, "poll_interval": 0.05, "concurrency": 2}, environ={}))
+    return Relay.from_settings(
+        load_settings(
+            {"db": url, "broker": broker_url, "poll_interval": 0.05, "concurrency": 2}, environ={}
+        )
+    )
 
 
 @pytest.fixture
@@ -148,30 +161,42 @@ async def test_unreachable_database_is_503_not_500() -> None:
     assert samples(metrics.text) == {"outboxer_store_up": 0}
 
 
-async def test_health_inside_a_relay_follows_its_loops(relay_db_url: str, broker: MemoryBroker) -> None:
+async def test_health_inside_a_relay_follows_its_loops(
+    relay_db_url: str, broker: MemoryBroker
+) -> None:
     relay = make_relay(relay_db_url, f"memory://{broker.name}")
     async with serving(relay_db_url, relay) as client:
         starting = await client.get("/health")
         assert starting.status_code == 503
         assert "relay is starting" in starting.json()["relay"]
         async with running(relay):
+
             async def healthy() -> bool:
                 return (await client.get("/health")).status_code == 200
+
             await eventually(healthy)
-            assert (await client.get("/health")).json() == {"status": "ok", "database": "ok", "relay": "ok"}
+            assert (await client.get("/health")).json() == {
+                "status": "ok",
+                "database": "ok",
+                "relay": "ok",
+            }
             relay.stop()
             stopping = await client.get("/health")
         assert stopping.status_code == 503 and "relay is stopping" in stopping.json()["relay"]
 
 
-async def test_health_is_503_while_the_broker_is_down_and_recovers(sqlite_url: str, tmp_path: Path) -> None:
+async def test_health_is_503_while_the_broker_is_down_and_recovers(
+    sqlite_url: str, tmp_path: Path
+) -> None:
     events = tmp_path / "events.jsonl"
     events.mkdir()  # a directory where the file should be: the file broker cannot open it
     relay = make_relay(sqlite_url, f"file://{events}")
     async with serving(sqlite_url, relay) as client, running(relay):
+
         async def reports(status: int, fragment: str) -> bool:
             response = await client.get("/health")
             return response.status_code == status and fragment in response.text
+
         await eventually(lambda: reports(503, "broker default: unreachable"))
         events.rmdir()
         await eventually(lambda: reports(200, '"relay": "ok"'), timeout=30)
@@ -180,7 +205,9 @@ async def test_health_is_503_while_the_broker_is_down_and_recovers(sqlite_url: s
 # ----- metrics -----------------------------------------------------------------------------
 
 
-async def test_metrics_counters_move_when_the_relay_publishes(relay_db_url: str, broker: MemoryBroker) -> None:
+async def test_metrics_counters_move_when_the_relay_publishes(
+    relay_db_url: str, broker: MemoryBroker
+) -> None:
     relay = make_relay(relay_db_url, f"memory://{broker.name}")
     async with serving(relay_db_url, relay, status_cache_seconds=0) as client, running(relay):
         before = samples((await client.get("/metrics")).text)
@@ -188,18 +215,36 @@ async def test_metrics_counters_move_when_the_relay_publishes(relay_db_url: str,
         enqueue(relay_db_url, 3)
 
         async def published() -> bool:
-            return samples((await client.get("/metrics")).text)['outboxer_messages_published_total{destination="default"}'] == 3
+            return (
+                samples((await client.get("/metrics")).text)[
+                    'outboxer_messages_published_total{destination="default"}'
+                ]
+                == 3
+            )
+
         await eventually(published)
         response = await client.get("/metrics")
     assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
     text = response.text
-    for name, kind in [("outboxer_messages_published_total", "counter"), ("outboxer_batches_total", "counter"),
-                       ("outboxer_claim_seconds_total", "counter"), ("outboxer_relay_uptime_seconds", "gauge"),
-                       ("outboxer_messages", "gauge"), ("outboxer_oldest_pending_age_seconds", "gauge")]:
+    for name, kind in [
+        ("outboxer_messages_published_total", "counter"),
+        ("outboxer_batches_total", "counter"),
+        ("outboxer_claim_seconds_total", "counter"),
+        ("outboxer_relay_uptime_seconds", "gauge"),
+        ("outboxer_messages", "gauge"),
+        ("outboxer_oldest_pending_age_seconds", "gauge"),
+    ]:
         assert f"# TYPE {name} {kind}\n" in text and f"# HELP {name} " in text
     after = samples(text)
-    assert after['outboxer_batches_total{destination="default"}'] >= 1 and after['outboxer_claim_seconds_total{destination="default"}'] > 0
-    assert after['outboxer_messages_failed_total{destination="default"}'] == after['outboxer_messages_abandoned_total{destination="default"}'] == 0
+    assert (
+        after['outboxer_batches_total{destination="default"}'] >= 1
+        and after['outboxer_claim_seconds_total{destination="default"}'] > 0
+    )
+    assert (
+        after['outboxer_messages_failed_total{destination="default"}']
+        == after['outboxer_messages_abandoned_total{destination="default"}']
+        == 0
+    )
     assert after["outboxer_store_errors_total"] == 0  # the relay's own, unlabelled
     assert after['outboxer_messages{destination="default",status="PUBLISHED"}'] == 3
     assert after['outboxer_messages{destination="default",status="PENDING"}'] == 0
@@ -217,14 +262,17 @@ async def test_metrics_reuse_the_status_query_for_a_few_seconds(sqlite_url: str)
     async with serving(sqlite_url, status_cache_seconds=0) as client:
         fresh = samples((await client.get("/metrics")).text)
     assert fresh['outboxer_messages{destination="default",status="PENDING"}'] == 2
-    assert not any(name.startswith("outboxer_messages_published_total") for name in fresh), \
+    assert not any(name.startswith("outboxer_messages_published_total") for name in fresh), (
         "no relay counters without a relay"
+    )
 
 
 # ----- status and messages -----------------------------------------------------------------
 
 
-async def test_status_is_what_the_cli_prints(db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+async def test_status_is_what_the_cli_prints(
+    db_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     enqueue(db_url, 3)
     async with create_store(db_url) as store:
         await abandon(store, 1)
@@ -248,10 +296,16 @@ async def test_messages_lists_by_status_with_a_limit(db_url: str) -> None:
         await abandon(store, 2)
     async with serving(db_url) as client:
         abandoned = (await client.get("/messages")).json()["messages"]
-        pending = (await client.get("/messages", params={"status": "pending", "limit": "1"})).json()["messages"]
-        both = (await client.get("/messages?status=PENDING&status=ABANDONED&limit=100")).json()["messages"]
+        pending = (
+            await client.get("/messages", params={"status": "pending", "limit": "1"})
+        ).json()["messages"]
+        both = (await client.get("/messages?status=PENDING&status=ABANDONED&limit=100")).json()[
+            "messages"
+        ]
     assert [m["id"] for m in abandoned] == [str(m.id) for m in sent[:2]]
-    assert {m["status"] for m in abandoned} == {"ABANDONED"} and abandoned[0]["last_error"] == "rejected"
+    assert {m["status"] for m in abandoned} == {"ABANDONED"} and abandoned[0][
+        "last_error"
+    ] == "rejected"
     assert [m["id"] for m in pending] == [str(sent[2].id)]
     assert len(both) == 4
 
@@ -283,11 +337,19 @@ async def test_requeue_needs_the_token_when_one_is_configured(sqlite_url: str) -
     async with serving(sqlite_url, token=TOKEN) as client:
         refused = [
             await client.post("/messages/requeue", json={}),
-            await client.post("/messages/requeue", json={}, headers={"Authorization": "Bearer wrong"}),
-            await client.post("/messages/requeue", json={}, headers={"Authorization": f"Bearer {TOKEN}x"}),
-            await client.post("/messages/requeue", json={}, headers={"Authorization": f"Basic {TOKEN}"}),
+            await client.post(
+                "/messages/requeue", json={}, headers={"Authorization": "Bearer wrong"}
+            ),
+            await client.post(
+                "/messages/requeue", json={}, headers={"Authorization": f"Bearer {TOKEN}x"}
+            ),
+            await client.post(
+                "/messages/requeue", json={}, headers={"Authorization": f"Basic {TOKEN}"}
+            ),
         ]
-        allowed = await client.post("/messages/requeue", json={}, headers={"Authorization": f"Bearer {TOKEN}"})
+        allowed = await client.post(
+            "/messages/requeue", json={}, headers={"Authorization": f"Bearer {TOKEN}"}
+        )
         reads = [await client.get(path) for path in ("/health", "/status", "/messages", "/metrics")]
     for response in refused:
         assert response.status_code == 401
@@ -300,27 +362,51 @@ async def test_requeue_needs_the_token_when_one_is_configured(sqlite_url: str) -
 # ----- bad requests ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("method", "path", "body", "fragment"), [
-    ("GET", "/messages?status=LOST", None, "unknown status LOST"),
-    ("GET", "/messages?limit=ten", None, "limit must be a whole number"),
-    ("GET", "/messages?limit=0", None, "limit must be between 1 and 1000"),
-    ("GET", "/messages?limit=1001", None, "limit must be between 1 and 1000"),
-    ("GET", "/messages?limit=1&limit=2", None, "give limit once"),
-    ("GET", "/messages?stats=FAILED", None, "unknown query parameter(s) stats"),
-    ("POST", "/messages/requeue", b"{not json", "not valid JSON"),
-    ("POST", "/messages/requeue", b"\xff\xfe\xfa", "not valid JSON"),
-    ("POST", "/messages/requeue", b"", "must be a JSON object"),
-    ("POST", "/messages/requeue", b'["ABANDONED"]', "must be a JSON object"),
-    ("POST", "/messages/requeue", b'{"status": ["ABANDONED"]}', "unknown field(s) status"),
-    ("POST", "/messages/requeue", b'{"statuses": "ABANDONED"}', "statuses must be a non-empty list"),
-    ("POST", "/messages/requeue", b'{"statuses": []}', "statuses must be a non-empty list"),
-    ("POST", "/messages/requeue", b'{"statuses": ["PUBLISHED"]}', "unknown statuses PUBLISHED; use ABANDONED, FAILED"),
-    ("POST", "/messages/requeue", b'{"destinations": [1]}', "destinations must be a non-empty list"),
-    ("POST", "/messages/requeue", b'{"ids": ["not-a-uuid"]}', "ids must be message ids"),
-    ("POST", "/messages/requeue", b'{"ids": null, "destinations": [""]}', "destinations must be a non-empty list"),
-])
-async def test_bad_input_is_a_400_that_says_why(sqlite_url: str, method: str, path: str, body: bytes | None,
-                                                fragment: str) -> None:
+@pytest.mark.parametrize(
+    ("method", "path", "body", "fragment"),
+    [
+        ("GET", "/messages?status=LOST", None, "unknown status LOST"),
+        ("GET", "/messages?limit=ten", None, "limit must be a whole number"),
+        ("GET", "/messages?limit=0", None, "limit must be between 1 and 1000"),
+        ("GET", "/messages?limit=1001", None, "limit must be between 1 and 1000"),
+        ("GET", "/messages?limit=1&limit=2", None, "give limit once"),
+        ("GET", "/messages?stats=FAILED", None, "unknown query parameter(s) stats"),
+        ("POST", "/messages/requeue", b"{not json", "not valid JSON"),
+        ("POST", "/messages/requeue", b"\xff\xfe\xfa", "not valid JSON"),
+        ("POST", "/messages/requeue", b"", "must be a JSON object"),
+        ("POST", "/messages/requeue", b'["ABANDONED"]', "must be a JSON object"),
+        ("POST", "/messages/requeue", b'{"status": ["ABANDONED"]}', "unknown field(s) status"),
+        (
+            "POST",
+            "/messages/requeue",
+            b'{"statuses": "ABANDONED"}',
+            "statuses must be a non-empty list",
+        ),
+        ("POST", "/messages/requeue", b'{"statuses": []}', "statuses must be a non-empty list"),
+        (
+            "POST",
+            "/messages/requeue",
+            b'{"statuses": ["PUBLISHED"]}',
+            "unknown statuses PUBLISHED; use ABANDONED, FAILED",
+        ),
+        (
+            "POST",
+            "/messages/requeue",
+            b'{"destinations": [1]}',
+            "destinations must be a non-empty list",
+        ),
+        ("POST", "/messages/requeue", b'{"ids": ["not-a-uuid"]}', "ids must be message ids"),
+        (
+            "POST",
+            "/messages/requeue",
+            b'{"ids": null, "destinations": [""]}',
+            "destinations must be a non-empty list",
+        ),
+    ],
+)
+async def test_bad_input_is_a_400_that_says_why(
+    sqlite_url: str, method: str, path: str, body: bytes | None, fragment: str
+) -> None:
     async with serving(sqlite_url) as client:
         response = await client.request(method, path, content=body)
     assert response.status_code == 400, response.text
@@ -358,13 +444,19 @@ async def raw_exchange(port: int, data: bytes) -> bytes:
         writer.close()
 
 
-@pytest.mark.parametrize(("data", "status"), [
-    (b"garbage\r\n\r\n", b"400 Bad Request"),
-    (b"GET /health HTTP/2.0\r\n\r\n", b"505 HTTP Version Not Supported"),
-    (b"POST /messages/requeue HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", b"411 Length Required"),
-    (b"GET /health HTTP/1.1\r\nContent-Length: 1, 2\r\n\r\n", b"400 Bad Request"),
-    (b"GET /health HTTP/1.0\r\n\r\n", b"200 OK"),
-])
+@pytest.mark.parametrize(
+    ("data", "status"),
+    [
+        (b"garbage\r\n\r\n", b"400 Bad Request"),
+        (b"GET /health HTTP/2.0\r\n\r\n", b"505 HTTP Version Not Supported"),
+        (
+            b"POST /messages/requeue HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+            b"411 Length Required",
+        ),
+        (b"GET /health HTTP/1.1\r\nContent-Length: 1, 2\r\n\r\n", b"400 Bad Request"),
+        (b"GET /health HTTP/1.0\r\n\r\n", b"200 OK"),
+    ],
+)
 async def test_raw_requests(sqlite_url: str, data: bytes, status: bytes) -> None:
     async with serving(sqlite_url) as client:
         answer = await raw_exchange(client.server.port, data)  # type: ignore[attr-defined]
@@ -373,18 +465,22 @@ async def test_raw_requests(sqlite_url: str, data: bytes, status: bytes) -> None
 
 
 async def test_unexpected_errors_are_a_500_with_the_traceback_in_the_log(
-        sqlite_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
     async with serving(sqlite_url) as client:
         api: HttpApi = client.server.api  # type: ignore[attr-defined]
 
         async def broken() -> dict[str, Any]:
             raise KeyError("a bug")
+
         api.store.status_report = broken  # type: ignore[method-assign]
         with caplog.at_level(logging.ERROR, logger="outboxer.http"):
             response = await client.get("/status")
     assert response.status_code == 500
-    assert response.json() == {"error": "internal server error; the traceback is in the server's log",
-                               "type": "KeyError"}
+    assert response.json() == {
+        "error": "internal server error; the traceback is in the server's log",
+        "type": "KeyError",
+    }
     [record] = [r for r in caplog.records if r.name == "outboxer.http"]
     assert record.exc_info is not None and "GET /status failed" in record.getMessage()
 
@@ -393,7 +489,8 @@ async def test_unexpected_errors_are_a_500_with_the_traceback_in_the_log(
 
 
 async def test_a_slow_client_times_out_and_blocks_neither_the_api_nor_the_relay(
-        sqlite_url: str, broker: MemoryBroker) -> None:
+    sqlite_url: str, broker: MemoryBroker
+) -> None:
     relay = make_relay(sqlite_url, f"memory://{broker.name}")
     async with serving(sqlite_url, relay, read_timeout=1.0) as client, running(relay):
         port = client.server.port  # type: ignore[attr-defined]

@@ -89,7 +89,9 @@ async def test_inbox_retention(pg_url: str) -> None:
             Inbox().claim(conn, "c", uuid.uuid4())
         conn.execute("UPDATE outboxer.inbox SET received_at = now() - interval '2 days'")
         Inbox().claim(conn, "c", uuid.uuid4())
-    settings = load_settings({"db": pg_url, "inbox_retention": "1d", "cleanup_batch": "2"}, environ={})
+    settings = load_settings(
+        {"db": pg_url, "inbox_retention": "1d", "cleanup_batch": "2"}, environ={}
+    )
     async with create_store(pg_url) as store:
         assert await cleanup(store, settings) == 3
     with psycopg.connect(pg_url) as conn:
@@ -120,7 +122,9 @@ def test_mysql_first_delivery_only_concurrency_and_retention(mysql_url: str) -> 
         cursor.execute("UPDATE inbox SET received_at = received_at - INTERVAL 2 DAY")
     first.commit()
     first.close()
-    settings = load_settings({"db": mysql_url, "inbox_retention": "1d", "cleanup_batch": "1"}, environ={})
+    settings = load_settings(
+        {"db": mysql_url, "inbox_retention": "1d", "cleanup_batch": "1"}, environ={}
+    )
 
     async def clean() -> int:
         async with create_store(mysql_url) as store:

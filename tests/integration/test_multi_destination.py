@@ -18,7 +18,9 @@ from tests.rabbit import RabbitConsumer
 
 def by_destination(pg_url: str) -> dict[str, list[tuple[str, int]]]:
     with psycopg.connect(pg_url) as conn:
-        rows = conn.execute("SELECT destination, status, attempts FROM outboxer.outbox ORDER BY seq").fetchall()
+        rows = conn.execute(
+            "SELECT destination, status, attempts FROM outboxer.outbox ORDER BY seq"
+        ).fetchall()
     result: dict[str, list[tuple[str, int]]] = {}
     for destination, status, attempts in rows:
         result.setdefault(destination, []).append((status, attempts))
@@ -26,7 +28,8 @@ def by_destination(pg_url: str) -> dict[str, list[tuple[str, int]]]:
 
 
 async def test_one_destination_down_does_not_hold_back_the_other(
-        pg_url: str, rabbit_consumer: RabbitConsumer, tmp_path: Path) -> None:
+    pg_url: str, rabbit_consumer: RabbitConsumer, tmp_path: Path
+) -> None:
     receiver = await HookServer().start()
     port = receiver.port
     await receiver.stop()  # the partner's receiver is down
@@ -47,8 +50,16 @@ envelope = "stripped"
 """)
     outbox = outboxer.Outbox(destinations=("internal", "partner"))
     with psycopg.connect(pg_url) as conn:
-        sent = [outbox.enqueue(conn, "order.placed", {"n": n}, key=f"k{n % 2}",
-                               headers={"internal-tenant": "acme", "trace": f"t{n}"}) for n in range(6)]
+        sent = [
+            outbox.enqueue(
+                conn,
+                "order.placed",
+                {"n": n},
+                key=f"k{n % 2}",
+                headers={"internal-tenant": "acme", "trace": f"t{n}"},
+            )
+            for n in range(6)
+        ]
     relay = Relay.from_settings(load_settings({}, config_file=config, environ={}))
     task = asyncio.create_task(relay.run())
     try:
@@ -56,8 +67,10 @@ envelope = "stripped"
 
         async def internal_done_partner_failing() -> bool:
             rows = by_destination(pg_url)
-            return (all(s == "PUBLISHED" for s, _ in rows["internal"])
-                    and any(s == "FAILED" and a >= 1 for s, a in rows["partner"]))
+            return all(s == "PUBLISHED" for s, _ in rows["internal"]) and any(
+                s == "FAILED" and a >= 1 for s, a in rows["partner"]
+            )
+
         await eventually(internal_done_partner_failing, timeout=20)
         assert not any(s == "PUBLISHED" for s, _ in by_destination(pg_url)["partner"])
 
@@ -65,7 +78,10 @@ envelope = "stripped"
         await receiver.start()
 
         async def all_published() -> bool:
-            return all(s == "PUBLISHED" for rows in by_destination(pg_url).values() for s, _ in rows)
+            return all(
+                s == "PUBLISHED" for rows in by_destination(pg_url).values() for s, _ in rows
+            )
+
         await eventually(all_published, timeout=30)
     finally:
         relay.stop()
@@ -82,7 +98,9 @@ envelope = "stripped"
     assert partner.published == 6 and partner.failed >= 1
     assert relay.stats.published == 12 and relay.stats.failed == partner.failed
     assert sorted(d.message_id for d in rabbit_consumer.received) == sorted(str(m.id) for m in sent)
-    assert all(d.headers.get("internal-tenant") == "acme" for d in rabbit_consumer.received), "full envelope inside"
+    assert all(d.headers.get("internal-tenant") == "acme" for d in rabbit_consumer.received), (
+        "full envelope inside"
+    )
     delivered = [r for r in receiver.requests if r.status == 200]
     assert sorted(r.headers["outboxer-id"] for r in delivered) == sorted(str(m.id) for m in sent)
     assert all("internal-tenant" not in r.headers for r in delivered), "stripped envelope outside"
@@ -91,7 +109,9 @@ envelope = "stripped"
     assert json.loads(first.body) == {"n": 0}
 
 
-async def test_an_idle_relay_wakes_for_every_destination_at_once(pg_url: str, tmp_path: Path) -> None:
+async def test_an_idle_relay_wakes_for_every_destination_at_once(
+    pg_url: str, tmp_path: Path
+) -> None:
     """One commit for two destinations wakes both destinations' loops from idle: neither
     waits for the poll interval (30 s here)."""
     config = tmp_path / "outboxer.toml"
@@ -117,8 +137,11 @@ broker = "memory://wake-partner"
 
             async def both_published(count: int = n + 1) -> bool:
                 rows = by_destination(pg_url)
-                return all(sum(s == "PUBLISHED" for s, _ in rows.get(d, [])) == count
-                           for d in ("internal", "partner"))
+                return all(
+                    sum(s == "PUBLISHED" for s, _ in rows.get(d, [])) == count
+                    for d in ("internal", "partner")
+                )
+
             await eventually(both_published, timeout=10)
             assert time.monotonic() - started < 2.0, "woken, not polled"
             await asyncio.sleep(0.3)  # idle again

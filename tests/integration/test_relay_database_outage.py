@@ -18,8 +18,11 @@ async def test_relay_survives_a_database_outage(pg_url: str) -> None:
     database = pg_url.rsplit("/", 1)[1]
     via_proxy = f"postgresql://postgres@127.0.0.1:{proxy.port}/{database}"
     broker = memory_broker(f"db-outage-{uuid.uuid4().hex[:8]}")
-    relay = Relay.from_settings(load_settings(
-        {"db": via_proxy, "broker": f"memory://{broker.name}", "poll_interval": 0.1}, environ={}))
+    relay = Relay.from_settings(
+        load_settings(
+            {"db": via_proxy, "broker": f"memory://{broker.name}", "poll_interval": 0.1}, environ={}
+        )
+    )
     task = asyncio.create_task(relay.run())
     try:
         with psycopg.connect(pg_url) as conn:
@@ -27,6 +30,7 @@ async def test_relay_survives_a_database_outage(pg_url: str) -> None:
 
         async def delivered(count: int) -> bool:
             return len(broker.messages) >= count
+
         await eventually(lambda: delivered(1))
         await proxy.cut()  # the relay loses every database connection
         with psycopg.connect(pg_url) as conn:
@@ -41,7 +45,9 @@ async def test_relay_survives_a_database_outage(pg_url: str) -> None:
         await asyncio.wait_for(task, 30)
         await proxy.stop()
     with psycopg.connect(pg_url) as conn:
-        assert conn.execute("SELECT count(*) FROM outboxer.outbox WHERE status = 'PUBLISHED'").fetchone() == (2,)
+        assert conn.execute(
+            "SELECT count(*) FROM outboxer.outbox WHERE status = 'PUBLISHED'"
+        ).fetchone() == (2,)
 
 
 async def _true(value: bool) -> bool:

@@ -21,7 +21,9 @@ def write_transactions(url: str, seed: int, transactions: int) -> None:
     try:
         for _ in range(transactions):
             keys = [chance.choice(["a", "b", "c", "d", None]) for _ in range(chance.randint(1, 4))]
-            outboxer.enqueue_many(conn, [{"topic": "t", "payload": {"seed": seed}, "key": key} for key in keys])
+            outboxer.enqueue_many(
+                conn, [{"topic": "t", "payload": {"seed": seed}, "key": key} for key in keys]
+            )
             if chance.random() < 0.1:
                 conn.rollback()
             else:
@@ -46,15 +48,26 @@ async def test_two_relays_publish_each_row_once_in_key_order(mysql_url: str) -> 
     broker = memory_broker(f"two-relays-{uuid.uuid4().hex[:8]}")
     broker.latency = 0.002  # keeps batches in flight, so the relays overlap
     relays = [
-        Relay.from_settings(load_settings({
-            "db": mysql_url, "broker": f"memory://{broker.name}", "relay_id": f"relay-{n}",
-            "batch_size": 7, "concurrency": 2, "poll_interval": 0.02}, environ={}))
+        Relay.from_settings(
+            load_settings(
+                {
+                    "db": mysql_url,
+                    "broker": f"memory://{broker.name}",
+                    "relay_id": f"relay-{n}",
+                    "batch_size": 7,
+                    "concurrency": 2,
+                    "poll_interval": 0.02,
+                },
+                environ={},
+            )
+        )
         for n in range(2)
     ]
     running = [asyncio.create_task(relay.run()) for relay in relays]
     try:
-        await asyncio.gather(*(asyncio.to_thread(write_transactions, mysql_url, seed, 40)
-                               for seed in range(3)))
+        await asyncio.gather(
+            *(asyncio.to_thread(write_transactions, mysql_url, seed, 40) for seed in range(3))
+        )
         expected = 0
         for _ in range(300):
             rows = await asyncio.to_thread(mysql_connect, mysql_url)
@@ -73,7 +86,9 @@ async def test_two_relays_publish_each_row_once_in_key_order(mysql_url: str) -> 
     in_seq = published_in_seq_order(mysql_url)
     assert len(in_seq) == expected > 100
     sent_ids = [str(message.id) for message in broker.messages]
-    assert sorted(sent_ids) == sorted(row_id for row_id, _ in in_seq), "each row published exactly once"
+    assert sorted(sent_ids) == sorted(row_id for row_id, _ in in_seq), (
+        "each row published exactly once"
+    )
     assert sum(s.lost for s in stats) == 0 and all(s.published for s in stats), "both relays worked"
     by_key_sent: dict[str, list[str]] = defaultdict(list)
     for message in broker.messages:
@@ -101,8 +116,11 @@ async def test_idle_relay_wakes_on_a_commit_well_before_its_poll_interval(mysql_
     import time
 
     broker = memory_broker(f"wake-{uuid.uuid4().hex[:8]}")
-    relay = Relay.from_settings(load_settings({
-        "db": mysql_url, "broker": f"memory://{broker.name}", "poll_interval": 30}, environ={}))
+    relay = Relay.from_settings(
+        load_settings(
+            {"db": mysql_url, "broker": f"memory://{broker.name}", "poll_interval": 30}, environ={}
+        )
+    )
     running = asyncio.create_task(relay.run())
     try:
         latencies = []
@@ -127,13 +145,19 @@ async def test_wait_for_wakeup_sees_commits_made_while_it_was_not_waiting(mysql_
     from outboxer.stores import create_store
 
     async with create_store(mysql_url) as store:
-        assert await store.wait_for_wakeup("default", 0.2) is False, "an empty outbox: nothing to wake for"
+        assert await store.wait_for_wakeup("default", 0.2) is False, (
+            "an empty outbox: nothing to wake for"
+        )
         await asyncio.to_thread(_commit_one, mysql_url)  # between a claim and the next wait
         assert await store.wait_for_wakeup("default", 5) is True
-        first, second = (asyncio.create_task(store.wait_for_wakeup("default", 0.5)) for _ in range(2))
+        first, second = (
+            asyncio.create_task(store.wait_for_wakeup("default", 0.5)) for _ in range(2)
+        )
         await asyncio.sleep(0.1)
         await asyncio.to_thread(_commit_one, mysql_url, None)
         assert sorted(await asyncio.gather(first, second)) == [False, True], "one waiter per change"
         await store.claim("default", "r", 10, 30.0, False)  # the mark shrinks: not news
-        assert await store.wait_for_wakeup("default", 0.2) is True  # a change all the same: one extra look
+        assert (
+            await store.wait_for_wakeup("default", 0.2) is True
+        )  # a change all the same: one extra look
         assert await store.wait_for_wakeup("default", 0.2) is False

@@ -18,8 +18,14 @@ from tests.rabbit import RabbitConsumer
 
 
 def settings(pg_url: str, broker: str, **overrides: Any) -> outboxer.Settings:
-    base: dict[str, Any] = {"db": pg_url, "broker": broker, "poll_interval": 0.2,
-                            "backoff_base": 0.2, "backoff_max": 1.0, "publish_timeout": 2.0}
+    base: dict[str, Any] = {
+        "db": pg_url,
+        "broker": broker,
+        "poll_interval": 0.2,
+        "backoff_base": 0.2,
+        "backoff_max": 1.0,
+        "publish_timeout": 2.0,
+    }
     return load_settings(base | overrides, environ={})
 
 
@@ -39,10 +45,17 @@ async def stop(relay: Relay, task: asyncio.Task[outboxer.RelayStats]) -> outboxe
     return await asyncio.wait_for(task, 30)
 
 
-async def test_commit_delivers_exactly_what_was_stored(pg_url: str, rabbit_consumer: RabbitConsumer) -> None:
+async def test_commit_delivers_exactly_what_was_stored(
+    pg_url: str, rabbit_consumer: RabbitConsumer
+) -> None:
     with psycopg.connect(pg_url) as conn:
-        message = outboxer.enqueue(conn, "order.placed", {"order": 42, "items": ["a", "b"]},
-                                   key="customer-7", headers={"traceparent": "00-abc-01"})
+        message = outboxer.enqueue(
+            conn,
+            "order.placed",
+            {"order": 42, "items": ["a", "b"]},
+            key="customer-7",
+            headers={"traceparent": "00-abc-01"},
+        )
     stats = await Relay.from_settings(settings(pg_url, rabbit_consumer.broker_url)).drain()
     assert stats.published == 1
     [got] = await rabbit_consumer.wait_for(1)
@@ -53,7 +66,11 @@ async def test_commit_delivers_exactly_what_was_stored(pg_url: str, rabbit_consu
     assert got.headers["outboxer-key"] == "customer-7"
     assert got.content_type == "application/json" and got.persistent
     [row] = rows(pg_url)
-    assert row["status"] == "PUBLISHED" and row["published_at"] is not None and row["locked_by"] is None
+    assert (
+        row["status"] == "PUBLISHED"
+        and row["published_at"] is not None
+        and row["locked_by"] is None
+    )
 
 
 async def test_rollback_delivers_nothing(pg_url: str, rabbit_consumer: RabbitConsumer) -> None:
@@ -66,7 +83,9 @@ async def test_rollback_delivers_nothing(pg_url: str, rabbit_consumer: RabbitCon
     assert [d.message_id for d in await rabbit_consumer.wait_for(1)] == [str(marker.id)]
 
 
-async def test_broker_outage_fails_with_backoff_then_delivers(pg_url: str, rabbit_consumer: RabbitConsumer) -> None:
+async def test_broker_outage_fails_with_backoff_then_delivers(
+    pg_url: str, rabbit_consumer: RabbitConsumer
+) -> None:
     proxy = await TcpProxy("127.0.0.1", 5672).start()
     broker = f"amqp://guest:guest@127.0.0.1:{proxy.port}/?exchange={rabbit_consumer.exchange}"
     relay = Relay.from_settings(settings(pg_url, broker, max_attempts=50, concurrency=1))
@@ -80,6 +99,7 @@ async def test_broker_outage_fails_with_backoff_then_delivers(pg_url: str, rabbi
         async def failed_with_backoff() -> bool:
             head = rows(pg_url)[0]
             return head["status"] == "FAILED" and head["attempts"] >= 1
+
         await eventually(failed_with_backoff, timeout=20)
         head = rows(pg_url)[0]
         assert head["last_error"] and head["next_attempt_at"] > head["updated_at"]
@@ -101,8 +121,9 @@ async def test_max_attempts_abandons(pg_url: str, rabbit_consumer: RabbitConsume
     lonely = RabbitConsumer(binding="only.this")
     await lonely.start()
     try:
-        relay = Relay.from_settings(settings(pg_url, lonely.broker_url, max_attempts=3,
-                                             backoff_base=0.05, backoff_max=0.1))
+        relay = Relay.from_settings(
+            settings(pg_url, lonely.broker_url, max_attempts=3, backoff_base=0.05, backoff_max=0.1)
+        )
         task = await start(relay)
         await eventually(lambda: _true(rows(pg_url)[0]["status"] == "ABANDONED"), timeout=20)
         await stop(relay, task)
@@ -129,9 +150,12 @@ async def test_stale_lock_is_recovered(pg_url: str, rabbit_consumer: RabbitConsu
     assert [d.message_id for d in await rabbit_consumer.wait_for(1)] == [str(sent.id)]
 
 
-async def test_notify_wakes_an_idle_relay_at_once(pg_url: str, rabbit_consumer: RabbitConsumer,
-                                                  caplog: pytest.LogCaptureFixture) -> None:
-    relay = Relay.from_settings(settings(pg_url, rabbit_consumer.broker_url, poll_interval=30, concurrency=4))
+async def test_notify_wakes_an_idle_relay_at_once(
+    pg_url: str, rabbit_consumer: RabbitConsumer, caplog: pytest.LogCaptureFixture
+) -> None:
+    relay = Relay.from_settings(
+        settings(pg_url, rabbit_consumer.broker_url, poll_interval=30, concurrency=4)
+    )
     task = await start(relay)
     try:
         await asyncio.sleep(1.0)  # idle, listening
@@ -139,7 +163,9 @@ async def test_notify_wakes_an_idle_relay_at_once(pg_url: str, rabbit_consumer: 
         with psycopg.connect(pg_url) as conn:
             outboxer.enqueue(conn, "order.placed", {"n": 1})
         await rabbit_consumer.wait_for(1, timeout=10)
-        assert rabbit_consumer.received and time.monotonic() - started < 5, "woken by NOTIFY, not the 30 s poll"
+        assert rabbit_consumer.received and time.monotonic() - started < 5, (
+            "woken by NOTIFY, not the 30 s poll"
+        )
     finally:
         await stop(relay, task)
     ours = [r for r in caplog.records if r.name in ("outboxer.relay", "outboxer.store")]
@@ -159,16 +185,22 @@ def count_notifications(pg_url: str) -> int:
 def test_one_notify_per_transaction_while_a_relay_waits(pg_url: str) -> None:
     assert count_notifications(pg_url) == 0, "nobody waits: writers skip the NOTIFY"
     with psycopg.connect(pg_url) as conn:
-        conn.execute("INSERT INTO outboxer.outbox_listeners VALUES ('idle-relay', now() + interval '1 minute')")
+        conn.execute(
+            "INSERT INTO outboxer.outbox_listeners VALUES ('idle-relay', now() + interval '1 minute')"
+        )
     assert count_notifications(pg_url) == 1
     with psycopg.connect(pg_url) as conn:
         conn.execute("UPDATE outboxer.outbox_listeners SET until = now() - interval '1 second'")
-    assert count_notifications(pg_url) == 0, "a registration that expired (its relay got busy or died)"
+    assert count_notifications(pg_url) == 0, (
+        "a registration that expired (its relay got busy or died)"
+    )
 
 
 def live_registrations(pg_url: str) -> int:
     with psycopg.connect(pg_url, autocommit=True) as conn:
-        row = conn.execute("SELECT count(*) FROM outboxer.outbox_listeners WHERE until > now()").fetchone()
+        row = conn.execute(
+            "SELECT count(*) FROM outboxer.outbox_listeners WHERE until > now()"
+        ).fetchone()
     return int(row[0]) if row else 0
 
 
@@ -185,7 +217,9 @@ async def test_a_busy_relay_polls_and_a_quiet_one_registers_for_notifies(pg_url:
         assert time.monotonic() - started < 1.0, "busy: a short poll, not the 30 s wait"
         assert live_registrations(pg_url) == 0
         await asyncio.sleep(0.1)  # a quiet spell
-        assert await store.wait_for_wakeup("default", 30) is True, "fresh registration: look once more"
+        assert await store.wait_for_wakeup("default", 30) is True, (
+            "fresh registration: look once more"
+        )
         assert live_registrations(pg_url) == 1
         with psycopg.connect(pg_url) as conn:
             outboxer.enqueue(conn, "t", {"n": 2})
@@ -208,8 +242,9 @@ async def test_writers_do_not_notify_a_relay_that_keeps_up(pg_url: str) -> None:
                     with conn.transaction():
                         outboxer.enqueue(conn, "t", {"n": n})
                     await asyncio.sleep(0.002)
-            await eventually(lambda: _true({r["status"] for r in rows(pg_url)} == {"PUBLISHED"}),
-                             timeout=10)
+            await eventually(
+                lambda: _true({r["status"] for r in rows(pg_url)} == {"PUBLISHED"}), timeout=10
+            )
         finally:
             await stop(relay, task)
         notifies = len(list(listener.notifies(timeout=0.5)))
@@ -217,17 +252,36 @@ async def test_writers_do_not_notify_a_relay_that_keeps_up(pg_url: str) -> None:
 
 
 @pytest.mark.parametrize("relays", [2, 4])
-async def test_many_relays_share_a_table(pg_url: str, rabbit_consumer: RabbitConsumer, relays: int) -> None:
+async def test_many_relays_share_a_table(
+    pg_url: str, rabbit_consumer: RabbitConsumer, relays: int
+) -> None:
     keys = [f"key-{k}" for k in range(12)]
     with psycopg.connect(pg_url) as conn:
-        sent = outboxer.enqueue_many(conn, [
-            {"topic": "order.placed", "payload": {"key": key, "n": n}, "key": key}
-            for n in range(60) for key in keys
-        ] + [{"topic": "order.placed", "payload": {"key": None, "n": n}} for n in range(200)])
-    fleet = [Relay.from_settings(settings(pg_url, rabbit_consumer.broker_url, batch_size=25, concurrency=2,
-                                          relay_id=f"relay-{n}")) for n in range(relays)]
+        sent = outboxer.enqueue_many(
+            conn,
+            [
+                {"topic": "order.placed", "payload": {"key": key, "n": n}, "key": key}
+                for n in range(60)
+                for key in keys
+            ]
+            + [{"topic": "order.placed", "payload": {"key": None, "n": n}} for n in range(200)],
+        )
+    fleet = [
+        Relay.from_settings(
+            settings(
+                pg_url,
+                rabbit_consumer.broker_url,
+                batch_size=25,
+                concurrency=2,
+                relay_id=f"relay-{n}",
+            )
+        )
+        for n in range(relays)
+    ]
     stats = await asyncio.gather(*(relay.drain() for relay in fleet))
-    assert sum(s.claimed for s in stats) == len(sent), "each row claimed once: never owned by two relays"
+    assert sum(s.claimed for s in stats) == len(sent), (
+        "each row claimed once: never owned by two relays"
+    )
     assert all(s.claimed > 0 for s in stats), "every relay took part"
     delivered = await rabbit_consumer.wait_for(len(sent))
     assert sorted(d.message_id for d in delivered) == sorted(str(m.id) for m in sent)

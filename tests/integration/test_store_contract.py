@@ -40,7 +40,9 @@ class TestSqliteStore(StoreContract):
         return f"UPDATE {self.table} SET {column} = {column} - {seconds}"
 
     def hold_row(self, url: str, message: Any) -> Any:
-        pytest.skip("SQLite has no row locks: a writer holds the whole database, and claims wait for it")
+        pytest.skip(
+            "SQLite has no row locks: a writer holds the whole database, and claims wait for it"
+        )
 
 
 class TestMySQLStore(StoreContract):
@@ -59,8 +61,10 @@ class TestMySQLStore(StoreContract):
         conn = self.connect_sync(url)
         try:
             cursor = conn.cursor()
-            cursor.execute(f"SELECT seq, id, `key`, status, attempts, last_error, locked_by "
-                           f"FROM {self.table} ORDER BY seq")
+            cursor.execute(
+                f"SELECT seq, id, `key`, status, attempts, last_error, locked_by "
+                f"FROM {self.table} ORDER BY seq"
+            )
             names = [d[0] for d in cursor.description]
             return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
         finally:

@@ -39,8 +39,10 @@ from outboxer.stores import DestinationStatus
 
 
 def test_parses_request_line_query_and_headers() -> None:
-    request = parse_head(b"GET /messages?status=FAILED&status=ABANDONED&limit=5 HTTP/1.1\r\n"
-                        b"Host: x\r\nX-Thing:  a \r\nx-thing: b\r\n\r\n")
+    request = parse_head(
+        b"GET /messages?status=FAILED&status=ABANDONED&limit=5 HTTP/1.1\r\n"
+        b"Host: x\r\nX-Thing:  a \r\nx-thing: b\r\n\r\n"
+    )
     assert (request.method, request.path) == ("GET", "/messages")
     assert request.query == {"status": ["FAILED", "ABANDONED"], "limit": ["5"]}
     assert request.headers == {"host": "x", "x-thing": "a, b"}, "names lower-cased, repeats joined"
@@ -52,42 +54,59 @@ def test_path_is_percent_decoded_and_blank_query_values_kept() -> None:
     assert request.query == {"limit": [""]}
 
 
-@pytest.mark.parametrize(("head", "error", "fragment"), [
-    (b"GET /health\r\n\r\n", BadRequest, "request line"),
-    (b"GET  /health HTTP/1.1\r\n\r\n", BadRequest, "request line"),
-    (b"G(T /health HTTP/1.1\r\n\r\n", BadRequest, "method"),
-    (b"GET /health HTTP/1\r\n\r\n", BadRequest, "version"),
-    (b"GET /health http/1.1\r\n\r\n", BadRequest, "version"),
-    (b"GET /health HTTP/2.0\r\n\r\n", VersionNotSupported, "HTTP/2.0"),
-    (b"GET http://example/health HTTP/1.1\r\n\r\n", BadRequest, "starting with '/'"),
-    (b"GET /health HTTP/1.1\r\nNo colon here\r\n\r\n", BadRequest, "header line"),
-    (b"GET /health HTTP/1.1\r\nBad Name: x\r\n\r\n", BadRequest, "header line"),
-    (b"GET /health HTTP/1.1\r\nA: 1\r\n  folded\r\n\r\n", BadRequest, "folded"),
-    (b"GET /health HTTP/1.1\r\n" + b"A: 1\r\n" * 101 + b"\r\n", HeadersTooLarge, "header fields"),
-    (b"\r\n\r\n", BadRequest, "empty"),
-])
+@pytest.mark.parametrize(
+    ("head", "error", "fragment"),
+    [
+        (b"GET /health\r\n\r\n", BadRequest, "request line"),
+        (b"GET  /health HTTP/1.1\r\n\r\n", BadRequest, "request line"),
+        (b"G(T /health HTTP/1.1\r\n\r\n", BadRequest, "method"),
+        (b"GET /health HTTP/1\r\n\r\n", BadRequest, "version"),
+        (b"GET /health http/1.1\r\n\r\n", BadRequest, "version"),
+        (b"GET /health HTTP/2.0\r\n\r\n", VersionNotSupported, "HTTP/2.0"),
+        (b"GET http://example/health HTTP/1.1\r\n\r\n", BadRequest, "starting with '/'"),
+        (b"GET /health HTTP/1.1\r\nNo colon here\r\n\r\n", BadRequest, "header line"),
+        (b"GET /health HTTP/1.1\r\nBad Name: x\r\n\r\n", BadRequest, "header line"),
+        (b"GET /health HTTP/1.1\r\nA: 1\r\n  folded\r\n\r\n", BadRequest, "folded"),
+        (
+            b"GET /health HTTP/1.1\r\n" + b"A: 1\r\n" * 101 + b"\r\n",
+            HeadersTooLarge,
+            "header fields",
+        ),
+        (b"\r\n\r\n", BadRequest, "empty"),
+    ],
+)
 def test_malformed_heads_are_refused(head: bytes, error: type[HttpError], fragment: str) -> None:
     with pytest.raises(error, match=fragment.replace("(", r"\(")) as raised:
         parse_head(head)
     assert raised.value.status in (400, 431, 505)
 
 
-@pytest.mark.parametrize(("headers", "length"), [
-    ({}, 0), ({"content-length": "12"}, 12), ({"content-length": "5, 5"}, 5),
-    ({"content-length": str(MAX_BODY_BYTES)}, MAX_BODY_BYTES),
-])
+@pytest.mark.parametrize(
+    ("headers", "length"),
+    [
+        ({}, 0),
+        ({"content-length": "12"}, 12),
+        ({"content-length": "5, 5"}, 5),
+        ({"content-length": str(MAX_BODY_BYTES)}, MAX_BODY_BYTES),
+    ],
+)
 def test_body_length(headers: dict[str, str], length: int) -> None:
     assert body_length(headers) == length
 
 
-@pytest.mark.parametrize(("headers", "error"), [
-    ({"content-length": "5, 6"}, BadRequest),
-    ({"content-length": "-1"}, BadRequest),
-    ({"content-length": "ten"}, BadRequest),
-    ({"content-length": str(MAX_BODY_BYTES + 1)}, PayloadTooLarge),
-    ({"transfer-encoding": "chunked"}, LengthRequired),
-])
-def test_bodies_that_cannot_or_must_not_be_read(headers: dict[str, str], error: type[HttpError]) -> None:
+@pytest.mark.parametrize(
+    ("headers", "error"),
+    [
+        ({"content-length": "5, 6"}, BadRequest),
+        ({"content-length": "-1"}, BadRequest),
+        ({"content-length": "ten"}, BadRequest),
+        ({"content-length": str(MAX_BODY_BYTES + 1)}, PayloadTooLarge),
+        ({"transfer-encoding": "chunked"}, LengthRequired),
+    ],
+)
+def test_bodies_that_cannot_or_must_not_be_read(
+    headers: dict[str, str], error: type[HttpError]
+) -> None:
     with pytest.raises(error):
         body_length(headers)
 
@@ -101,7 +120,9 @@ def _reader(data: bytes, *, eof: bool = True) -> asyncio.StreamReader:
 
 
 async def test_reads_a_request_with_its_body_and_no_further() -> None:
-    reader = _reader(b'POST /messages/requeue HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}trailing', eof=False)
+    reader = _reader(
+        b"POST /messages/requeue HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}trailing", eof=False
+    )
     request = await read_request(reader)
     assert (request.method, request.body) == ("POST", b"{}")
 
@@ -122,8 +143,12 @@ def test_response_encoding_closes_the_connection() -> None:
     head, _, body = raw.partition(b"\r\n\r\n")
     lines = head.decode().split("\r\n")
     assert lines[0] == "HTTP/1.1 405 Method Not Allowed"
-    assert {"Content-Type: application/json", "Content-Length: 8", "Connection: close",
-            "Allow: POST"} <= set(lines)
+    assert {
+        "Content-Type: application/json",
+        "Content-Length: 8",
+        "Connection: close",
+        "Allow: POST",
+    } <= set(lines)
     assert body == b'{"x": 1}'
 
 
@@ -131,10 +156,17 @@ def test_response_encoding_closes_the_connection() -> None:
 
 
 def test_help_type_and_samples() -> None:
-    text = render_metrics([
-        Metric("outboxer_things_total", "counter", "Things.", [({}, 3)]),
-        Metric("outboxer_messages", "gauge", "Rows.", [({"destination": "a", "status": "PENDING"}, 2)]),
-    ])
+    text = render_metrics(
+        [
+            Metric("outboxer_things_total", "counter", "Things.", [({}, 3)]),
+            Metric(
+                "outboxer_messages",
+                "gauge",
+                "Rows.",
+                [({"destination": "a", "status": "PENDING"}, 2)],
+            ),
+        ]
+    )
     assert text == (
         "# HELP outboxer_things_total Things.\n"
         "# TYPE outboxer_things_total counter\n"
@@ -148,7 +180,9 @@ def test_help_type_and_samples() -> None:
 def test_label_values_and_help_are_escaped() -> None:
     awkward = 'a\\b"c\nd'
     assert escape_label_value(awkward) == 'a\\\\b\\"c\\nd'
-    text = render_metrics([Metric("m", "gauge", "line one\nback\\slash \"quoted\"", [({"d": awkward}, 1)])])
+    text = render_metrics(
+        [Metric("m", "gauge", 'line one\nback\\slash "quoted"', [({"d": awkward}, 1)])]
+    )
     assert text.splitlines() == [
         '# HELP m line one\\nback\\\\slash "quoted"',  # HELP escapes backslash and newline only
         "# TYPE m gauge",
@@ -156,26 +190,41 @@ def test_label_values_and_help_are_escaped() -> None:
     ]
 
 
-@pytest.mark.parametrize(("value", "text"), [
-    (7, "7"), (0.25, "0.25"), (1e-7, "1e-07"), (math.nan, "NaN"), (math.inf, "+Inf"), (-math.inf, "-Inf"),
-])
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (7, "7"),
+        (0.25, "0.25"),
+        (1e-7, "1e-07"),
+        (math.nan, "NaN"),
+        (math.inf, "+Inf"),
+        (-math.inf, "-Inf"),
+    ],
+)
 def test_values(value: float, text: str) -> None:
-    assert render_metrics([Metric("m", "gauge", "h", [({}, value)])]).splitlines()[-1] == f"m {text}"
+    assert (
+        render_metrics([Metric("m", "gauge", "h", [({}, value)])]).splitlines()[-1] == f"m {text}"
+    )
 
 
-@pytest.mark.parametrize("metric", [
-    Metric("bad-name", "gauge", "h", []),
-    Metric("m", "histogram", "h", []),
-    Metric("m", "gauge", "h", [({"bad-label": "x"}, 1)]),
-    Metric("m", "gauge", "h", [({"__reserved": "x"}, 1)]),
-])
+@pytest.mark.parametrize(
+    "metric",
+    [
+        Metric("bad-name", "gauge", "h", []),
+        Metric("m", "histogram", "h", []),
+        Metric("m", "gauge", "h", [({"bad-label": "x"}, 1)]),
+        Metric("m", "gauge", "h", [({"__reserved": "x"}, 1)]),
+    ],
+)
 def test_invalid_names_are_programming_errors(metric: Metric) -> None:
     with pytest.raises(ValueError, match="invalid"):
         render_metrics([metric])
 
 
 def test_relay_counters_and_uptime() -> None:
-    stats = RelayStats(published=5, failed=2, abandoned_now=1, batches=3, claim_seconds=0.5, started_at=100.0)
+    stats = RelayStats(
+        published=5, failed=2, abandoned_now=1, batches=3, claim_seconds=0.5, started_at=100.0
+    )
     metrics = {m.name: m for m in relay_metrics(stats, healthy=True, now=160.0)}
     counters = [m for m in metrics.values() if m.kind == "counter"]
     assert counters and all(m.name.endswith("_total") for m in counters)
@@ -191,16 +240,25 @@ def test_relay_counters_and_uptime() -> None:
 
 def test_relay_counters_per_destination() -> None:
     totals = RelayStats(published=5, store_errors=2, cleaned=4)
-    per = {"webhooks": RelayStats(published=2), "default": RelayStats(published=3, broker_reconnects=1)}
+    per = {
+        "webhooks": RelayStats(published=2),
+        "default": RelayStats(published=3, broker_reconnects=1),
+    }
     metrics = {m.name: m for m in relay_metrics(totals, healthy=False, now=0.0, destinations=per)}
     assert metrics["outboxer_messages_published_total"].samples == [
-        ({"destination": "default"}, 3), ({"destination": "webhooks"}, 2)]
+        ({"destination": "default"}, 3),
+        ({"destination": "webhooks"}, 2),
+    ]
     assert metrics["outboxer_broker_connects_total"].samples == [
-        ({"destination": "default"}, 1), ({"destination": "webhooks"}, 0)]
+        ({"destination": "default"}, 1),
+        ({"destination": "webhooks"}, 0),
+    ]
     # What no destination owns stays one series.
     assert metrics["outboxer_store_errors_total"].samples == [({}, 2)]
     assert metrics["outboxer_messages_cleaned_total"].samples == [({}, 4)]
-    assert 'outboxer_messages_published_total{destination="webhooks"} 2\n' in render_metrics(metrics.values())
+    assert 'outboxer_messages_published_total{destination="webhooks"} 2\n' in render_metrics(
+        metrics.values()
+    )
 
 
 def test_store_gauges_list_every_status_and_say_when_the_query_failed() -> None:
@@ -217,24 +275,40 @@ def test_store_gauges_list_every_status_and_say_when_the_query_failed() -> None:
 # ----- settings ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("value", "address"), [
-    ("127.0.0.1:8080", ("127.0.0.1", 8080)), ("[::1]:9000", ("::1", 9000)),
-    ("localhost:0", ("localhost", 0)), (" 0.0.0.0:80 ", ("0.0.0.0", 80)),
-])
+@pytest.mark.parametrize(
+    ("value", "address"),
+    [
+        ("127.0.0.1:8080", ("127.0.0.1", 8080)),
+        ("[::1]:9000", ("::1", 9000)),
+        ("localhost:0", ("localhost", 0)),
+        (" 0.0.0.0:80 ", ("0.0.0.0", 80)),
+    ],
+)
 def test_http_addresses(value: str, address: tuple[str, int]) -> None:
     assert parse_http_address(value, "--http") == address
 
 
-@pytest.mark.parametrize("value", ["8080", "host:", ":8080", "host:65536", "::1:80", "host:http", "[::1]"])
+@pytest.mark.parametrize(
+    "value", ["8080", "host:", ":8080", "host:65536", "::1:80", "host:http", "[::1]"]
+)
 def test_bad_http_addresses(value: str) -> None:
     with pytest.raises(ConfigError, match="--http"):
         parse_http_address(value, "--http")
 
 
-@pytest.mark.parametrize(("host", "loopback"), [
-    ("127.0.0.1", True), ("127.8.0.1", True), ("::1", True), ("localhost", True),
-    ("0.0.0.0", False), ("::", False), ("10.0.0.1", False), ("relay.internal", False),
-])
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.8.0.1", True),
+        ("::1", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.0.0.1", False),
+        ("relay.internal", False),
+    ],
+)
 def test_loopback(host: str, loopback: bool) -> None:
     assert is_loopback(host) is loopback
 
@@ -256,5 +330,7 @@ def test_http_settings_from_flags_environment_and_file(tmp_path: Path) -> None:
 def test_requeue_without_token_only_on_loopback() -> None:
     check_exposure("127.0.0.1", None)
     check_exposure("0.0.0.0", "secret")
-    with pytest.raises(ConfigError, match="set --http-token to expose requeue on a non-loopback address"):
+    with pytest.raises(
+        ConfigError, match="set --http-token to expose requeue on a non-loopback address"
+    ):
         check_exposure("0.0.0.0", None)

@@ -10,11 +10,17 @@ from outboxer.message import coerce_message_id, encode_payload, validate_envelop
 
 
 def test_payload_kinds_and_content_types() -> None:
-    assert encode_payload({"a": [1, "é"]}) == (json.dumps({"a": [1, "é"]}, separators=(",", ":"), ensure_ascii=False).encode(), "application/json")
+    assert encode_payload({"a": [1, "é"]}) == (
+        json.dumps({"a": [1, "é"]}, separators=(",", ":"), ensure_ascii=False).encode(),
+        "application/json",
+    )
     assert encode_payload([1, 2]) == (b"[1,2]", "application/json")
     assert encode_payload("hi") == (b"hi", "text/plain; charset=utf-8")
     assert encode_payload(b"\x00") == (b"\x00", "application/octet-stream")
-    assert encode_payload(bytearray(b"ab"), "application/x-protobuf") == (b"ab", "application/x-protobuf")
+    assert encode_payload(bytearray(b"ab"), "application/x-protobuf") == (
+        b"ab",
+        "application/x-protobuf",
+    )
 
 
 @pytest.mark.parametrize("payload", [12, None, 1.5, {"x": {1, 2}}, {"nan": float("inf")}, object()])
@@ -23,10 +29,19 @@ def test_unencodable_payloads_raise_payload_error(payload: object) -> None:
         encode_payload(payload)
 
 
-@pytest.mark.parametrize(("topic", "key", "headers"), [
-    ("", None, None), (7, None, None), ("t" * 256, None, None), ("t", "", None), ("t", "k" * 256, None),
-    ("t", None, []), ("t", None, {"a": 1}), ("t", None, {"": "x"}),
-])
+@pytest.mark.parametrize(
+    ("topic", "key", "headers"),
+    [
+        ("", None, None),
+        (7, None, None),
+        ("t" * 256, None, None),
+        ("t", "", None),
+        ("t", "k" * 256, None),
+        ("t", None, []),
+        ("t", None, {"a": 1}),
+        ("t", None, {"": "x"}),
+    ],
+)
 def test_bad_envelopes_raise_payload_error(topic: object, key: object, headers: object) -> None:
     with pytest.raises(PayloadError):
         validate_envelope(topic, key, headers)

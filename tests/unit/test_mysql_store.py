@@ -13,8 +13,14 @@ from outboxer.stores.mysql import MySQLStore, expand_lists, mysql_connect_args
 
 def test_url_gives_pymysql_arguments() -> None:
     assert mysql_connect_args("mysql://app:p%40ss@db.example:3307/orders?connect_timeout=5") == {
-        "host": "db.example", "port": 3307, "user": "app", "password": "p@ss", "database": "orders",
-        "charset": "utf8mb4", "connect_timeout": 5.0}
+        "host": "db.example",
+        "port": 3307,
+        "user": "app",
+        "password": "p@ss",
+        "database": "orders",
+        "charset": "utf8mb4",
+        "connect_timeout": 5.0,
+    }
     assert mysql_connect_args("mariadb://localhost/app")["port"] == 3306
     for bad in ("mysql://localhost/", "mysql://localhost/a/b", "mysql://localhost/app?ssl=1"):
         with pytest.raises(ConfigError):

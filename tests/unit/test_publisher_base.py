@@ -29,8 +29,13 @@ async def test_failure_skips_the_rest_of_its_key_only(broker_name: str) -> None:
     broker.fail = lambda m: PublishError("nope") if m.id == batch[0].id else None
     async with create_publisher(f"memory://{broker_name}") as publisher:
         outcomes = await publisher.publish_batch(batch)
-    assert [o.kind for o in outcomes] == [OutcomeKind.FAILED, OutcomeKind.PUBLISHED, OutcomeKind.SKIPPED,
-                                          OutcomeKind.PUBLISHED, OutcomeKind.PUBLISHED]
+    assert [o.kind for o in outcomes] == [
+        OutcomeKind.FAILED,
+        OutcomeKind.PUBLISHED,
+        OutcomeKind.SKIPPED,
+        OutcomeKind.PUBLISHED,
+        OutcomeKind.PUBLISHED,
+    ]
     assert [m.id for m in broker.messages] == [batch[1].id, batch[4].id, batch[3].id]
     assert outcomes[0].retryable and "nope" in (outcomes[0].error or "")
 
@@ -38,7 +43,11 @@ async def test_failure_skips_the_rest_of_its_key_only(broker_name: str) -> None:
 async def test_permanent_failures_and_connection_loss_are_classified(broker_name: str) -> None:
     broker = memory_broker(broker_name)
     batch = [make_message("t", {"n": n}) for n in range(2)]
-    broker.fail = lambda m: PublishError("too large", retryable=False) if m.id == batch[0].id else ConnectionResetError("gone")
+    broker.fail = lambda m: (
+        PublishError("too large", retryable=False)
+        if m.id == batch[0].id
+        else ConnectionResetError("gone")
+    )
     publisher = create_publisher(f"memory://{broker_name}")
     await publisher.connect()
     outcomes = await publisher.publish_batch(batch)
@@ -56,7 +65,11 @@ async def test_unconfirmed_wave_times_out_as_retryable(broker_name: str) -> None
     started = asyncio.get_running_loop().time()
     [outcome] = await publisher.publish_batch([make_message("t")])
     assert asyncio.get_running_loop().time() - started < 2
-    assert outcome.kind is OutcomeKind.FAILED and outcome.retryable and "did not confirm" in (outcome.error or "")
+    assert (
+        outcome.kind is OutcomeKind.FAILED
+        and outcome.retryable
+        and "did not confirm" in (outcome.error or "")
+    )
 
 
 async def test_unreachable_broker_raises_on_connect(broker_name: str) -> None:
@@ -67,7 +80,9 @@ async def test_unreachable_broker_raises_on_connect(broker_name: str) -> None:
         await create_publisher(f"memory://{broker_name}").connect()
 
 
-def test_unknown_scheme_and_missing_extra_are_config_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unknown_scheme_and_missing_extra_are_config_errors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import sys
 
     from outboxer import ConfigError, MissingDependencyError

@@ -15,20 +15,43 @@ from outboxer.brokers.rabbitmq import _properties
 
 WHEN = datetime(2026, 11, 21, 9, 30, 15, 123456, tzinfo=UTC)
 CASES: list[dict[str, Any]] = [
-    {"content_type": "application/json", "delivery_mode": 2, "message_id": "0193-abc",
-     "timestamp": WHEN, "headers": {"outboxer-id": "0193-abc", "outboxer-topic": "orders.created",
-                                    "outboxer-key": "customer-7", "traceparent": "00-ab-cd-01"}},
+    {
+        "content_type": "application/json",
+        "delivery_mode": 2,
+        "message_id": "0193-abc",
+        "timestamp": WHEN,
+        "headers": {
+            "outboxer-id": "0193-abc",
+            "outboxer-topic": "orders.created",
+            "outboxer-key": "customer-7",
+            "traceparent": "00-ab-cd-01",
+        },
+    },
     # unsorted names, non-ASCII names and values, an empty value
-    {"content_type": "text/plain; charset=utf-8", "delivery_mode": 1, "message_id": "m",
-     "timestamp": WHEN, "headers": {"zeta": "ω", "Ärger": "über", "a": "", "M": "x" * 300}},
+    {
+        "content_type": "text/plain; charset=utf-8",
+        "delivery_mode": 1,
+        "message_id": "m",
+        "timestamp": WHEN,
+        "headers": {"zeta": "ω", "Ärger": "über", "a": "", "M": "x" * 300},
+    },
     # no content type, no timestamp, no headers: pamqp leaves out "" and None
     {"content_type": "", "delivery_mode": 2, "message_id": "m2", "timestamp": None, "headers": {}},
     # a naive datetime is taken as UTC; another zone is converted
-    {"content_type": "a/b", "delivery_mode": 2, "message_id": "m3",
-     "timestamp": datetime(2026, 1, 1, 12, 0, 0), "headers": {"k": "v"}},
-    {"content_type": "a/b", "delivery_mode": 2, "message_id": "m4",
-     "timestamp": datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone(timedelta(hours=5))),
-     "headers": {"k": "v"}},
+    {
+        "content_type": "a/b",
+        "delivery_mode": 2,
+        "message_id": "m3",
+        "timestamp": datetime(2026, 1, 1, 12, 0, 0),
+        "headers": {"k": "v"},
+    },
+    {
+        "content_type": "a/b",
+        "delivery_mode": 2,
+        "message_id": "m4",
+        "timestamp": datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone(timedelta(hours=5))),
+        "headers": {"k": "v"},
+    },
 ]
 
 
@@ -40,13 +63,21 @@ def test_encoding_matches_pamqp(fields: dict[str, Any]) -> None:
     assert ours.marshal() == expected
 
 
-@pytest.mark.parametrize("headers", [
-    {"n": 5},  # not a string: pamqp's table encoding
-    {"x" * 129: "v"},  # pamqp truncates names over 128 bytes
-])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"n": 5},  # not a string: pamqp's table encoding
+        {"x" * 129: "v"},  # pamqp truncates names over 128 bytes
+    ],
+)
 def test_other_headers_fall_back_to_pamqp(headers: dict[str, Any]) -> None:
-    fields: dict[str, Any] = {"content_type": "a/b", "delivery_mode": 2, "message_id": "m",
-                              "timestamp": WHEN, "headers": headers}
+    fields: dict[str, Any] = {
+        "content_type": "a/b",
+        "delivery_mode": 2,
+        "message_id": "m",
+        "timestamp": WHEN,
+        "headers": headers,
+    }
     ours = _properties(**fields)
     assert ours.wire is None  # type: ignore[attr-defined]
     assert ours.marshal() == spec.Basic.Properties(**fields).marshal()
@@ -60,16 +91,28 @@ def test_the_properties_read_back_as_given() -> None:
     header.unmarshal(flags, ours.marshal()[2:])
     assert header.headers == fields["headers"]
     assert (header.content_type, header.message_id, header.delivery_mode) == (
-        "application/json", "0193-abc", 2)
+        "application/json",
+        "0193-abc",
+        2,
+    )
     assert header.timestamp == WHEN.replace(microsecond=0)
 
 
 def _publish(exchange: str, routing_key: str, body: bytes, message_id: str) -> Any:
     from outboxer.brokers.rabbitmq import _Publish
 
-    return _Publish(exchange, routing_key, body, _properties(
-        content_type="application/json", delivery_mode=2, message_id=message_id, timestamp=WHEN,
-        headers={"outboxer-id": message_id, "traceparent": "00-ab-cd-01"}))
+    return _Publish(
+        exchange,
+        routing_key,
+        body,
+        _properties(
+            content_type="application/json",
+            delivery_mode=2,
+            message_id=message_id,
+            timestamp=WHEN,
+            headers={"outboxer-id": message_id, "traceparent": "00-ab-cd-01"},
+        ),
+    )
 
 
 @pytest.mark.parametrize("mandatory", [True, False])
@@ -84,18 +127,23 @@ def test_wave_frames_are_pamqps_frames_back_to_back(mandatory: bool) -> None:
     from outboxer.brokers.rabbitmq import _wave_frames
 
     max_content_size = 1000
-    publishes = [_publish("outboxer", "orders.created", b'{"n": 1}', "a"),
-                 _publish("", "some-queue", b"x" * 2500, "b"),  # three body frames
-                 _publish("other", "k", b"", "c"),  # none
-                 _publish("outboxer", "r", b"y" * 1000, "d")]  # exactly one frame's worth
+    publishes = [
+        _publish("outboxer", "orders.created", b'{"n": 1}', "a"),
+        _publish("", "some-queue", b"x" * 2500, "b"),  # three body frames
+        _publish("other", "k", b"", "c"),  # none
+        _publish("outboxer", "r", b"y" * 1000, "d"),
+    ]  # exactly one frame's worth
     expected = b""
     for publish in publishes:
         frames: list[Any] = [
-            spec.Basic.Publish(exchange=publish.exchange, routing_key=publish.routing_key,
-                               mandatory=mandatory),
+            spec.Basic.Publish(
+                exchange=publish.exchange, routing_key=publish.routing_key, mandatory=mandatory
+            ),
             ContentHeader(body_size=len(publish.body), properties=publish.properties),
-            *(ContentBody(publish.body[i:i + max_content_size])
-              for i in range(0, len(publish.body), max_content_size)),
+            *(
+                ContentBody(publish.body[i : i + max_content_size])
+                for i in range(0, len(publish.body), max_content_size)
+            ),
         ]
         expected += b"".join(pamqp.frame.marshal(frame, 7) for frame in frames)
     assert _wave_frames(7, max_content_size, publishes, mandatory) == expected

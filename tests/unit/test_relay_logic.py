@@ -22,8 +22,13 @@ def broker() -> MemoryBroker:
 
 
 def make_relay(sqlite_url: str, broker: MemoryBroker, **overrides: Any) -> Relay:
-    base: dict[str, Any] = {"db": sqlite_url, "broker": f"memory://{broker.name}", "poll_interval": 0.05,
-                            "backoff_base": 0.05, "backoff_max": 0.1}
+    base: dict[str, Any] = {
+        "db": sqlite_url,
+        "broker": f"memory://{broker.name}",
+        "poll_interval": 0.05,
+        "backoff_base": 0.05,
+        "backoff_max": 0.1,
+    }
     return Relay.from_settings(load_settings(base | overrides, environ={}))
 
 
@@ -91,26 +96,35 @@ async def test_broker_down_at_start_is_waited_for(sqlite_url: str, broker: Memor
     relay = make_relay(sqlite_url, broker)
     task = asyncio.create_task(relay.drain())
     await asyncio.sleep(0.5)
-    assert not task.done() and statuses(sqlite_url) == [("PENDING", 0)], "nothing claimed while down"
+    assert not task.done() and statuses(sqlite_url) == [("PENDING", 0)], (
+        "nothing claimed while down"
+    )
     broker.available = True
     stats = await asyncio.wait_for(task, 20)
     assert stats.published == 1
 
 
-async def test_stripped_envelope_drops_internal_headers(sqlite_url: str, broker: MemoryBroker, tmp_path: Any) -> None:
+async def test_stripped_envelope_drops_internal_headers(
+    sqlite_url: str, broker: MemoryBroker, tmp_path: Any
+) -> None:
     conn = sqlite3.connect(sqlite_path(sqlite_url))
     with conn:
         outboxer.enqueue(conn, "t", {"a": 1}, headers={"internal-tenant": "7", "trace": "x"})
     conn.close()
     config = tmp_path / "o.toml"
-    config.write_text(f'[destinations.default]\nbroker = "memory://{broker.name}"\nenvelope = "stripped"\n')
-    settings = load_settings({"db": sqlite_url, "poll_interval": 0.05}, config_file=config, environ={})
+    config.write_text(
+        f'[destinations.default]\nbroker = "memory://{broker.name}"\nenvelope = "stripped"\n'
+    )
+    settings = load_settings(
+        {"db": sqlite_url, "poll_interval": 0.05}, config_file=config, environ={}
+    )
     await Relay.from_settings(settings).drain()
     assert dict(broker.messages[0].headers) == {"trace": "x"}
 
 
-async def test_a_broker_refusing_the_configuration_stops_the_relay(sqlite_url: str, broker: MemoryBroker,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_broker_refusing_the_configuration_stops_the_relay(
+    sqlite_url: str, broker: MemoryBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from outboxer import ConfigError
 
     relay = make_relay(sqlite_url, broker)
@@ -123,7 +137,9 @@ async def test_a_broker_refusing_the_configuration_stops_the_relay(sqlite_url: s
         await asyncio.wait_for(relay.run(), 10)
 
 
-async def test_retention_runs_on_a_schedule_inside_the_relay(sqlite_url: str, broker: MemoryBroker) -> None:
+async def test_retention_runs_on_a_schedule_inside_the_relay(
+    sqlite_url: str, broker: MemoryBroker
+) -> None:
     enqueue(sqlite_url, "a", None)
     relay = make_relay(sqlite_url, broker, published_retention="0", cleanup_interval="0.1")
     task = asyncio.create_task(relay.run())
@@ -141,7 +157,8 @@ async def test_retention_runs_on_a_schedule_inside_the_relay(sqlite_url: str, br
 
 
 async def test_a_retry_after_from_the_broker_sets_the_least_wait_up_to_the_backoff_cap(
-        sqlite_url: str, broker: MemoryBroker) -> None:
+    sqlite_url: str, broker: MemoryBroker
+) -> None:
     """A broker's Retry-After (webhooks: 429/503) outlasts a shorter backoff, up to backoff_max."""
     slow, capped, plain = enqueue(sqlite_url, "a", "b", "c")
     asked = {slow.id: 30.0, capped.id: 3600.0, plain.id: None}
@@ -149,7 +166,9 @@ async def test_a_retry_after_from_the_broker_sets_the_least_wait_up_to_the_backo
     started = time.time()
     await make_relay(sqlite_url, broker, backoff_base=1, backoff_max=60, backoff_jitter=0).drain()
     conn = sqlite3.connect(sqlite_path(sqlite_url))
-    waits = [at - started for (at,) in conn.execute("SELECT next_attempt_at FROM outbox ORDER BY seq")]
+    waits = [
+        at - started for (at,) in conn.execute("SELECT next_attempt_at FROM outbox ORDER BY seq")
+    ]
     conn.close()
     assert 29 <= waits[0] <= 31, waits  # Retry-After: 30 beats the 1 s backoff
     assert 59 <= waits[1] <= 61, waits  # an hour asked for, capped at backoff_max
@@ -158,7 +177,8 @@ async def test_a_retry_after_from_the_broker_sets_the_least_wait_up_to_the_backo
 
 @pytest.mark.parametrize("gathers", [True, False])
 async def test_after_a_partial_batch_a_gathering_store_waits_before_claiming_again(
-        sqlite_url: str, broker: MemoryBroker, monkeypatch: pytest.MonkeyPatch, gathers: bool) -> None:
+    sqlite_url: str, broker: MemoryBroker, monkeypatch: pytest.MonkeyPatch, gathers: bool
+) -> None:
     enqueue(sqlite_url, "a", "b", "c")
     relay = make_relay(sqlite_url, broker, batch_size=10, concurrency=1)
     monkeypatch.setattr(relay.store, "gathers_batches", gathers)

@@ -22,8 +22,13 @@ MESSAGE_ID = "01890a5d-ac96-774b-bcce-b302099a8057"
 BODY = b'{"order":7}'
 
 
-def headers(secret: str = "s3cret", *, timestamp: int = NOW, message_id: str = MESSAGE_ID,
-            body: bytes = BODY) -> dict[str, str]:
+def headers(
+    secret: str = "s3cret",
+    *,
+    timestamp: int = NOW,
+    message_id: str = MESSAGE_ID,
+    body: bytes = BODY,
+) -> dict[str, str]:
     return {
         HEADER_ID: message_id,
         HEADER_TIMESTAMP: str(timestamp),
@@ -32,7 +37,9 @@ def headers(secret: str = "s3cret", *, timestamp: int = NOW, message_id: str = M
 
 
 def test_the_documented_scheme() -> None:
-    expected = hmac.new(b"s3cret", f"{NOW}.{MESSAGE_ID}.".encode() + BODY, hashlib.sha256).hexdigest()
+    expected = hmac.new(
+        b"s3cret", f"{NOW}.{MESSAGE_ID}.".encode() + BODY, hashlib.sha256
+    ).hexdigest()
     assert signed_bytes(NOW, MESSAGE_ID, BODY) == f"{NOW}.{MESSAGE_ID}.".encode() + BODY
     assert sign("s3cret", NOW, MESSAGE_ID, BODY) == f"v1={expected}"
     assert sign(b"s3cret", NOW, MESSAGE_ID, BODY) == f"v1={expected}"
@@ -53,7 +60,12 @@ def test_header_names_are_case_insensitive() -> None:
         ("s3cret", headers(), BODY + b" ", "mismatch"),
         ("wrong", headers(), BODY, "mismatch"),
         # A signature replayed with another message's id:
-        ("s3cret", {**headers(), HEADER_ID: "01890a5d-0000-774b-bcce-b302099a8057"}, BODY, "mismatch"),
+        (
+            "s3cret",
+            {**headers(), HEADER_ID: "01890a5d-0000-774b-bcce-b302099a8057"},
+            BODY,
+            "mismatch",
+        ),
         # A signature replayed with another timestamp:
         ("s3cret", {**headers(), HEADER_TIMESTAMP: str(NOW + 1)}, BODY, "mismatch"),
         ("s3cret", {k: v for k, v in headers().items() if k != HEADER_SIGNATURE}, BODY, "missing"),
@@ -65,7 +77,9 @@ def test_header_names_are_case_insensitive() -> None:
         ("s3cret", {**headers(), HEADER_SIGNATURE: "v0=abcd"}, BODY, "malformed"),
     ],
 )
-def test_bad_requests_raise_a_typed_error(secret: str, sent: dict[str, str], body: bytes, reason: str) -> None:
+def test_bad_requests_raise_a_typed_error(
+    secret: str, sent: dict[str, str], body: bytes, reason: str
+) -> None:
     with pytest.raises(WebhookSignatureError) as raised:
         verify_signature(secret, sent, body, now=NOW)
     assert raised.value.reason == reason
@@ -80,7 +94,9 @@ def test_timestamps_outside_the_tolerance_expire(offset: int) -> None:
 
 def test_tolerance_is_configurable_and_can_be_turned_off() -> None:
     assert verify_signature("s3cret", headers(), BODY, tolerance=1000, now=NOW + 999) == MESSAGE_ID
-    assert verify_signature("s3cret", headers(), BODY, tolerance=None, now=NOW + 10**6) == MESSAGE_ID
+    assert (
+        verify_signature("s3cret", headers(), BODY, tolerance=None, now=NOW + 10**6) == MESSAGE_ID
+    )
     with pytest.raises(WebhookSignatureError):
         verify_signature("s3cret", headers(), BODY, tolerance=5, now=NOW + 6)
 

@@ -143,7 +143,9 @@ class Publisher(ABC):
 
     async def _publish_one(self, message: Message) -> None:
         """Publish one message and return once the broker confirmed it, else raise."""
-        raise NotImplementedError(f"{type(self).__name__} implements neither _publish_one nor _publish_wave")
+        raise NotImplementedError(
+            f"{type(self).__name__} implements neither _publish_one nor _publish_wave"
+        )
 
     async def _publish_wave(self, messages: Sequence[Message]) -> list[BaseException | None]:
         """Publish independent messages together; one result per message (None = confirmed)."""
@@ -154,7 +156,9 @@ class Publisher(ABC):
 
     def is_connection_error(self, exc: BaseException) -> bool:
         """Whether ``exc`` means the connection is gone (the relay reconnects before going on)."""
-        return isinstance(exc, BrokerUnavailableError | ConnectionError | OSError | asyncio.TimeoutError)
+        return isinstance(
+            exc, BrokerUnavailableError | ConnectionError | OSError | asyncio.TimeoutError
+        )
 
     def is_retryable(self, exc: BaseException) -> bool:
         """Whether publishing the same message again later may succeed."""
@@ -182,7 +186,9 @@ class Publisher(ABC):
             except PublishError:
                 raise
             except Exception as exc:
-                raise BrokerUnavailableError(f"cannot connect to {self.safe_url}: {describe(exc)}") from exc
+                raise BrokerUnavailableError(
+                    f"cannot connect to {self.safe_url}: {describe(exc)}"
+                ) from exc
             self._connected = True
             self.stats.connects += 1
 
@@ -207,8 +213,10 @@ class Publisher(ABC):
             hosts = f"{user}:***@{hosts}" if has_password else f"{user}@{hosts}"
         query = "&".join(
             f"{pair.partition('=')[0]}=***"
-            if any(word in unquote(pair.partition("=")[0]).lower() for word in SECRET_WORDS) else pair
-            for pair in parts.query.split("&") if pair
+            if any(word in unquote(pair.partition("=")[0]).lower() for word in SECRET_WORDS)
+            else pair
+            for pair in parts.query.split("&")
+            if pair
         )
         return urlunsplit(parts._replace(netloc=hosts, query=query))
 
@@ -247,8 +255,12 @@ class Publisher(ABC):
                 )
                 if self.is_connection_error(error):
                     self._connected = False
-                outcomes[index] = Outcome(OutcomeKind.FAILED, describe(error), self.is_retryable(error),
-                                          error.retry_after if isinstance(error, PublishError) else None)
+                outcomes[index] = Outcome(
+                    OutcomeKind.FAILED,
+                    describe(error),
+                    self.is_retryable(error),
+                    error.retry_after if isinstance(error, PublishError) else None,
+                )
         final = [outcome or SKIPPED for outcome in outcomes]
         self.stats.batches += 1
         self.stats.publish_seconds += time.perf_counter() - started
@@ -273,7 +285,9 @@ class Publisher(ABC):
             logger.warning("publish wave failed: %s", describe(exc))
             return [exc] * len(messages)
         if len(results) != len(messages):
-            raise RuntimeError(f"{type(self).__name__}._publish_wave returned {len(results)} results for {len(messages)} messages")
+            raise RuntimeError(
+                f"{type(self).__name__}._publish_wave returned {len(results)} results for {len(messages)} messages"
+            )
         return results
 
 

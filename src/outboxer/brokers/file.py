@@ -28,7 +28,9 @@ def _line(message: Message, destination: str) -> str:
 class FilePublisher(Publisher):
     schemes = ("file",)
 
-    def __init__(self, url: str, *, routes: Mapping[str, str] | None = None, publish_timeout: float = 30.0) -> None:
+    def __init__(
+        self, url: str, *, routes: Mapping[str, str] | None = None, publish_timeout: float = 30.0
+    ) -> None:
         super().__init__(url, routes=routes, publish_timeout=publish_timeout)
         parts, options = parse_options(url)
         if not parts.path:
@@ -71,6 +73,8 @@ class StdoutPublisher(Publisher):
         return None
 
     async def _publish_wave(self, messages: Sequence[Message]) -> list[BaseException | None]:
-        sys.stdout.write("".join(_line(message, self.destination_for(message)) for message in messages))
+        sys.stdout.write(
+            "".join(_line(message, self.destination_for(message)) for message in messages)
+        )
         sys.stdout.flush()
         return [None] * len(messages)

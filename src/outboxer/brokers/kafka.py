@@ -38,10 +38,20 @@ ENFORCED = {"acks": ("all", "-1"), "enable.idempotence": ("true",)}
 PERMANENT_ERRORS = frozenset(
     getattr(KafkaError, name)
     for name in (
-        "MSG_SIZE_TOO_LARGE", "INVALID_MSG", "INVALID_MSG_SIZE", "INVALID_RECORD",
-        "INVALID_TIMESTAMP", "INVALID_REQUIRED_ACKS", "RECORD_LIST_TOO_LARGE",
-        "TOPIC_AUTHORIZATION_FAILED", "CLUSTER_AUTHORIZATION_FAILED", "TOPIC_EXCEPTION",
-        "POLICY_VIOLATION", "UNSUPPORTED_FOR_MESSAGE_FORMAT", "_INVALID_ARG", "_BAD_MSG",
+        "MSG_SIZE_TOO_LARGE",
+        "INVALID_MSG",
+        "INVALID_MSG_SIZE",
+        "INVALID_RECORD",
+        "INVALID_TIMESTAMP",
+        "INVALID_REQUIRED_ACKS",
+        "RECORD_LIST_TOO_LARGE",
+        "TOPIC_AUTHORIZATION_FAILED",
+        "CLUSTER_AUTHORIZATION_FAILED",
+        "TOPIC_EXCEPTION",
+        "POLICY_VIOLATION",
+        "UNSUPPORTED_FOR_MESSAGE_FORMAT",
+        "_INVALID_ARG",
+        "_BAD_MSG",
     )
     if hasattr(KafkaError, name)
 )
@@ -50,9 +60,19 @@ PERMANENT_ERRORS = frozenset(
 CONNECTION_ERRORS = frozenset(
     getattr(KafkaError, name)
     for name in (
-        "_TRANSPORT", "_ALL_BROKERS_DOWN", "_MSG_TIMED_OUT", "_TIMED_OUT", "_TIMED_OUT_QUEUE",
-        "_RESOLVE", "_SSL", "_AUTHENTICATION", "NETWORK_EXCEPTION", "_DESTROY", "_FATAL",
-        "_PURGE_QUEUE", "_PURGE_INFLIGHT",
+        "_TRANSPORT",
+        "_ALL_BROKERS_DOWN",
+        "_MSG_TIMED_OUT",
+        "_TIMED_OUT",
+        "_TIMED_OUT_QUEUE",
+        "_RESOLVE",
+        "_SSL",
+        "_AUTHENTICATION",
+        "NETWORK_EXCEPTION",
+        "_DESTROY",
+        "_FATAL",
+        "_PURGE_QUEUE",
+        "_PURGE_INFLIGHT",
     )
     if hasattr(KafkaError, name)
 )
@@ -119,7 +139,9 @@ class KafkaPublisher(Publisher):
         url_timeout = options.pop("connect_timeout", "10")
         self.connect_timeout = float_option(
             connect_timeout if connect_timeout is not None else url_timeout,
-            "kafka option connect_timeout", 0.001, 3600,
+            "kafka option connect_timeout",
+            0.001,
+            3600,
         )
 
         settings: dict[str, Any] = {"bootstrap.servers": hosts}
@@ -172,7 +194,9 @@ class KafkaPublisher(Publisher):
         try:
             await asyncio.to_thread(producer.list_topics, None, self.connect_timeout)
         except KafkaException as exc:
-            raise ConnectionError(f"no Kafka broker answered within {self.connect_timeout}s: {exc}") from exc
+            raise ConnectionError(
+                f"no Kafka broker answered within {self.connect_timeout}s: {exc}"
+            ) from exc
 
     async def _close(self) -> None:
         producer, poller = self._producer, self._poller
@@ -211,7 +235,10 @@ class KafkaPublisher(Publisher):
         return [result if isinstance(result, BaseException) else None for result in results]
 
     async def _produce(
-        self, producer: Producer, message: Message, on_delivery: Callable[[KafkaError | None, Any], None]
+        self,
+        producer: Producer,
+        message: Message,
+        on_delivery: Callable[[KafkaError | None, Any], None],
     ) -> None:
         headers: list[tuple[str, str | bytes | None]] = [
             (name, value.encode("utf-8")) for name, value in message.envelope_headers().items()
@@ -220,8 +247,11 @@ class KafkaPublisher(Publisher):
         while True:
             try:
                 producer.produce(
-                    self.destination_for(message), message.payload, key,
-                    headers=headers, on_delivery=on_delivery,
+                    self.destination_for(message),
+                    message.payload,
+                    key,
+                    headers=headers,
+                    on_delivery=on_delivery,
                 )
                 return
             except BufferError:  # the local queue is full: let the poll thread drain it
@@ -234,7 +264,10 @@ class KafkaPublisher(Publisher):
 
 
 def _deliver(
-    loop: asyncio.AbstractEventLoop, future: asyncio.Future[None], error: KafkaError | None, _message: Any
+    loop: asyncio.AbstractEventLoop,
+    future: asyncio.Future[None],
+    error: KafkaError | None,
+    _message: Any,
 ) -> None:
     """Delivery report (poll thread): resolve the message's future on the event loop."""
     with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
@@ -274,7 +307,11 @@ def _shutdown(producer: Producer, poller: threading.Thread | None) -> None:
 
 def _check_config(settings: Mapping[str, Any]) -> None:
     """Let librdkafka validate the configuration now, without connecting anywhere."""
-    offline = {k: v for k, v in settings.items() if k != "bootstrap.servers" and not k.startswith("test.mock.")}
+    offline = {
+        k: v
+        for k, v in settings.items()
+        if k != "bootstrap.servers" and not k.startswith("test.mock.")
+    }
     offline["logger"] = _quiet
     try:
         producer = Producer(offline)

@@ -46,7 +46,9 @@ def memory_broker(name: str = "default") -> MemoryBroker:
 class MemoryPublisher(Publisher):
     schemes = ("memory",)
 
-    def __init__(self, url: str, *, routes: Mapping[str, str] | None = None, publish_timeout: float = 30.0) -> None:
+    def __init__(
+        self, url: str, *, routes: Mapping[str, str] | None = None, publish_timeout: float = 30.0
+    ) -> None:
         super().__init__(url, routes=routes, publish_timeout=publish_timeout)
         parts, _ = parse_options(url)
         self.broker = memory_broker(parts.netloc or parts.path.strip("/") or "default")

@@ -59,8 +59,14 @@ class _Client(aiomqtt.Client):
         self.receive_maximum: int | None = None
         self.maximum_packet_size: int | None = None
 
-    def _on_connect(self, client: paho.Client, userdata: Any, flags: paho.ConnectFlags,
-                    reason_code: ReasonCode, properties: Properties | None = None) -> None:
+    def _on_connect(
+        self,
+        client: paho.Client,
+        userdata: Any,
+        flags: paho.ConnectFlags,
+        reason_code: ReasonCode,
+        properties: Properties | None = None,
+    ) -> None:
         if properties is not None:
             self.receive_maximum = getattr(properties, "ReceiveMaximum", None)
             self.maximum_packet_size = getattr(properties, "MaximumPacketSize", None)
@@ -70,20 +76,33 @@ class _Client(aiomqtt.Client):
             client._max_inflight_messages = self.receive_maximum
         super()._on_connect(client, userdata, flags, reason_code, properties)
 
-    def _on_publish(self, client: paho.Client, userdata: Any, mid: int,
-                    reason_code: ReasonCode, properties: Properties) -> None:
+    def _on_publish(
+        self,
+        client: paho.Client,
+        userdata: Any,
+        mid: int,
+        reason_code: ReasonCode,
+        properties: Properties,
+    ) -> None:
         future = self.acks.pop(mid, None)
         if future is not None and not future.done():
             future.set_result(reason_code)
         super()._on_publish(client, userdata, mid, reason_code, properties)
 
-    def _on_disconnect(self, client: paho.Client, userdata: Any, flags: paho.DisconnectFlags,
-                       reason_code: ReasonCode, properties: Properties | None = None) -> None:
+    def _on_disconnect(
+        self,
+        client: paho.Client,
+        userdata: Any,
+        flags: paho.DisconnectFlags,
+        reason_code: ReasonCode,
+        properties: Properties | None = None,
+    ) -> None:
         self.lost.set()
         super()._on_disconnect(client, userdata, flags, reason_code, properties)
 
-    def send(self, topic: str, payload: bytes, retain: bool,
-             properties: Properties) -> asyncio.Future[ReasonCode]:
+    def send(
+        self, topic: str, payload: bytes, retain: bool, properties: Properties
+    ) -> asyncio.Future[ReasonCode]:
         """Hand one QoS 1 PUBLISH to paho; the future gets the PUBACK's reason code."""
         info = self._client.publish(topic, payload, QOS, retain, properties)
         if info.rc != paho.MQTT_ERR_SUCCESS:
@@ -132,14 +151,18 @@ class MqttPublisher(Publisher):
         self.port = parts.port or (8883 if self.tls else 1883)
         self.username = parts.username
         self.password = parts.password
-        self.topic_prefix = topic_prefix if topic_prefix is not None else options.get("topic_prefix", "")
+        self.topic_prefix = (
+            topic_prefix if topic_prefix is not None else options.get("topic_prefix", "")
+        )
         if retain is None:
             raw = options.get("retain", "false").lower()
             if raw not in ("1", "true", "yes", "0", "false", "no", ""):
                 raise ConfigError(f"retain must be true or false, not {raw!r}")
             retain = raw in ("1", "true", "yes")
         self.retain = retain
-        self.client_id = client_id or options.get("client_id") or f"outboxer-{uuid.uuid4().hex[:12]}"
+        self.client_id = (
+            client_id or options.get("client_id") or f"outboxer-{uuid.uuid4().hex[:12]}"
+        )
         self.keepalive = _integer(options, "keepalive", keepalive, 60)
         self.max_inflight = _integer(options, "max_inflight", max_inflight, 1000)
         if self.keepalive <= 0 or self.max_inflight <= 0:
@@ -152,9 +175,14 @@ class MqttPublisher(Publisher):
     async def _connect(self) -> None:
         await self._close()
         client = _Client(
-            self.hostname, self.port, username=self.username, password=self.password,
-            identifier=self.client_id, protocol=aiomqtt.ProtocolVersion.V5,
-            keepalive=self.keepalive, timeout=min(self.publish_timeout, 10.0),
+            self.hostname,
+            self.port,
+            username=self.username,
+            password=self.password,
+            identifier=self.client_id,
+            protocol=aiomqtt.ProtocolVersion.V5,
+            keepalive=self.keepalive,
+            timeout=min(self.publish_timeout, 10.0),
             max_inflight=self.max_inflight,
             tls_context=ssl.create_default_context() if self.tls else None,
         )
@@ -175,8 +203,10 @@ class MqttPublisher(Publisher):
             client.disconnected.exception()  # retrieved: a lost connection was already reported
 
     def _refusal(self, topic: str, reason: ReasonCode) -> PublishError:
-        return PublishError(f"broker refused PUBLISH to {topic!r}: {reason} (0x{reason.value:02x})",
-                            retryable=reason.value in RETRYABLE_REASONS)
+        return PublishError(
+            f"broker refused PUBLISH to {topic!r}: {reason} (0x{reason.value:02x})",
+            retryable=reason.value in RETRYABLE_REASONS,
+        )
 
     async def _publish_wave(self, messages: Sequence[Message]) -> list[BaseException | None]:
         client = self._client
@@ -189,17 +219,26 @@ class MqttPublisher(Publisher):
                 topic = self.topic_for(message)
                 properties = publish_properties(message)
                 if client.maximum_packet_size:  # a broker drops the connection on a larger packet
-                    size = (_PUBLISH_OVERHEAD + len(topic.encode()) + len(message.payload)
-                            + len(properties.pack()))  # type: ignore[no-untyped-call]
+                    packed_properties = properties.pack()  # type: ignore[no-untyped-call]
+                    size = (
+                        _PUBLISH_OVERHEAD
+                        + len(topic.encode())
+                        + len(message.payload)
+                        + len(packed_properties)
+                    )
                     if size > client.maximum_packet_size:
                         results[index] = PublishError(
                             f"PUBLISH of {size} bytes exceeds the broker's maximum packet size "
-                            f"of {client.maximum_packet_size} bytes", retryable=False)
+                            f"of {client.maximum_packet_size} bytes",
+                            retryable=False,
+                        )
                         continue
                 try:
                     pending[index] = client.send(topic, message.payload, self.retain, properties)
                 except ValueError as exc:  # paho: wildcard in the topic, topic or payload too long
-                    results[index] = PublishError(f"cannot publish to {topic!r}: {exc}", retryable=False)
+                    results[index] = PublishError(
+                        f"cannot publish to {topic!r}: {exc}", retryable=False
+                    )
                 except aiomqtt.MqttError as exc:
                     results[index] = exc
                     break
@@ -224,8 +263,9 @@ class MqttPublisher(Publisher):
         return results
 
     def is_connection_error(self, exc: BaseException) -> bool:
-        return (isinstance(exc, aiomqtt.MqttError) and not isinstance(exc, PublishError)) \
-            or super().is_connection_error(exc)
+        return (
+            isinstance(exc, aiomqtt.MqttError) and not isinstance(exc, PublishError)
+        ) or super().is_connection_error(exc)
 
 
 __all__ = ["MqttPublisher", "publish_properties"]

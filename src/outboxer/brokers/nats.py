@@ -47,8 +47,11 @@ DEFAULT_DUPLICATE_WINDOW = 120.0
 _PERMANENT = (nats.errors.MaxPayloadError, nats.errors.BadSubjectError, nats.errors.BadHeaderError)
 #: The connection is gone: reconnect before going on.
 _CONNECTION = (
-    nats.errors.ConnectionClosedError, nats.errors.StaleConnectionError, nats.errors.NoServersError,
-    nats.errors.OutboundBufferLimitError, nats.errors.ConnectionReconnectingError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.StaleConnectionError,
+    nats.errors.NoServersError,
+    nats.errors.OutboundBufferLimitError,
+    nats.errors.ConnectionReconnectingError,
     nats.errors.ConnectionDrainingError,
 )
 
@@ -91,7 +94,9 @@ class NatsPublisher(Publisher):
         parts, options = parse_options(url)
         if not parts.hostname:
             raise ConfigError(f"NATS URL needs a host: {url!r} (nats://127.0.0.1:4222)")
-        self.subject_prefix = subject_prefix if subject_prefix is not None else options.get("subject_prefix", "")
+        self.subject_prefix = (
+            subject_prefix if subject_prefix is not None else options.get("subject_prefix", "")
+        )
         #: Expected stream (sent as ``Nats-Expected-Stream``) and the one to create.
         self.stream = stream if stream is not None else (options.get("stream") or None)
         self.create_stream = option_bool(options, "create_stream", create_stream, False)
@@ -99,7 +104,9 @@ class NatsPublisher(Publisher):
             subjects = options.get("subjects") or None
         if isinstance(subjects, str):
             subjects = [s.strip() for s in subjects.split(",") if s.strip()]
-        self.subjects = list(subjects or ([f"{self.subject_prefix}>"] if self.subject_prefix else []))
+        self.subjects = list(
+            subjects or ([f"{self.subject_prefix}>"] if self.subject_prefix else [])
+        )
         if duplicate_window is None:
             raw = options.get("duplicate_window", "")
             try:
@@ -123,7 +130,9 @@ class NatsPublisher(Publisher):
                 raise ConfigError(f"connect_timeout must be seconds, not {raw!r}") from None
         self.connect_timeout = connect_timeout
         # nats://user:pass@a:4222,b:4222 names a cluster: one server URL per host.
-        self.servers = [urlunsplit((parts.scheme, host, "", "", "")) for host in parts.netloc.split(",")]
+        self.servers = [
+            urlunsplit((parts.scheme, host, "", "", "")) for host in parts.netloc.split(",")
+        ]
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
         self._lost = asyncio.Event()
@@ -151,10 +160,16 @@ class NatsPublisher(Publisher):
         if self.creds:
             options["user_credentials"] = self.creds
         nc = await nats.connect(
-            servers=self.servers, name="outboxer", allow_reconnect=False,
-            max_reconnect_attempts=1, reconnect_time_wait=0.5,
+            servers=self.servers,
+            name="outboxer",
+            allow_reconnect=False,
+            max_reconnect_attempts=1,
+            reconnect_time_wait=0.5,
             connect_timeout=max(1, round(self.connect_timeout)),
-            error_cb=on_error, disconnected_cb=on_disconnect, closed_cb=on_disconnect, **options,
+            error_cb=on_error,
+            disconnected_cb=on_disconnect,
+            closed_cb=on_disconnect,
+            **options,
         )
         self._nc, self._js = nc, nc.jetstream(timeout=self.publish_timeout)
         self._inbox = nc.new_inbox()
@@ -175,15 +190,17 @@ class NatsPublisher(Publisher):
         except nats.js.errors.NotFoundError:
             pass
         try:
-            await self._js.add_stream(name=self.stream, subjects=self.subjects,
-                                      duplicate_window=self.duplicate_window)
+            await self._js.add_stream(
+                name=self.stream, subjects=self.subjects, duplicate_window=self.duplicate_window
+            )
         except nats.js.errors.BadRequestError as exc:
             if exc.err_code != 10058:  # created meanwhile by another relay: fine
-                raise PublishError(f"cannot create JetStream stream {self.stream!r}: {exc}",
-                                   retryable=False) from exc
+                raise PublishError(
+                    f"cannot create JetStream stream {self.stream!r}: {exc}", retryable=False
+                ) from exc
 
     async def _on_reply(self, msg: Msg) -> None:
-        future = self._replies.pop(msg.subject[len(self._inbox) + 1:], None)
+        future = self._replies.pop(msg.subject[len(self._inbox) + 1 :], None)
         if future is not None and not future.done():
             future.set_result(msg)
 
@@ -204,17 +221,22 @@ class NatsPublisher(Publisher):
         if size > self._nc.max_payload:
             raise PublishError(
                 f"message of {size} bytes (headers included) exceeds the server's max_payload "
-                f"of {self._nc.max_payload} bytes", retryable=False)
+                f"of {self._nc.max_payload} bytes",
+                retryable=False,
+            )
 
     def _refusal(self, subject: str, exc: BaseException) -> BaseException:
         """The error to report for a publish that failed with ``exc``."""
         if isinstance(exc, nats.js.errors.APIError):
             code = exc.code or 0
-            return PublishError(f"JetStream refused {subject!r}: {exc}",
-                                retryable=not 400 <= code < 500 or code in (408, 429))
+            return PublishError(
+                f"JetStream refused {subject!r}: {exc}",
+                retryable=not 400 <= code < 500 or code in (408, 429),
+            )
         if isinstance(exc, _PERMANENT):
-            return PublishError(f"cannot publish to {subject!r}: {type(exc).__name__}: {exc}",
-                                retryable=False)
+            return PublishError(
+                f"cannot publish to {subject!r}: {type(exc).__name__}: {exc}", retryable=False
+            )
         return exc
 
     def _outcome(self, message: Message, reply: Msg) -> BaseException | None:
@@ -253,8 +275,9 @@ class NatsPublisher(Publisher):
                 future = self._replies[token] = loop.create_future()
                 try:
                     self._check_size(message, headers)
-                    await nc.publish(subject, message.payload, reply=f"{self._inbox}.{token}",
-                                     headers=headers)
+                    await nc.publish(
+                        subject, message.payload, reply=f"{self._inbox}.{token}", headers=headers
+                    )
                 except (PublishError, nats.errors.Error) as exc:
                     del self._replies[token]
                     results[index] = self._refusal(subject, exc)

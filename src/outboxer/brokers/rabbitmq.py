@@ -65,8 +65,14 @@ from outboxer.errors import BrokerUnavailableError, ConfigError, PublishError
 from outboxer.message import Message
 
 #: Our own URL options; the rest of the query string goes to aio-pika (heartbeat, name, cafile…).
-_OPTIONS = ("exchange", "exchange_type", "declare_exchange", "persistent", "mandatory",
-            "connect_timeout")
+_OPTIONS = (
+    "exchange",
+    "exchange_type",
+    "declare_exchange",
+    "persistent",
+    "mandatory",
+    "connect_timeout",
+)
 _EXCHANGE_TYPES = ("topic", "direct", "fanout", "headers")
 #: Channel closes that the same message will cause again: refused for good.
 _PERMANENT = (aiormq.exceptions.ChannelAccessRefused, aiormq.exceptions.ChannelPreconditionFailed)
@@ -108,8 +114,13 @@ def _short_string(text: str) -> bytes:
     return bytes((len(data),)) + data
 
 
-def _encode_properties(content_type: str, delivery_mode: int, message_id: str,
-                       timestamp: datetime | None, headers: Mapping[str, object]) -> bytes | None:
+def _encode_properties(
+    content_type: str,
+    delivery_mode: int,
+    message_id: str,
+    timestamp: datetime | None,
+    headers: Mapping[str, object],
+) -> bytes | None:
     """The AMQP encoding of these Basic properties, as pamqp writes it (property flags,
     then each present property in flag order; a table's entries sorted by name, strings
     as long strings); None if a header is not a string or its name is over 128 bytes."""
@@ -138,12 +149,23 @@ def _encode_properties(content_type: str, delivery_mode: int, message_id: str,
     return struct.pack(">H", flags) + b"".join(parts)
 
 
-def _properties(content_type: str, delivery_mode: int, message_id: str,
-                timestamp: datetime | None, headers: dict[str, str]) -> spec.Basic.Properties:
-    properties = _Properties(content_type=content_type, delivery_mode=delivery_mode,
-                             message_id=message_id, timestamp=timestamp,
-                             headers=cast(FieldTable, headers))  # a fresh dict: no copy needed
-    properties.wire = _encode_properties(content_type, delivery_mode, message_id, timestamp, headers)
+def _properties(
+    content_type: str,
+    delivery_mode: int,
+    message_id: str,
+    timestamp: datetime | None,
+    headers: dict[str, str],
+) -> spec.Basic.Properties:
+    properties = _Properties(
+        content_type=content_type,
+        delivery_mode=delivery_mode,
+        message_id=message_id,
+        timestamp=timestamp,
+        headers=cast(FieldTable, headers),
+    )  # a fresh dict: no copy needed
+    properties.wire = _encode_properties(
+        content_type, delivery_mode, message_id, timestamp, headers
+    )
     return properties
 
 
@@ -153,20 +175,30 @@ _METHOD, _HEADER, _BODY = 1, 2, 3
 _CONTENT_HEADER = struct.Struct(">HHQ")  # class (Basic), weight (0), body size
 #: The channel internals a wave writes through (aiormq 7.2): where they are missing, each
 #: message goes out through ``basic_publish`` instead.
-_WAVE_ATTRIBUTES = ("lock", "delivery_tag", "confirmations", "message_id_delivery_tag",
-                    "write_queue", "max_content_size", "create_future", "number")
+_WAVE_ATTRIBUTES = (
+    "lock",
+    "delivery_tag",
+    "confirmations",
+    "message_id_delivery_tag",
+    "write_queue",
+    "max_content_size",
+    "create_future",
+    "number",
+)
 
 
 @functools.lru_cache(maxsize=4096)
 def _publish_method(exchange: str, routing_key: str, mandatory: bool) -> bytes:
     """The payload of a ``basic.publish`` method frame; pamqp validates the names once."""
-    frame = pamqp.frame.marshal(spec.Basic.Publish(exchange=exchange, routing_key=routing_key,
-                                                   mandatory=mandatory), 0)
-    return bytes(frame[_FRAME_HEAD.size:-1])
+    frame = pamqp.frame.marshal(
+        spec.Basic.Publish(exchange=exchange, routing_key=routing_key, mandatory=mandatory), 0
+    )
+    return bytes(frame[_FRAME_HEAD.size : -1])
 
 
-def _wave_frames(channel_number: int, max_content_size: int, publishes: Sequence[_Publish],
-                 mandatory: bool) -> bytes:
+def _wave_frames(
+    channel_number: int, max_content_size: int, publishes: Sequence[_Publish], mandatory: bool
+) -> bytes:
     """Every frame of a wave, as aiormq's ``basic_publish`` would write them one message at a
     time (a test compares the bytes): method, content header, body split at the frame size."""
     head = _FRAME_HEAD.pack
@@ -175,15 +207,23 @@ def _wave_frames(channel_number: int, max_content_size: int, publishes: Sequence
         method = _publish_method(publish.exchange, publish.routing_key, mandatory)
         body = publish.body
         header = _CONTENT_HEADER.pack(60, 0, len(body)) + publish.properties.marshal()
-        parts += (head(_METHOD, channel_number, len(method)), method, _FRAME_END,
-                  head(_HEADER, channel_number, len(header)), header, _FRAME_END)
+        parts += (
+            head(_METHOD, channel_number, len(method)),
+            method,
+            _FRAME_END,
+            head(_HEADER, channel_number, len(header)),
+            header,
+            _FRAME_END,
+        )
         for start in range(0, len(body), max_content_size):
-            chunk = body[start:start + max_content_size]
+            chunk = body[start : start + max_content_size]
             parts += (head(_BODY, channel_number, len(chunk)), chunk, _FRAME_END)
     return b"".join(parts)
 
 
-def _fail_pending(confirmations: Sequence[asyncio.Future[Any]], watcher: asyncio.Future[Any]) -> None:
+def _fail_pending(
+    confirmations: Sequence[asyncio.Future[Any]], watcher: asyncio.Future[Any]
+) -> None:
     """A wave's watcher ended: if the channel closed, its pending confirmations fail with the
     close's reason (a refusal names the message that caused it)."""
     if watcher.cancelled():
@@ -240,8 +280,10 @@ class RabbitMQPublisher(Publisher):
         self.exchange = exchange if exchange is not None else options.get("exchange", "outboxer")
         self.exchange_type = (exchange_type or options.get("exchange_type") or "topic").lower()
         if self.exchange_type not in _EXCHANGE_TYPES:
-            raise ConfigError(f"exchange_type must be one of {', '.join(_EXCHANGE_TYPES)}, "
-                              f"not {self.exchange_type!r}")
+            raise ConfigError(
+                f"exchange_type must be one of {', '.join(_EXCHANGE_TYPES)}, "
+                f"not {self.exchange_type!r}"
+            )
         self.declare_exchange = option_bool(options, "declare_exchange", declare_exchange, True)
         self.persistent = option_bool(options, "persistent", persistent, True)
         self.mandatory = option_bool(options, "mandatory", mandatory, True)
@@ -250,7 +292,9 @@ class RabbitMQPublisher(Publisher):
             try:
                 connect_timeout = float(text)
             except ValueError:
-                raise ConfigError(f"connect_timeout must be a number of seconds, not {text!r}") from None
+                raise ConfigError(
+                    f"connect_timeout must be a number of seconds, not {text!r}"
+                ) from None
         if connect_timeout <= 0:
             raise ConfigError("connect_timeout must be positive")
         self.connect_timeout = connect_timeout
@@ -281,18 +325,30 @@ class RabbitMQPublisher(Publisher):
     def _prepare(self, message: Message) -> _Publish:
         """The publish for a message; PublishError(retryable=False) if AMQP cannot carry it."""
         exchange, routing_key = self.target_for(message)
-        for what, text in (("routing key", routing_key), ("content type", message.content_type),
-                           *(("header name", name) for name in message.headers)):
+        for what, text in (
+            ("routing key", routing_key),
+            ("content type", message.content_type),
+            *(("header name", name) for name in message.headers),
+        ):
             if len(text.encode("utf-8")) > _SHORTSTR:
-                raise PublishError(f"{what} {text[:40]!r}… is longer than AMQP's {_SHORTSTR} bytes",
-                                   retryable=False)
+                raise PublishError(
+                    f"{what} {text[:40]!r}… is longer than AMQP's {_SHORTSTR} bytes",
+                    retryable=False,
+                )
         try:
             _publish_method(exchange, routing_key, self.mandatory)  # pamqp's checks, cached
         except ValueError as exc:
-            raise PublishError(f"AMQP cannot carry the message to exchange {exchange[:40]!r}: {exc}",
-                               retryable=False) from exc
-        properties = _properties(message.content_type, 2 if self.persistent else 1, str(message.id),
-                                 message.created_at, message.envelope_headers())
+            raise PublishError(
+                f"AMQP cannot carry the message to exchange {exchange[:40]!r}: {exc}",
+                retryable=False,
+            ) from exc
+        properties = _properties(
+            message.content_type,
+            2 if self.persistent else 1,
+            str(message.id),
+            message.created_at,
+            message.envelope_headers(),
+        )
         return _Publish(exchange, routing_key, message.payload, properties)
 
     # ----- connection -----------------------------------------------------------------------
@@ -314,8 +370,12 @@ class RabbitMQPublisher(Publisher):
             channel = await self._open_channel(connection)
             if self.declare_exchange and self.exchange and not self.exchange.startswith("amq."):
                 try:
-                    await channel.declare_exchange(self.exchange, self.exchange_type, durable=True,
-                                                   timeout=self.connect_timeout)
+                    await channel.declare_exchange(
+                        self.exchange,
+                        self.exchange_type,
+                        durable=True,
+                        timeout=self.connect_timeout,
+                    )
                 except aiormq.exceptions.ChannelPreconditionFailed as exc:
                     raise PublishError(
                         f"exchange {self.exchange!r} exists with other settings than a durable "
@@ -331,7 +391,8 @@ class RabbitMQPublisher(Publisher):
 
     async def _open_channel(self, connection: AbstractConnection) -> AbstractChannel:
         return await asyncio.wait_for(
-            connection.channel(publisher_confirms=True, on_return_raises=True), self.connect_timeout)
+            connection.channel(publisher_confirms=True, on_return_raises=True), self.connect_timeout
+        )
 
     async def _close(self) -> None:
         connection, self._connection = self._connection, None
@@ -381,7 +442,9 @@ class RabbitMQPublisher(Publisher):
 
     # ----- publishing -----------------------------------------------------------------------
 
-    async def _send_all(self, lane: _Lane, publishes: Sequence[_Publish]) -> list[BaseException | None]:
+    async def _send_all(
+        self, lane: _Lane, publishes: Sequence[_Publish]
+    ) -> list[BaseException | None]:
         """Publish all of them on the channel at once; each one's outcome (None = acked).
 
         A publish still pending when the channel closes comes back as ``ChannelClosed``:
@@ -392,12 +455,15 @@ class RabbitMQPublisher(Publisher):
         watcher: asyncio.Future[Any] | None = None  # see _write_wave
         try:
             underlay = await lane.channel.get_underlay_channel()
-            lane.whole_waves = self._wave_writes and all(hasattr(underlay, name)
-                                                         for name in _WAVE_ATTRIBUTES)
+            lane.whole_waves = self._wave_writes and all(
+                hasattr(underlay, name) for name in _WAVE_ATTRIBUTES
+            )
             if lane.whole_waves:
                 sends, watcher = await self._write_wave(underlay, publishes)
             else:
-                sends = [asyncio.ensure_future(self._send(underlay, publish)) for publish in publishes]
+                sends = [
+                    asyncio.ensure_future(self._send(underlay, publish)) for publish in publishes
+                ]
         except aiormq.exceptions.ChannelInvalidStateError as exc:
             return [exc] * len(publishes)
         everything = asyncio.gather(*sends, return_exceptions=True)
@@ -417,7 +483,9 @@ class RabbitMQPublisher(Publisher):
             if watcher is not None:
                 # What basic_publish's own callback does: returns are matched by message id.
                 for publish in publishes:
-                    cast(Any, underlay).message_id_delivery_tag.pop(publish.properties.message_id or "", None)
+                    cast(Any, underlay).message_id_delivery_tag.pop(
+                        publish.properties.message_id or "", None
+                    )
         return [self._outcome(send) for send in sends]
 
     @staticmethod
@@ -431,8 +499,11 @@ class RabbitMQPublisher(Publisher):
             return PublishError(f"RabbitMQ answered {send.result()!r} instead of basic.ack")
         return error
 
-    async def _write_wave(self, underlay: Any, publishes: Sequence[_Publish],
-                          ) -> tuple[list[asyncio.Future[Any]], asyncio.Future[Any]]:
+    async def _write_wave(
+        self,
+        underlay: Any,
+        publishes: Sequence[_Publish],
+    ) -> tuple[list[asyncio.Future[Any]], asyncio.Future[Any]]:
         """Register a confirmation for each publish, then write the whole wave as one frame
         buffer: one socket write instead of a task, a lock round and a write per message,
         which were two thirds of the relay's CPU when draining to RabbitMQ.
@@ -449,14 +520,18 @@ class RabbitMQPublisher(Publisher):
             first = underlay.delivery_tag + 1
             confirmations = [loop.create_future() for _ in publishes]
             try:
-                for tag, (publish, confirmation) in enumerate(zip(publishes, confirmations,
-                                                                  strict=True), start=first):
+                for tag, (publish, confirmation) in enumerate(
+                    zip(publishes, confirmations, strict=True), start=first
+                ):
                     underlay.confirmations[tag] = confirmation
                     underlay.message_id_delivery_tag[publish.properties.message_id] = tag
-                frames = _wave_frames(underlay.number, underlay.max_content_size, publishes,
-                                      self.mandatory)
+                frames = _wave_frames(
+                    underlay.number, underlay.max_content_size, publishes, self.mandatory
+                )
                 underlay.delivery_tag = first + len(publishes) - 1
-                await self._enqueue_frames(underlay, ChannelFrame(payload=frames, should_close=False))
+                await self._enqueue_frames(
+                    underlay, ChannelFrame(payload=frames, should_close=False)
+                )
             except BaseException:
                 # Not written: RabbitMQ numbers its confirms by what it received, so the
                 # tags are given back, as basic_publish does.
@@ -486,7 +561,9 @@ class RabbitMQPublisher(Publisher):
             closing.cancel()  # only stops observing
             put.cancel()  # a put that has not happened yet never will
         if put.cancelled():
-            raise aiormq.exceptions.ChannelInvalidStateError("the channel closed before the wave was written")
+            raise aiormq.exceptions.ChannelInvalidStateError(
+                "the channel closed before the wave was written"
+            )
 
     async def _send(self, underlay: aiormq.abc.AbstractChannel, publish: _Publish) -> None:
         """One ``basic.publish``; returns once RabbitMQ acked it, raises the driver's error else."""
@@ -523,8 +600,9 @@ class RabbitMQPublisher(Publisher):
         finally:
             self._return_lane(lane, reusable=finished)
 
-    async def _publish_on_lane(self, lane: _Lane, prepared: dict[int, _Publish],
-                               results: list[BaseException | None]) -> list[BaseException | None]:
+    async def _publish_on_lane(
+        self, lane: _Lane, prepared: dict[int, _Publish], results: list[BaseException | None]
+    ) -> list[BaseException | None]:
         """Publish ``prepared`` on the lane; after a channel (or connection) close, recover
         as the module docstring says, on a new channel in the same lane."""
         loop = asyncio.get_running_loop()
@@ -533,15 +611,22 @@ class RabbitMQPublisher(Publisher):
         todo = list(prepared)
         while todo:
             if loop.time() > deadline:
-                return self._fail(results, todo, PublishError(
-                    "RabbitMQ closed the channel; no time was left to publish the message again"))
+                return self._fail(
+                    results,
+                    todo,
+                    PublishError(
+                        "RabbitMQ closed the channel; no time was left to publish the message again"
+                    ),
+                )
             raw = await self._send_all(lane, [prepared[i] for i in todo])
             in_flight: list[int] = []  # written before the channel closed, in write order
             unsent: list[int] = []  # refused by the client once the channel was closed
             for index, outcome in zip(todo, raw, strict=True):
                 # A connection closed under the wave (another lane's refusal, or an outage,
                 # which the reconnect below then reports) closed the channel as well.
-                if isinstance(outcome, aiormq.exceptions.ChannelClosed | aiormq.exceptions.ConnectionClosed):
+                if isinstance(
+                    outcome, aiormq.exceptions.ChannelClosed | aiormq.exceptions.ConnectionClosed
+                ):
                     in_flight.append(index)
                 elif isinstance(outcome, aiormq.exceptions.ChannelInvalidStateError):
                     unsent.append(index)
@@ -571,7 +656,7 @@ class RabbitMQPublisher(Publisher):
                     break
                 results[index], closed = await self._publish_alone(lane, prepared[index])
                 if closed:
-                    later = in_flight[position + 1:]
+                    later = in_flight[position + 1 :]
                     break
             todo = sorted(later + unsent)
         return results
@@ -586,7 +671,9 @@ class RabbitMQPublisher(Publisher):
             raise BrokerUnavailableError(f"connection to {self.safe_url} is closed")
         lane.channel, lane.generation = await self._open_channel(self._connection), self._generation
 
-    async def _publish_alone(self, lane: _Lane, publish: _Publish) -> tuple[BaseException | None, bool]:
+    async def _publish_alone(
+        self, lane: _Lane, publish: _Publish
+    ) -> tuple[BaseException | None, bool]:
         """Publish one message with nothing else in flight on its lane: its failure is its own.
 
         Returns the outcome and whether the message closed the channel (the lane then holds
@@ -606,8 +693,9 @@ class RabbitMQPublisher(Publisher):
             return self._translate(exc, alone=True), closed
         return None, False
 
-    def _fail(self, results: list[BaseException | None], indexes: Sequence[int],
-              exc: BaseException) -> list[BaseException | None]:
+    def _fail(
+        self, results: list[BaseException | None], indexes: Sequence[int], exc: BaseException
+    ) -> list[BaseException | None]:
         error = self._translate(exc)
         for index in indexes:
             results[index] = error
@@ -616,18 +704,23 @@ class RabbitMQPublisher(Publisher):
     def _translate(self, exc: BaseException, *, alone: bool = False) -> BaseException:
         """The driver's error as this library's: retryable or not, connection lost or not."""
         errors = aiormq.exceptions
-        frame = exc.message.delivery if isinstance(exc, errors.PublishError) and exc.message else None
+        frame = (
+            exc.message.delivery if isinstance(exc, errors.PublishError) and exc.message else None
+        )
         if isinstance(frame, spec.Basic.Return):  # mandatory and no queue took it
             return PublishError(
                 f"RabbitMQ returned the message as unroutable ({frame.reply_code} {frame.reply_text}): "
-                f"no queue is bound to exchange {frame.exchange!r} for routing key {frame.routing_key!r}")
+                f"no queue is bound to exchange {frame.exchange!r} for routing key {frame.routing_key!r}"
+            )
         if isinstance(exc, errors.DeliveryError):
             return PublishError(f"RabbitMQ did not take the message: {exc}")
         if isinstance(exc, errors.ChannelClosed):
             reason = exc.args[0] if exc.args else type(exc).__name__
             if isinstance(exc, errors.ChannelNotFoundEntity):
-                return PublishError(f"RabbitMQ refused the message: {reason} (the exchange may be "
-                                    "declared later; retrying)")
+                return PublishError(
+                    f"RabbitMQ refused the message: {reason} (the exchange may be "
+                    "declared later; retrying)"
+                )
             if alone and isinstance(exc, _PERMANENT):
                 return PublishError(f"RabbitMQ refused the message: {reason}", retryable=False)
             return PublishError(f"RabbitMQ closed the channel: {reason}")

@@ -38,7 +38,13 @@ _OPTIONS = ("stream_prefix", "maxlen")
 
 #: Error replies that may clear up on their own (failover, memory freed, loading).
 _RETRYABLE_REPLIES = (
-    "BUSY", "CLUSTERDOWN", "LOADING", "MASTERDOWN", "MISCONF", "NOREPLICAS", "TRYAGAIN",
+    "BUSY",
+    "CLUSTERDOWN",
+    "LOADING",
+    "MASTERDOWN",
+    "MISCONF",
+    "NOREPLICAS",
+    "TRYAGAIN",
 )
 
 
@@ -57,8 +63,14 @@ def entry_fields(message: Message) -> dict[FieldT, EncodableT]:
 
 def reply_is_retryable(error: rexc.ResponseError) -> bool:
     """Whether Redis may accept the same XADD later (WRONGTYPE, NOPERM, ERR … never will)."""
-    if isinstance(error, rexc.OutOfMemoryError | rexc.ReadOnlyError | rexc.AskError
-                  | rexc.TryAgainError | rexc.ClusterDownError):
+    if isinstance(
+        error,
+        rexc.OutOfMemoryError
+        | rexc.ReadOnlyError
+        | rexc.AskError
+        | rexc.TryAgainError
+        | rexc.ClusterDownError,
+    ):
         return True
     return str(error).split(" ", 1)[0].upper() in _RETRYABLE_REPLIES
 
@@ -79,14 +91,18 @@ class RedisPublisher(Publisher):
     ) -> None:
         super().__init__(url, routes=routes, publish_timeout=publish_timeout)
         parts, options = parse_options(url)
-        self.stream_prefix = stream_prefix if stream_prefix is not None else options.get("stream_prefix", "")
+        self.stream_prefix = (
+            stream_prefix if stream_prefix is not None else options.get("stream_prefix", "")
+        )
         if maxlen is None and options.get("maxlen", "") != "":
             try:
                 maxlen = int(options["maxlen"])
             except ValueError:
                 raise ConfigError(f"maxlen must be an integer, not {options['maxlen']!r}") from None
         if maxlen is not None and maxlen <= 0:
-            raise ConfigError(f"maxlen must be positive (or absent for unbounded streams), not {maxlen}")
+            raise ConfigError(
+                f"maxlen must be positive (or absent for unbounded streams), not {maxlen}"
+            )
         #: Trim each stream to about this many entries (``XADD … MAXLEN ~ n``); None keeps all.
         self.maxlen = maxlen
         rest = {name: value for name, value in options.items() if name not in _OPTIONS}
@@ -122,16 +138,22 @@ class RedisPublisher(Publisher):
         try:
             async with self._client.pipeline(transaction=False) as pipe:
                 for message in messages:
-                    pipe.xadd(self.stream_for(message), entry_fields(message),
-                              maxlen=self.maxlen, approximate=True)
+                    pipe.xadd(
+                        self.stream_for(message),
+                        entry_fields(message),
+                        maxlen=self.maxlen,
+                        approximate=True,
+                    )
                 replies = await pipe.execute(raise_on_error=False)
         except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
             return [exc] * len(messages)
         results: list[BaseException | None] = []
         for message, reply in zip(messages, replies, strict=True):
             if isinstance(reply, rexc.ResponseError):
-                error = PublishError(f"redis refused XADD to stream {self.stream_for(message)!r}: {reply}",
-                                     retryable=reply_is_retryable(reply))
+                error = PublishError(
+                    f"redis refused XADD to stream {self.stream_for(message)!r}: {reply}",
+                    retryable=reply_is_retryable(reply),
+                )
                 error.__cause__ = reply
                 results.append(error)
             elif isinstance(reply, BaseException):
@@ -141,7 +163,9 @@ class RedisPublisher(Publisher):
         return results
 
     def is_connection_error(self, exc: BaseException) -> bool:
-        return isinstance(exc, rexc.ConnectionError | rexc.TimeoutError) or super().is_connection_error(exc)
+        return isinstance(
+            exc, rexc.ConnectionError | rexc.TimeoutError
+        ) or super().is_connection_error(exc)
 
 
 __all__ = ["RedisPublisher", "entry_fields"]

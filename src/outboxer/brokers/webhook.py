@@ -34,11 +34,23 @@ HEADER_KEY = "Outboxer-Key"
 HEADER_CREATED_AT = "Outboxer-Created-At"
 #: User headers whose names HTTP or outboxer own are sent under this prefix.
 RESERVED_PREFIX = "Outboxer-Header-"
-RESERVED_NAMES = frozenset({
-    "host", "content-length", "content-type", "content-encoding", "transfer-encoding",
-    "connection", "keep-alive", "upgrade", "te", "trailer", "expect", "proxy-connection",
-    "proxy-authorization",
-})
+RESERVED_NAMES = frozenset(
+    {
+        "host",
+        "content-length",
+        "content-type",
+        "content-encoding",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "upgrade",
+        "te",
+        "trailer",
+        "expect",
+        "proxy-connection",
+        "proxy-authorization",
+    }
+)
 
 #: Query parameters outboxer reads itself (and removes from the URL it posts to).
 OPTIONS = ("secret", "max_connections", "retry_statuses", "timeout")
@@ -54,10 +66,20 @@ _SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%")
 class WebhookStatusError(PublishError):
     """The receiver answered with a status other than 2xx."""
 
-    def __init__(self, status: int, url: str, excerpt: str, *, retryable: bool,
-                 retry_after: float | None = None) -> None:
-        super().__init__(f"{url} answered HTTP {status}: {excerpt}".rstrip(": "), retryable=retryable,
-                         retry_after=retry_after)
+    def __init__(
+        self,
+        status: int,
+        url: str,
+        excerpt: str,
+        *,
+        retryable: bool,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(
+            f"{url} answered HTTP {status}: {excerpt}".rstrip(": "),
+            retryable=retryable,
+            retry_after=retry_after,
+        )
         self.status = status
 
 
@@ -102,9 +124,13 @@ def parse_retry_statuses(value: str | Iterable[int | str]) -> frozenset[int]:
         elif token.isdigit() and 100 <= int(token) <= 599:
             statuses.add(int(token))
         else:
-            raise ConfigError(f"webhook option retry_statuses: {item!r} is not a status (like 503) or a class (like 5xx)")
+            raise ConfigError(
+                f"webhook option retry_statuses: {item!r} is not a status (like 503) or a class (like 5xx)"
+            )
     if any(200 <= status < 300 for status in statuses):
-        raise ConfigError("webhook option retry_statuses cannot contain 2xx statuses (they mean published)")
+        raise ConfigError(
+            "webhook option retry_statuses cannot contain 2xx statuses (they mean published)"
+        )
     return frozenset(statuses)
 
 
@@ -140,7 +166,9 @@ class _Lanes:
     async def aclose(self) -> None:
         self._closed = True
         clients, self._all, self._idle = self._all, [], []
-        results = await asyncio.gather(*(client.aclose() for client in clients), return_exceptions=True)
+        results = await asyncio.gather(
+            *(client.aclose() for client in clients), return_exceptions=True
+        )
         for result in results:
             if isinstance(result, BaseException) and not isinstance(result, Exception):
                 raise result  # cancellation, not a broken connection
@@ -182,13 +210,18 @@ class WebhookPublisher(Publisher):
         if parts.scheme.lower() not in self.schemes or not parts.hostname:
             raise ConfigError(f"webhook URL must be http(s)://host[:port]/path, not {url!r}")
         #: The URL every unrouted message is posted to (outboxer's options removed).
-        self.endpoint: str = urlunsplit(parts._replace(query=_strip_options(parts.query), fragment=""))
+        self.endpoint: str = urlunsplit(
+            parts._replace(query=_strip_options(parts.query), fragment="")
+        )
         secret = secret if secret is not None else options.get("secret")
         self.secret: bytes | None = (secret.encode() if isinstance(secret, str) else secret) or None
         self.max_connections = int_option(
-            max_connections if max_connections is not None
+            max_connections
+            if max_connections is not None
             else options.get("max_connections", DEFAULT_MAX_CONNECTIONS),
-            "webhook option max_connections", 1, 10_000,
+            "webhook option max_connections",
+            1,
+            10_000,
         )
         statuses = retry_statuses if retry_statuses is not None else options.get("retry_statuses")
         self.retry_statuses = (
@@ -196,15 +229,21 @@ class WebhookPublisher(Publisher):
         )
         self.timeout = float_option(
             timeout if timeout is not None else options.get("timeout", DEFAULT_TIMEOUT),
-            "webhook option timeout", 0.001, 3600,
+            "webhook option timeout",
+            0.001,
+            3600,
         )
         self.headers = dict(headers or {})
         for name in self.headers:
             if not _TOKEN.match(name):
-                raise ConfigError(f"webhook option headers: {name!r} is not a valid HTTP header name")
+                raise ConfigError(
+                    f"webhook option headers: {name!r} is not a valid HTTP header name"
+                )
         for topic, route in self.routes.items():
             if "://" in route and urlsplit(route).scheme.lower() not in self.schemes:
-                raise ConfigError(f"webhook route for {topic!r} must be an http(s) URL or a path: {route!r}")
+                raise ConfigError(
+                    f"webhook route for {topic!r} must be an http(s) URL or a path: {route!r}"
+                )
         self.verify = verify
         self._ssl: ssl.SSLContext | None = None
         self._lanes: _Lanes | None = None
@@ -255,7 +294,9 @@ class WebhookPublisher(Publisher):
         headers = {"Content-Type": message.content_type, HEADER_ID: str(message.id)}
         for name, value in message.headers.items():
             if not _TOKEN.match(name):
-                raise PublishError(f"header name {name!r} cannot be sent over HTTP", retryable=False)
+                raise PublishError(
+                    f"header name {name!r} cannot be sent over HTTP", retryable=False
+                )
             if name.lower() in RESERVED_NAMES or name.lower().startswith("outboxer-"):
                 name = RESERVED_PREFIX + name
             headers[name] = encode_header_value(value)
@@ -267,7 +308,9 @@ class WebhookPublisher(Publisher):
         if self.secret is not None:
             signed_at = int(time.time()) if timestamp is None else timestamp
             headers[HEADER_TIMESTAMP] = str(signed_at)
-            headers[HEADER_SIGNATURE] = sign(self.secret, signed_at, str(message.id), message.payload)
+            headers[HEADER_SIGNATURE] = sign(
+                self.secret, signed_at, str(message.id), message.payload
+            )
         return headers
 
     async def _publish_one(self, message: Message) -> None:
@@ -280,9 +323,18 @@ class WebhookPublisher(Publisher):
             try:
                 response = await client.post(url, content=message.payload, headers=headers)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                raise BrokerUnavailableError(f"cannot reach {_safe(url)}: {_describe(exc)}") from exc
-            except (httpx.LocalProtocolError, httpx.UnsupportedProtocol, httpx.InvalidURL, UnicodeError) as exc:
-                raise PublishError(f"cannot send to {_safe(url)}: {_describe(exc)}", retryable=False) from exc
+                raise BrokerUnavailableError(
+                    f"cannot reach {_safe(url)}: {_describe(exc)}"
+                ) from exc
+            except (
+                httpx.LocalProtocolError,
+                httpx.UnsupportedProtocol,
+                httpx.InvalidURL,
+                UnicodeError,
+            ) as exc:
+                raise PublishError(
+                    f"cannot send to {_safe(url)}: {_describe(exc)}", retryable=False
+                ) from exc
             except httpx.HTTPError as exc:  # timeouts, dropped connections: try again later
                 raise PublishError(f"request to {_safe(url)} failed: {_describe(exc)}") from exc
         if 200 <= response.status_code < 300:
@@ -290,8 +342,13 @@ class WebhookPublisher(Publisher):
         excerpt = " ".join(response.text[:200].split())
         retryable = response.status_code in self.retry_statuses
         raise WebhookStatusError(
-            response.status_code, _safe(url), excerpt, retryable=retryable,
-            retry_after=parse_retry_after(response.headers.get("retry-after")) if retryable else None,
+            response.status_code,
+            _safe(url),
+            excerpt,
+            retryable=retryable,
+            retry_after=parse_retry_after(response.headers.get("retry-after"))
+            if retryable
+            else None,
         )
 
 

@@ -134,7 +134,9 @@ class Store(ABC):
         parts = [render(self.migrations_table_sql, tokens).strip()]
         for migration in migrations(self.dialect):
             parts.append(render(migration.sql, tokens).strip())
-            parts.append(self.record_migration_sql(tokens["migrations"], migration.version, migration.name))
+            parts.append(
+                self.record_migration_sql(tokens["migrations"], migration.version, migration.name)
+            )
         return "\n\n".join(parts) + "\n"
 
     def record_migration_sql(self, table: str, version: int, name: str) -> str:
@@ -157,17 +159,30 @@ class Store(ABC):
             where = f"{self.schema}.{self.table}" if self.dialect == "postgres" else self.table
             raise SchemaError(
                 f"the outbox schema of {where} lacks migration(s) {', '.join(missing)}: "
-                "run `outboxer schema apply` (or apply the DDL of `outboxer schema sql`)")
+                "run `outboxer schema apply` (or apply the DDL of `outboxer schema sql`)"
+            )
 
     @abstractmethod
-    async def claim(self, destination: str, relay_id: str, limit: int, lock_seconds: float,
-                    abandoned_blocks: bool) -> list[Message]:
+    async def claim(
+        self,
+        destination: str,
+        relay_id: str,
+        limit: int,
+        lock_seconds: float,
+        abandoned_blocks: bool,
+    ) -> list[Message]:
         """Lock up to ``limit`` due rows for ``relay_id``, in publish order."""
 
     @abstractmethod
-    async def settle(self, destination: str, relay_id: str, published: Sequence[int],
-                     failed: Sequence[Failure], released: Sequence[int],
-                     max_attempts: int) -> SettleResult:
+    async def settle(
+        self,
+        destination: str,
+        relay_id: str,
+        published: Sequence[int],
+        failed: Sequence[Failure],
+        released: Sequence[int],
+        max_attempts: int,
+    ) -> SettleResult:
         """Record a batch's outcomes in one transaction, one statement per outcome."""
 
     @abstractmethod
@@ -188,19 +203,24 @@ class Store(ABC):
     async def status_report(self) -> dict[str, Any]:
         """What ``outboxer status --json`` prints and ``GET /status`` returns."""
         destinations = [entry.as_dict() for entry in await self.status()]
-        return {"destinations": destinations,
-                "oldest_transaction_age_seconds": await self.oldest_transaction()}
+        return {
+            "destinations": destinations,
+            "oldest_transaction_age_seconds": await self.oldest_transaction(),
+        }
 
     @abstractmethod
     async def ping(self) -> None:
         """Run a trivial query (connecting first if need be); raise if the database does not answer."""
 
     @abstractmethod
-    async def list_messages(self, statuses: Sequence[str], limit: int) -> list[dict[str, object]]: ...
+    async def list_messages(
+        self, statuses: Sequence[str], limit: int
+    ) -> list[dict[str, object]]: ...
 
     @abstractmethod
-    async def requeue(self, destinations: Sequence[str], statuses: Sequence[str],
-                      ids: Sequence[str] | None) -> int: ...
+    async def requeue(
+        self, destinations: Sequence[str], statuses: Sequence[str], ids: Sequence[str] | None
+    ) -> int: ...
 
     # Wake-ups are per destination: a commit may hold rows for several destinations, and
     # each destination's loops must hear of it (one destination's loop taking the only

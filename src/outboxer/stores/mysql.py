@@ -69,8 +69,14 @@ _SCHEMA_LOCK_WAIT = 60
 ER_DUP_ENTRY = 1062
 ER_ACCESS_DENIED = (1227, 1142)
 
-_SCHEMES = ("mysql", "mysql+pymysql", "mysql+aiomysql", "mariadb", "mariadb+pymysql",
-            "mariadb+aiomysql")
+_SCHEMES = (
+    "mysql",
+    "mysql+pymysql",
+    "mysql+aiomysql",
+    "mariadb",
+    "mariadb+pymysql",
+    "mariadb+aiomysql",
+)
 
 
 def _aiomysql() -> Any:
@@ -104,7 +110,9 @@ def mysql_connect_args(url: str) -> dict[str, Any]:
         elif name == "connect_timeout":
             args["connect_timeout"] = float(value)
         else:
-            raise ConfigError(f"unknown option {name!r} in the MySQL URL; known: unix_socket, connect_timeout")
+            raise ConfigError(
+                f"unknown option {name!r} in the MySQL URL; known: unix_socket, connect_timeout"
+            )
     return args
 
 
@@ -116,7 +124,9 @@ def expand_lists(sql: str, params: Mapping[str, Any]) -> tuple[str, dict[str, An
         if isinstance(value, list | tuple):
             if not value:
                 raise ValueError(f"list parameter {name!r} is empty")
-            sql = sql.replace(f"%({name})s", ", ".join(f"%({name}_{i})s" for i in range(len(value))))
+            sql = sql.replace(
+                f"%({name})s", ", ".join(f"%({name}_{i})s" for i in range(len(value)))
+            )
             flat.update({f"{name}_{i}": item for i, item in enumerate(value)})
         else:
             flat[name] = value
@@ -133,8 +143,9 @@ def _headers(text: str | bytes) -> dict[str, str]:
     return {} if text == "{}" else dict(json.loads(text))
 
 
-def without_overtaking(claimed: Sequence[Mapping[str, Any]],
-                       earlier: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+def without_overtaking(
+    claimed: Sequence[Mapping[str, Any]], earlier: Sequence[Mapping[str, Any]]
+) -> list[Mapping[str, Any]]:
     """The claimed rows (in seq order) that no unfinished row of their key outside the batch
     precedes (see queries.sql: claim_earlier); the others stay unclaimed, their locks end
     with the transaction."""
@@ -144,16 +155,20 @@ def without_overtaking(claimed: Sequence[Mapping[str, Any]],
         if row["seq"] not in taken:
             key = row["key"]
             first_outside[key] = min(row["seq"], first_outside.get(key, row["seq"]))
-    return [row for row in claimed
-            if row["key"] not in first_outside or row["seq"] < first_outside[row["key"]]]
+    return [
+        row
+        for row in claimed
+        if row["key"] not in first_outside or row["seq"] < first_outside[row["key"]]
+    ]
 
 
 class MySQLStore(Store):
     dialect = "mysql"
     migrations_table_sql = _MIGRATIONS_TABLE
 
-    def __init__(self, url: str, *, schema: str = "outboxer", table: str = "outbox",
-                 pool_size: int = 10) -> None:
+    def __init__(
+        self, url: str, *, schema: str = "outboxer", table: str = "outbox", pool_size: int = 10
+    ) -> None:
         super().__init__(url, schema=schema, table=table)
         self.connect_args = mysql_connect_args(url)
         self.pool_size = pool_size
@@ -167,8 +182,10 @@ class MySQLStore(Store):
         self._probe_lock = asyncio.Lock()
         self._probed_at = 0.0
         tokens = self.tokens()
-        self._sql = {name: to_pyformat(strip_comments(render(sql, tokens)))
-                     for name, sql in queries("mysql").items()}
+        self._sql = {
+            name: to_pyformat(strip_comments(render(sql, tokens)))
+            for name, sql in queries("mysql").items()
+        }
 
     def tokens(self) -> dict[str, str]:
         # No schemas: the tables live in the URL's database (see the module docstring).
@@ -196,9 +213,14 @@ class MySQLStore(Store):
         args["db"] = args.pop("database")
         try:
             self._pool = await aiomysql.create_pool(
-                minsize=1, maxsize=self.pool_size, autocommit=False, init_command=_SESSION_SETUP,
+                minsize=1,
+                maxsize=self.pool_size,
+                autocommit=False,
+                init_command=_SESSION_SETUP,
                 # rowcount = rows matched, as PostgreSQL counts them (not only rows changed).
-                client_flag=CLIENT.FOUND_ROWS, **args)
+                client_flag=CLIENT.FOUND_ROWS,
+                **args,
+            )
         except (OSError, aiomysql.Error) as exc:
             raise StoreError(f"cannot connect to MySQL: {exc}") from exc
 
@@ -232,7 +254,9 @@ class MySQLStore(Store):
         except (aiomysql.Error, OSError) as exc:
             raise StoreError(f"MySQL: {exc}") from exc
 
-    async def _execute(self, cursor: Any, name: str, params: Mapping[str, Any] | None = None) -> int:
+    async def _execute(
+        self, cursor: Any, name: str, params: Mapping[str, Any] | None = None
+    ) -> int:
         """Run the named query; return the rows it matched (``FOUND_ROWS``)."""
         sql, args = expand_lists(self._sql[name], params or {})
         return int(await cursor.execute(sql, args))  # a dict, even empty: %% becomes %
@@ -245,9 +269,13 @@ class MySQLStore(Store):
         lock_name = f"outboxer:schema:{self.connect_args['database']}.{self.table}"[:64]
         async with self._transaction() as cursor:
             # One schema change at a time, whoever runs it (GET_LOCK is the session's).
-            await cursor.execute("SELECT GET_LOCK(%s, %s) AS granted", (lock_name, _SCHEMA_LOCK_WAIT))
+            await cursor.execute(
+                "SELECT GET_LOCK(%s, %s) AS granted", (lock_name, _SCHEMA_LOCK_WAIT)
+            )
             if (await cursor.fetchone())["granted"] != 1:
-                raise StoreError(f"another process has been applying the schema for {_SCHEMA_LOCK_WAIT}s")
+                raise StoreError(
+                    f"another process has been applying the schema for {_SCHEMA_LOCK_WAIT}s"
+                )
             # No "already exists" notes for IF NOT EXISTS (aiomysql turns notes into warnings).
             await cursor.execute("SET SESSION sql_notes = 0")
             try:
@@ -263,7 +291,8 @@ class MySQLStore(Store):
                         await cursor.execute(statement)
                     await cursor.execute(
                         f"INSERT INTO {tokens['migrations']} (version, name) VALUES (%s, %s)",
-                        (migration.version, migration.name))
+                        (migration.version, migration.name),
+                    )
                     await cursor.connection.commit()
                     applied.append(migration.name)
             finally:
@@ -276,7 +305,9 @@ class MySQLStore(Store):
         async with self._transaction() as cursor:
             await cursor.execute(
                 "SELECT COUNT(*) AS found FROM information_schema.TABLES "
-                "WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s", (name,))
+                "WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s",
+                (name,),
+            )
             if not (await cursor.fetchone())["found"]:
                 return set()
             await cursor.execute(f"SELECT version FROM {quote_mysql(name)}")
@@ -290,29 +321,53 @@ class MySQLStore(Store):
         if not await self._execute(cursor, name, {"destination": destination}):
             await self._execute(cursor, "add_destination", {"destination": destination})
 
-    async def claim(self, destination: str, relay_id: str, limit: int, lock_seconds: float,
-                    abandoned_blocks: bool) -> list[Message]:
+    async def claim(
+        self,
+        destination: str,
+        relay_id: str,
+        limit: int,
+        lock_seconds: float,
+        abandoned_blocks: bool,
+    ) -> list[Message]:
         async with self._transaction() as cursor:
             await self._lock_destination(cursor, destination, exclusive=True)
-            await self._execute(cursor, "claim", {
-                "destination": destination, "limit": limit, "abandoned_blocks": abandoned_blocks})
+            await self._execute(
+                cursor,
+                "claim",
+                {"destination": destination, "limit": limit, "abandoned_blocks": abandoned_blocks},
+            )
             rows = await cursor.fetchall()
             if any(row["key"] is not None for row in rows):
-                await self._execute(cursor, "claim_earlier", {
-                    "destination": destination, "last_seq": max(row["seq"] for row in rows)})
+                await self._execute(
+                    cursor,
+                    "claim_earlier",
+                    {"destination": destination, "last_seq": max(row["seq"] for row in rows)},
+                )
                 rows = without_overtaking(rows, await cursor.fetchall())
             if not rows:
                 return []
-            updated = await self._execute(cursor, "claim_update", {
-                "seqs": [row["seq"] for row in rows], "destination": destination,
-                "relay_id": relay_id, "lock_seconds": float(lock_seconds)})
+            updated = await self._execute(
+                cursor,
+                "claim_update",
+                {
+                    "seqs": [row["seq"] for row in rows],
+                    "destination": destination,
+                    "relay_id": relay_id,
+                    "lock_seconds": float(lock_seconds),
+                },
+            )
             if updated != len(rows):  # cannot happen under the locks; never hand out a row we lack
                 raise StoreError(f"claim locked {len(rows)} rows but updated {updated}")
         return [
             Message(
-                id=uuid.UUID(row["id"]), topic=row["topic"], payload=bytes(row["payload"]),
-                key=row["key"], headers=_headers(row["headers"]), content_type=row["content_type"],
-                destination=row["destination"], created_at=_utc(row["created_at"]),
+                id=uuid.UUID(row["id"]),
+                topic=row["topic"],
+                payload=bytes(row["payload"]),
+                key=row["key"],
+                headers=_headers(row["headers"]),
+                content_type=row["content_type"],
+                destination=row["destination"],
+                created_at=_utc(row["created_at"]),
                 # As claim_update counted it: taking over an expired lock counts the attempt.
                 attempts=row["attempts"] + (1 if row["status"] == "PROCESSING" else 0),
                 seq=row["seq"],
@@ -320,23 +375,42 @@ class MySQLStore(Store):
             for row in rows
         ]
 
-    async def settle(self, destination: str, relay_id: str, published: Sequence[int],
-                     failed: Sequence[Failure], released: Sequence[int],
-                     max_attempts: int) -> SettleResult:
+    async def settle(
+        self,
+        destination: str,
+        relay_id: str,
+        published: Sequence[int],
+        failed: Sequence[Failure],
+        released: Sequence[int],
+        max_attempts: int,
+    ) -> SettleResult:
         result = SettleResult()
         owner = {"destination": destination, "relay_id": relay_id}
         async with self._transaction() as cursor:
             await self._lock_destination(cursor, destination, exclusive=False)
             if published:
                 result.published = await self._execute(
-                    cursor, "settle_published", {**owner, "seqs": list(published)})
+                    cursor, "settle_published", {**owner, "seqs": list(published)}
+                )
             if failed:
-                result.failed = await cursor.executemany(self._sql["settle_failed"], [
-                    {**owner, "seq": f.seq, "error": f.error, "delay": float(f.delay),
-                     "permanent": f.permanent, "max_attempts": max_attempts} for f in failed])
+                result.failed = await cursor.executemany(
+                    self._sql["settle_failed"],
+                    [
+                        {
+                            **owner,
+                            "seq": f.seq,
+                            "error": f.error,
+                            "delay": float(f.delay),
+                            "permanent": f.permanent,
+                            "max_attempts": max_attempts,
+                        }
+                        for f in failed
+                    ],
+                )
             if released:
                 result.released = await self._execute(
-                    cursor, "release", {**owner, "seqs": list(released)})
+                    cursor, "release", {**owner, "seqs": list(released)}
+                )
         expected = len(published) + len(failed) + len(released)
         result.lost = expected - result.published - result.failed - result.released
         return result
@@ -346,8 +420,9 @@ class MySQLStore(Store):
         if status == "PUBLISHED":
             await self._forget_keys(limit)
         async with self._transaction() as cursor:
-            return await self._execute(cursor, "cleanup", {
-                "status": status, "retention": float(retention), "limit": limit})
+            return await self._execute(
+                cursor, "cleanup", {"status": status, "retention": float(retention), "limit": limit}
+            )
 
     async def _forget_keys(self, limit: int, max_batches: int = 100) -> int:
         """Delete the key-lock rows no transaction holds, ``limit`` a transaction."""
@@ -364,8 +439,9 @@ class MySQLStore(Store):
 
     async def cleanup_inbox(self, retention: float, limit: int) -> int:
         async with self._transaction() as cursor:
-            return await self._execute(cursor, "inbox_cleanup", {
-                "retention": float(retention), "limit": limit})
+            return await self._execute(
+                cursor, "inbox_cleanup", {"retention": float(retention), "limit": limit}
+            )
 
     # ----- operations ----------------------------------------------------------------------
 
@@ -404,8 +480,9 @@ class MySQLStore(Store):
                 row[column] = _utc(row[column])
         return [dict(row) for row in rows]
 
-    async def requeue(self, destinations: Sequence[str], statuses: Sequence[str],
-                      ids: Sequence[str] | None) -> int:
+    async def requeue(
+        self, destinations: Sequence[str], statuses: Sequence[str], ids: Sequence[str] | None
+    ) -> int:
         if not destinations or not statuses or (ids is not None and not ids):
             return 0
         # IN needs a non-empty list even when :all_ids makes it irrelevant.
@@ -413,9 +490,16 @@ class MySQLStore(Store):
         async with self._transaction() as cursor:
             for destination in destinations:
                 await self._lock_destination(cursor, destination, exclusive=False)
-            return await self._execute(cursor, "requeue", {
-                "destinations": list(destinations), "statuses": list(statuses),
-                "all_ids": ids is None, "ids": wanted})
+            return await self._execute(
+                cursor,
+                "requeue",
+                {
+                    "destinations": list(destinations),
+                    "statuses": list(statuses),
+                    "all_ids": ids is None,
+                    "ids": wanted,
+                },
+            )
 
     # ----- wake-ups ------------------------------------------------------------------------
 
@@ -427,7 +511,10 @@ class MySQLStore(Store):
     async def _probe(self) -> tuple[int, int]:
         """The current pending_mark; the relay's waiting loops share one reading per interval."""
         async with self._probe_lock:
-            if self._reading is None or time.monotonic() - self._probed_at >= WAKE_PROBE_INTERVAL / 2:
+            if (
+                self._reading is None
+                or time.monotonic() - self._probed_at >= WAKE_PROBE_INTERVAL / 2
+            ):
                 async with self._transaction() as cursor:
                     await self._execute(cursor, "pending_mark")
                     row = await cursor.fetchone()

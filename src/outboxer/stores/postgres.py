@@ -71,7 +71,7 @@ def asyncpg_dsn(url: str) -> str:
     """asyncpg accepts postgresql:// and postgres:// only."""
     for prefix in ("postgresql+asyncpg://", "postgresql+psycopg://", "postgresql+psycopg2://"):
         if url.startswith(prefix):
-            return "postgresql://" + url[len(prefix):]
+            return "postgresql://" + url[len(prefix) :]
     return url
 
 
@@ -80,8 +80,9 @@ class PostgresStore(Store):
     gathers_batches = True  # busy, wait_for_wakeup polls every _CHASE_POLL seconds
     migrations_table_sql = _MIGRATIONS_TABLE
 
-    def __init__(self, url: str, *, schema: str = "outboxer", table: str = "outbox",
-                 pool_size: int = 10) -> None:
+    def __init__(
+        self, url: str, *, schema: str = "outboxer", table: str = "outbox", pool_size: int = 10
+    ) -> None:
         super().__init__(url, schema=schema, table=table)
         self.pool_size = pool_size
         self._pool: Any = None
@@ -112,7 +113,9 @@ class PostgresStore(Store):
         asyncpg = _asyncpg()
         try:
             self._pool = await asyncpg.create_pool(
-                asyncpg_dsn(self.url), min_size=1, max_size=self.pool_size,
+                asyncpg_dsn(self.url),
+                min_size=1,
+                max_size=self.pool_size,
                 connection_class=_connection_class(),
                 command_timeout=60,
                 # The relay's own commits (claim, settle, cleanup) need not wait for the WAL
@@ -153,14 +156,18 @@ class PostgresStore(Store):
             # One schema change at a time, whoever runs it.
             await conn.execute("SELECT pg_advisory_xact_lock($1)", self.lock_key("schema"))
             await conn.execute(render(_MIGRATIONS_TABLE, tokens))
-            done = {row["version"] for row in await conn.fetch(f"SELECT version FROM {tokens['migrations']}")}
+            done = {
+                row["version"]
+                for row in await conn.fetch(f"SELECT version FROM {tokens['migrations']}")
+            }
             for migration in migrations("postgres"):
                 if migration.version in done:
                     continue
                 await conn.execute(render(migration.sql, tokens))
                 await conn.execute(
                     f"INSERT INTO {tokens['migrations']} (version, name) VALUES ($1, $2)",
-                    migration.version, migration.name,
+                    migration.version,
+                    migration.name,
                 )
                 applied.append(migration.name)
         return applied
@@ -175,13 +182,25 @@ class PostgresStore(Store):
 
     # ----- the relay's statements ----------------------------------------------------------
 
-    async def claim(self, destination: str, relay_id: str, limit: int, lock_seconds: float,
-                    abandoned_blocks: bool) -> list[Message]:
-        sql, args = self._args("claim", {
-            "destination": destination, "relay_id": relay_id, "limit": limit,
-            "lock_seconds": float(lock_seconds), "abandoned_blocks": abandoned_blocks,
-            "lock_key": self.lock_key(destination),
-        })
+    async def claim(
+        self,
+        destination: str,
+        relay_id: str,
+        limit: int,
+        lock_seconds: float,
+        abandoned_blocks: bool,
+    ) -> list[Message]:
+        sql, args = self._args(
+            "claim",
+            {
+                "destination": destination,
+                "relay_id": relay_id,
+                "limit": limit,
+                "lock_seconds": float(lock_seconds),
+                "abandoned_blocks": abandoned_blocks,
+                "lock_key": self.lock_key(destination),
+            },
+        )
         async with self._pool.acquire() as conn:
             rows = await conn.fetch(sql, *args)
         if rows:
@@ -191,34 +210,57 @@ class PostgresStore(Store):
         rows = sorted(rows, key=lambda row: row["seq"])
         return [
             Message(
-                id=row["id"], topic=row["topic"], payload=bytes(row["payload"]), key=row["key"],
-                headers=_headers(row["headers"]), content_type=row["content_type"],
-                destination=row["destination"], created_at=row["created_at"],
-                attempts=row["attempts"], seq=row["seq"],
+                id=row["id"],
+                topic=row["topic"],
+                payload=bytes(row["payload"]),
+                key=row["key"],
+                headers=_headers(row["headers"]),
+                content_type=row["content_type"],
+                destination=row["destination"],
+                created_at=row["created_at"],
+                attempts=row["attempts"],
+                seq=row["seq"],
             )
             for row in rows
         ]
 
-    async def settle(self, destination: str, relay_id: str, published: Sequence[int],
-                     failed: Sequence[Failure], released: Sequence[int],
-                     max_attempts: int) -> SettleResult:
-        sql, args = self._args("settle", {
-            "destination": destination, "relay_id": relay_id,
-            "lock_key": self.lock_key(destination), "max_attempts": max_attempts,
-            "published": list(published), "failed": [f.seq for f in failed],
-            "errors": [f.error for f in failed], "delays": [float(f.delay) for f in failed],
-            "permanent": [f.permanent for f in failed], "released": list(released),
-        })
+    async def settle(
+        self,
+        destination: str,
+        relay_id: str,
+        published: Sequence[int],
+        failed: Sequence[Failure],
+        released: Sequence[int],
+        max_attempts: int,
+    ) -> SettleResult:
+        sql, args = self._args(
+            "settle",
+            {
+                "destination": destination,
+                "relay_id": relay_id,
+                "lock_key": self.lock_key(destination),
+                "max_attempts": max_attempts,
+                "published": list(published),
+                "failed": [f.seq for f in failed],
+                "errors": [f.error for f in failed],
+                "delays": [float(f.delay) for f in failed],
+                "permanent": [f.permanent for f in failed],
+                "released": list(released),
+            },
+        )
         async with self._pool.acquire() as conn:
             row = await conn.fetchrow(sql, *args)
-        result = SettleResult(published=row["n_published"], failed=row["n_failed"],
-                              released=row["n_released"])
+        result = SettleResult(
+            published=row["n_published"], failed=row["n_failed"], released=row["n_released"]
+        )
         expected = len(published) + len(failed) + len(released)
         result.lost = expected - result.published - result.failed - result.released
         return result
 
     async def cleanup(self, status: str, retention: float, limit: int) -> int:
-        sql, args = self._args("cleanup", {"status": status, "retention": float(retention), "limit": limit})
+        sql, args = self._args(
+            "cleanup", {"status": status, "retention": float(retention), "limit": limit}
+        )
         async with self._pool.acquire() as conn:
             return _count(await conn.execute(sql, *args))
 
@@ -251,12 +293,17 @@ class PostgresStore(Store):
         async with self._pool.acquire() as conn:
             return [dict(row) for row in await conn.fetch(sql, *args)]
 
-    async def requeue(self, destinations: Sequence[str], statuses: Sequence[str],
-                      ids: Sequence[str] | None) -> int:
-        sql, args = self._args("requeue", {
-            "destinations": list(destinations), "statuses": list(statuses),
-            "ids": [uuid.UUID(i) for i in ids] if ids is not None else None,
-        })
+    async def requeue(
+        self, destinations: Sequence[str], statuses: Sequence[str], ids: Sequence[str] | None
+    ) -> int:
+        sql, args = self._args(
+            "requeue",
+            {
+                "destinations": list(destinations),
+                "statuses": list(statuses),
+                "ids": [uuid.UUID(i) for i in ids] if ids is not None else None,
+            },
+        )
         lock_sql, _ = self._sql["destination_lock"]
         async with self._pool.acquire() as conn, conn.transaction():
             await _durably(conn)
@@ -290,7 +337,8 @@ class PostgresStore(Store):
             return
         asyncpg = _asyncpg()
         self._listener = await asyncpg.connect(
-            asyncpg_dsn(self.url), server_settings={"application_name": "outboxer-relay-listen"})
+            asyncpg_dsn(self.url), server_settings={"application_name": "outboxer-relay-listen"}
+        )
         await self._listener.add_listener(self.channel, self._on_notify)
         # Anything committed before LISTEN took effect was not announced: look once.
         self._nudge_every_destination()
@@ -326,8 +374,10 @@ class PostgresStore(Store):
                 await self._ensure_listener()
                 registered_before = time.monotonic() < self._registered_until
                 if time.monotonic() > self._registered_until - timeout:  # renew before it lapses
-                    sql, args = self._args("register_listener", {
-                        "relay": self._listener_name, "seconds": timeout + _REGISTRATION_MARGIN})
+                    sql, args = self._args(
+                        "register_listener",
+                        {"relay": self._listener_name, "seconds": timeout + _REGISTRATION_MARGIN},
+                    )
                     await self._listener.execute(sql, *args)
                     self._registered_until = time.monotonic() + timeout + _REGISTRATION_MARGIN / 2
             if not registered_before:
@@ -377,8 +427,11 @@ class PostgresStore(Store):
         try:
             async with self._listener_lock:
                 listener = self._listener
-                if (listener is None or listener.is_closed()
-                        or time.monotonic() < self._registered_until):  # registered again since
+                if (
+                    listener is None
+                    or listener.is_closed()
+                    or time.monotonic() < self._registered_until
+                ):  # registered again since
                     return
                 sql, args = self._args("unregister_listener", {"relay": self._listener_name})
                 await listener.execute(sql, *args)
@@ -399,4 +452,3 @@ def _headers(text: str) -> dict[str, str]:
 def _count(command_tag: str) -> int:
     """Rows affected, from a command tag like ``UPDATE 12`` or ``DELETE 3``."""
     return int(command_tag.rsplit(" ", 1)[-1])
-

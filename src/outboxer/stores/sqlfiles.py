@@ -19,7 +19,11 @@ _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 @functools.cache
 def queries(dialect: str) -> dict[str, str]:
     """All named blocks of ``sql/<dialect>/queries.sql``."""
-    text = resources.files("outboxer.stores").joinpath("sql", dialect, "queries.sql").read_text("utf-8")
+    text = (
+        resources.files("outboxer.stores")
+        .joinpath("sql", dialect, "queries.sql")
+        .read_text("utf-8")
+    )
     parts = _BLOCK.split(text)
     return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}
 
@@ -38,7 +42,9 @@ def migrations(dialect: str) -> tuple[Migration, ...]:
     for entry in folder.iterdir():
         if entry.name.endswith(".sql"):
             version = int(entry.name.split("_", 1)[0])
-            found.append(Migration(version, entry.name.removesuffix(".sql"), entry.read_text("utf-8")))
+            found.append(
+                Migration(version, entry.name.removesuffix(".sql"), entry.read_text("utf-8"))
+            )
     return tuple(sorted(found, key=lambda m: m.version))
 
 
@@ -70,7 +76,9 @@ def strip_comments(sql: str) -> str:
     PyMySQL and aiomysql turn ``executemany`` of an INSERT into one multi-row statement
     only when the statement starts with INSERT.
     """
-    return "\n".join(line for line in sql.splitlines() if not line.lstrip().startswith("--")).strip()
+    return "\n".join(
+        line for line in sql.splitlines() if not line.lstrip().startswith("--")
+    ).strip()
 
 
 def statements(script: str) -> list[str]:

@@ -38,7 +38,7 @@ def sqlite_path(url: str) -> str:
     """``sqlite:///relative.db`` or ``sqlite:////absolute.db`` (SQLAlchemy's convention)."""
     for prefix in ("sqlite+aiosqlite:///", "sqlite+pysqlite:///", "sqlite:///"):
         if url.startswith(prefix):
-            path = url[len(prefix):].split("?", 1)[0]
+            path = url[len(prefix) :].split("?", 1)[0]
             if not path:
                 raise ConfigError(f"sqlite URL needs a file path: {url!r}")
             return path
@@ -130,8 +130,10 @@ class SqliteStore(Store):
                     continue
                 for statement in statements(render(migration.sql, tokens)):
                     conn.execute(statement)
-                conn.execute(f"INSERT INTO {tokens['migrations']} (version, name) VALUES (?, ?)",
-                             (migration.version, migration.name))
+                conn.execute(
+                    f"INSERT INTO {tokens['migrations']} (version, name) VALUES (?, ?)",
+                    (migration.version, migration.name),
+                )
                 applied.append(migration.name)
             conn.execute("COMMIT")
             return applied
@@ -151,11 +153,22 @@ class SqliteStore(Store):
 
     # ----- the relay's statements ----------------------------------------------------------
 
-    async def claim(self, destination: str, relay_id: str, limit: int, lock_seconds: float,
-                    abandoned_blocks: bool) -> list[Message]:
-        params = {"destination": destination, "relay_id": relay_id, "limit": limit,
-                  "lock_seconds": lock_seconds, "abandoned_blocks": abandoned_blocks,
-                  "now": time.time()}
+    async def claim(
+        self,
+        destination: str,
+        relay_id: str,
+        limit: int,
+        lock_seconds: float,
+        abandoned_blocks: bool,
+    ) -> list[Message]:
+        params = {
+            "destination": destination,
+            "relay_id": relay_id,
+            "limit": limit,
+            "lock_seconds": lock_seconds,
+            "abandoned_blocks": abandoned_blocks,
+            "now": time.time(),
+        }
 
         def work(conn: sqlite3.Connection) -> list[Any]:
             conn.execute("BEGIN IMMEDIATE")
@@ -165,36 +178,71 @@ class SqliteStore(Store):
 
         rows = sorted(await self._run(work), key=lambda row: row[0])
         return [
-            Message(id=uuid.UUID(row[1]), destination=row[2], topic=row[3], key=row[4],
-                    payload=bytes(row[5]), content_type=row[6], headers=json.loads(row[7]),
-                    attempts=row[8], created_at=_timestamp(row[9]), seq=row[0])
+            Message(
+                id=uuid.UUID(row[1]),
+                destination=row[2],
+                topic=row[3],
+                key=row[4],
+                payload=bytes(row[5]),
+                content_type=row[6],
+                headers=json.loads(row[7]),
+                attempts=row[8],
+                created_at=_timestamp(row[9]),
+                seq=row[0],
+            )
             for row in rows
         ]
 
-    async def settle(self, destination: str, relay_id: str, published: Sequence[int],
-                     failed: Sequence[Failure], released: Sequence[int],
-                     max_attempts: int) -> SettleResult:
+    async def settle(
+        self,
+        destination: str,
+        relay_id: str,
+        published: Sequence[int],
+        failed: Sequence[Failure],
+        released: Sequence[int],
+        max_attempts: int,
+    ) -> SettleResult:
         now = time.time()
 
         def work(conn: sqlite3.Connection) -> SettleResult:
             result = SettleResult()
             conn.execute("BEGIN IMMEDIATE")
-            cursor = conn.executemany(self._sql["settle_published"], [
-                {"seq": seq, "relay_id": relay_id, "now": now} for seq in published])
+            cursor = conn.executemany(
+                self._sql["settle_published"],
+                [{"seq": seq, "relay_id": relay_id, "now": now} for seq in published],
+            )
             result.published = max(cursor.rowcount, 0)
-            cursor = conn.executemany(self._sql["settle_failed"], [
-                {"seq": f.seq, "error": f.error, "delay": f.delay, "permanent": f.permanent,
-                 "max_attempts": max_attempts, "relay_id": relay_id, "now": now} for f in failed])
+            cursor = conn.executemany(
+                self._sql["settle_failed"],
+                [
+                    {
+                        "seq": f.seq,
+                        "error": f.error,
+                        "delay": f.delay,
+                        "permanent": f.permanent,
+                        "max_attempts": max_attempts,
+                        "relay_id": relay_id,
+                        "now": now,
+                    }
+                    for f in failed
+                ],
+            )
             result.failed = max(cursor.rowcount, 0)
-            cursor = conn.executemany(self._sql["release"], [
-                {"seq": seq, "relay_id": relay_id, "now": now} for seq in released])
+            cursor = conn.executemany(
+                self._sql["release"],
+                [{"seq": seq, "relay_id": relay_id, "now": now} for seq in released],
+            )
             result.released = max(cursor.rowcount, 0)
             conn.execute("COMMIT")
             return result
 
         result = await self._run(work)
-        result.lost = len(published) + len(failed) + len(released) - (
-            result.published + result.failed + result.released)
+        result.lost = (
+            len(published)
+            + len(failed)
+            + len(released)
+            - (result.published + result.failed + result.released)
+        )
         return result
 
     async def cleanup(self, status: str, retention: float, limit: int) -> int:
@@ -203,13 +251,16 @@ class SqliteStore(Store):
 
     async def cleanup_inbox(self, retention: float, limit: int) -> int:
         params = {"retention": retention, "limit": limit, "now": time.time()}
-        return await self._run(lambda conn: conn.execute(self._sql["inbox_cleanup"], params).rowcount)
+        return await self._run(
+            lambda conn: conn.execute(self._sql["inbox_cleanup"], params).rowcount
+        )
 
     # ----- operations ----------------------------------------------------------------------
 
     async def status(self) -> list[DestinationStatus]:
-        rows = await self._run(lambda conn: conn.execute(
-            self._sql["counts"], {"now": time.time()}).fetchall())
+        rows = await self._run(
+            lambda conn: conn.execute(self._sql["counts"], {"now": time.time()}).fetchall()
+        )
         result: dict[str, DestinationStatus] = {}
         for destination, status, count, retried, oldest_age in rows:
             entry = result.setdefault(destination, DestinationStatus(destination))
@@ -224,16 +275,23 @@ class SqliteStore(Store):
 
     async def list_messages(self, statuses: Sequence[str], limit: int) -> list[dict[str, object]]:
         def work(conn: sqlite3.Connection) -> list[dict[str, object]]:
-            cursor = conn.execute(self._sql["list"], {"statuses": json.dumps(list(statuses)), "limit": limit})
+            cursor = conn.execute(
+                self._sql["list"], {"statuses": json.dumps(list(statuses)), "limit": limit}
+            )
             names = [d[0] for d in cursor.description]
             return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
 
         return await self._run(work)
 
-    async def requeue(self, destinations: Sequence[str], statuses: Sequence[str],
-                      ids: Sequence[str] | None) -> int:
-        params = {"destinations": json.dumps(list(destinations)), "statuses": json.dumps(list(statuses)),
-                  "ids": json.dumps(list(ids)) if ids is not None else None, "now": time.time()}
+    async def requeue(
+        self, destinations: Sequence[str], statuses: Sequence[str], ids: Sequence[str] | None
+    ) -> int:
+        params = {
+            "destinations": json.dumps(list(destinations)),
+            "statuses": json.dumps(list(statuses)),
+            "ids": json.dumps(list(ids)) if ids is not None else None,
+            "now": time.time(),
+        }
         return await self._run(lambda conn: conn.execute(self._sql["requeue"], params).rowcount)
 
     # ----- wake-ups ------------------------------------------------------------------------
@@ -246,7 +304,9 @@ class SqliteStore(Store):
         """
         deadline = time.monotonic() + timeout
         while True:
-            version = await self._run(lambda conn: conn.execute("PRAGMA data_version").fetchone()[0])
+            version = await self._run(
+                lambda conn: conn.execute("PRAGMA data_version").fetchone()[0]
+            )
             previous = self._data_versions.get(destination)
             self._data_versions[destination] = version
             if previous is not None and version != previous:
