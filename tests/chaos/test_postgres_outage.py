@@ -104,6 +104,7 @@ def test_postgres_crash_restart_and_killed_sessions_during_a_drain(
         rolled_back=verdict.rolled_back,
         duplicates=verdict.duplicates,
         recover_s=recover_s,
+        offered_msg_s=MESSAGES / WRITE_SECONDS,
         throughput_msg_s=verdict.messages / drained,
         seconds=drained,
         log_lines=verdict.log_lines,

@@ -67,6 +67,7 @@ def test_rabbitmq_restart_during_a_drain(
         duplicates=verdict.duplicates,
         broker_redeliveries=verdict.broker_redeliveries,
         recover_s=recover_s,
+        offered_msg_s=MESSAGES / WRITE_SECONDS,
         throughput_msg_s=verdict.messages / drained,
         seconds=drained,
         log_lines=verdict.log_lines,

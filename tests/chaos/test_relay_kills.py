@@ -79,6 +79,7 @@ def test_twenty_sigkills_of_two_to_four_relays(
         duplicates=verdict.duplicates,
         recover_s_median=statistics.median(recoveries) if recoveries else 0.0,
         recover_s_max=max(recoveries, default=0.0),
+        offered_msg_s=MESSAGES / WRITE_SECONDS,
         throughput_msg_s=verdict.messages / drained,
         seconds=drained,
         log_lines=verdict.log_lines,

@@ -81,8 +81,9 @@ def test_slow_broker_with_a_lease_shorter_than_a_batch_keeps_key_order(
             60,
             also=lambda: (
                 f"relays logged {fleet.log_count('taken over by another relay')} "
-                f"takeover(s) of their batches; first deliveries out of key order so far: "
-                f"{order_violations(workload, rabbit_sink.deliveries)[:8]}"
+                f"takeover(s) of their batches; deliveries of a message after a later one of "
+                f"its key so far: {going_back(workload, rabbit_sink.deliveries)[:8]}; first "
+                f"deliveries out of key order: {order_violations(workload, rabbit_sink.deliveries)[:8]}"
             ),
         )
         drained = time.monotonic() - started
