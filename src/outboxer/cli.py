@@ -12,10 +12,11 @@ from typing import Any
 
 from outboxer.config import Settings, load_settings
 from outboxer.errors import ConfigError, OutboxerError
+from outboxer.redact import RedactingFilter, get_logger, redact_text
 from outboxer.relay import Relay, cleanup
 from outboxer.stores import create_store
 
-logger = logging.getLogger("outboxer.cli")
+logger = get_logger("outboxer.cli")
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
@@ -354,6 +355,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # Drivers log too (aio-pika, asyncpg, httpx): their lines pass the same redaction.
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RedactingFilter())
     try:
         if args.command == "relay":
             return asyncio.run(_relay(args))
@@ -380,10 +384,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_demo(args.dir)
     except ConfigError as exc:
-        print(f"outboxer: configuration error: {exc}", file=sys.stderr)
+        print(f"outboxer: configuration error: {redact_text(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except OutboxerError as exc:
-        print(f"outboxer: {exc}", file=sys.stderr)
+        print(f"outboxer: {redact_text(str(exc))}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         return EXIT_OK

@@ -31,6 +31,14 @@ from typing import Any
 
 from outboxer.errors import ConfigError
 from outboxer.message import DEFAULT_DESTINATION
+from outboxer.redact import (
+    MASK,
+    is_secret_option,
+    redact_text,
+    redact_url,
+    register_secret,
+    register_url_secrets,
+)
 from outboxer.retry import Backoff
 
 ENV_PREFIX = "OUTBOXER_"
@@ -145,12 +153,26 @@ class DestinationSettings:
     routes: Mapping[str, str] = field(default_factory=dict)
     options: Mapping[str, Any] = field(default_factory=dict)
 
+    def __repr__(self) -> str:
+        options = {
+            name: MASK if is_secret_option(name) else value for name, value in self.options.items()
+        }
+        return (
+            f"DestinationSettings(name={self.name!r}, broker={redact_url(self.broker)!r}, "
+            f"envelope={self.envelope!r}, routes={dict(self.routes)!r}, options={options!r})"
+        )
+
     def __post_init__(self) -> None:
+        register_url_secrets(self.broker)
+        for name, value in self.options.items():
+            if is_secret_option(name) and isinstance(value, str):
+                register_secret(value)
         if self.envelope not in ("full", "stripped"):
             raise ConfigError(f"destination {self.name!r}: envelope must be 'full' or 'stripped'")
         if "://" not in self.broker:
             raise ConfigError(
-                f"destination {self.name!r}: broker must be a URL such as amqp://host/; got {self.broker!r}"
+                f"destination {self.name!r}: broker must be a URL such as amqp://host/; "
+                f"got {redact_url(self.broker)!r}"
             )
 
 
@@ -189,6 +211,22 @@ class Settings:
     http: str | None = None
     #: Bearer token the HTTP API's mutating endpoints require (kept out of reprs and logs).
     http_token: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        register_url_secrets(self.db)
+        register_secret(self.http_token)
+
+    def __repr__(self) -> str:
+        """Every field, with the database URL's and brokers' secrets masked and no token."""
+        shown = []
+        for item in dataclasses.fields(self):
+            if not item.repr:
+                continue
+            value = getattr(self, item.name)
+            if item.name == "db" and value is not None:
+                value = redact_url(value)
+            shown.append(f"{item.name}={value!r}")
+        return f"Settings({', '.join(shown)})"
 
     @property
     def backoff(self) -> Backoff:
@@ -244,7 +282,8 @@ _CHECKS: dict[str, Any] = {
 def _url(value: object, name: str) -> str:
     if not isinstance(value, str) or "://" not in value:
         raise ConfigError(
-            f"{name} must be a URL such as postgresql://host/db or sqlite:///file.db; got {value!r}"
+            f"{name} must be a URL such as postgresql://host/db or sqlite:///file.db; "
+            f"got {redact_text(repr(value))}"
         )
     return value
 

@@ -23,7 +23,6 @@ import dataclasses
 import hmac
 import http
 import json
-import logging
 import math
 import re
 import signal
@@ -37,10 +36,11 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from outboxer.config import Settings, is_loopback, parse_http_address
 from outboxer.errors import ConfigError, StoreError
 from outboxer.message import Status
+from outboxer.redact import get_logger, redact_text
 from outboxer.relay import Relay, RelayStats
 from outboxer.stores import DestinationStatus, Store, create_store
 
-logger = logging.getLogger("outboxer.http")
+logger = get_logger("outboxer.http")
 
 MAX_BODY_BYTES = 64 * 1024
 MAX_HEAD_BYTES = 16 * 1024
@@ -696,7 +696,8 @@ _DATABASE_DRIVERS = frozenset({"asyncpg", "aiomysql", "pymysql", "sqlite3"})
 
 
 def _describe(exc: BaseException) -> str:
-    return str(exc) or type(exc).__name__  # a timeout's text is empty
+    """An error as an API answer shows it: never empty (a timeout's text is), no secrets."""
+    return redact_text(str(exc) or type(exc).__name__)
 
 
 def _is_database_error(exc: BaseException) -> bool:

@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 
 from outboxer.brokers.base import Outcome, OutcomeKind, Publisher
 from outboxer.errors import ConfigError, MissingDependencyError
+from outboxer.redact import redact_url
 
 #: URL scheme -> (module, class, extra to install, import that must succeed).
 REGISTRY: dict[str, tuple[str, str, str | None, str | None]] = {
@@ -31,7 +32,9 @@ def publisher_class(url: str) -> type[Publisher]:
     scheme = urlsplit(url).scheme.lower()
     if scheme not in REGISTRY:
         known = ", ".join(sorted(REGISTRY))
-        raise ConfigError(f"unknown broker URL scheme {scheme!r} in {url!r}; known: {known}")
+        raise ConfigError(
+            f"unknown broker URL scheme {scheme!r} in {redact_url(url)!r}; known: {known}"
+        )
     module_name, class_name, extra, requirement = REGISTRY[scheme]
     if requirement is not None:
         try:

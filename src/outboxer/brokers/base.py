@@ -16,22 +16,19 @@ overtaken by its successor.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar
-from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from outboxer.errors import BrokerUnavailableError, ConfigError, PublishError
 from outboxer.message import Message
+from outboxer.redact import get_logger, redact_url, register_url_secrets
 
-logger = logging.getLogger("outboxer.publisher")
-
-#: Query options whose values never appear in logs or errors.
-SECRET_WORDS = ("password", "secret", "token")
+logger = get_logger("outboxer.publisher")
 
 
 class OutcomeKind(StrEnum):
@@ -123,6 +120,7 @@ class Publisher(ABC):
         if publish_timeout <= 0:
             raise ConfigError("publish_timeout must be positive")
         self.url = url
+        register_url_secrets(url)  # masked in every outboxer log line from now on
         #: Outbox topic -> broker destination (exchange routing key, stream, subject…).
         self.routes: dict[str, str] = dict(routes or {})
         self.publish_timeout = publish_timeout
@@ -205,20 +203,8 @@ class Publisher(ABC):
 
     @property
     def safe_url(self) -> str:
-        """The URL without its password, nor query values named like secrets, for logs."""
-        parts = urlsplit(self.url)
-        userinfo, _, hosts = parts.netloc.rpartition("@")
-        if userinfo:
-            user, has_password, _ = userinfo.partition(":")
-            hosts = f"{user}:***@{hosts}" if has_password else f"{user}@{hosts}"
-        query = "&".join(
-            f"{pair.partition('=')[0]}=***"
-            if any(word in unquote(pair.partition("=")[0]).lower() for word in SECRET_WORDS)
-            else pair
-            for pair in parts.query.split("&")
-            if pair
-        )
-        return urlunsplit(parts._replace(netloc=hosts, query=query))
+        """The URL without its password, token or secret query values, for logs and errors."""
+        return redact_url(self.url)
 
     async def publish_batch(self, messages: Sequence[Message]) -> list[Outcome]:
         """Publish a batch; one Outcome per message, in the same order.

@@ -17,6 +17,7 @@ from typing import IO
 from outboxer.brokers.base import Publisher, parse_options
 from outboxer.errors import ConfigError
 from outboxer.message import Message
+from outboxer.redact import redact_url
 
 
 def _line(message: Message, destination: str) -> str:
@@ -34,7 +35,9 @@ class FilePublisher(Publisher):
         super().__init__(url, routes=routes, publish_timeout=publish_timeout)
         parts, options = parse_options(url)
         if not parts.path:
-            raise ConfigError(f"file broker URL needs a path: {url!r} (file:///tmp/events.jsonl)")
+            raise ConfigError(
+                f"file broker URL needs a path: {redact_url(url)!r} (file:///tmp/events.jsonl)"
+            )
         self.path = Path(parts.path)
         self.fsync = options.get("fsync", "true").lower() not in ("0", "false", "no")
         self._file: IO[str] | None = None

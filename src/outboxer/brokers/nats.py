@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import logging
 import ssl
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -36,8 +35,9 @@ from nats.js.api import Header, PubAck
 from outboxer.brokers.base import Publisher, option_bool, parse_options
 from outboxer.errors import ConfigError, PublishError
 from outboxer.message import Message
+from outboxer.redact import get_logger, redact_url
 
-logger = logging.getLogger("outboxer.publisher.nats")
+logger = get_logger("outboxer.publisher.nats")
 
 MSG_ID_HEADER = "Nats-Msg-Id"
 #: The stream's duplicate window when outboxer creates the stream (NATS's own default).
@@ -93,7 +93,7 @@ class NatsPublisher(Publisher):
         super().__init__(url, routes=routes, publish_timeout=publish_timeout)
         parts, options = parse_options(url)
         if not parts.hostname:
-            raise ConfigError(f"NATS URL needs a host: {url!r} (nats://127.0.0.1:4222)")
+            raise ConfigError(f"NATS URL needs a host: {redact_url(url)!r} (nats://127.0.0.1:4222)")
         self.subject_prefix = (
             subject_prefix if subject_prefix is not None else options.get("subject_prefix", "")
         )

@@ -27,6 +27,7 @@ from outboxer.brokers.base import Publisher, parse_options
 from outboxer.config import float_option, int_option
 from outboxer.errors import BrokerUnavailableError, ConfigError, PublishError
 from outboxer.message import Message
+from outboxer.redact import redact_url
 from outboxer.webhook_signature import HEADER_ID, HEADER_SIGNATURE, HEADER_TIMESTAMP, sign
 
 HEADER_TOPIC = "Outboxer-Topic"
@@ -208,7 +209,9 @@ class WebhookPublisher(Publisher):
         super().__init__(url, routes=routes, publish_timeout=publish_timeout)
         parts, options = parse_options(url)
         if parts.scheme.lower() not in self.schemes or not parts.hostname:
-            raise ConfigError(f"webhook URL must be http(s)://host[:port]/path, not {url!r}")
+            raise ConfigError(
+                f"webhook URL must be http(s)://host[:port]/path, not {redact_url(url)!r}"
+            )
         #: The URL every unrouted message is posted to (outboxer's options removed).
         self.endpoint: str = urlunsplit(
             parts._replace(query=_strip_options(parts.query), fragment="")

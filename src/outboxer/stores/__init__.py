@@ -7,6 +7,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from outboxer.errors import ConfigError
+from outboxer.redact import redact_url
 from outboxer.stores.base import DestinationStatus, Failure, SettleResult, Store
 
 #: URL scheme -> (module, class).
@@ -30,7 +31,7 @@ def create_store(url: str, **options: Any) -> Store:
     scheme = urlsplit(url).scheme.lower()
     if scheme not in REGISTRY:
         raise ConfigError(
-            f"unknown database URL scheme {scheme!r} in {url!r}; known: {', '.join(sorted(REGISTRY))}"
+            f"unknown database URL scheme {scheme!r} in {redact_url(url)!r}; known: {', '.join(sorted(REGISTRY))}"
         )
     module_name, class_name = REGISTRY[scheme]
     cls: type[Store] = getattr(importlib.import_module(module_name), class_name)
