@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import pathlib
 import re
 import sys
+import time
 import types
+import uuid
 
 from tests.contrib.helpers import claim_all, sqlalchemy_url
+from tests.services import require
 
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
@@ -46,3 +50,55 @@ def test_sqlalchemy_example(pg_url: str) -> None:
     assert (message.topic, message.key) == ("order.placed", "customer-7")
     assert json.loads(message.payload) == {"id": 1}
     engine.dispose()  # type: ignore[attr-defined]
+
+
+async def test_faststream_example(pg_url: str) -> None:
+    import aio_pika
+    import psycopg
+
+    import outboxer
+    from tests.rabbit import AMQP_URL
+
+    require("rabbitmq")
+    name = f"test-{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(pg_url) as conn:
+        conn.execute("CREATE TABLE shipments (order_id int NOT NULL)")
+        message = outboxer.enqueue(conn, "order.placed", {"id": 42}, key="order-42")
+    module = run_example(
+        "faststream",
+        {
+            "postgresql+asyncpg://localhost/shipping": sqlalchemy_url(pg_url, asynchronous=True),
+            'RabbitExchange("outboxer"': f'RabbitExchange("{name}"',
+            'RabbitQueue("shipping"': f'RabbitQueue("{name}"',
+            "amqp://guest:guest@localhost:5672/": AMQP_URL,
+        },
+    )
+    broker, engine = module["broker"], module["engine"]
+    await broker.start()  # type: ignore[attr-defined]
+    try:
+        settings = outboxer.load_settings(
+            {"db": pg_url, "broker": f"{AMQP_URL}?exchange={name}", "exit_when_idle": True}
+        )
+        await outboxer.Relay.from_settings(settings).run()
+        deadline = time.monotonic() + 20
+        while shipped(pg_url) != [42] and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    finally:
+        await broker.stop()  # type: ignore[attr-defined]
+        await engine.dispose()  # type: ignore[attr-defined]
+        connection = await aio_pika.connect(AMQP_URL)
+        async with connection:
+            channel = await connection.channel()
+            await channel.queue_delete(name)
+            await channel.exchange_delete(name)
+    assert shipped(pg_url) == [42]
+    with psycopg.connect(pg_url) as conn:
+        inbox = conn.execute("SELECT consumer, message_id FROM outboxer.inbox").fetchall()
+    assert inbox == [("shipping", message.id)]
+
+
+def shipped(pg_url: str) -> list[int]:
+    import psycopg
+
+    with psycopg.connect(pg_url) as conn:
+        return [row[0] for row in conn.execute("SELECT order_id FROM shipments")]
