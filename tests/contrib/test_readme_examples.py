@@ -102,3 +102,8 @@ def shipped(pg_url: str) -> list[int]:
 
     with psycopg.connect(pg_url) as conn:
         return [row[0] for row in conn.execute("SELECT order_id FROM shipments")]
+
+
+def test_django_example_is_the_model_the_django_tests_run() -> None:
+    models = README.parent / "tests/contrib/django_project/shop/models.py"
+    assert readme_example("django-models") in models.read_text()
