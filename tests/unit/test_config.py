@@ -12,9 +12,14 @@ from outboxer import ConfigError, Relay, create_publisher, create_store, load_se
 from outboxer.cli import build_parser
 from outboxer.config import (
     Settings,
+    Text,
+    Whole,
+    add_flags,
     declarations,
+    declared_values,
     flags_from_args,
     parse_duration,
+    setting,
     settings_table,
 )
 from outboxer.options import parse_bool
@@ -391,3 +396,36 @@ def test_parse_bool(text: str | bool, value: bool) -> None:
 def test_parse_bool_refuses_anything_else(text: str) -> None:
     with pytest.raises(ConfigError, match="x must be true or false"):
         parse_bool(text, "x")
+
+
+# ----- another command's settings on the same mechanism ------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _ConsumeSettings:
+    group: str = setting("workers", kind=Text(50), help="consumer group", commands=("consume",))
+    prefetch: int = setting(
+        10, kind=Whole(1, 1000), help="unacked deliveries", commands=("consume",)
+    )
+
+
+def test_another_dataclass_declared_with_setting_gets_flags_variables_and_a_table() -> None:
+    parser = argparse.ArgumentParser()
+    add_flags(parser, _ConsumeSettings, "consume")
+    args = parser.parse_args(["--prefetch", "20"])
+    values = declared_values(
+        _ConsumeSettings,
+        flags_from_args(args, _ConsumeSettings),
+        {"OUTBOXER_GROUP": "from-env"},
+        {"prefetch": 5, "group": "from-file"},
+        "consume.toml",
+    )
+    assert _ConsumeSettings(**values) == _ConsumeSettings(group="from-env", prefetch=20)
+    assert "unacked deliveries (1 to 1000; default 10; env OUTBOXER_PREFETCH)" in " ".join(
+        parser.format_help().split()
+    )
+    assert "| `prefetch` | `--prefetch` | `OUTBOXER_PREFETCH` | 10 | 1 to 1000 | consume |" in (
+        settings_table(_ConsumeSettings)
+    )
+    with pytest.raises(ConfigError, match=r"consume\.toml: prefetch must be between 1 and 1000"):
+        declared_values(_ConsumeSettings, {}, {}, {"prefetch": 0}, "consume.toml")
