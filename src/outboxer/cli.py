@@ -74,7 +74,7 @@ def _add_command(
     )
     parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
     add_flags(parser, Settings, settings_of or name)
-    parser.set_defaults(run=run)
+    parser.set_defaults(func=run)
     return parser
 
 
@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--dir", default="outboxer-demo", help="where the demo writes its files")
     demo.add_argument("--log-level", default="WARNING", choices=LOG_LEVELS)
-    demo.set_defaults(run=_demo)
+    demo.set_defaults(func=_demo)
     return parser
 
 
@@ -387,17 +387,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Drivers log too (aio-pika, asyncpg, httpx): their lines pass the same redaction.
     for handler in logging.getLogger().handlers:
         handler.addFilter(RedactingFilter())
-    run: Command = args.run
+    run: Command = args.func
     try:
         return run(args)
-    except UsageError as exc:
+    except (UsageError, PayloadError) as exc:  # PayloadError: enqueue's check of --topic …
         _fail(f"outboxer {args.command}: {exc}")
         return EXIT_USAGE
     except ConfigError as exc:
         _fail(f"outboxer: configuration error: {exc}")
-        return EXIT_USAGE
-    except PayloadError as exc:  # enqueue's own check of --topic, --key, --header …
-        _fail(f"outboxer {args.command}: {exc}")
         return EXIT_USAGE
     except OutboxerError as exc:
         _fail(f"outboxer: {exc}")
