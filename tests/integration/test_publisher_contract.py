@@ -19,7 +19,7 @@ from outboxer.brokers import create_publisher
 from outboxer.brokers.base import Publisher
 from outboxer.brokers.memory import MemoryBroker, memory_broker
 from outboxer.errors import PublishError
-from outboxer.message import JSON, Message
+from outboxer.message import JSON, Message, uuid7
 from outboxer.testing import Consumer, PublisherContract, Received, make_message
 
 
@@ -131,6 +131,12 @@ def received(record: dict[str, object]) -> Received:
     )
 
 
+def misdescribed_message(topic: str) -> Message:
+    """Labelled JSON but not JSON: its line cannot be written as the format promises, and
+    never will be, while the batch's other messages can."""
+    return Message(id=uuid7(), topic=topic, payload=b"{not json", content_type=JSON)
+
+
 class TestFilePublisherContract(PublisherContract):
     @pytest.fixture(autouse=True)
     def _path(self, tmp_path: pathlib.Path) -> None:
@@ -150,16 +156,7 @@ class TestFilePublisherContract(PublisherContract):
         return FileConsumer(self.path, topic)
 
     def rejected_message(self, topic: str) -> Message:
-        # Labelled JSON but not JSON: its line cannot be written as the format promises, and
-        # it never will be, while the batch's other messages can.
-        message = make_message(topic, b"{not json")
-        return Message(
-            id=message.id,
-            topic=topic,
-            payload=message.payload,
-            key=message.key,
-            content_type=JSON,
-        )
+        return misdescribed_message(topic)
 
     async def restart_server(self) -> None:
         pytest.skip("a file has no server to restart: each write goes to the open file")
@@ -168,7 +165,7 @@ class TestFilePublisherContract(PublisherContract):
 async def test_stdout_fails_a_misdescribed_payload_alone(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    bad = TestFilePublisherContract().rejected_message("t")
+    bad = misdescribed_message("t")
     good = make_message("t", {"ok": True})
     async with create_publisher("stdout://") as publisher:
         outcomes = await publisher.publish_batch([bad, good])
