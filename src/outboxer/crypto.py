@@ -69,6 +69,9 @@ HEADER_KEY_ID = "outboxer-key-id"
 HEADER_SUBJECT = "outboxer-subject"
 HEADER_ENCRYPTED_CONTENT_TYPE = "outboxer-encrypted-content-type"
 HEADER_SEALED_HEADERS = "outboxer-sealed-headers"
+#: Added by a relay that forwards ciphertext: the destination the payload is bound to, which
+#: a consumer needs to decrypt (informative only: the relay itself decrypts with the row's).
+HEADER_DESTINATION = "outboxer-destination"
 #: Every header the encryption owns; all of them are bound into the associated data.
 ENCRYPTION_HEADERS = frozenset(
     {
@@ -615,6 +618,8 @@ def encrypt_message(
             f"message {message.id} already carries outboxer encryption headers; "
             "they are outboxer's own and cannot be given"
         )
+    if isinstance(seal_headers, str):  # one name, not its characters
+        seal_headers = {seal_headers}
     if seal_headers is True:
         sealed = dict(message.headers)
     elif seal_headers:
@@ -638,16 +643,17 @@ def decrypt(message: Message, keyring: KeyRing, *, destination: str | None = Non
     encryption headers removed. A message that is not encrypted comes back unchanged.
 
     ``destination`` is the outboxer destination the message was encrypted for; it defaults
-    to ``message.destination`` (consumers: pass the destination name your relay uses, or
-    read it from the ``outboxer-destination`` header the relay adds to ciphertext it
-    forwards). Raises the errors of :meth:`KeyRing.decrypt_payload`.
+    to the ``outboxer-destination`` header a relay adds to ciphertext it forwards, then to
+    ``message.destination``. Raises the errors of :meth:`KeyRing.decrypt_payload`.
     """
     if not is_encrypted(message):
         return message
-    target = destination if destination is not None else message.destination
+    target = destination or message.headers.get(HEADER_DESTINATION) or message.destination
     payload, sealed = keyring.decrypt_payload(message.payload, message.headers, message.id, target)
     headers = {
-        name: value for name, value in message.headers.items() if name not in ENCRYPTION_HEADERS
+        name: value
+        for name, value in message.headers.items()
+        if name not in ENCRYPTION_HEADERS and name != HEADER_DESTINATION
     }
     headers.update(sealed)
     content_type = message.headers.get(HEADER_ENCRYPTED_CONTENT_TYPE, BINARY)
@@ -682,6 +688,7 @@ __all__ = [
     "DEFAULT_CURRENT_KEY_ENV",
     "DEFAULT_KEYS_ENV",
     "ENCRYPTION_HEADERS",
+    "HEADER_DESTINATION",
     "HEADER_ENCRYPTED_CONTENT_TYPE",
     "HEADER_ENCRYPTION",
     "HEADER_KEY_ID",

@@ -16,6 +16,7 @@ import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from outboxer.crypto import (
+    HEADER_DESTINATION,
     HEADER_ENCRYPTED_CONTENT_TYPE,
     HEADER_ENCRYPTION,
     HEADER_KEY_ID,
@@ -153,6 +154,19 @@ def test_a_missing_key_id_is_a_key_not_found_error_naming_it() -> None:
         decrypt(stored, ring("k2"))
 
 
+def test_a_consumer_decrypts_with_the_destination_the_relay_names() -> None:
+    """A forwarded message arrives without the row's destination; the relay's header names it."""
+    keyring = ring("k1")
+    original = message(destination="partner")
+    stored = encrypt_message(original, keyring)
+    received = replace(stored, destination="default")
+    with pytest.raises(DecryptionError):
+        decrypt(received, keyring)
+    assert decrypt(received, keyring, destination="partner").payload == PLAINTEXT
+    forwarded = replace(received, headers={**received.headers, HEADER_DESTINATION: "partner"})
+    assert decrypt(forwarded, keyring) == replace(original, destination="default")
+
+
 def test_a_message_that_is_not_encrypted_comes_back_unchanged() -> None:
     plain = message()
     assert decrypt(plain, ring("k1")) is plain
@@ -273,8 +287,9 @@ def test_file_subject_keys_persist_agree_under_races_and_shred(tmp_path: Path) -
 
 def test_sealed_headers_travel_inside_the_ciphertext() -> None:
     keyring = ring("k1")
-    original = message(headers={"traceparent": "t-1", "x-email": "ada@example.org"})
-    stored = encrypt_message(original, keyring, seal_headers={"x-email"})
+    original = message(headers={"traceparent": "t-1", "x-email": "ada@example.org", "x": "1"})
+    stored = encrypt_message(original, keyring, seal_headers="x-email")  # one name, not "x"
+    assert stored.headers["x"] == "1"
     assert "x-email" not in stored.headers
     assert stored.headers["traceparent"] == "t-1"
     assert stored.headers[HEADER_SEALED_HEADERS] == "1"
