@@ -214,7 +214,9 @@ class Boolean(Kind[bool]):
     metavar: ClassVar[str] = "true|false"
 
     def parse(self, value: object, name: str) -> bool:
-        if not isinstance(value, str | bool):
+        if isinstance(value, bool):
+            return value
+        if not isinstance(value, str):
             raise ConfigError(f"{name} must be true or false; got {value!r}")
         return parse_bool(value, name)
 

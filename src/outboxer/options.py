@@ -1,21 +1,22 @@
-"""One parser for yes/no values, shared by settings and publisher options."""
+"""Option values written as text (URL queries, environment, files), parsed one way everywhere."""
 
 from __future__ import annotations
 
 from outboxer.errors import ConfigError
 
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
+#: The spellings of yes and no, compared without regard to case or surrounding space.
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
 
 
-def parse_bool(text: str | bool, name: str) -> bool:
-    """``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off`` (any case, spaces
-    around ignored); a bool passes through. Anything else is a ConfigError naming ``name``."""
-    if isinstance(text, bool):
-        return text
-    value = text.strip().lower()
-    if value in _TRUE:
+def parse_bool(text: str, name: str) -> bool:
+    """``text`` as a yes/no option called ``name``; ConfigError for any other word."""
+    word = text.strip().lower()
+    if word in TRUE_WORDS:
         return True
-    if value in _FALSE:
+    if word in FALSE_WORDS:
         return False
-    raise ConfigError(f"{name} must be true or false (yes/no, on/off, 1/0); got {text!r}")
+    raise ConfigError(f"{name} must be true or false (or 1/0, yes/no, on/off), not {text!r}")
+
+
+__all__ = ["FALSE_WORDS", "TRUE_WORDS", "parse_bool"]

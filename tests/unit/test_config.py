@@ -22,7 +22,6 @@ from outboxer.config import (
     setting,
     settings_table,
 )
-from outboxer.options import parse_bool
 
 
 def test_flags_beat_environment_beat_file(tmp_path: Path) -> None:
@@ -382,20 +381,22 @@ def test_a_sixteen_character_token_is_enough() -> None:
 
 
 @pytest.mark.parametrize(
-    ("text", "value"),
+    ("value", "expected"),
     [
         *[("1", True), (" TRUE ", True), ("Yes", True), ("on", True), (True, True)],
         *[("0", False), ("false", False), (" No", False), ("OFF", False), (False, False)],
     ],
 )
-def test_parse_bool(text: str | bool, value: bool) -> None:
-    assert parse_bool(text, "x") is value
+def test_yes_no_settings(value: str | bool, expected: bool) -> None:
+    assert load_settings({"abandoned_blocks_key": value}, environ={}).abandoned_blocks_key is (
+        expected
+    )
 
 
-@pytest.mark.parametrize("text", ["", "maybe", "2", "y", "t"])
-def test_parse_bool_refuses_anything_else(text: str) -> None:
-    with pytest.raises(ConfigError, match="x must be true or false"):
-        parse_bool(text, "x")
+@pytest.mark.parametrize("value", ["", "maybe", "2", "y", "t", 1])
+def test_yes_no_settings_refuse_anything_else(value: object) -> None:
+    with pytest.raises(ConfigError, match="--abandoned-blocks-key must be true or false"):
+        load_settings({"abandoned_blocks_key": value}, environ={})
 
 
 # ----- another command's settings on the same mechanism ------------------------------------
