@@ -8,8 +8,12 @@ the commands that take it. Everything else derives from that declaration: the fl
 table (:func:`settings_table`; ``scripts/settings-table`` writes it into README.md).
 
 Another command's settings reuse the mechanism: add fields to :class:`Settings` with
-``commands=("consume",)``, or declare a dataclass of their own with :func:`setting` and
-read it with :func:`declared_values` and :func:`add_flags`.
+``commands=("consume",)`` (or add "consume" to a shared setting's commands), or declare a
+dataclass of their own with :func:`setting`, give it flags with :func:`add_flags`, and read
+it with :func:`declared_values` from its own table of the file (:func:`read_config_file`,
+:func:`file_table`; list the table in ``OTHER_COMMANDS_TABLES``). ``repeatable=True`` makes
+a flag that can be given several times (kinds :class:`TextList`, :class:`Pairs`);
+``flag=``/``env=`` rename a vague flag or variable (``OUTBOXER_CONSUMER_NAME``).
 
 A file can name several destinations, each with its own broker::
 
@@ -310,6 +314,57 @@ class Url(Kind[str]):
         return f"a URL such as {self.example}"
 
 
+def _comma_separated(value: object, name: str, what: str) -> list[str]:
+    """The texts of ``a,b``, of a TOML array of strings or of a repeated flag (a list)."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
+        raise ConfigError(f"{name} must be {what}; got {value!r}")
+    return [text.strip() for item in items for text in item.split(",") if text.strip()]
+
+
+@dataclass(frozen=True)
+class TextList(Kind[tuple[str, ...]]):
+    """Several texts: comma-separated, a TOML array of strings, or a repeated flag."""
+
+    metavar: ClassVar[str] = "TEXT"
+
+    def parse(self, value: object, name: str) -> tuple[str, ...]:
+        texts = _comma_separated(value, name, "a list of strings (or a,b,c)")
+        if not texts:
+            raise ConfigError(f"{name} must name at least one")
+        return tuple(texts)
+
+    def show(self, value: tuple[str, ...]) -> str:
+        return ",".join(value)
+
+    def allowed(self) -> str:
+        return "one or more, comma-separated"
+
+
+@dataclass(frozen=True)
+class Pairs(Kind[dict[str, Any]]):
+    """Named values: a TOML table, or ``NAME=VALUE`` texts (comma-separated or repeated)."""
+
+    metavar: ClassVar[str] = "NAME=VALUE"
+
+    def parse(self, value: object, name: str) -> dict[str, Any]:
+        if isinstance(value, Mapping):
+            return {str(key): item for key, item in value.items()}
+        pairs: dict[str, Any] = {}
+        for text in _comma_separated(value, name, "a table or NAME=VALUE texts"):
+            key, sep, item = text.partition("=")
+            if not sep or not key.strip():
+                raise ConfigError(f"{name} needs NAME=VALUE, got {text!r}")
+            pairs[key.strip()] = item.strip()
+        return pairs
+
+    def show(self, value: dict[str, Any]) -> str:
+        return ",".join(f"{key}={item}" for key, item in value.items())
+
+    def allowed(self) -> str:
+        return "NAME=VALUE, comma-separated"
+
+
 def parse_http_address(value: object, name: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[::1]:8080`` for IPv6) -> (host, port); port 0 picks a free one."""
     text = str(value).strip()
@@ -413,14 +468,19 @@ class Declaration:
     switch: bool = False
     #: Kept out of reprs; an empty environment variable is an error, not "unset".
     secret: bool = False
+    #: A flag given several times, its values a list (``--topic a --topic b``).
+    repeatable: bool = False
+    #: The flag and the variable when the name alone would be vague (``--consumer-name``).
+    flag_name: str | None = None
+    env_name: str | None = None
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return self.flag_name or "--" + self.name.replace("_", "-")
 
     @property
     def env(self) -> str:
-        return ENV_PREFIX + self.name.upper()
+        return self.env_name or ENV_PREFIX + self.name.upper()
 
     @property
     def key(self) -> str:
@@ -452,13 +512,23 @@ def setting(
     default_text: str | None = None,
     switch: bool = False,
     secret: bool = False,
+    repeatable: bool = False,
+    flag: str | None = None,
+    env: str | None = None,
 ) -> Any:
     """A dataclass field that declares a setting (see the module's docstring)."""
-    metadata = {
-        _DECLARATION: Declaration(
-            kind, help, tuple(commands), default_text=default_text, switch=switch, secret=secret
-        )
-    }
+    declared = Declaration(
+        kind,
+        help,
+        tuple(commands),
+        default_text=default_text,
+        switch=switch,
+        secret=secret,
+        repeatable=repeatable,
+        flag_name=flag,
+        env_name=env,
+    )
+    metadata = {_DECLARATION: declared}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=metadata, repr=not secret)
     return field(default=default, metadata=metadata, repr=not secret)
@@ -488,7 +558,11 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, command: str) -> None:
             )
         else:
             parser.add_argument(
-                declared.flag, dest=declared.name, metavar=declared.kind.metavar, help=help_text
+                declared.flag,
+                dest=declared.name,
+                metavar=declared.kind.metavar,
+                action="append" if declared.repeatable else "store",
+                help=help_text,
             )
 
 
@@ -591,6 +665,10 @@ def _interval(help: str, default: float) -> Any:
 def _retention(help: str, default: float) -> Any:
     return setting(default, kind=Duration(LONGEST_RETENTION), help=help, commands=RETENTION)
 
+
+#: Tables of the settings file that other commands read with :func:`file_table`
+#: (``outboxer consume``'s ``[consumer]``); ``load_settings`` lets them pass.
+OTHER_COMMANDS_TABLES = frozenset({"consumer"})
 
 #: Publisher keywords the relay passes itself: a destination's ``routes`` and the
 #: ``publish_timeout`` setting. They (and ``url``, the broker) are no destination options.
@@ -839,6 +917,15 @@ def read_config_file(
     return table, str(path)
 
 
+def file_table(file_values: Mapping[str, object], name: str, origin: str | None) -> dict[str, Any]:
+    """The ``[name]`` table of the file's settings ({} when absent), for another command's
+    settings (``[consumer]``); ConfigError when ``name`` is there but no table."""
+    table = file_values.get(name, {})
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"{origin}: {name} must be a table ([{name}]), not {toml_type(table)}")
+    return dict(table)
+
+
 def _destinations(raw: object, origin: str | None) -> dict[str, DestinationSettings]:
     if not isinstance(raw, Mapping):
         raise ConfigError(
@@ -884,6 +971,7 @@ def load_settings(
     environ = os.environ if environ is None else environ
     file_values, path = read_config_file(config_file, environ)
     known = {declared.key for declared in declarations(Settings)} | {"destinations"}
+    known |= OTHER_COMMANDS_TABLES
     if unknown := sorted(set(file_values) - known):
         raise ConfigError(f"{path}: unknown settings {unknown}; known: {sorted(known)}")
     values = declared_values(Settings, flags or {}, environ, file_values, path)

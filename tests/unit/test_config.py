@@ -4,6 +4,7 @@ import argparse
 import dataclasses
 import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -11,14 +12,18 @@ import pytest
 from outboxer import ConfigError, Relay, create_publisher, create_store, load_settings
 from outboxer.cli import build_parser
 from outboxer.config import (
+    Pairs,
     Settings,
     Text,
+    TextList,
     Whole,
     add_flags,
     declarations,
     declared_values,
+    file_table,
     flags_from_args,
     parse_duration,
+    read_config_file,
     setting,
     settings_table,
 )
@@ -408,25 +413,59 @@ class _ConsumeSettings:
     prefetch: int = setting(
         10, kind=Whole(1, 1000), help="unacked deliveries", commands=("consume",)
     )
+    topics: tuple[str, ...] | None = setting(
+        kind=TextList(),
+        help="topic patterns",
+        commands=("consume",),
+        repeatable=True,
+        flag="--topic",
+    )
+    options: Mapping[str, str] | None = setting(
+        kind=Pairs(),
+        help="receiver options",
+        commands=("consume",),
+        repeatable=True,
+        flag="--option",
+        env="OUTBOXER_CONSUMER_OPTIONS",
+    )
 
 
-def test_another_dataclass_declared_with_setting_gets_flags_variables_and_a_table() -> None:
+def test_another_dataclass_declared_with_setting_gets_flags_variables_and_a_table(
+    tmp_path: Path,
+) -> None:
     parser = argparse.ArgumentParser()
     add_flags(parser, _ConsumeSettings, "consume")
-    args = parser.parse_args(["--prefetch", "20"])
+    args = parser.parse_args(["--prefetch", "20", "--topic", "a.*", "--topic", "b.x,c"])
+    config = tmp_path / "outboxer.toml"
+    config.write_text(
+        'db = "sqlite:///x.db"\n[consumer]\ngroup = "from-file"\nprefetch = 5\n'
+        'options = { queue_type = "quorum" }\n'
+    )
+    file_values, origin = read_config_file(config, {})
+    assert load_settings({}, config_file=config, environ={}).db == "sqlite:///x.db"
     values = declared_values(
         _ConsumeSettings,
         flags_from_args(args, _ConsumeSettings),
         {"OUTBOXER_GROUP": "from-env"},
-        {"prefetch": 5, "group": "from-file"},
-        "consume.toml",
+        file_table(file_values, "consumer", origin),
+        f"{origin} [consumer]",
     )
-    assert _ConsumeSettings(**values) == _ConsumeSettings(group="from-env", prefetch=20)
-    assert "unacked deliveries (1 to 1000; default 10; env OUTBOXER_PREFETCH)" in " ".join(
-        parser.format_help().split()
+    assert _ConsumeSettings(**values) == _ConsumeSettings(
+        group="from-env", prefetch=20, topics=("a.*", "b.x", "c"), options={"queue_type": "quorum"}
     )
+    options = declared_values(
+        _ConsumeSettings, {}, {"OUTBOXER_CONSUMER_OPTIONS": "a=1, b=2"}, {}, None
+    )["options"]
+    assert options == {"a": "1", "b": "2"}
+    help_text = " ".join(parser.format_help().split())
+    assert "unacked deliveries (1 to 1000; default 10; env OUTBOXER_PREFETCH)" in help_text
+    assert "--topic TEXT topic patterns" in help_text
     assert "| `prefetch` | `--prefetch` | `OUTBOXER_PREFETCH` | 10 | 1 to 1000 | consume |" in (
         settings_table(_ConsumeSettings)
     )
-    with pytest.raises(ConfigError, match=r"consume\.toml: prefetch must be between 1 and 1000"):
-        declared_values(_ConsumeSettings, {}, {}, {"prefetch": 0}, "consume.toml")
+    with pytest.raises(ConfigError, match=r"x\.toml \[consumer\]: prefetch must be between"):
+        declared_values(_ConsumeSettings, {}, {}, {"prefetch": 0}, "x.toml [consumer]")
+    with pytest.raises(ConfigError, match=r"consumer must be a table \(\[consumer\]\)"):
+        file_table({"consumer": 1}, "consumer", "x.toml")
+    with pytest.raises(ConfigError, match="--option needs NAME=VALUE"):
+        declared_values(_ConsumeSettings, {"options": ["novalue"]}, {}, {}, None)
