@@ -39,7 +39,7 @@ _PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]+")
 
 
 class Status(StrEnum):
-    """The states of an outbox row; see DESIGN.md for the transitions."""
+    """The states of an outbox row; docs/design/message-states.md has the transitions."""
 
     PENDING = "PENDING"
     PROCESSING = "PROCESSING"
