@@ -26,6 +26,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from outboxer.errors import BrokerUnavailableError, ConfigError, PublishError
 from outboxer.message import Message
+from outboxer.options import parse_bool
 from outboxer.redact import get_logger, redact_url, register_url_secrets
 
 logger = get_logger("outboxer.publisher")
@@ -88,14 +89,8 @@ def option_bool(options: Mapping[str, str], name: str, given: bool | None, defau
     """A true/false adapter option: the keyword argument wins, then the URL query, then the default."""
     if given is not None:
         return given
-    text = options.get(name, "").strip().lower()
-    if not text:
-        return default
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{name} must be true or false, not {options[name]!r}")
+    text = options.get(name, "")
+    return parse_bool(text, name) if text.strip() else default
 
 
 def parse_options(url: str) -> tuple[Any, dict[str, str]]:

@@ -27,7 +27,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
-from outboxer.brokers.base import Publisher, parse_options
+from outboxer.brokers.base import Publisher, option_bool, parse_options
 from outboxer.errors import ConfigError, PublishError
 from outboxer.message import Message
 
@@ -154,12 +154,7 @@ class MqttPublisher(Publisher):
         self.topic_prefix = (
             topic_prefix if topic_prefix is not None else options.get("topic_prefix", "")
         )
-        if retain is None:
-            raw = options.get("retain", "false").lower()
-            if raw not in ("1", "true", "yes", "0", "false", "no", ""):
-                raise ConfigError(f"retain must be true or false, not {raw!r}")
-            retain = raw in ("1", "true", "yes")
-        self.retain = retain
+        self.retain = option_bool(options, "retain", retain, False)
         self.client_id = (
             client_id or options.get("client_id") or f"outboxer-{uuid.uuid4().hex[:12]}"
         )
