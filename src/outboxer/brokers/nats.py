@@ -70,6 +70,30 @@ def encoded_size(payload: bytes, headers: Mapping[str, str]) -> int:
     return block + len(payload)
 
 
+def api_error(error: object) -> nats.js.errors.APIError:
+    """JetStream's error object as nats-py's typed error (NotFoundError, BadRequestError…).
+
+    ``APIError.from_error`` raises the error in some nats-py releases and returns it in
+    others; an object it cannot take (a field it does not know) still gives an APIError.
+    """
+    if not isinstance(error, Mapping):
+        return nats.js.errors.APIError(description=repr(error)[:200])
+    try:
+        made = nats.js.errors.APIError.from_error(dict(error))
+    except nats.js.errors.APIError as exc:
+        return exc
+    except (TypeError, KeyError, ValueError):
+        made = None
+    if isinstance(made, nats.js.errors.APIError):
+        return made
+    code, err_code = error.get("code"), error.get("err_code")
+    return nats.js.errors.APIError(
+        code=code if isinstance(code, int) else None,
+        description=str(error.get("description", error)),
+        err_code=err_code if isinstance(err_code, int) else None,
+    )
+
+
 class NatsPublisher(Publisher):
     """Publishes each message to the subject ``subject_prefix + destination`` on JetStream."""
 
@@ -247,10 +271,7 @@ class NatsPublisher(Publisher):
         try:
             answer = json.loads(reply.data)
             if "error" in answer:
-                try:
-                    nats.js.errors.APIError.from_error(answer["error"])  # raises the typed error
-                except nats.js.errors.APIError as exc:
-                    return self._refusal(subject, exc)
+                return self._refusal(subject, api_error(answer["error"]))
             ack = PubAck.from_response(answer)
         except (ValueError, TypeError, KeyError) as exc:
             return PublishError(f"unexpected PubAck for {subject!r}: {reply.data[:200]!r} ({exc})")
