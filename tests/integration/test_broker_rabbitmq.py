@@ -651,7 +651,7 @@ async def test_falling_back_to_one_message_at_a_time_warns_once_saying_why(
     """An aiormq outside the releases the wave writes were verified with gets the
     one-at-a-time path, and the publisher says so once, with the reason."""
     monkeypatch.setattr(RabbitMQPublisher, "_wave_writes", True)
-    monkeypatch.setattr(rabbitmq, "WAVE_AIORMQ_RANGE", ((99, 0), (100, 0)))
+    monkeypatch.setattr(rabbitmq, "WAVE_AIORMQ_RANGE", ((99, 0, 0), (100, 0, 0)))
     calls = count_basic_publish_calls(monkeypatch)
     caplog.set_level("WARNING", logger="outboxer.publisher.rabbitmq")
     async with RabbitMQPublisher(URL, exchange=EXCHANGE) as publisher:
@@ -663,4 +663,4 @@ async def test_falling_back_to_one_message_at_a_time_warns_once_saying_why(
     assert len(warnings) == 1, warnings
     assert "one message at a time" in warnings[0]
     assert f"aiormq {importlib.metadata.version('aiormq')} is outside" in warnings[0]
-    assert ">=99.0,<100.0" in warnings[0]
+    assert ">=99.0.0,<100.0.0" in warnings[0]

@@ -160,12 +160,13 @@ def test_wave_frames_reject_what_pamqp_rejects() -> None:
 
 def test_wave_writes_need_a_verified_aiormq_and_its_channel_state() -> None:
     channel = SimpleNamespace(**dict.fromkeys(_WAVE_ATTRIBUTES))
-    assert wave_writes_unsupported(channel, "7.2.4") is None
-    assert wave_writes_unsupported(channel, "7.9.0rc1") is None
-    for outside in ("7.1.6", "8.0.0", "6.9.4", "unknown"):
+    for inside in ("7.2.2", "7.2.4", "7.9.0rc1", "7.2.2.post1"):
+        assert wave_writes_unsupported(channel, inside) is None, inside
+    # 7.2.0 and 7.2.1 free a closed channel's number under the channel that reused it.
+    for outside in ("7.2.1", "7.1.6", "8.0.0", "8.0rc1", "6.9.4", "unknown"):
         reason = wave_writes_unsupported(channel, outside)
         assert reason is not None and f"aiormq {outside} is outside" in reason, reason
-        assert "(>=7.2,<8.0)" in reason
+        assert "(>=7.2.2,<8.0.0)" in reason
     del channel.write_queue, channel.lock
     assert (
         wave_writes_unsupported(channel, "7.2.4")

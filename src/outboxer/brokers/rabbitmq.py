@@ -206,17 +206,22 @@ _WAVE_ATTRIBUTES = (
 )
 #: The aiormq releases the wave writes were verified against, [lowest, first excluded): the
 #: same range as the ``rabbitmq`` extra in pyproject.toml (a test keeps the two equal).
-WAVE_AIORMQ_RANGE = ((7, 2), (8, 0))
+WAVE_AIORMQ_RANGE = ((7, 2, 2), (8, 0, 0))
 
 
-def _release(version: str) -> tuple[int, int]:
-    """``"7.2.4"`` -> ``(7, 2)``; a part that is not a number counts as 0."""
-    major, _, rest = version.partition(".")
-    minor = rest.partition(".")[0]
-    return (
-        int(major) if major.isdigit() else 0,
-        int(minor) if minor.isdigit() else 0,
-    )
+def _release(version: str) -> tuple[int, int, int]:
+    """``"7.2.4"`` -> ``(7, 2, 4)``; ``"8.0rc1"`` -> ``(8, 0, 0)``: each part's leading
+    digits, 0 where there are none."""
+    numbers = []
+    for part in [*version.split("."), "", ""][:3]:
+        digits = part[: len(part) - len(part.lstrip("0123456789"))]
+        numbers.append(int(digits) if digits else 0)
+    major, minor, patch = numbers
+    return major, minor, patch
+
+
+def _dotted(release: tuple[int, ...]) -> str:
+    return ".".join(map(str, release))
 
 
 def wave_writes_unsupported(channel: object, aiormq_version: str) -> str | None:
@@ -225,7 +230,7 @@ def wave_writes_unsupported(channel: object, aiormq_version: str) -> str | None:
     if not lowest <= _release(aiormq_version) < excluded:
         return (
             f"aiormq {aiormq_version} is outside the releases the wave writes were verified "
-            f"with (>={lowest[0]}.{lowest[1]},<{excluded[0]}.{excluded[1]})"
+            f"with (>={_dotted(lowest)},<{_dotted(excluded)})"
         )
     missing = [name for name in _WAVE_ATTRIBUTES if not hasattr(channel, name)]
     if missing:
