@@ -33,7 +33,7 @@ MAX_KEY_LENGTH = 255
 
 
 class Status(StrEnum):
-    """The states of an outbox row; see DESIGN.md for the transitions."""
+    """The states of an outbox row; docs/design/message-states.md has the transitions."""
 
     PENDING = "PENDING"
     PROCESSING = "PROCESSING"

@@ -7,10 +7,12 @@ import sqlite3
 import uuid
 from typing import Any
 
+import MySQLdb
 import pytest
 
 import outboxer
 from outboxer import PayloadError
+from outboxer.stores.mysql import mysql_connect_args
 from outboxer.stores.sqlite import sqlite_path
 from tests.conftest import aiomysql_connect, mysql_connect
 
@@ -237,7 +239,28 @@ def test_several_destinations_and_own_names(pg_url: str) -> None:
         outboxer.Outbox(table="bad name; drop")
 
 
-# ----- MySQL / MariaDB: PyMySQL, aiomysql, SQLAlchemy -----------------------------------------
+# ----- MySQL / MariaDB: PyMySQL, mysqlclient, aiomysql, SQLAlchemy --------------------------
+
+
+def mysqlclient_connect(url: str) -> Any:
+    """A mysqlclient (MySQLdb) connection to the database of a mysql:// URL (not in autocommit)."""
+    # The C extension is what makes it mysqlclient: PyMySQL installed as MySQLdb has none.
+    assert hasattr(MySQLdb, "_mysql"), f"MySQLdb is not mysqlclient here: {MySQLdb.__file__}"
+    args = mysql_connect_args(url)
+    if "connect_timeout" in args:
+        args["connect_timeout"] = int(args["connect_timeout"])
+    conn = MySQLdb.connect(**args)
+    assert type(conn).__module__ == "MySQLdb.connections"
+    return conn
+
+
+def connect_sync_mysql(url: str, driver: str) -> Any:
+    """A DB-API connection of ``driver`` (pymysql or mysqlclient), not in autocommit."""
+    return mysqlclient_connect(url) if driver == "mysqlclient" else mysql_connect(url)
+
+
+#: SQLAlchemy's dialect driver name for each DB-API driver.
+SQLALCHEMY_DRIVER = {"pymysql": "pymysql", "mysqlclient": "mysqldb"}
 
 
 def mysql_stored(url: str) -> list[dict[str, Any]]:
@@ -300,19 +323,27 @@ async def mysql_scenario_async(conn: Any, url: str) -> None:
     check_mysql(url, first, second)
 
 
-@pytest.mark.parametrize("kind", ["pymysql", "sqlalchemy connection", "sqlalchemy session"])
-def test_mysql_sync_drivers(mysql_url: str, kind: str) -> None:
+@pytest.mark.parametrize("handle", ["dbapi", "sqlalchemy connection", "sqlalchemy session"])
+@pytest.mark.parametrize("driver", ["pymysql", "mysqlclient"])
+def test_mysql_sync_drivers(mysql_url: str, driver: str, handle: str) -> None:
     from sqlalchemy import create_engine
     from sqlalchemy.orm import Session
 
-    if kind == "pymysql":
-        conn = mysql_connect(mysql_url)
+    if handle == "dbapi":
+        conn = connect_sync_mysql(mysql_url, driver)
         mysql_scenario(conn, mysql_url)
         conn.close()
         return
-    engine = create_engine(sqlalchemy_mysql(mysql_url, "pymysql"))
-    with engine.connect() if kind == "sqlalchemy connection" else Session(engine) as handle:
-        mysql_scenario(handle, mysql_url)
+    engine = create_engine(sqlalchemy_mysql(mysql_url, SQLALCHEMY_DRIVER[driver]))
+    with engine.connect() if handle == "sqlalchemy connection" else Session(engine) as handle_:
+        mysql_scenario(handle_, mysql_url)
+        raw = engine.raw_connection()
+        try:  # the pool's DB-API connections are the driver under test
+            assert type(raw.dbapi_connection).__module__.split(".")[0] == (
+                "MySQLdb" if driver == "mysqlclient" else "pymysql"
+            )
+        finally:
+            raw.close()
     engine.dispose()
 
 
@@ -346,13 +377,32 @@ def test_mysql_autocommit_is_refused_outside_a_transaction(mysql_url: str) -> No
     assert mysql_stored(mysql_url) == []
 
 
+def test_mysqlclient_autocommit_is_refused(mysql_url: str) -> None:
+    """mysqlclient does not say whether a transaction is open, so in autocommit mode even an
+    explicit BEGIN is refused (the key lock and the row would otherwise commit apart);
+    with autocommit off, the same connection writes."""
+    conn = mysqlclient_connect(mysql_url)
+    conn.autocommit(True)
+    with pytest.raises(TypeError, match="MySQLdb connection is in autocommit"):
+        outboxer.enqueue(conn, "t", {"a": 1}, key="k")
+    conn.query("BEGIN")
+    with pytest.raises(TypeError, match="autocommit"):
+        outboxer.enqueue_many(conn, [{"topic": "t", "payload": "x", "key": "k"}])
+    conn.rollback()
+    conn.autocommit(False)
+    message = outboxer.enqueue(conn, "t", {"a": 1}, key="k")
+    conn.commit()
+    conn.close()
+    assert [row["id"] for row in mysql_stored(mysql_url)] == [str(message.id)]
+
+
 class _Writer:
-    """A transaction on PyMySQL or on a SQLAlchemy Session (pymysql dialect)."""
+    """A transaction on PyMySQL, on mysqlclient or on a SQLAlchemy Session (pymysql dialect)."""
 
     def __init__(self, url: str, kind: str) -> None:
         self.kind = kind
-        if kind == "pymysql":
-            self.conn: Any = mysql_connect(url)
+        if kind in ("pymysql", "mysqlclient"):
+            self.conn: Any = connect_sync_mysql(url, kind)
         else:
             from sqlalchemy import create_engine
             from sqlalchemy.orm import Session
@@ -363,11 +413,11 @@ class _Writer:
     def commit_and_close(self) -> None:
         self.conn.commit()
         self.conn.close()
-        if self.kind != "pymysql":
+        if self.kind == "sqlalchemy":
             self.engine.dispose()
 
 
-@pytest.mark.parametrize("kind", ["pymysql", "sqlalchemy"])
+@pytest.mark.parametrize("kind", ["pymysql", "mysqlclient", "sqlalchemy"])
 def test_mysql_key_lock_holds_back_the_same_key_only(mysql_url: str, kind: str) -> None:
     """A second writer of key k waits for the first to commit, then takes the larger seq;
     writers of another key, or of no key, do not wait."""
