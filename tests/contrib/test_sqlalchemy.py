@@ -201,6 +201,10 @@ def test_bad_events_fail_where_they_are_recorded() -> None:
         order.record_event("", {"n": 1})
     with pytest.raises(outboxer.ConfigError):
         order.record_event("order.placed", {}, destinations=[])
+    with pytest.raises(outboxer.ConfigError):
+        order.record_event("order.placed", {}, destinations="partner")  # a name, not a list
+    with pytest.raises(outboxer.PayloadError):
+        order.record_event("order.placed", lambda: {}, content_type="not\nprintable")
     assert order.pending_events == ()
 
 

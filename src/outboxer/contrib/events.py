@@ -14,10 +14,15 @@ import itertools
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
-from outboxer.errors import ConfigError
-from outboxer.message import coerce_message_id, encode_payload, validate_envelope
+from outboxer.enqueue import Outbox
+from outboxer.message import (
+    check_content_type,
+    coerce_message_id,
+    encode_payload,
+    validate_envelope,
+)
 
 #: Where an entity keeps its unwritten events (in its instance ``__dict__``, never a column).
 EVENTS_ATTRIBUTE = "_outboxer_events"
@@ -85,14 +90,12 @@ def record_event(
     body: bytes | Deferred
     if callable(payload):
         body = payload
+        if content_type is not None:
+            check_content_type(content_type)
     else:
         body, content_type = encode_payload(payload, content_type)
-    if destinations is not None and (
-        isinstance(destinations, str)
-        or not destinations
-        or not all(isinstance(name, str) and name for name in destinations)
-    ):
-        raise ConfigError("destinations must be a non-empty list of destination names")
+    if destinations is not None:  # an Outbox checks the names (ConfigError), a str included
+        destinations = Outbox(destinations=cast(tuple[str, ...], destinations)).destinations
     event = RecordedEvent(
         topic=topic,
         payload=body,

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -29,16 +28,13 @@ from urllib.parse import quote, urlencode
 from django.conf import settings as django_settings
 from django.db import DEFAULT_DB_ALIAS, connections
 
-from outboxer.config import ENV_PREFIX, DestinationSettings, Settings, load_settings
+from outboxer.config import Settings, load_settings, parse_destinations
 from outboxer.enqueue import Outbox
 from outboxer.errors import ConfigError
-from outboxer.message import DEFAULT_DESTINATION
 from outboxer.stores.sqlfiles import table_name
 
 #: Django's database vendors and outboxer's dialect of each.
 DIALECTS = {"postgresql": "postgres", "mysql": "mysql", "sqlite": "sqlite"}
-
-_DESTINATION_KEYS = {"broker", "envelope", "routes", "options"}
 
 
 def raw_settings() -> dict[str, Any]:
@@ -90,22 +86,6 @@ def database_url(alias: str) -> str:
     return f"{scheme}://{netloc}/{quote(name, safe='')}{suffix}"
 
 
-def _destinations(raw: object) -> dict[str, DestinationSettings]:
-    if not isinstance(raw, Mapping):
-        raise ConfigError('settings.OUTBOXER["destinations"] must map names to destinations')
-    found = {}
-    for name, spec in raw.items():
-        if not isinstance(spec, Mapping) or "broker" not in spec:
-            raise ConfigError(f'settings.OUTBOXER["destinations"][{name!r}] needs a "broker"')
-        unknown = set(spec) - _DESTINATION_KEYS
-        if unknown:
-            raise ConfigError(
-                f'settings.OUTBOXER["destinations"][{name!r}] has unknown keys {sorted(unknown)}'
-            )
-        found[str(name)] = DestinationSettings(str(name), **spec)
-    return found
-
-
 def outboxer_settings() -> Settings:
     """outboxer's ``Settings`` for this project.
 
@@ -134,22 +114,14 @@ def _names() -> Settings:
 def _load(overrides: dict[str, Any]) -> Settings:
     raw = raw_settings()
     raw.pop("database", None)
-    destinations = _destinations(raw.pop("destinations", {}))
+    destinations = parse_destinations(
+        raw.pop("destinations", {}), 'settings.OUTBOXER["destinations"]'
+    )
     raw.update(overrides)
     loaded = load_settings(raw)
-    if not destinations:
-        return loaded
-    # OUTBOXER["destinations"] replaces outboxer.toml's; a broker setting (OUTBOXER or
-    # OUTBOXER_BROKER) is the default destination's broker, as everywhere.
-    broker = raw.get("broker") or os.environ.get(ENV_PREFIX + "BROKER")
-    if broker:
-        base = destinations.get(DEFAULT_DESTINATION)
-        destinations[DEFAULT_DESTINATION] = (
-            dataclasses.replace(base, broker=str(broker))
-            if base
-            else DestinationSettings(DEFAULT_DESTINATION, str(broker))
-        )
-    return dataclasses.replace(loaded, destinations=destinations)
+    # OUTBOXER["destinations"] replace outboxer.toml's; Settings gives the "broker" setting
+    # (OUTBOXER, OUTBOXER_BROKER or the file) to the default destination, as everywhere.
+    return dataclasses.replace(loaded, destinations=destinations) if destinations else loaded
 
 
 def forget_settings(**signal: Any) -> None:
