@@ -216,16 +216,7 @@ def test_listen_rejects_what_is_not_a_session() -> None:
 # ----- AsyncSession -------------------------------------------------------------------------
 
 
-# The flush of an AsyncSession writes through the sync face of the async engine, where
-# outboxer.enqueue's SQLAlchemy driver does not yet wrap bytes for aiomysql (see
-# enqueue._aiomysql_params, applied on the async path only): aiomysql then fails to escape
-# the payload. The fix belongs to enqueue.py (_SqlAlchemy.execute and execute_many).
-AIOMYSQL_SYNC_FACE = pytest.mark.xfail(
-    strict=True, raises=TypeError, reason="enqueue's sync SQLAlchemy path on aiomysql"
-)
-
-
-@pytest.fixture(params=["pg_url", pytest.param("mysql_url", marks=AIOMYSQL_SYNC_FACE)])
+@pytest.fixture(params=["pg_url", "mysql_url"])
 def async_database(request: pytest.FixtureRequest) -> str:
     url: str = request.getfixturevalue(request.param)  # sync: these fixtures run asyncio.run
     return url

@@ -11,25 +11,9 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
 
-from outboxer.config import Settings
+from outboxer.cli import run_relay
 from outboxer.contrib.django import conf
 from outboxer.contrib.django.management import command_errors
-from outboxer.relay import Relay
-
-
-async def run_relay(settings: Settings) -> None:
-    relay = Relay.from_settings(settings)
-    server = None
-    if settings.http:
-        from outboxer.http import start_http_api
-
-        server = await start_http_api(settings, relay)
-    relay.install_signal_handlers()
-    try:
-        await relay.run()
-    finally:
-        if server is not None:
-            await server.close()
 
 
 class Command(BaseCommand):
