@@ -263,6 +263,16 @@ def ids_where(db_url: str, condition: str, *params: object) -> set[str]:
         return {str(row[0]) for row in rows}
 
 
+def rows(db_url: str, ids: Sequence[str]) -> list[tuple[object, ...]]:
+    """(id, status, attempts, locked_by, last_error) of these messages, for failure reports."""
+    with psycopg.connect(db_url) as conn:
+        return conn.execute(
+            "SELECT id::text, status, attempts, locked_by, left(last_error, 200) "
+            "FROM outboxer.outbox WHERE id::text = ANY(%s) ORDER BY seq",
+            (list(ids),),
+        ).fetchall()
+
+
 def retried(db_url: str) -> set[str]:
     """Messages the relays attempted more than once: a failed publish, or a lock taken over."""
     return ids_where(db_url, "attempts > 0")
@@ -459,16 +469,24 @@ class RelayFleet:
         request = urllib.request.Request(
             f"{base}/messages/requeue",
             data=json.dumps({"ids": [str(uuid.uuid4())]}).encode(),
-            headers={"Authorization": f"Bearer {self.http_token}"},
+            headers={
+                "Authorization": f"Bearer {self.http_token}",
+                "Content-Type": "application/json",
+            },
             method="POST",
         )
         with urllib.request.urlopen(request, timeout=10) as response:
             assert json.loads(response.read()) == {"requeued": 0}
         refused = urllib.request.Request(
-            f"{base}/messages/requeue", data=b"{}", headers={"Authorization": "Bearer wrong"}
+            f"{base}/messages/requeue",
+            data=b"{}",
+            headers={"Authorization": "Bearer wrong", "Content-Type": "application/json"},
         )
-        with contextlib.suppress(urllib.error.HTTPError):
+        try:
             urllib.request.urlopen(refused, timeout=10).close()
+        except urllib.error.HTTPError as refusal:
+            assert refusal.code == 401, f"a wrong token is refused with 401, not {refusal.code}"
+        else:
             raise AssertionError("a POST with the wrong token was accepted")
 
 
@@ -754,8 +772,9 @@ def check_deliveries(
     *,
     in_flight_at_faults: set[str],
     never_delivered: Iterable[str] = (),
+    describe: Callable[[list[str]], object] | None = None,
 ) -> Verdict:
-    """The consumer-side promises; ``never_delivered`` are committed messages expected to be
+    """The consumer-side promises (``describe`` shows messages named in a failure); ``never_delivered`` are committed messages expected to be
     refused for good (poison), so neither lost nor ordered."""
     delivered = Counter(d.message_id for d in deliveries)
     # A copy the broker delivered again (its consumer's ack was lost with the connection) is
@@ -782,8 +801,8 @@ def check_deliveries(
     duplicated = {message_id for message_id, times in fresh.items() if times > 1}
     unexplained = duplicated - in_flight_at_faults
     assert not unexplained, (
-        f"{len(unexplained)} message(s) delivered twice that no fault had in flight, "
-        f"e.g. {sorted(unexplained)[:5]}"
+        f"{len(unexplained)} message(s) delivered twice that no fault had in flight, e.g. "
+        f"{describe(sorted(unexplained)[:5]) if describe is not None else sorted(unexplained)[:5]}"
     )
     return Verdict(
         messages=workload.messages,
@@ -855,6 +874,7 @@ def finish(
         sink.deliveries,
         in_flight_at_faults=in_flight_at_faults,
         never_delivered=never_delivered,
+        describe=lambda ids: rows(fleet.db_url, ids),
     )
     check_outbox_settled(fleet.db_url, final or {"PUBLISHED": workload.messages})
     verdict.log_lines = check_no_secrets(fleet)
