@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import signal
@@ -24,12 +25,19 @@ from outboxer.envelope import strip_envelope
 from outboxer.errors import ConfigError, PublishError, SchemaError
 from outboxer.message import Message
 from outboxer.retry import Backoff
-from outboxer.stores import Failure, Store, create_store
+from outboxer.stores import Failure, SettleResult, Store, StoreDataError, create_store
 
 logger = logging.getLogger("outboxer.relay")
 
 #: Backoff for the relay's own trouble (database or broker unreachable), not per message.
 OUTAGE_BACKOFF = Backoff(base=0.2, multiplier=2.0, cap=15.0, jitter=0.25)
+#: Recorded instead of a failure's own error text when the database refused to store the
+#: outcomes with it (the relay's log has the original).
+UNRECORDABLE_ERROR = (
+    "publishing failed; the database refused to record the error text (see the relay's log)"
+)
+#: How long ``health_problems`` names a settle the database refused.
+REFUSAL_SHOWN_SECONDS = 300.0
 
 
 @dataclass
@@ -46,11 +54,44 @@ class RelayStats:
     publish_seconds: float = 0.0
     settle_seconds: float = 0.0
     store_errors: int = 0
+    #: Settles the database refused for their values (not an outage); each is retried with
+    #: a generic error text, then row by row.
+    settles_refused: int = 0
+    #: Outcomes not recorded even row by row: their rows wait for their lease to expire.
+    unrecorded: int = 0
     broker_reconnects: int = 0
     started_at: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict[str, float | int]:
         return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """The outcomes one settle records: rows published, failed, and released untried."""
+
+    published: Sequence[int] = ()
+    failed: Sequence[Failure] = ()
+    released: Sequence[int] = ()
+
+    def __len__(self) -> int:
+        return len(self.published) + len(self.failed) + len(self.released)
+
+    def seqs(self) -> list[int]:
+        return [*self.published, *(f.seq for f in self.failed), *self.released]
+
+    def with_error(self, text: str) -> Settlement:
+        """The same outcomes, every failure recording ``text`` instead of its own error."""
+        failed = [dataclasses.replace(f, error=text) for f in self.failed]
+        return Settlement(self.published, failed, self.released)
+
+    def rows(self) -> list[Settlement]:
+        """One settlement per row."""
+        return [
+            *(Settlement(published=[seq]) for seq in self.published),
+            *(Settlement(failed=[failure]) for failure in self.failed),
+            *(Settlement(released=[seq]) for seq in self.released),
+        ]
 
 
 class Relay:
@@ -80,6 +121,8 @@ class Relay:
         self._fatal: ConfigError | None = None
         #: What is backing off now, by place ("database", "broker <destination>"): health reads it.
         self._outages: dict[str, str] = {}
+        #: Per destination, when the database last refused a settle, and why.
+        self._refusals: dict[str, tuple[float, str]] = {}
         self._loops_running = False
 
     @classmethod
@@ -120,6 +163,13 @@ class Relay:
     def health_problems(self) -> list[str]:
         """Why this relay is not publishing right now (empty when its loops run unhindered)."""
         problems = [f"{place}: {reason}" for place, reason in sorted(self._outages.items())]
+        for destination, (at, reason) in sorted(self._refusals.items()):
+            ago = time.monotonic() - at
+            if ago < REFUSAL_SHOWN_SECONDS:
+                problems.append(
+                    f"destination {destination}: the database refused to record outcomes "
+                    f"{ago:.0f}s ago ({reason})"
+                )
         if self.stopping:
             problems.append("relay is stopping")
         elif not self._loops_running:
@@ -329,16 +379,15 @@ class Relay:
             elif outcome.kind is OutcomeKind.PUBLISHED:
                 published.append(message.stored_seq)
             else:
-                error = outcome.error or "unknown error"
                 permanent = not outcome.retryable
-                failed.append(
-                    Failure(
-                        message.stored_seq,
-                        error,
-                        self.backoff.delay_after(message.attempts + 1, outcome.retry_after),
-                        permanent,
-                    )
+                failure = Failure(
+                    message.stored_seq,
+                    outcome.error or "unknown error",
+                    self.backoff.delay_after(message.attempts + 1, outcome.retry_after),
+                    permanent,
                 )
+                failed.append(failure)
+                error = failure.error  # storable: bounded, no NUL, for the log line too
                 if permanent or message.attempts + 1 >= self.settings.max_attempts:
                     for stats in self._stats(destination):
                         stats.abandoned_now += 1
@@ -362,42 +411,10 @@ class Relay:
                 shown,
                 error,
             )
-        # Settling must not be given up lightly: the broker already has these messages.
-        # Retry until the database answers; if this relay dies first, the lock expires and
-        # another relay publishes them again (a duplicate, never a loss).
-        failures = 0
         started = time.perf_counter()
-        while True:
-            try:
-                result = await self.store.settle(
-                    destination,
-                    self.relay_id,
-                    published,
-                    failed,
-                    released,
-                    self.settings.max_attempts,
-                )
-                self._outage("database", None)
-                break
-            except Exception as exc:  # noqa: BLE001 -- database outage during settle
-                failures += 1
-                for stats in self._stats(destination):
-                    stats.store_errors += 1
-                delay = OUTAGE_BACKOFF.delay(failures)
-                if self.stopping and failures > 3:
-                    logger.error(
-                        "destination %s: could not record %d outcomes (%s); their locks "
-                        "expire and they will be published again",
-                        destination,
-                        len(batch),
-                        exc,
-                    )
-                    return
-                self._outage("database", f"settle failed ({exc})")
-                logger.warning(
-                    "destination %s: settle failed (%s); retrying in %.1fs", destination, exc, delay
-                )
-                await asyncio.sleep(delay)
+        result = await self._record(destination, Settlement(published, failed, released))
+        if result is None:
+            return
         for stats in self._stats(destination):
             stats.settle_seconds += time.perf_counter() - started
             stats.published += result.published
@@ -411,6 +428,98 @@ class Relay:
                 destination,
                 result.lost,
             )
+
+    async def _record(self, destination: str, outcomes: Settlement) -> SettleResult | None:
+        """Settle, riding out outages; None if the relay stopped before the database answered.
+
+        A settle the database refuses for its values (StoreDataError) is not retried as it
+        is: the failures' error texts are the likeliest cause, so it is tried once more
+        with a generic text, then row by row, so that one row the database refuses cannot
+        hold back the others. A row refused even alone keeps its lock until it expires.
+        """
+        try:
+            return await self._settle_answered(destination, outcomes)
+        except StoreDataError as exc:
+            self._refused(destination, exc, len(outcomes))
+        outcomes = outcomes.with_error(UNRECORDABLE_ERROR)
+        try:
+            return await self._settle_answered(destination, outcomes)
+        except StoreDataError as exc:
+            self._refused(destination, exc, len(outcomes))
+        total = SettleResult()
+        for row in outcomes.rows():
+            try:
+                result = await self._settle_answered(destination, row)
+            except StoreDataError as exc:
+                for stats in self._stats(destination):
+                    stats.unrecorded += 1
+                logger.error(
+                    "destination %s: the database refuses to record the outcome of the row "
+                    "with seq %d (%s); it stays locked until its lock expires",
+                    destination,
+                    row.seqs()[0],
+                    exc,
+                )
+                continue
+            if result is None:
+                return None
+            total.published += result.published
+            total.failed += result.failed
+            total.released += result.released
+            total.lost += result.lost
+        return total
+
+    def _refused(self, destination: str, exc: StoreDataError, outcomes: int) -> None:
+        for stats in self._stats(destination):
+            stats.settles_refused += 1
+        self._refusals[destination] = (time.monotonic(), str(exc))
+        logger.error(
+            "destination %s: the database refused to record %d outcome(s): %s",
+            destination,
+            outcomes,
+            exc,
+        )
+
+    async def _settle_answered(self, destination: str, outcomes: Settlement) -> SettleResult | None:
+        """One settle, retried while the database is unreachable; None if the relay stopped
+        first. StoreDataError (refused values) is raised at once: retrying cannot help."""
+        # Settling must not be given up lightly: the broker already has these messages.
+        # Retry until the database answers; if this relay dies first, the lock expires and
+        # another relay publishes them again (a duplicate, never a loss).
+        failures = 0
+        while True:
+            try:
+                result = await self.store.settle(
+                    destination,
+                    self.relay_id,
+                    outcomes.published,
+                    outcomes.failed,
+                    outcomes.released,
+                    self.settings.max_attempts,
+                )
+                self._outage("database", None)
+                return result
+            except StoreDataError:
+                raise
+            except Exception as exc:  # noqa: BLE001 -- database outage during settle
+                failures += 1
+                for stats in self._stats(destination):
+                    stats.store_errors += 1
+                delay = OUTAGE_BACKOFF.delay(failures)
+                if self.stopping and failures > 3:
+                    logger.error(
+                        "destination %s: could not record %d outcomes (%s); their locks "
+                        "expire and they will be published again",
+                        destination,
+                        len(outcomes),
+                        exc,
+                    )
+                    return None
+                self._outage("database", f"settle failed ({exc})")
+                logger.warning(
+                    "destination %s: settle failed (%s); retrying in %.1fs", destination, exc, delay
+                )
+                await asyncio.sleep(delay)
 
     async def _wait_for_work(self, destination: str, timeout: float) -> None:
         waiter = asyncio.create_task(self.store.wait_for_wakeup(destination, timeout))
@@ -468,6 +577,4 @@ async def cleanup(store: Store, settings: Settings, max_batches: int = 100) -> i
 
 
 def _with(settings: Settings, **changes: object) -> Settings:
-    import dataclasses
-
     return dataclasses.replace(settings, **changes)  # type: ignore[arg-type]

@@ -334,6 +334,11 @@ class StoreContract(ABC):
     def placeholder(self) -> str:
         return "%s"
 
+    def refuse_sql(self, topic: str) -> str:
+        """DDL after which the database refuses (a constraint, not an outage) to mark rows of
+        ``topic`` PUBLISHED, or to store a ``last_error`` containing ``forbidden text``."""
+        pytest.skip(f"{type(self).__name__} cannot make its database refuse a settle")
+
     # ----- helpers ------------------------------------------------------------------------
 
     def enqueue(self, url: str, *items: tuple[str, str | None]) -> list[Message]:
@@ -468,6 +473,68 @@ class StoreContract(ABC):
         rows = self.rows(url)
         assert [(r["status"], r["attempts"]) for r in rows] == [("ABANDONED", 3), ("ABANDONED", 1)]
         assert await self.claim(store) == []
+
+    async def test_any_error_text_settles_and_reads_back_storable(
+        self, url: str, store: Any
+    ) -> None:
+        """A broker's error may hold anything: a NUL (PostgreSQL refuses it in text), lone
+        surrogates (no driver encodes them), bytes that are no UTF-8, a megabyte of body.
+        Each is recorded, bounded and readable, and the row leaves PROCESSING."""
+        from outboxer.stores import Failure
+        from outboxer.stores.base import MAX_ERROR_LENGTH, storable_error
+
+        raw = b"\xff\xfe body \x00 \xc3("
+        errors = [
+            "HTTP 500: \x00\x00 nul bytes \x00",
+            "lone \ud800 surrogate \udfff",
+            raw.decode("utf-8", "replace"),
+            raw.decode("utf-8", "surrogateescape"),
+            "x" * 1_000_000,
+        ]
+        self.enqueue(url, *[("t", None)] * len(errors))
+        claimed = await self.claim(store)
+        result = await store.settle(
+            "default",
+            "relay-a",
+            [],
+            [Failure(m.stored_seq, e, 30.0, False) for m, e in zip(claimed, errors, strict=True)],
+            [],
+            5,
+        )
+        assert result.failed == len(errors)
+        rows = self.rows(url)
+        assert [(r["status"], r["attempts"]) for r in rows] == [("FAILED", 1)] * len(errors)
+        for row, error in zip(rows, errors, strict=True):
+            stored = row["last_error"]
+            assert stored == storable_error(error)
+            assert "\x00" not in stored and len(stored) <= MAX_ERROR_LENGTH
+            stored.encode("utf-8")  # valid UTF-8: no lone surrogate left
+        assert rows[0]["last_error"] == "HTTP 500: \ufffd\ufffd nul bytes \ufffd"
+        assert rows[-1]["last_error"].endswith("[cut: 1000000 characters in all]")
+
+    async def test_a_settle_the_database_refuses_raises_store_data_error(
+        self, url: str, store: Any
+    ) -> None:
+        """Refused values are no outage: the relay must learn it cannot retry them as they are."""
+        from outboxer.stores import Failure, StoreDataError
+
+        self.execute(url, self.refuse_sql("stuck"))
+        self.enqueue(url, ("stuck", None), ("t", None))
+        stuck, fine = await self.claim(store)
+        with pytest.raises(StoreDataError):
+            await store.settle("default", "relay-a", [stuck.stored_seq, fine.stored_seq], [], [], 5)
+        with pytest.raises(StoreDataError):
+            await store.settle(
+                "default",
+                "relay-a",
+                [],
+                [Failure(fine.stored_seq, "forbidden text", 1.0, False)],
+                [],
+                5,
+            )
+        assert [r["status"] for r in self.rows(url)] == ["PROCESSING"] * 2, "nothing half-written"
+        result = await store.settle("default", "relay-a", [fine.stored_seq], [], [], 5)
+        assert result.published == 1, "only those values were refused: the store goes on"
 
     async def test_release_returns_rows_without_counting_an_attempt(
         self, url: str, store: Any

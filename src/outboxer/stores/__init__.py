@@ -7,7 +7,14 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from outboxer.errors import ConfigError
-from outboxer.stores.base import DestinationStatus, Failure, SettleResult, Store
+from outboxer.stores.base import (
+    DestinationStatus,
+    Failure,
+    SettleResult,
+    Store,
+    StoreDataError,
+    storable_error,
+)
 
 #: URL scheme -> (module, class).
 REGISTRY: dict[str, tuple[str, str]] = {
@@ -37,4 +44,13 @@ def create_store(url: str, **options: Any) -> Store:
     return cls(url, **options)
 
 
-__all__ = ["REGISTRY", "DestinationStatus", "Failure", "SettleResult", "Store", "create_store"]
+__all__ = [
+    "REGISTRY",
+    "DestinationStatus",
+    "Failure",
+    "SettleResult",
+    "Store",
+    "StoreDataError",
+    "create_store",
+    "storable_error",
+]

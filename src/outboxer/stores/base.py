@@ -10,21 +10,49 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from outboxer.errors import ConfigError, SchemaError
+from outboxer.errors import ConfigError, SchemaError, StoreError
 from outboxer.message import Message
 from outboxer.stores.sqlfiles import migrations, quote_ident, render
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,40}$")
 
+#: The most characters of an error a row keeps in ``last_error``; the rest is cut, with a
+#: marker. A broker's error can quote a whole response body (megabytes from a webhook).
+MAX_ERROR_LENGTH = 2000
+#: NUL (PostgreSQL's text refuses it) and lone surrogates (not encodable as UTF-8: every
+#: driver refuses them); each becomes U+FFFD, the replacement character.
+_UNSTORABLE = re.compile(r"[\x00\ud800-\udfff]")
+
+
+def storable_error(text: str) -> str:
+    """``text`` as every supported database stores it: no NUL, valid UTF-8 (no lone
+    surrogates), at most ``MAX_ERROR_LENGTH`` characters, the cut marked. Idempotent."""
+    if len(text) > MAX_ERROR_LENGTH:
+        marker = f" … [cut: {len(text)} characters in all]"
+        text = text[: MAX_ERROR_LENGTH - len(marker)] + marker
+    return _UNSTORABLE.sub("\ufffd", text)
+
+
+class StoreDataError(StoreError):
+    """The database refused the values of a statement (a data error or a constraint, not an
+    outage): the same statement would fail again, so retrying it cannot help."""
+
 
 @dataclass(frozen=True)
 class Failure:
-    """One failed publish to record: seq, error text, backoff delay, permanent or not."""
+    """One failed publish to record: seq, error text, backoff delay, permanent or not.
+
+    ``error`` is made storable on construction (see ``storable_error``): a broker's error
+    text, whatever it holds, can always be recorded.
+    """
 
     seq: int
     error: str
     delay: float
     permanent: bool
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "error", storable_error(self.error))
 
 
 @dataclass

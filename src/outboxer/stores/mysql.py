@@ -34,7 +34,14 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 from outboxer.errors import ConfigError, MissingDependencyError, StoreError
 from outboxer.message import Message
-from outboxer.stores.base import DestinationStatus, Failure, SettleResult, Store, fold_counts
+from outboxer.stores.base import (
+    DestinationStatus,
+    Failure,
+    SettleResult,
+    Store,
+    StoreDataError,
+    fold_counts,
+)
 from outboxer.stores.sqlfiles import (
     migrations,
     queries,
@@ -68,6 +75,9 @@ _SCHEMA_LOCK_WAIT = 60
 #: MySQL error numbers.
 ER_DUP_ENTRY = 1062
 ER_ACCESS_DENIED = (1227, 1142)
+#: A CHECK constraint refused a row: MySQL's number and MariaDB's (PyMySQL knows neither,
+#: so it raises them as OperationalError, its class for every number it does not map).
+ER_CHECK_CONSTRAINT = (3819, 4025)
 
 _SCHEMES = (
     "mysql",
@@ -235,7 +245,9 @@ class MySQLStore(Store):
         """A cursor in one transaction: committed when the block ends, rolled back if it raises.
 
         A connection interrupted mid-statement (cancelled, or the server went away) is
-        closed rather than given back to the pool.
+        closed rather than given back to the pool. Values the server refuses (a data error,
+        a constraint) or text the driver cannot encode raise StoreDataError: no outage, and
+        the same statement would fail again.
         """
         await self.connect()
         aiomysql = _aiomysql()
@@ -245,13 +257,15 @@ class MySQLStore(Store):
                     async with conn.cursor(aiomysql.DictCursor) as cursor:
                         yield cursor
                     await conn.commit()
-                except aiomysql.Error:
+                except (aiomysql.Error, UnicodeError):
                     await _rollback_or_close(conn)
                     raise
                 except BaseException:
                     conn.close()
                     raise
-        except (aiomysql.Error, OSError) as exc:
+        except (aiomysql.Error, OSError, UnicodeError) as exc:
+            if _refused_values(exc):
+                raise StoreDataError(f"MySQL refused the values: {exc}") from exc
             raise StoreError(f"MySQL: {exc}") from exc
 
     async def _execute(
@@ -544,6 +558,15 @@ class MySQLStore(Store):
             if remaining <= 0:
                 return False
             await asyncio.sleep(min(WAKE_PROBE_INTERVAL, remaining))
+
+
+def _refused_values(exc: BaseException) -> bool:
+    """Whether the server refused a statement's values (a data error, a constraint) or the
+    driver could not encode them: no outage, and the same statement would fail again."""
+    aiomysql = _aiomysql()
+    if isinstance(exc, aiomysql.DataError | aiomysql.IntegrityError | UnicodeError):
+        return True
+    return isinstance(exc, aiomysql.Error) and bool(exc.args) and exc.args[0] in ER_CHECK_CONSTRAINT
 
 
 async def _rollback_or_close(conn: Any) -> None:

@@ -17,15 +17,24 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Sequence
+from typing import Any, TypeVar
 
 from outboxer.errors import MissingDependencyError, StoreError
 from outboxer.message import Message
-from outboxer.stores.base import DestinationStatus, Failure, SettleResult, Store, fold_counts
+from outboxer.stores.base import (
+    DestinationStatus,
+    Failure,
+    SettleResult,
+    Store,
+    StoreDataError,
+    fold_counts,
+)
 from outboxer.stores.sqlfiles import migrations, queries, render, to_numbered
 
 logger = logging.getLogger("outboxer.store")
+
+T = TypeVar("T")
 
 #: Seconds a listener registration outlives the poll it was made for.
 _REGISTRATION_MARGIN = 2.0
@@ -249,7 +258,7 @@ class PostgresStore(Store):
             },
         )
         async with self._pool.acquire() as conn:
-            row = await conn.fetchrow(sql, *args)
+            row = await _refusing_data(conn.fetchrow(sql, *args))
         result = SettleResult(
             published=row["n_published"], failed=row["n_failed"], released=row["n_released"]
         )
@@ -437,6 +446,17 @@ class PostgresStore(Store):
                 await listener.execute(sql, *args)
         except Exception as exc:  # noqa: BLE001 -- asyncpg's errors too; the registration lapses anyway
             logger.info("could not withdraw the idle registration (it lapses by itself): %s", exc)
+
+
+async def _refusing_data(statement: Awaitable[T]) -> T:
+    """Await ``statement``; a data error or a violated constraint (SQLSTATE classes 22 and
+    23, or an argument asyncpg cannot encode) becomes StoreDataError: no outage, and the
+    same statement would fail again."""
+    asyncpg = _asyncpg()
+    try:
+        return await statement
+    except (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError) as exc:
+        raise StoreDataError(f"PostgreSQL refused the values: {exc}") from exc
 
 
 async def _durably(conn: Any) -> None:

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from outboxer.errors import ConfigError, StoreError
 from outboxer.message import Message
-from outboxer.stores.base import DestinationStatus, Failure, SettleResult, Store
+from outboxer.stores.base import DestinationStatus, Failure, SettleResult, Store, StoreDataError
 from outboxer.stores.sqlfiles import migrations, queries, quote_ident, render, statements
 
 T = TypeVar("T")
@@ -107,9 +107,13 @@ class SqliteStore(Store):
             with self._lock:
                 try:
                     return work(conn)
-                except sqlite3.Error as exc:
+                except (sqlite3.Error, UnicodeError) as exc:
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
+                    if isinstance(exc, sqlite3.DataError | sqlite3.IntegrityError | UnicodeError):
+                        # Refused values (or text sqlite3 cannot encode): no outage, and the
+                        # same statement would fail again.
+                        raise StoreDataError(f"SQLite refused the values: {exc}") from exc
                     raise StoreError(f"SQLite: {exc}") from exc
 
         return await asyncio.to_thread(locked)
