@@ -8,6 +8,7 @@ Each request is recorded as a Delivery, then answered as the test's ``answer`` s
 from __future__ import annotations
 
 import http.server
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -15,6 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from outboxer.brokers.webhook import decode_header_value
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):  # a relay cancelled or killed
+            super().handle_error(request, client_address)
 
 
 @dataclass(frozen=True)
@@ -44,7 +53,7 @@ class Receiver:
     answer: Callable[[Delivery], Answer] = accept
     delay: float = 0.0
     deliveries: list[Delivery] = field(default_factory=list)
-    _server: http.server.ThreadingHTTPServer | None = None
+    _server: _Server | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -60,7 +69,11 @@ class Receiver:
 
             def do_POST(self) -> None:  # the name http.server calls
                 arrived = time.monotonic()
-                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                length = int(self.headers.get("Content-Length", "0"))
+                body = self.rfile.read(length)
+                if len(body) < length:  # the relay went away mid-request: not delivered
+                    self.close_connection = True
+                    return
                 key = self.headers.get("Outboxer-Key")
                 if receiver.delay:
                     time.sleep(receiver.delay)
@@ -74,17 +87,19 @@ class Receiver:
                 with receiver._lock:
                     receiver.deliveries.append(delivery)
                 status, answer = receiver.answer(delivery)
-                self.send_response(status)
-                self.send_header("Content-Type", "text/plain; charset=utf-8")
-                self.send_header("Content-Length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "text/plain; charset=utf-8")
+                    self.send_header("Content-Length", str(len(answer)))
+                    self.end_headers()
+                    self.wfile.write(answer)
+                except ConnectionError:
+                    self.close_connection = True  # the relay gave up (cancelled, or died)
 
             def log_message(self, *args: Any) -> None:
                 return None  # the test asserts on deliveries, not on an access log
 
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
+        self._server = _Server(("127.0.0.1", 0), Handler)
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
         return self
 

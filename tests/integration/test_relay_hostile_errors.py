@@ -9,46 +9,16 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
-import pytest
 
 import outboxer
-from outboxer import Relay, load_settings
+from outboxer import Relay
 from outboxer.brokers.memory import memory_broker
 from outboxer.relay import UNRECORDABLE_ERROR
 from outboxer.testing import eventually
-from tests.integration.test_http_api import connect_sync
 from tests.receiver import Delivery, Receiver
+from tests.relaying import db, enqueue, relay, rows
 
-STATUSES = ["PENDING", "PROCESSING", "PUBLISHED", "FAILED", "ABANDONED"]
-
-
-def enqueue(url: str, *items: tuple[str, str | None]) -> list[outboxer.Message]:
-    conn = connect_sync(url)
-    try:
-        sent = [
-            outboxer.enqueue(conn, topic, {"n": n}, key=key) for n, (topic, key) in enumerate(items)
-        ]
-        conn.commit()
-    finally:
-        conn.close()
-    return sent
-
-
-async def rows(url: str) -> list[dict[str, object]]:
-    async with outboxer.create_store(url) as store:
-        return await store.list_messages(STATUSES, 100)
-
-
-def relay(url: str, broker: str, **overrides: Any) -> Relay:
-    base: dict[str, Any] = {
-        "db": url,
-        "broker": broker,
-        "poll_interval": 0.05,
-        "backoff_base": 0.05,
-        "backoff_max": 0.1,
-        "concurrency": 1,
-    }
-    return Relay.from_settings(load_settings(base | overrides, environ={}))
+__all__ = ["db"]  # the fixture, imported: every test taking ``db`` runs on each database
 
 
 async def run_until(relay: Relay, done: Callable[[], Any], timeout: float = 20) -> None:
@@ -58,12 +28,6 @@ async def run_until(relay: Relay, done: Callable[[], Any], timeout: float = 20) 
     finally:
         relay.stop()
         await asyncio.wait_for(task, 30)
-
-
-@pytest.fixture(params=["pg_url", "mysql_url", "sqlite_url"])
-def db(request: pytest.FixtureRequest) -> str:
-    url: str = request.getfixturevalue(request.param)
-    return url
 
 
 async def test_a_receiver_answering_nul_bytes_and_megabytes_never_wedges_a_row(db: str) -> None:

@@ -8,8 +8,11 @@ from urllib.parse import urlsplit
 
 from outboxer.errors import ConfigError
 from outboxer.stores.base import (
+    AbandonedRow,
+    Claim,
     DestinationStatus,
     Failure,
+    Lease,
     SettleResult,
     Store,
     StoreDataError,
@@ -46,8 +49,11 @@ def create_store(url: str, **options: Any) -> Store:
 
 __all__ = [
     "REGISTRY",
+    "AbandonedRow",
+    "Claim",
     "DestinationStatus",
     "Failure",
+    "Lease",
     "SettleResult",
     "Store",
     "StoreDataError",

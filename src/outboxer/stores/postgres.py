@@ -20,11 +20,15 @@ import uuid
 from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
+from outboxer.config import Settings
 from outboxer.errors import MissingDependencyError, StoreError
 from outboxer.message import Message
 from outboxer.stores.base import (
+    AbandonedRow,
+    Claim,
     DestinationStatus,
     Failure,
+    Lease,
     SettleResult,
     Store,
     StoreDataError,
@@ -198,45 +202,85 @@ class PostgresStore(Store):
         limit: int,
         lock_seconds: float,
         abandoned_blocks: bool,
-    ) -> list[Message]:
+        *,
+        max_attempts: int = Settings.max_attempts,
+        recover: bool = True,
+    ) -> Claim:
+        lease = Lease.new(relay_id)
         sql, args = self._args(
             "claim",
             {
                 "destination": destination,
                 "relay_id": relay_id,
+                "lease": lease.token,
                 "limit": limit,
                 "lock_seconds": float(lock_seconds),
                 "abandoned_blocks": abandoned_blocks,
+                "max_attempts": max_attempts,
+                "recover": recover,
                 "lock_key": self.lock_key(destination),
             },
         )
         async with self._pool.acquire() as conn:
             rows = await conn.fetch(sql, *args)
-        if rows:
+        kinds = {row["taken"] for row in rows}
+        taken = sorted((row for row in rows if row["taken"] in _TAKEN), key=_by_seq)
+        if taken:
             self._worked_at = time.monotonic()
             if self._registered_until > self._worked_at:
                 self._stop_listening()
-        rows = sorted(rows, key=lambda row: row["seq"])
-        return [
-            Message(
-                id=row["id"],
-                topic=row["topic"],
-                payload=bytes(row["payload"]),
-                key=row["key"],
-                headers=_headers(row["headers"]),
-                content_type=row["content_type"],
-                destination=row["destination"],
-                created_at=row["created_at"],
-                attempts=row["attempts"],
-                seq=row["seq"],
-            )
-            for row in rows
-        ]
+        return Claim(
+            (
+                Message(
+                    id=row["id"],
+                    topic=row["topic"],
+                    payload=bytes(row["payload"]),
+                    key=row["key"],
+                    headers=_headers(row["headers"]),
+                    content_type=row["content_type"],
+                    destination=row["destination"],
+                    created_at=row["created_at"],
+                    attempts=row["attempts"],
+                    seq=row["seq"],
+                )
+                for row in taken
+            ),
+            lease=lease,
+            recovered="recovered" in kinds,
+            recovery_waiting="recovery_waiting" in kinds,
+            abandoned=[
+                AbandonedRow(
+                    row["id"],
+                    row["seq"],
+                    row["topic"],
+                    row["key"],
+                    row["attempts"],
+                    row["last_error"],
+                )
+                for row in sorted((row for row in rows if row["taken"] == "abandoned"), key=_by_seq)
+            ],
+        )
+
+    async def renew(
+        self, destination: str, lease: Lease, seqs: Sequence[int], lock_seconds: float
+    ) -> int:
+        sql, args = self._args(
+            "renew",
+            {
+                "destination": destination,
+                "relay_id": lease.relay_id,
+                "lease": lease.token,
+                "seqs": list(seqs),
+                "lock_seconds": float(lock_seconds),
+            },
+        )
+        async with self._pool.acquire() as conn:
+            return int(await _refusing_data(conn.fetchval(sql, *args)))
 
     async def settle(
         self,
         destination: str,
-        relay_id: str,
+        lease: Lease,
         published: Sequence[int],
         failed: Sequence[Failure],
         released: Sequence[int],
@@ -246,7 +290,8 @@ class PostgresStore(Store):
             "settle",
             {
                 "destination": destination,
-                "relay_id": relay_id,
+                "relay_id": lease.relay_id,
+                "lease": lease.token,
                 "lock_key": self.lock_key(destination),
                 "max_attempts": max_attempts,
                 "published": list(published),
@@ -462,6 +507,14 @@ async def _refusing_data(statement: Awaitable[T]) -> T:
 async def _durably(conn: Any) -> None:
     """This transaction's commit waits for the WAL flush (the pool's default does not)."""
     await conn.execute("SET LOCAL synchronous_commit = on")
+
+
+#: What the claim function says it did with the rows it returns that it took.
+_TAKEN = ("claimed", "recovered")
+
+
+def _by_seq(row: Any) -> int:
+    return int(row["seq"])
 
 
 def _headers(text: str) -> dict[str, str]:
