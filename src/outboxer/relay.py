@@ -272,12 +272,13 @@ class Settlement:
         return Settlement(self.published, failed, self.released)
 
     def rows(self) -> list[Settlement]:
-        """One settlement per row."""
-        return [
+        """One settlement per row, the last row first."""
+        rows = [
             *(Settlement(published=[seq]) for seq in self.published),
             *(Settlement(failed=[failure]) for failure in self.failed),
             *(Settlement(released=[seq]) for seq in self.released),
         ]
+        return sorted(rows, key=lambda row: row.seqs()[0], reverse=True)
 
 
 class Relay:
@@ -674,8 +675,9 @@ class Relay:
                 error,
             )
         started = time.perf_counter()
+        keys = {message.stored_seq: message.key for message in batch}
         result = await self._record(
-            destination, batch.lease, Settlement(published, failed, released)
+            destination, batch.lease, Settlement(published, failed, released), keys
         )
         if result is None:
             return
@@ -694,14 +696,21 @@ class Relay:
             )
 
     async def _record(
-        self, destination: str, lease: Lease, outcomes: Settlement
+        self,
+        destination: str,
+        lease: Lease,
+        outcomes: Settlement,
+        keys: Mapping[int, str | None],
     ) -> SettleResult | None:
         """Settle, riding out outages; None if the relay stopped before the database answered.
 
         A settle the database refuses for its values (StoreDataError) is not retried as it
         is: the failures' error texts are the likeliest cause, so it is tried once more
         with a generic text, then row by row, so that one row the database refuses cannot
-        hold back the others. A row refused even alone keeps its lock until it expires.
+        hold back the others. A row refused even alone stays in flight until its lease
+        expires, and so do the earlier rows of its key in the batch (the rows go last
+        first): a row of a key must never be PENDING before one in flight, which is
+        recovered in seq order (see Store.claim).
         """
         try:
             return await self._settle_answered(destination, lease, outcomes)
@@ -713,18 +722,29 @@ class Relay:
         except StoreDataError as exc:
             self._refused(destination, exc, len(outcomes))
         total = SettleResult()
+        refused_keys: set[str] = set()
         for row in outcomes.rows():
+            [seq] = row.seqs()
+            key = keys.get(seq)
+            if key is not None and key in refused_keys:
+                for stats in self._stats(destination):
+                    stats.unrecorded += 1
+                continue
             try:
                 result = await self._settle_answered(destination, lease, row)
             except StoreDataError as exc:
                 for stats in self._stats(destination):
                     stats.unrecorded += 1
+                if key is not None:
+                    refused_keys.add(key)
                 logger.error(
                     "destination %s: the database refuses to record the outcome of the row "
-                    "with seq %d (%s); it stays locked until its lock expires",
+                    "with seq %d (%s); it stays in flight until its lease expires, with the "
+                    "earlier rows of its key (%s) in this batch",
                     destination,
-                    row.seqs()[0],
+                    seq,
                     exc,
+                    key,
                 )
                 continue
             if result is None:

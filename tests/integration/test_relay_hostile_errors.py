@@ -62,15 +62,18 @@ async def test_a_settle_the_database_refuses_is_retried_generic_then_row_by_row(
     pg_url: str,
 ) -> None:
     """A constraint refuses one failure's error text and another row's PUBLISHED: the batch is
-    recorded anyway (the error text replaced, the refused row left to its lock), and the
-    refusal shows in the log, the stats and health (the relay used to retry the same settle
-    forever, leaving the whole batch PROCESSING)."""
+    recorded anyway (the error text replaced; the refused row, and the earlier row of its
+    key, left in flight to be recovered in order), and the refusal shows in the log, the
+    stats and health (the relay used to retry the same settle for ever, leaving the whole
+    batch PROCESSING)."""
     with psycopg.connect(pg_url) as conn:
         conn.execute(
             "ALTER TABLE outboxer.outbox ADD CONSTRAINT refuse CHECK ("
             "(status <> 'PUBLISHED' OR topic <> 'stuck') AND last_error NOT LIKE '%forbidden text%')"
         )
-    failing, stuck, fine = enqueue(pg_url, ("t", "a"), ("stuck", "b"), ("t", "c"))
+    failing, before, stuck, fine = enqueue(
+        pg_url, ("t", "a"), ("t", "b"), ("stuck", "b"), ("t", "c")
+    )
     broker = memory_broker(f"refused-{uuid.uuid4().hex[:8]}")
     broker.fail = lambda m: (
         outboxer.PublishError("forbidden text from the receiver") if m.id == failing.id else None
@@ -93,7 +96,8 @@ async def test_a_settle_the_database_refuses_is_retried_generic_then_row_by_row(
         1,
         UNRECORDABLE_ERROR,
     )
-    assert by_id[stuck.id]["status"] == "PROCESSING", "refused even alone: left to its lock"
-    assert hook.stats.settles_refused == 2 and hook.stats.unrecorded == 1
+    assert by_id[stuck.id]["status"] == "PROCESSING", "refused even alone: left to its lease"
+    assert by_id[before.id]["status"] == "PROCESSING", "never PENDING before a row in flight"
+    assert hook.stats.settles_refused == 2 and hook.stats.unrecorded == 2
     assert hook.stats.published == 1 and hook.stats.failed == 1
     assert any("refused to record outcomes" in problem for problem in problems), problems

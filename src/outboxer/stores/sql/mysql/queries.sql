@@ -49,26 +49,21 @@ ON DUPLICATE KEY UPDATE destination = destination
 -- flight whose lease expired (their relay died or stalled while publishing them), locked for
 -- this transaction. The store abandons those whose attempts are used up (abandon_expired),
 -- else takes the first one that heads its key, alone (claim_update), else claims as usual.
--- heads_key: no unfinished row of its key comes before it (one still waiting goes first),
--- nor an abandoned one when abandoned rows block; taken in seq order, a key's recovered
--- rows keep their order. A row abandoned by this claim still counts as unfinished here:
--- its key's next row heads the key from the next claim on. lease_idx serves the range.
+-- heads_key: no earlier row of its key is in flight or failed (due or not: it goes first),
+-- nor abandoned when abandoned rows block; taken in seq order, a key's recovered rows keep
+-- their order. No PENDING row of a key comes before a row in flight (see the PostgreSQL
+-- migration 0006), so blocking_idx answers the probe. A row abandoned by this claim still
+-- counts here: its key's next row heads the key from the next claim on. lease_idx serves
+-- the range.
 SELECT o.seq, o.id, o.destination, o.topic, o.`key`, o.payload, o.content_type, o.headers,
        o.attempts, o.status, o.created_at,
-       (o.`key` IS NULL OR (
-            NOT EXISTS (
-                SELECT 1 FROM {outbox} AS e
-                WHERE e.destination = o.destination
-                  AND e.unfinished = 1
-                  AND e.`key` = o.`key`
-                  AND e.seq < o.seq)
-            AND NOT (:abandoned_blocks AND EXISTS (
-                SELECT 1 FROM {outbox} AS a
-                WHERE a.destination = o.destination
-                  AND a.blocker = 1
-                  AND a.`key` = o.`key`
-                  AND a.seq < o.seq
-                  AND a.status = 'ABANDONED')))) AS heads_key
+       (o.`key` IS NULL OR NOT EXISTS (
+            SELECT 1 FROM {outbox} AS b
+            WHERE b.destination = o.destination
+              AND b.blocker = 1
+              AND b.`key` = o.`key`
+              AND b.seq < o.seq
+              AND (b.status <> 'ABANDONED' OR :abandoned_blocks))) AS heads_key
 FROM {outbox} AS o
 WHERE o.destination = :destination
   AND o.locked_until < UTC_TIMESTAMP(6)

@@ -27,19 +27,20 @@ WHERE destination = :destination
 RETURNING seq, id, topic, key, attempts, last_error
 
 -- name: expired_head
--- 2. The earliest row whose lease expired and that heads its key (no unfinished row of its
--- key before it, nor an abandoned one when abandoned rows block): recovered alone, below.
+-- 2. The earliest row whose lease expired and that heads its key (no earlier row of its key
+-- in flight or failed, nor abandoned when abandoned rows block; no PENDING row of a key
+-- comes before a row in flight): recovered alone, below.
 SELECT o.seq FROM {outbox} AS o
 WHERE o.destination = :destination
   AND o.status = 'PROCESSING'
   AND o.locked_until < :now
   AND (o.key IS NULL OR NOT EXISTS (
-        SELECT 1 FROM {outbox} AS e
-        WHERE e.destination = o.destination
-          AND e.key = o.key
-          AND e.seq < o.seq
-          AND (e.status IN ('PENDING', 'FAILED', 'PROCESSING')
-               OR (e.status = 'ABANDONED' AND :abandoned_blocks))))
+        SELECT 1 FROM {outbox} AS b
+        WHERE b.destination = o.destination
+          AND b.key = o.key
+          AND b.status IN ('PROCESSING', 'FAILED', 'ABANDONED')
+          AND b.seq < o.seq
+          AND (b.status <> 'ABANDONED' OR :abandoned_blocks)))
 ORDER BY o.seq
 LIMIT 1
 

@@ -36,6 +36,7 @@ RETURNS TABLE (seq bigint, id uuid, destination text, topic text, key text, payl
 LANGUAGE plpgsql VOLATILE AS $fn$
 #variable_conflict use_column
 DECLARE
+    candidate record;
     expired_row tid;
 BEGIN
     PERFORM pg_advisory_xact_lock(p_lock_key);
@@ -78,38 +79,45 @@ BEGIN
     --    (p_recover) only while it holds no other row, and holds no other until it is
     --    settled (relay.RecoveryGate): a claim that may not recover, and finds such a row,
     --    takes nothing else and says so, and its relay drains before it claims again;
-    --  * it heads its key: no unfinished row of its key comes before it (one still waiting
-    --    goes first), nor an abandoned one when abandoned rows block. Taken in seq order,
-    --    a key's recovered rows keep their order;
+    --  * it heads its key: no earlier row of its key is in flight or failed (due or not:
+    --    it goes first), nor abandoned when abandoned rows block. Taken in seq order, a
+    --    key's recovered rows keep their order. No PENDING row of a key comes before a
+    --    row in flight: a claim takes a key's rows in seq order with every unfinished row
+    --    before them, and a settle records its whole batch (the relay keeps this when the
+    --    database refuses a row: it then leaves that row's earlier rows in flight too). So
+    --    the probe needs only the rows of blocking_idx, as step 3's does;
     --  * the attempt that died counts (step 1 kept attempts + 1 below max_attempts) and
     --    last_error names the relay that held the row.
-    SELECT o.ctid INTO expired_row
-    FROM {outbox} AS o
-    WHERE o.destination = p_destination
-      AND o.status = 'PROCESSING'
-      AND o.locked_until < now()
-      AND (o.key IS NULL OR (
-            NOT EXISTS (
-                SELECT 1 FROM {outbox} AS e
-                WHERE e.destination = o.destination
-                  AND e.status IN ('PENDING', 'FAILED', 'PROCESSING')
-                  AND e.key = o.key
-                  AND e.seq < o.seq)
-            AND NOT (p_abandoned_blocks AND EXISTS (
-                SELECT 1 FROM {outbox} AS a
-                WHERE a.destination = o.destination
-                  AND a.key = o.key
-                  AND a.status = 'ABANDONED'
-                  AND a.seq < o.seq))))
-    ORDER BY o.seq
-    LIMIT 1
-    FOR UPDATE SKIP LOCKED;
-    IF FOUND AND NOT p_recover THEN
+    -- The rows whose lease expired are walked in seq order and probed one by one: the first
+    -- one usually heads its key, so a claim probes one row, however many wait.
+    FOR candidate IN
+        SELECT o.ctid AS row_id, o.seq AS row_seq, o.key AS row_key
+        FROM {outbox} AS o
+        WHERE o.destination = p_destination
+          AND o.status = 'PROCESSING'
+          AND o.locked_until < now()
+        ORDER BY o.seq
+    LOOP
+        CONTINUE WHEN candidate.row_key IS NOT NULL AND EXISTS (
+            SELECT 1 FROM {outbox} AS b
+            WHERE b.destination = p_destination
+              AND b.key = candidate.row_key
+              AND b.status IN ('PROCESSING', 'FAILED', 'ABANDONED')
+              AND b.seq < candidate.row_seq
+              AND (b.status <> 'ABANDONED' OR p_abandoned_blocks));
+        -- Locked as the row is now (a renewal since the walk began moved it: passed over).
+        SELECT t.ctid INTO expired_row
+        FROM {outbox} AS t
+        WHERE t.ctid = candidate.row_id AND t.status = 'PROCESSING' AND t.locked_until < now()
+        FOR UPDATE SKIP LOCKED;
+        EXIT WHEN expired_row IS NOT NULL;
+    END LOOP;
+    IF expired_row IS NOT NULL AND NOT p_recover THEN
         taken := 'recovery_waiting';
         RETURN NEXT;
         RETURN;
     END IF;
-    IF FOUND THEN
+    IF expired_row IS NOT NULL THEN
         RETURN QUERY
         UPDATE {outbox} AS t
         SET locked_by = p_relay_id,
