@@ -11,7 +11,6 @@ import collections
 import contextlib
 import functools
 import json
-import logging
 import math
 import os
 import socket
@@ -23,6 +22,7 @@ from typing import Any, TypeVar
 from outboxer.config import Settings
 from outboxer.errors import MissingDependencyError, StoreError
 from outboxer.message import Message
+from outboxer.redact import get_logger
 from outboxer.stores.base import (
     AbandonedRow,
     Claim,
@@ -36,7 +36,7 @@ from outboxer.stores.base import (
 )
 from outboxer.stores.sqlfiles import migrations, queries, render, to_numbered
 
-logger = logging.getLogger("outboxer.store")
+logger = get_logger("outboxer.store")
 
 T = TypeVar("T")
 
