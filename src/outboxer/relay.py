@@ -85,6 +85,55 @@ class RelayStats:
         return dict(self.__dict__)
 
 
+class Outage:
+    """The back-off of one kind of trouble the relay rides out (the database or a broker
+    unreachable): it counts consecutive failures, reports each one (a health problem under
+    ``place``, a warning line) and waits the outage back-off before the next try.
+
+    ``counts`` are the stats whose ``store_errors`` each failure adds to (none for a broker).
+    """
+
+    def __init__(
+        self,
+        relay: Relay,
+        place: str,
+        reason: str,
+        *,
+        log_as: str,
+        counts: Sequence[RelayStats] = (),
+    ) -> None:
+        self.relay = relay
+        self.place = place
+        self.reason = reason
+        self.log_as = log_as
+        self.counts = counts
+        self.failures = 0
+
+    def count(self) -> float:
+        """Count one more failure; return the back-off before the next try."""
+        self.failures += 1
+        for stats in self.counts:
+            stats.store_errors += 1
+        return OUTAGE_BACKOFF.delay(self.failures)
+
+    async def back_off(self, exc: BaseException, *, through_stop: bool = False) -> bool:
+        """Count and report a failure, then wait the back-off; return whether the relay is
+        stopping. The wait ends early when it stops, unless ``through_stop``."""
+        delay = self.count()
+        self.relay._outage(self.place, f"{self.reason} ({exc})")
+        logger.warning("%s (%s); retrying in %.1fs", self.log_as, exc, delay)
+        if through_stop:
+            await asyncio.sleep(delay)
+            return self.relay.stopping
+        return await self.relay._sleep(delay)
+
+    def over(self) -> int:
+        """The trouble is over: clear the health problem; return how many tries failed."""
+        failures, self.failures = self.failures, 0
+        self.relay._outage(self.place, None)
+        return failures
+
+
 class RecoveryGate:
     """What this relay holds, so that a row taken over from an expired lease is held alone.
 
@@ -194,7 +243,7 @@ class LeaseKeeper:
         seqs = [message.stored_seq for message in self.batch]
         self._set_deadline()
         next_renewal = self.renewed_at + self.lock_timeout * RENEW_EVERY
-        failures = 0
+        renewals = relay._database_outage(destination, "lease renewal failed")
         try:
             while self.lost is None:
                 await asyncio.sleep(max(min(next_renewal, self.give_up_at) - time.monotonic(), 0))
@@ -208,18 +257,17 @@ class LeaseKeeper:
                         self.give_up_at - sent_at,
                     )
                 except Exception as exc:  # noqa: BLE001 -- database outage: retry while the lease lasts
-                    failures += 1
-                    for stats in relay._stats(destination):
-                        stats.store_errors += 1
+                    # Not Outage.back_off: the next try must come before the lease runs out.
+                    delay = renewals.count()
                     reason = str(exc) or type(exc).__name__
-                    relay._outage("database", f"lease renewal failed ({reason})")
+                    relay._outage(renewals.place, f"{renewals.reason} ({reason})")
                     logger.warning(
                         "destination %s: lease renewal failed (%s); %.1fs of the lease left",
                         destination,
                         reason,
                         self.renewed_at + self.lock_timeout - time.monotonic(),
                     )
-                    next_renewal = time.monotonic() + OUTAGE_BACKOFF.delay(failures)
+                    next_renewal = time.monotonic() + delay
                     continue
                 if renewed < len(seqs):
                     self._lose(
@@ -227,8 +275,7 @@ class LeaseKeeper:
                         "expired (this relay stalled)"
                     )
                     return
-                failures = 0
-                relay._outage("database", None)
+                renewals.over()
                 for stats in relay._stats(destination):
                     stats.renewals += 1
                 self.renewed_at = sent_at
@@ -421,28 +468,35 @@ class Relay:
 
     async def _connect_store(self) -> bool:
         """Connect, backing off while the database is down; False if stopped meanwhile."""
-        failures = 0
+        outage = Outage(
+            self, "database", "unreachable", log_as="database unreachable", counts=[self.stats]
+        )
         while True:
             try:
                 await self.store.connect()
                 # Fatal, not retried: claims would fail until an operator upgrades the schema.
                 await self.store.check_schema()
-                self._outage("database", None)
+                outage.over()
                 return True
             except SchemaError:
                 raise
             except Exception as exc:  # noqa: BLE001 -- the database may be starting: keep trying, never exit
-                failures += 1
-                self.stats.store_errors += 1
-                delay = OUTAGE_BACKOFF.delay(failures)
-                self._outage("database", f"unreachable ({exc})")
-                logger.warning("database unreachable (%s); retrying in %.1fs", exc, delay)
-                if await self._sleep(delay):
+                if await outage.back_off(exc):
                     return False
 
     def _stats(self, destination: str) -> tuple[RelayStats, RelayStats]:
         """The relay's counters and the destination's: both take every count."""
         return self.stats, self.destination_stats[destination]
+
+    def _database_outage(self, destination: str, reason: str) -> Outage:
+        """The back-off of one of a destination's statements while the database is down."""
+        return Outage(
+            self,
+            "database",
+            reason,
+            log_as=f"destination {destination}: {reason}",
+            counts=self._stats(destination),
+        )
 
     async def _ensure_publisher(self, destination: str) -> bool:
         """Connect the destination's publisher, backing off while the broker is down.
@@ -450,12 +504,16 @@ class Relay:
         Returns False if the relay was asked to stop meanwhile.
         """
         publisher = self.publishers[destination]
-        failures = 0
+        outage = Outage(
+            self,
+            f"broker {destination}",
+            "unreachable",
+            log_as=f"destination {destination}: broker unreachable",
+        )
         while not publisher.connected:
             try:
                 await publisher.connect()
-                self._outage(f"broker {destination}", None)
-                if failures:
+                if outage.over():
                     logger.info(
                         "destination %s: broker %s is back", destination, publisher.safe_url
                     )
@@ -470,22 +528,13 @@ class Relay:
                     self._fatal = ConfigError(f"destination {destination}: {exc}")
                     self.stop()
                     return False
-                failures += 1
-                delay = OUTAGE_BACKOFF.delay(failures)
-                self._outage(f"broker {destination}", f"unreachable ({exc})")
-                logger.warning(
-                    "destination %s: broker unreachable (%s); retrying in %.1fs",
-                    destination,
-                    exc,
-                    delay,
-                )
-                if await self._sleep(delay):
+                if await outage.back_off(exc):
                     return False
         return True
 
     async def _loop(self, destination: str) -> None:
         settings = self.settings
-        store_failures = 0
+        claims = self._database_outage(destination, "claim failed")
         while not self.stopping:
             if not await self._ensure_publisher(destination):
                 return
@@ -507,19 +556,10 @@ class Relay:
                 )
             except Exception as exc:  # noqa: BLE001 -- database outage: log, back off, resume by itself
                 self._gate.claimed(None, recover)
-                store_failures += 1
-                for stats in self._stats(destination):
-                    stats.store_errors += 1
-                delay = OUTAGE_BACKOFF.delay(store_failures)
-                self._outage("database", f"claim failed ({exc})")
-                logger.warning(
-                    "destination %s: claim failed (%s); retrying in %.1fs", destination, exc, delay
-                )
-                await self._sleep(delay)
+                await claims.back_off(exc)
                 continue
-            store_failures = 0
             self._gate.claimed(batch, recover)
-            self._outage("database", None)
+            claims.over()
             for stats in self._stats(destination):
                 stats.claim_seconds += time.perf_counter() - started
             self._log_abandoned(destination, batch)
@@ -758,7 +798,7 @@ class Relay:
     def _refused(self, destination: str, exc: StoreDataError, outcomes: int) -> None:
         for stats in self._stats(destination):
             stats.settles_refused += 1
-        self._refusals[destination] = (time.monotonic(), str(exc))
+        self._refusals[destination] = (time.monotonic(), redact_text(str(exc)))
         logger.error(
             "destination %s: the database refused to record %d outcome(s): %s",
             destination,
@@ -774,7 +814,7 @@ class Relay:
         # Settling must not be given up lightly: the broker already has these messages.
         # Retry until the database answers; if this relay dies first, the lock expires and
         # another relay publishes them again (a duplicate, never a loss).
-        failures = 0
+        outage = self._database_outage(destination, "settle failed")
         while True:
             try:
                 result = await self.store.settle(
@@ -785,16 +825,13 @@ class Relay:
                     outcomes.released,
                     self.settings.max_attempts,
                 )
-                self._outage("database", None)
+                outage.over()
                 return result
             except StoreDataError:
                 raise
             except Exception as exc:  # noqa: BLE001 -- database outage during settle
-                failures += 1
-                for stats in self._stats(destination):
-                    stats.store_errors += 1
-                delay = OUTAGE_BACKOFF.delay(failures)
-                if self.stopping and failures > 3:
+                if self.stopping and outage.failures >= 3:
+                    outage.count()
                     logger.error(
                         "destination %s: could not record %d outcomes (%s); their locks "
                         "expire and they will be published again",
@@ -803,11 +840,7 @@ class Relay:
                         exc,
                     )
                     return None
-                self._outage("database", f"settle failed ({exc})")
-                logger.warning(
-                    "destination %s: settle failed (%s); retrying in %.1fs", destination, exc, delay
-                )
-                await asyncio.sleep(delay)
+                await outage.back_off(exc, through_stop=True)
 
     async def _wait_for_work(self, destination: str, timeout: float) -> None:
         waiter = asyncio.create_task(self.store.wait_for_wakeup(destination, timeout))
