@@ -22,15 +22,19 @@ private_postgres = servers.private_postgres
 private_rabbitmq = servers.private_rabbitmq
 
 
+PRIVATE_SERVERS = {"private_postgres", "private_rabbitmq"}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if "tests/chaos/" in str(item.path).replace("\\", "/"):
+        if PRIVATE_SERVERS & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.chaos)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "chaos: fault-injection scenarios on private servers (tests/chaos)"
+        "markers",
+        "chaos: fault-injection scenarios on private servers (deselect: -m 'not chaos')",
     )
 
 

@@ -29,10 +29,10 @@ KILLS = 20
 #: fall at random moments inside it.
 WRITE_SECONDS = 45.0
 #: Longer than the suite's default 2 s: a live relay starved of CPU for longer than its lease
-#: loses its batch to another relay, which publishes it again (seen here with three suites
-#: running at once: 94 duplicates no kill explains, "lock expired" on a relay never killed).
-#: That is the lease's own scenario (test_slow_broker); here every duplicate must come from
-#: a kill, so the lease outlasts the stalls this shared box inflicts.
+#: cannot renew it, and another relay publishes its rows again (seen on this box with three
+#: suites at once: 94 duplicates no kill explained, "lock expired" on a relay never killed).
+#: Leases are test_slow_broker's subject; here every duplicate must come from a kill, so
+#: the lease outlasts the stalls a shared 2-core box inflicts.
 LOCK_TIMEOUT = 5
 
 
