@@ -281,10 +281,6 @@ def retried(db_url: str) -> set[str]:
 # ----- the relays ----------------------------------------------------------------------------
 
 
-#: Query parameters named like these carry secrets (as outboxer's own redaction assumes).
-SECRET_WORDS = ("password", "secret", "token", "key")
-
-
 #: Relay settings of the scenarios unless they say otherwise: small batches, a short lease
 #: and quick retries, so that each fault shows (and is recovered from) within seconds.
 RELAY_DEFAULTS: dict[str, object] = {
@@ -303,6 +299,10 @@ def relay_args(**settings: object) -> list[str]:
         f"--{name.replace('_', '-')}={value}"
         for name, value in {**RELAY_DEFAULTS, **settings}.items()
     ]
+
+
+#: Query parameters named like these carry secrets (as outboxer's own redaction assumes).
+SECRET_WORDS = ("password", "secret", "token", "key")
 
 
 @dataclass(frozen=True)
@@ -359,13 +359,11 @@ class RelayFleet:
         *,
         args: Sequence[str] = (),
         http_token: str,
-        log_level: str = "INFO",
     ) -> None:
         self.db_url, self.broker_url, self.workdir = db_url, broker_url, workdir
-        self.args, self.http_token, self.log_level = list(args), http_token, log_level
+        self.args, self.http_token = list(args), http_token
         self.relays: list[RelayProcess] = []
         self.kills: list[Kill] = []
-        self.deaths = 0  # relays that ended without being asked to (see reap_dead)
 
     @property
     def secrets(self) -> Secrets:
@@ -379,27 +377,26 @@ class RelayFleet:
         # Only what this test sets: no OUTBOXER_* of the caller's, no outboxer.toml (cwd).
         env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOXER_")}
         env["OUTBOXER_HTTP_TOKEN"] = self.http_token
-        process = subprocess.Popen(
-            [
-                *OUTBOXER,
-                "relay",
-                "--db",
-                self.db_url,
-                "--broker",
-                self.broker_url,
-                "--relay-id",
-                relay_id,
-                "--http",
-                f"127.0.0.1:{http_port}",
-                "--log-level",
-                self.log_level,
-                *self.args,
-            ],
-            stdout=log.open("ab"),
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=self.workdir,
-        )
+        with log.open("ab") as out:  # the relay keeps its own descriptor
+            process = subprocess.Popen(
+                [
+                    *OUTBOXER,
+                    "relay",
+                    "--db",
+                    self.db_url,
+                    "--broker",
+                    self.broker_url,
+                    "--relay-id",
+                    relay_id,
+                    "--http",
+                    f"127.0.0.1:{http_port}",
+                    *self.args,
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self.workdir,
+            )
         relay = RelayProcess(relay_id, process, log, http_port)
         self.relays.append(relay)
         return relay
