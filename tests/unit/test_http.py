@@ -315,9 +315,9 @@ def test_loopback(host: str, loopback: bool) -> None:
 
 def test_http_settings_from_flags_environment_and_file(tmp_path: Path) -> None:
     config = tmp_path / "outboxer.toml"
-    config.write_text('http = "127.0.0.1:9100"\nhttp_token = "from-file"\n')
+    config.write_text('http = "127.0.0.1:9100"\nhttp_token = "from-file-0123456789"\n')
     from_file = load_settings({}, config_file=config, environ={})
-    assert (from_file.http, from_file.http_token) == ("127.0.0.1:9100", "from-file")
+    assert (from_file.http, from_file.http_token) == ("127.0.0.1:9100", "from-file-0123456789")
     from_env = load_settings({}, config_file=config, environ={"OUTBOXER_HTTP": "0.0.0.0:9200"})
     assert from_env.http == "0.0.0.0:9200"
     assert "from-file" not in repr(from_env), "the token stays out of reprs (and so out of logs)"

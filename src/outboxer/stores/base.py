@@ -77,7 +77,7 @@ def fold_counts(rows: Sequence[Mapping[str, Any]]) -> list[DestinationStatus]:
 
 
 def check_identifier(kind: str, name: str) -> str:
-    if not _IDENTIFIER.match(name):
+    if not _IDENTIFIER.fullmatch(name):
         raise ConfigError(
             f"{kind} name {name!r} must start with a letter or underscore and hold only "
             "letters, digits and underscores (at most 41 characters)"
