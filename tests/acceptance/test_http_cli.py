@@ -125,10 +125,12 @@ def test_serve_requeues_with_the_token_from_the_environment(
     wait_until(lambda: request(base + "/health")[0] == 200, "serve answers /health with 200")
     status, text = request(base + "/messages")
     assert status == 200 and [m["id"] for m in json.loads(text)["messages"]] == [str(message.id)]
-    body = b'{"statuses": ["ABANDONED"]}'
-    assert request(base + "/messages/requeue", data=body)[0] == 401
+    body, json_type = b'{"statuses": ["ABANDONED"]}', {"Content-Type": "application/json"}
+    assert request(base + "/messages/requeue", data=body, headers=json_type)[0] == 401
     status, text = request(
-        base + "/messages/requeue", data=body, headers={"Authorization": f"Bearer {TOKEN}"}
+        base + "/messages/requeue",
+        data=body,
+        headers={**json_type, "Authorization": f"Bearer {TOKEN}"},
     )
     assert (status, json.loads(text)) == (200, {"requeued": 1})
     status, text = request(base + "/status")

@@ -199,6 +199,92 @@ def test_bad_input_raises_payload_error_before_any_sql(
     assert len(stored(pg_url)) == 1
 
 
+#: enqueue arguments each refused with PayloadError, on top of a valid message.
+REFUSED: list[dict[str, Any]] = [
+    {"topic": "order\x00placed"},
+    {"topic": "order.placed\ud800"},
+    {"key": "customer\x007"},
+    {"headers": {"trace\x00": "1"}},
+    {"headers": {"trace": "00-\x00-01"}},
+    {"headers": {"trace": "\udcff"}},
+    {"payload": "caf\x00e"},
+    {"payload": "caf\udce9"},
+    {"payload": {"name": "caf\udce9"}},
+    {"payload": b"x" * 1025},  # over LIMITED's max_payload_bytes
+]
+LIMITED = outboxer.Outbox(max_payload_bytes=1024)
+
+
+def refused_arguments(change: dict[str, Any]) -> dict[str, Any]:
+    return {"topic": "t", "payload": {"ok": True}, "key": "k", "headers": {"h": "v"}} | change
+
+
+def sync_connection(driver: str, url: str) -> Any:
+    if driver == "psycopg":
+        import psycopg
+
+        return psycopg.connect(url)
+    if driver == "pymysql":
+        return mysql_connect(url)
+    return sqlite3.connect(sqlite_path(url))
+
+
+def committed_topics(driver: str, url: str) -> list[str]:
+    if driver == "psycopg":
+        return [row["topic"] for row in stored(url)]
+    if driver == "pymysql":
+        return [row["topic"] for row in mysql_stored(url)]
+    with sqlite3.connect(sqlite_path(url)) as conn:
+        return [row[0] for row in conn.execute("SELECT topic FROM outbox ORDER BY seq")]
+
+
+@pytest.mark.parametrize(
+    ("driver", "url_fixture"),
+    [("psycopg", "pg_url"), ("pymysql", "mysql_url"), ("sqlite3", "sqlite_url")],
+)
+def test_refused_enqueues_leave_the_callers_transaction_usable(
+    request: pytest.FixtureRequest, driver: str, url_fixture: str
+) -> None:
+    """Each refusal is a PayloadError before any SQL; the open transaction goes on and commits."""
+    url = request.getfixturevalue(url_fixture)
+    conn = sync_connection(driver, url)
+    try:
+        LIMITED.enqueue(conn, "before", {"n": 1})  # the caller's transaction is open
+        for change in REFUSED:
+            with pytest.raises(PayloadError):
+                LIMITED.enqueue(conn, **refused_arguments(change))
+            if driver == "psycopg":
+                import psycopg
+
+                assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS, (
+                    f"{change!r} left the transaction {conn.info.transaction_status.name}"
+                )
+        LIMITED.enqueue(conn, "after", b"x" * 1024, key="k")  # a later statement succeeds
+        conn.commit()
+    finally:
+        conn.close()
+    assert committed_topics(driver, url) == ["before", "after"], "nothing refused was written"
+
+
+async def test_refused_enqueues_leave_an_asyncpg_transaction_usable(pg_url: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(pg_url)
+    try:
+        async with conn.transaction():
+            await LIMITED.enqueue_async(conn, "before", {"n": 1})
+            for change in REFUSED:
+                with pytest.raises(PayloadError):
+                    await LIMITED.enqueue_async(conn, **refused_arguments(change))
+                # asyncpg sends what it is given: a NUL reaching the server would abort the
+                # transaction, and this statement would fail with InFailedSQLTransactionError.
+                assert await conn.fetchval("SELECT 1") == 1, f"after {change!r}"
+            await LIMITED.enqueue_async(conn, "after", b"x" * 1024, key="k")
+    finally:
+        await conn.close()
+    assert [row["topic"] for row in stored(pg_url)] == ["before", "after"]
+
+
 def test_unsupported_connection_names_the_supported_kinds() -> None:
     with pytest.raises(TypeError, match=r"psycopg.Connection.*asyncpg"):
         outboxer.enqueue(object(), "t", {"a": 1})

@@ -2,7 +2,9 @@
 
 An adapter implements ``_connect``, ``_close`` and either ``_publish_one``
 (awaits the broker's confirmation of one message) or ``_publish_wave`` (a
-whole wave at once, for brokers that pipeline). Everything else lives here:
+whole wave at once, for brokers that pipeline); brokers that ack each publish
+on its own subclass ``AckedPublisher``, which owns that wave and asks only for
+sending one message and reading its ack. Everything else lives here:
 per-key ordering, timeouts, error classification, connection state and counters.
 
 Ordering. A batch is cut into *waves*: wave ``n`` holds the ``n``-th message of
@@ -21,14 +23,17 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 from outboxer.errors import BrokerUnavailableError, ConfigError, PublishError
 from outboxer.message import Message
+from outboxer.options import parse_bool
 from outboxer.redact import get_logger, redact_url, register_url_secrets
 
 logger = get_logger("outboxer.publisher")
+#: What a broker answers each publish with (see AckedPublisher).
+AckT = TypeVar("AckT")
 
 
 class OutcomeKind(StrEnum):
@@ -88,14 +93,8 @@ def option_bool(options: Mapping[str, str], name: str, given: bool | None, defau
     """A true/false adapter option: the keyword argument wins, then the URL query, then the default."""
     if given is not None:
         return given
-    text = options.get(name, "").strip().lower()
-    if not text:
-        return default
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{name} must be true or false, not {options[name]!r}")
+    text = options.get(name, "")
+    return parse_bool(text, name) if text.strip() else default
 
 
 def parse_options(url: str) -> tuple[Any, dict[str, str]]:
@@ -274,6 +273,69 @@ class Publisher(ABC):
             raise RuntimeError(
                 f"{type(self).__name__}._publish_wave returned {len(results)} results for {len(messages)} messages"
             )
+        return results
+
+
+class AckedPublisher(Publisher, Generic[AckT]):
+    """A publisher for brokers that answer each publish with an ack of its own (NATS
+    JetStream's PubAck, MQTT's PUBACK): a wave's messages are all sent, then their acks
+    are awaited together, until they are all in or the connection is lost.
+
+    An adapter fills in ``_connection_lost_event``, ``_send``, ``_ack_error`` and
+    ``_connection_error``.
+    """
+
+    @abstractmethod
+    def _connection_lost_event(self) -> asyncio.Event | None:
+        """The event set once the current connection is lost; None if not connected."""
+
+    @abstractmethod
+    async def _send(self, message: Message) -> asyncio.Future[AckT]:
+        """Send one message; the future gets its ack. Raise for a message that was not sent:
+        the wave goes on after a failure of the message's own, and stops after one that
+        ``is_connection_error`` calls a connection failure."""
+
+    @abstractmethod
+    def _ack_error(self, message: Message, ack: AckT) -> BaseException | None:
+        """None if ``ack`` confirms ``message``, else the error it means."""
+
+    @abstractmethod
+    def _connection_error(self, detail: str) -> BaseException:
+        """The error for a message the connection failed; ``detail`` completes "the
+        connection …": "is not open", "was lost before publishing" or "… before the ack"."""
+
+    async def _publish_wave(self, messages: Sequence[Message]) -> list[BaseException | None]:
+        lost = self._connection_lost_event()
+        if lost is None or lost.is_set():
+            return [self._connection_error("is not open")] * len(messages)
+        results: list[BaseException | None] = [None] * len(messages)
+        pending: dict[int, asyncio.Future[AckT]] = {}
+        try:
+            for index, message in enumerate(messages):
+                try:
+                    pending[index] = await self._send(message)
+                except Exception as exc:  # noqa: BLE001 - the message's outcome
+                    results[index] = exc
+                    if self.is_connection_error(exc):
+                        break
+            if pending:
+                acks = asyncio.gather(*pending.values(), return_exceptions=True)
+                watcher = asyncio.ensure_future(lost.wait())
+                try:
+                    await asyncio.wait((acks, watcher), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    watcher.cancel()
+        finally:
+            for future in pending.values():
+                future.cancel()  # no-op for the acknowledged ones
+        for index, message in enumerate(messages):
+            if index not in pending:
+                if results[index] is None:  # not sent: the connection broke before its turn
+                    results[index] = self._connection_error("was lost before publishing")
+            elif (ack := pending[index]).cancelled():
+                results[index] = self._connection_error("was lost before the ack")
+            else:
+                results[index] = self._ack_error(message, ack.result())
         return results
 
 
