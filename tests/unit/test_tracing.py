@@ -7,12 +7,10 @@ import subprocess
 import sys
 import textwrap
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime
 
 import pytest
 from opentelemetry import baggage, context, trace
-from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
@@ -25,17 +23,9 @@ from outboxer.tracing import (
     messaging_system,
     start_publish_spans,
 )
-from tests.otel import memory_exporter
+from tests.otel import BLOCK_OPENTELEMETRY, traceparent_of
 
 tracer = trace.get_tracer("tests")
-
-
-@pytest.fixture
-def exporter() -> Iterator[InMemorySpanExporter]:
-    exporter = memory_exporter()
-    exporter.clear()
-    yield exporter
-    exporter.clear()
 
 
 def stored(headers: dict[str, str] | None, *, key: str | None = "k", attempts: int = 0) -> Message:
@@ -51,11 +41,6 @@ def stored(headers: dict[str, str] | None, *, key: str | None = "k", attempts: i
         attempts=attempts,
         seq=1,
     )
-
-
-def traceparent_of(span: trace.Span | ReadableSpan) -> str:
-    ctx = span.get_span_context()
-    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"
 
 
 def test_enqueue_headers_get_the_current_span_tracestate_and_baggage(
@@ -206,13 +191,6 @@ _NO_OTEL = textwrap.dedent(
     """
     import sys, uuid
 
-    class Blocker:  # as if opentelemetry were not installed
-        def find_spec(self, name, path=None, target=None):
-            if name == "opentelemetry" or name.startswith("opentelemetry."):
-                raise ImportError(f"blocked {name}")
-
-    if BLOCK:
-        sys.meta_path.insert(0, Blocker())
     import outboxer
     from outboxer.message import Message
     from outboxer.tracing import consumer_span, inject_trace_context, start_publish_spans
@@ -237,7 +215,7 @@ _NO_OTEL = textwrap.dedent(
 @pytest.mark.parametrize("block", [True, False], ids=["otel-absent", "otel-installed-unused"])
 def test_tracing_imports_nothing_and_does_nothing_without_opentelemetry_in_use(block: bool) -> None:
     result = subprocess.run(
-        [sys.executable, "-c", f"BLOCK = {block}\n{_NO_OTEL}"],
+        [sys.executable, "-c", (BLOCK_OPENTELEMETRY if block else "") + _NO_OTEL],
         capture_output=True,
         text=True,
         timeout=60,
