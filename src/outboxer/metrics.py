@@ -27,7 +27,6 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
 
 from outboxer.errors import MissingDependencyError
-from outboxer.http import _DESTINATION_COUNTERS, _RELAY_COUNTERS
 from outboxer.message import Status
 
 if TYPE_CHECKING:
@@ -49,10 +48,70 @@ STATEMENT_BUCKETS = (
 
 ALL_STATUSES = tuple(status.value for status in Status)
 
-# The relay's counters keep the names and help texts of the API's own renderer. They move
-# here when the ASGI API replaces http.py's hand-written server and its renderer.
-DESTINATION_COUNTERS = _DESTINATION_COUNTERS
-RELAY_COUNTERS = _RELAY_COUNTERS
+# The relay's counters: dashboards and alert rules use these names, keep them.
+#: (metric, RelayStats attribute, help), one series per destination (label ``destination``).
+DESTINATION_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    (
+        "outboxer_messages_claimed_total",
+        "claimed",
+        "Messages this relay claimed (a message claimed again after a failure counts again).",
+    ),
+    (
+        "outboxer_messages_published_total",
+        "published",
+        "Messages the broker confirmed and this relay marked PUBLISHED.",
+    ),
+    (
+        "outboxer_messages_failed_total",
+        "failed",
+        "Failed publish attempts this relay recorded (retried later, or abandoned).",
+    ),
+    (
+        "outboxer_messages_abandoned_total",
+        "abandoned_now",
+        "Messages this relay gave up on (ABANDONED): attempts used up or rejected for good.",
+    ),
+    (
+        "outboxer_messages_released_total",
+        "released",
+        "Claimed messages given back without an attempt (behind a failed message of their key, or at shutdown).",
+    ),
+    (
+        "outboxer_messages_lost_total",
+        "lost",
+        "Messages another relay took over after this relay's lock expired.",
+    ),
+    ("outboxer_batches_total", "batches", "Batches this relay claimed and processed."),
+    ("outboxer_claim_seconds_total", "claim_seconds", "Seconds spent in claim statements."),
+    (
+        "outboxer_publish_seconds_total",
+        "publish_seconds",
+        "Seconds spent publishing batches and waiting for confirms.",
+    ),
+    (
+        "outboxer_settle_seconds_total",
+        "settle_seconds",
+        "Seconds spent recording outcomes (settle statements).",
+    ),
+    (
+        "outboxer_broker_connects_total",
+        "broker_reconnects",
+        "Successful broker connections: the first one of each destination and every reconnect.",
+    ),
+)
+#: Counters of the relay as a whole (no label).
+RELAY_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    (
+        "outboxer_messages_cleaned_total",
+        "cleaned",
+        "Finished messages and inbox entries this relay's retention deleted.",
+    ),
+    (
+        "outboxer_store_errors_total",
+        "store_errors",
+        "Database statements or connections that failed (the relay backs off and retries).",
+    ),
+)
 
 
 def prometheus_client() -> ModuleType:
