@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
+from outboxer import dashboard
 from outboxer.config import Settings, is_loopback, parse_http_address
 from outboxer.errors import ConfigError, MissingDependencyError, PayloadError, StoreError
 from outboxer.message import Status, check_text
@@ -371,6 +372,7 @@ class HttpApi:
         token: str | None = None,
         status_cache_seconds: float = STATUS_CACHE_SECONDS,
         store_timeout: float = STORE_TIMEOUT,
+        sample_seconds: float = dashboard.SAMPLE_SECONDS,
     ) -> None:
         check_token(token)
         self.store = store
@@ -386,8 +388,14 @@ class HttpApi:
         self.prometheus: Metrics = Metrics(process_metrics=False)
         if relay is not None:
             self.prometheus.watch_relay(relay)
+        self.sample_seconds = sample_seconds
+        self.history = dashboard.History(sample_seconds)
         self._connect_lock = asyncio.Lock()
         self.routes: dict[str, dict[str, Handler]] = {
+            "/": {"GET": self.dashboard},
+            "/dashboard.js": {"GET": self.dashboard_asset},
+            "/dashboard.css": {"GET": self.dashboard_asset},
+            "/dashboard/series": {"GET": self.dashboard_series},
             "/health": {"GET": self.health},
             "/metrics": {"GET": self.metrics},
             "/status": {"GET": self.status},
@@ -543,6 +551,79 @@ class HttpApi:
             f", {len(ids)} id(s)" if ids is not None else "",
         )
         return json_response(http.HTTPStatus.OK, {"requeued": count})
+
+    # ----- the dashboard ------------------------------------------------------------------
+
+    async def dashboard(self, request: Request) -> Response:
+        statuses = await self.status_cache.get()
+        problems: list[dict[str, object]] = []
+        if statuses is not None:  # else the page says the database did not answer
+            store = await self._connected_store()
+            async with asyncio.timeout(QUERY_TIMEOUT):
+                # The store lists oldest first: take as many as an API call may, keep the newest.
+                rows = await store.list_messages(
+                    list(dashboard.PROBLEM_STATUSES), MESSAGES_MAX_LIMIT
+                )
+            problems = dashboard.newest_problems(rows)
+        relay = None
+        if self.relay is not None:
+            relay = "; ".join(self.relay.health_problems()) or "ok"
+        page = dashboard.render_page(
+            statuses,
+            problems,
+            relay=relay,
+            token_required=self.token is not None,
+            sample_seconds=self.sample_seconds,
+        )
+        return Response(
+            http.HTTPStatus.OK, page.encode(), "text/html; charset=utf-8", dashboard.PAGE_HEADERS
+        )
+
+    async def dashboard_asset(self, request: Request) -> Response:
+        name = request.path.removeprefix("/")
+        kind = "text/javascript" if name.endswith(".js") else "text/css"
+        return Response(
+            http.HTTPStatus.OK,
+            dashboard.asset(name),
+            f"{kind}; charset=utf-8",
+            {"X-Content-Type-Options": "nosniff"},
+        )
+
+    async def dashboard_series(self, request: Request) -> Response:
+        return json_response(http.HTTPStatus.OK, self.history.series())
+
+    async def sample(self) -> None:
+        """Add a point to the chart: messages published so far, and the latency histogram."""
+        statuses = await self.status_cache.get()
+        if self.relay is not None:  # the relay's own counters: exact, and no query
+            published = {
+                name: float(counts.published)
+                for name, counts in self.relay.destination_stats.items()
+            }
+        elif statuses is not None:  # alone: the PUBLISHED rows (retention may delete some)
+            published = {
+                entry.destination: float(entry.counts.get(Status.PUBLISHED.value, 0))
+                for entry in statuses
+            }
+        else:
+            return  # no numbers: a gap in the chart
+        registry = self.prometheus.registry
+        latency = {}
+        for name in published:
+            labels = {"destination": name}
+            total = registry.get_sample_value("outboxer_publish_latency_seconds_sum", labels)
+            count = registry.get_sample_value("outboxer_publish_latency_seconds_count", labels)
+            if total is not None and count is not None:
+                latency[name] = (total, count)
+        self.history.add(dashboard.Sample(time.time(), published, latency))
+
+    async def sample_forever(self) -> None:
+        while True:
+            try:
+                await self.sample()
+            except Exception as exc:  # noqa: BLE001 -- a missed point is logged; the next one may work
+                logger.warning("dashboard: sampling failed: %s", _describe(exc))
+            await asyncio.sleep(self.sample_seconds)
 
 
 #: Driver packages whose exceptions mean "the database failed", not "the API has a bug":
@@ -851,6 +932,7 @@ class HttpServer:
         self.app = AsgiApp(api, host, read_timeout)
         self._server: uvicorn.Server | None = None
         self._serving: asyncio.Task[None] | None = None
+        self._sampling: asyncio.Task[None] | None = None
 
     @property
     def url(self) -> str:
@@ -894,6 +976,7 @@ class HttpServer:
                 await self._serving  # raises what stopped it
                 raise ConfigError(f"the HTTP API on {self.url} stopped while starting")
             await asyncio.sleep(0.01)
+        self._sampling = asyncio.create_task(self.api.sample_forever())
         logger.info(
             "HTTP API listening on %s (requeue %s)",
             self.url,
@@ -903,10 +986,14 @@ class HttpServer:
 
     async def close(self) -> None:
         """Stop listening, close idle connections, finish (or cancel) requests, close the store."""
+        if self._sampling is not None:
+            self._sampling.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sampling
         if self._server is not None and self._serving is not None:
             self._server.should_exit = True
             await self._serving
-        self._server = self._serving = None
+        self._server = self._serving = self._sampling = None
         await self.api.close()
 
     async def __aenter__(self) -> HttpServer:

@@ -11,11 +11,9 @@ Deterministic for CI: ``derandomize=True`` draws the same examples on every run,
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 import socket
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,10 +27,10 @@ from outboxer.http import (
     MAX_BODY_BYTES,
     HttpApi,
     HttpError,
-    HttpServer,
     body_length,
 )
 from outboxer.stores import create_store
+from tests.http_thread import serving_in_thread
 
 
 def fuzz(max_examples: int) -> settings:
@@ -250,27 +248,20 @@ class _ProblemHandler(logging.Handler):
 @pytest.fixture
 def live_server(sqlite_url: str) -> Iterator[LiveServer]:
     """The API on a loopback port, served from its own thread and event loop."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="fuzzed-http-api", daemon=True)
-    thread.start()
-
-    async def start() -> HttpServer:
-        api = HttpApi(create_store(sqlite_url), load_settings({"db": sqlite_url}, environ={}))
-        return await HttpServer(api, "127.0.0.1", 0, read_timeout=5.0).start()
-
     problems: list[logging.LogRecord] = []
     handler = _ProblemHandler(problems)
     root = logging.getLogger()
     root.addHandler(handler)
-    server = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
     try:
-        yield LiveServer(server.port, problems)
+        with serving_in_thread(
+            lambda: HttpApi(
+                create_store(sqlite_url), load_settings({"db": sqlite_url}, environ={})
+            ),
+            read_timeout=5.0,
+        ) as server:
+            yield LiveServer(server.port, problems)
     finally:
-        asyncio.run_coroutine_threadsafe(server.close(), loop).result(30)
         root.removeHandler(handler)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
     # A connection's failure can be logged after its client saw the connection close.
     assert [f"{r.name}: {r.getMessage()}" for r in problems] == [], "no traceback in the log"
 

@@ -278,6 +278,25 @@ async def test_metrics_in_openmetrics_when_the_scraper_asks(sqlite_url: str) -> 
     assert 'outboxer_messages{destination="default",status="PENDING"} 1.0' in response.text
 
 
+async def test_the_dashboard_page_its_assets_and_its_series(db_url: str) -> None:
+    enqueue(db_url, 2)
+    async with serving(db_url, status_cache_seconds=0, sample_seconds=0.05) as client:
+        await eventually(
+            lambda: _true(len(client.server.api.history.samples) >= 2)  # type: ignore[attr-defined]
+        )
+        page = await client.get("/")
+        script = await client.get("/dashboard.js")
+        style = await client.get("/dashboard.css")
+        series = (await client.get("/dashboard/series")).json()
+    assert page.status_code == 200 and page.headers["content-type"] == "text/html; charset=utf-8"
+    assert "script-src 'self'" in page.headers["content-security-policy"]
+    assert 'data-status="PENDING">2</td>' in page.text
+    assert script.headers["content-type"] == "text/javascript; charset=utf-8"
+    assert "function drawChart" in script.text and "sessionStorage" in script.text
+    assert style.headers["content-type"] == "text/css; charset=utf-8"
+    assert series["points"][-1]["destinations"] == {"default": {"rate": 0.0, "latency": None}}
+
+
 # ----- status and messages -----------------------------------------------------------------
 
 
