@@ -353,6 +353,10 @@ class StatusCache:
                 self._fetched_at = time.monotonic()
             return self._result
 
+    def invalidate(self) -> None:
+        """Query again at the next ``get``: the API itself just changed the outbox."""
+        self._fetched_at = -math.inf
+
 
 # ----- the API -----------------------------------------------------------------------------
 
@@ -543,6 +547,7 @@ class HttpApi:
         # No timeout here: an abandoned requeue could still commit after the client was told
         # it failed. The store's own statement timeout bounds it.
         count = await (await self._connected_store()).requeue(destinations, statuses, ids)
+        self.status_cache.invalidate()  # the next page or scrape shows the requeued rows
         logger.info(
             "requeued %d message(s) (destinations %s, statuses %s%s)",
             count,

@@ -297,6 +297,16 @@ async def test_the_dashboard_page_its_assets_and_its_series(db_url: str) -> None
     assert series["points"][-1]["destinations"] == {"default": {"rate": 0.0, "latency": None}}
 
 
+async def test_a_requeue_through_the_api_refreshes_the_cached_gauges(sqlite_url: str) -> None:
+    async with abandoned(sqlite_url, 2), serving(sqlite_url, status_cache_seconds=60) as client:
+        before = samples((await client.get("/metrics")).text)
+        assert (await client.post("/messages/requeue", json={})).json() == {"requeued": 2}
+        after = samples((await client.get("/metrics")).text)
+    assert before['outboxer_messages{destination="default",status="ABANDONED"}'] == 2
+    assert after['outboxer_messages{destination="default",status="ABANDONED"}'] == 0
+    assert after['outboxer_messages{destination="default",status="PENDING"}'] == 2
+
+
 # ----- status and messages -----------------------------------------------------------------
 
 
