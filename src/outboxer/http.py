@@ -93,6 +93,10 @@ _END_OF_HEAD = re.compile(rb"\r?\n\r?\n")
 _HTTP_VERSIONS = ("1.0", "1.1")
 
 
+#: The modules of the ``http`` extra (pip names: starlette, uvicorn, prometheus-client).
+_HTTP_EXTRA = ("starlette", "uvicorn", "prometheus_client")
+
+
 def _require(module: str) -> Any:
     """Import a module of the ``http`` extra, or MissingDependencyError naming the extra."""
     import importlib
@@ -1022,6 +1026,8 @@ async def start_http_api(settings: Settings, relay: Relay | None = None) -> Http
     if not settings.http:
         raise ConfigError("no HTTP address: pass --http HOST:PORT or set OUTBOXER_HTTP")
     host, port = parse_http_address(settings.http, "--http")
+    for module in _HTTP_EXTRA:  # checked before the store or a socket is opened
+        _require(module)
     store = create_store(settings.require_db(), schema=settings.schema, table=settings.table)
     api = HttpApi(store, settings, relay, token=settings.http_token)
     return await HttpServer(api, host, port).start()

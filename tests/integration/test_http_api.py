@@ -716,6 +716,24 @@ async def test_a_slow_client_times_out_and_blocks_neither_the_api_nor_the_relay(
     assert 0.9 <= time.monotonic() - started < 5
 
 
+async def test_a_body_that_stops_short_times_out_with_408(sqlite_url: str) -> None:
+    async with abandoned(sqlite_url, 1) as store, serving(sqlite_url, read_timeout=1.0) as client:
+        port = client.server.port  # type: ignore[attr-defined]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"POST /messages/requeue HTTP/1.1\r\nHost: localhost\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 20\r\n\r\n{}"
+        )  # ... and never the other 18 bytes
+        await writer.drain()
+        started = time.monotonic()
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        assert await statuses(store) == {"ABANDONED": 1}, "nothing was requeued"
+    assert answer.startswith(b"HTTP/1.1 408 Request Timeout"), answer
+    assert b"did not arrive within 1s" in answer
+    assert 0.9 <= time.monotonic() - started < 5
+
+
 async def test_closing_the_server_drops_open_connections_without_waiting(sqlite_url: str) -> None:
     async with serving(sqlite_url) as client:
         server: HttpServer = client.server  # type: ignore[attr-defined]
