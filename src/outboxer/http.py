@@ -391,11 +391,14 @@ class HttpApi:
         self.status_cache = StatusCache(self._query_status, status_cache_seconds, store_timeout)
         from outboxer.metrics import Metrics
 
-        # The API's own registry: the relay's counters (read at each scrape) and the outbox
-        # gauges. Process metrics stay out: the relay's own registry will carry them.
-        self.prometheus: Metrics = Metrics(process_metrics=False)
-        if relay is not None:
-            self.prometheus.watch_relay(relay)
+        # Inside a relay, its registry (its counters, histograms and process metrics) gets the
+        # outbox gauges too; alone, a registry of the outbox gauges only.
+        if relay is not None and relay.metrics is not None:
+            self.prometheus: Metrics = relay.metrics
+        else:
+            self.prometheus = Metrics(process_metrics=False)
+            if relay is not None:
+                self.prometheus.watch_relay(relay)
         self.sample_seconds = sample_seconds
         self.history = dashboard.History(sample_seconds)
         self._connect_lock = asyncio.Lock()
