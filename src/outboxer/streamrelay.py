@@ -1,0 +1,245 @@
+"""A relay for outboxes read by offset: PostgreSQL log mode and the WAL outbox.
+
+These outboxes record no per-message status. A *source* hands out entries after its
+stored checkpoint, in publish order; the relay publishes them and stores the checkpoint
+of the longest prefix the broker confirmed. A failed message stops the stream there (a
+key's later messages must not overtake it): the relay backs off and reads again from
+the checkpoint, so messages after a failure may be published twice (at-least-once),
+never skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from outboxer.brokers.base import Outcome, Publisher
+from outboxer.errors import BrokerUnavailableError, ConfigError, StoreError
+from outboxer.message import Message
+from outboxer.redact import get_logger
+
+logger = get_logger("outboxer.streamrelay")
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One step of a stream: a message to publish (or None: a step with nothing for this
+    relay, such as a transaction without outbox messages) and where reading may resume
+    after it (None inside a transaction, which is resumed from its start)."""
+
+    message: Message | None
+    checkpoint: object | None
+
+
+class StreamSource(Protocol):
+    """Where a stream relay reads: entries after the stored checkpoint, in publish order."""
+
+    name: str
+
+    async def connect(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def read(self, limit: int) -> list[Entry]:
+        """Up to about ``limit`` entries after the stored checkpoint (whole transactions)."""
+        ...
+
+    async def commit(self, checkpoint: object) -> None:
+        """Store ``checkpoint``: reading resumes after it, also after a restart."""
+        ...
+
+    async def idle(self) -> None:
+        """Called when a read found nothing (the WAL source lets its slot move on)."""
+        ...
+
+
+@dataclass
+class StreamStats:
+    published: int = 0
+    failed_rounds: int = 0
+    commits: int = 0
+
+
+def confirmed_checkpoint(
+    entries: Sequence[Entry], outcomes: Sequence[Outcome]
+) -> tuple[object | None, int, Outcome | None]:
+    """The checkpoint after the longest confirmed prefix of ``entries``, how many messages
+    that prefix holds, and the first outcome that was not a publish (None if all were).
+
+    ``outcomes`` has one outcome per entry that holds a message, in order.
+    """
+    results = iter(outcomes)
+    checkpoint: object | None = None
+    published = 0
+    for entry in entries:
+        if entry.message is not None:
+            outcome = next(results)
+            if not outcome.published:
+                return checkpoint, published, outcome
+            published += 1
+        if entry.checkpoint is not None:
+            checkpoint = entry.checkpoint
+    return checkpoint, published, None
+
+
+async def run_stream_relay(
+    source: StreamSource,
+    publisher: Publisher,
+    *,
+    stop: asyncio.Event,
+    batch_size: int = 500,
+    poll_interval: float = 0.2,
+    max_backoff: float = 30.0,
+) -> StreamStats:
+    """Publish ``source`` through ``publisher`` until ``stop`` is set."""
+    stats = StreamStats()
+    backoff = 0.0
+    while not stop.is_set():
+        if not publisher.connected:
+            try:
+                await publisher.connect()
+            except BrokerUnavailableError as exc:
+                backoff = _next_backoff(backoff, max_backoff)
+                logger.warning(
+                    "%s: broker unavailable (%s); retrying in %.1fs", source.name, exc, backoff
+                )
+                await _sleep(stop, backoff)
+                continue
+        entries = await source.read(batch_size)
+        messages = [entry.message for entry in entries if entry.message is not None]
+        outcomes = await publisher.publish_batch(messages) if messages else []
+        checkpoint, published, failure = confirmed_checkpoint(entries, outcomes)
+        if checkpoint is not None:
+            await source.commit(checkpoint)
+            stats.commits += 1
+        stats.published += published
+        if failure is not None:
+            stats.failed_rounds += 1
+            backoff = max(_next_backoff(backoff, max_backoff), failure.retry_after or 0.0)
+            logger.warning(
+                "%s: publish failed (%s); the stream waits %.1fs and goes on from the last "
+                "confirmed message%s",
+                source.name,
+                failure.error,
+                backoff,
+                "" if failure.retryable else " (the broker calls it permanent: fix it or skip it)",
+            )
+            await _sleep(stop, backoff)
+            continue
+        backoff = 0.0
+        if not messages:
+            await source.idle()
+            await _sleep(stop, poll_interval)
+    return stats
+
+
+def _next_backoff(current: float, limit: float) -> float:
+    return min(limit, max(0.1, current * 2))
+
+
+async def _sleep(stop: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), seconds)
+    except TimeoutError:
+        return
+
+
+def build_source(
+    mode: str,
+    url: str,
+    destination: str,
+    *,
+    schema: str = "outboxer",
+    table: str = "outbox",
+    slot_prefix: str | None = None,
+) -> StreamSource:
+    """The source of ``mode`` ("log" or "wal") for one destination."""
+    if mode == "log":
+        from outboxer.stores.pglog import PgLog
+
+        return PgLog(url, schema=schema, table=table).reader(destination)
+    if mode == "wal":
+        from outboxer.stores.pgwal import PgWal
+
+        return PgWal(url, schema=schema, table=table, slot_prefix=slot_prefix).reader(destination)
+    raise ConfigError(f"--mode must be log or wal; got {mode!r}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m outboxer.streamrelay``: relay one destination of a log or WAL outbox."""
+    import argparse
+    import signal
+
+    from outboxer.brokers import create_publisher
+
+    parser = argparse.ArgumentParser(
+        prog="python -m outboxer.streamrelay", description=main.__doc__
+    )
+    parser.add_argument("--mode", choices=("log", "wal"), required=True)
+    parser.add_argument("--database", required=True, help="postgresql:// URL")
+    parser.add_argument(
+        "--broker", required=True, help="broker URL (amqp://, kafka://, file://...)"
+    )
+    parser.add_argument("--destination", default="default", help="reader (log) or slot (wal) name")
+    parser.add_argument("--schema", default="outboxer")
+    parser.add_argument("--table", default="outbox")
+    parser.add_argument(
+        "--slot-prefix", default=None, help="wal: slot names are PREFIX_DESTINATION"
+    )
+    parser.add_argument(
+        "--create-slot", action="store_true", help="wal: create the destination's slot if missing"
+    )
+    parser.add_argument("--batch-size", type=int, default=500)
+    parser.add_argument("--poll-interval", type=float, default=0.2)
+    args = parser.parse_args(argv)
+    if args.batch_size < 1 or args.poll_interval <= 0:
+        parser.error("--batch-size must be >= 1 and --poll-interval > 0")
+
+    async def run() -> None:
+        if args.create_slot and args.mode == "wal":
+            from outboxer.stores.pgwal import PgWal
+
+            wal = PgWal(
+                args.database, schema=args.schema, table=args.table, slot_prefix=args.slot_prefix
+            )
+            async with wal:
+                await wal.create_slot(args.destination)
+        source = build_source(
+            args.mode,
+            args.database,
+            args.destination,
+            schema=args.schema,
+            table=args.table,
+            slot_prefix=args.slot_prefix,
+        )
+        publisher = create_publisher(args.broker)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        await source.connect()
+        try:
+            await run_stream_relay(
+                source,
+                publisher,
+                stop=stop,
+                batch_size=args.batch_size,
+                poll_interval=args.poll_interval,
+            )
+        finally:
+            await publisher.close()
+            await source.close()
+
+    try:
+        asyncio.run(run())
+    except (ConfigError, StoreError) as exc:
+        print(f"outboxer streamrelay: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ConfigError) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
