@@ -12,12 +12,16 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
+import socket
+import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,51 @@ from outboxer.enqueue import Outbox
 from outboxer.errors import PublishError
 from outboxer.message import Message
 from outboxer.streamrelay import StreamSource, run_stream_relay
+
+PG_BIN = Path(os.environ.get("OUTBOXER_PG_BIN", "/usr/lib/postgresql/15/bin"))
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _as_postgres(command: list[str]) -> list[str]:
+    """initdb and pg_ctl refuse to run as root: run them as the postgres user then."""
+    return ["runuser", "-u", "postgres", "--", *command] if os.geteuid() == 0 else command
+
+
+@contextlib.contextmanager
+def private_postgres(*, fsync: bool = False) -> Iterator[str]:
+    """A private PostgreSQL with wal_level=logical on a free port, for as long as the block
+    runs; yields its admin URL. The shared server must not be restarted to change its
+    wal_level while others use it. Raises FileNotFoundError without PostgreSQL's binaries
+    in PG_BIN (OUTBOXER_PG_BIN)."""
+    if not (PG_BIN / "initdb").exists():
+        raise FileNotFoundError(f"no PostgreSQL binaries in {PG_BIN} (set OUTBOXER_PG_BIN)")
+    base = Path(tempfile.mkdtemp(prefix="outboxer-logical-pg-"))
+    data, sockets = base / "data", base / "sockets"
+    sockets.mkdir()
+    if os.geteuid() == 0:
+        shutil.chown(base, "postgres")
+        shutil.chown(sockets, "postgres")
+    initdb = [str(PG_BIN / "initdb"), "-D", str(data), "-U", "postgres", "-A", "trust"]
+    subprocess.run(_as_postgres(initdb), check=True, capture_output=True)
+    options = (
+        f"-p {_free_port()} -k {sockets} -c listen_addresses=127.0.0.1 -c wal_level=logical "
+        f"-c max_replication_slots=20 -c max_wal_senders=10 -c fsync={'on' if fsync else 'off'}"
+    )
+    pg_ctl = [str(PG_BIN / "pg_ctl"), "-D", str(data)]
+    start = [*pg_ctl, "-o", options, "-l", str(base / "log"), "-w", "start"]
+    subprocess.run(_as_postgres(start), check=True, capture_output=True)
+    port = options.split()[1]
+    try:
+        yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
+    finally:
+        stop = [*pg_ctl, "-m", "fast", "-w", "stop"]
+        subprocess.run(_as_postgres(stop), check=False, capture_output=True)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 class StreamHarness(ABC):

@@ -110,3 +110,11 @@ async def test_keepalive_lets_the_slot_pass_other_writes(harness: WalHarness) ->
             (wal_now[0] if wal_now else None, slot),
         ).fetchone()
     assert passed == (True,)
+
+
+async def test_slot_of_another_database_is_refused(harness: WalHarness, logical_pg: str) -> None:
+    other = harness.url.rsplit("/", 1)[0] + "/postgres"
+    with pytest.raises(StoreError, match="another database"):
+        async with PgWal(other, slot_prefix=harness.slot_prefix) as wal:
+            assert isinstance(wal, PgWal)
+            await wal.create_slot("default")

@@ -88,9 +88,17 @@ class PgWal(ModeSchema):
         committed from now on; messages committed before it never reach this destination."""
         await self.apply_schema()
         name = self.slot_name(destination)
-        if await self.conn.fetchval(
-            "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1", name
-        ):
+        found = await self.conn.fetchrow(
+            "SELECT database = current_database() AS here FROM pg_replication_slots "
+            "WHERE slot_name = $1",
+            name,
+        )
+        if found is not None:
+            if not found["here"]:  # slot names are cluster-wide
+                raise StoreError(
+                    f"replication slot {name!r} belongs to another database: choose another "
+                    "slot prefix for this one"
+                )
             return False
         await self.conn.execute("SELECT pg_create_logical_replication_slot($1, 'pgoutput')", name)
         return True
