@@ -61,6 +61,8 @@ class StreamStats:
     published: int = 0
     failed_rounds: int = 0
     commits: int = 0
+    #: Rounds cut short by a lost database connection (the source then reconnects).
+    outages: int = 0
 
 
 def confirmed_checkpoint(
@@ -108,13 +110,25 @@ async def run_stream_relay(
                 )
                 await _sleep(stop, backoff)
                 continue
-        entries = await source.read(batch_size)
-        messages = [entry.message for entry in entries if entry.message is not None]
-        outcomes = await publisher.publish_batch(messages) if messages else []
-        checkpoint, published, failure = confirmed_checkpoint(entries, outcomes)
-        if checkpoint is not None:
-            await source.commit(checkpoint)
-            stats.commits += 1
+        try:
+            entries = await source.read(batch_size)
+            messages = [entry.message for entry in entries if entry.message is not None]
+            outcomes = await publisher.publish_batch(messages) if messages else []
+            checkpoint, published, failure = confirmed_checkpoint(entries, outcomes)
+            if checkpoint is not None:
+                await source.commit(checkpoint)
+                stats.commits += 1
+        except Exception as exc:
+            if not is_database_outage(exc):
+                raise
+            # The batch's checkpoint may not be stored: it is read and published again.
+            stats.outages += 1
+            backoff = _next_backoff(backoff, max_backoff)
+            logger.warning(
+                "%s: database unavailable (%s); reconnecting in %.1fs", source.name, exc, backoff
+            )
+            await _reconnect(source, stop, backoff)
+            continue
         stats.published += published
         if failure is not None:
             stats.failed_rounds += 1
@@ -134,6 +148,49 @@ async def run_stream_relay(
             await source.idle()
             await _sleep(stop, poll_interval)
     return stats
+
+
+def is_database_outage(exc: BaseException) -> bool:
+    """Whether ``exc`` means the database connection is gone or refused (the relay waits
+    and reconnects), rather than a fault that retrying cannot mend (it propagates)."""
+    if isinstance(exc, StoreError | OSError | ConnectionError | TimeoutError):
+        return True
+    module = type(exc).__module__.split(".", 1)[0]
+    if module != "asyncpg":
+        return False
+    sqlstate = str(getattr(exc, "sqlstate", "") or "")
+    name = type(exc).__name__
+    # 08: connection exceptions; 57P: the server shutting down or not accepting yet.
+    return sqlstate.startswith(("08", "57P")) or name in (
+        "ConnectionDoesNotExistError",
+        "InterfaceError",
+        "InternalClientError",
+    )
+
+
+async def _reconnect(source: StreamSource, stop: asyncio.Event, first_wait: float) -> None:
+    """Close ``source`` and connect it again, waiting before each try; returns once
+    connected or stopped."""
+    wait = first_wait
+    while not stop.is_set():
+        try:
+            await source.close()
+        except Exception as exc:
+            if not is_database_outage(exc):
+                raise
+            logger.info("%s: closing the lost connection failed too: %s", source.name, exc)
+        await _sleep(stop, wait)
+        if stop.is_set():
+            return
+        try:
+            await source.connect()
+            logger.warning("%s: reconnected to the database", source.name)
+            return
+        except Exception as exc:
+            if not is_database_outage(exc):
+                raise
+            wait = _next_backoff(wait, 30.0)
+            logger.warning("%s: still no database (%s); next try in %.1fs", source.name, exc, wait)
 
 
 def _next_backoff(current: float, limit: float) -> float:

@@ -286,6 +286,26 @@ class StreamContract:
         assert published[-6:] == [4, 5, 6, 7, 8, 9]
         assert failures["left"] == 0
 
+    async def test_relay_survives_losing_its_database_connections(
+        self, harness: StreamHarness
+    ) -> None:
+        await self.enqueue_committed(harness, [("k", n) for n in range(3)])
+        async with running_relay(harness, "default", batch_size=10) as broker:
+            assert await wait_until(lambda: len(broker.messages) >= 3, 20)
+            killer = await _connect(harness.url)
+            async with killer:
+                await killer.set_autocommit(True)
+                cursor = await killer.execute(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                )
+                terminated = await cursor.fetchone()
+            assert terminated is not None and terminated[0] >= 1
+            await self.enqueue_committed(harness, [("k", n) for n in range(3, 6)])
+            await wait_until(lambda: len(set(numbers(broker.messages))) >= 6, 20)
+        published = numbers(broker.messages)
+        assert list(dict.fromkeys(published)) == list(range(6))
+
     async def test_destinations_read_independently(self, harness: StreamHarness) -> None:
         await self.enqueue_committed(harness, [(None, n) for n in range(6)])
         first = await drain(harness, "alpha", 6)
