@@ -229,8 +229,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m outboxer.streamrelay``: relay one destination of a log or WAL outbox."""
     import argparse
     import signal
+    from urllib.parse import urlsplit
 
     from outboxer.brokers import create_publisher
+    from outboxer.config import check_url
+    from outboxer.redact import redact_url
 
     parser = argparse.ArgumentParser(
         prog="python -m outboxer.streamrelay", description=main.__doc__
@@ -254,6 +257,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.batch_size < 1 or args.poll_interval <= 0:
         parser.error("--batch-size must be >= 1 and --poll-interval > 0")
+
+    try:
+        check_url(args.database, "--database")
+        if urlsplit(args.database).scheme not in ("postgresql", "postgres", "postgresql+asyncpg"):
+            raise ConfigError(
+                f"--database must be a postgresql:// URL; got {redact_url(args.database)!r}"
+            )
+    except ConfigError as exc:
+        parser.error(str(exc))
 
     async def run() -> None:
         if args.create_slot and args.mode == "wal":

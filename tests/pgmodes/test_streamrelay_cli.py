@@ -1,0 +1,69 @@
+"""python -m outboxer.streamrelay: bad input exits 2 with one line, a missing slot or an
+unreachable database exits 1 with one line; never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+BAD_USAGE = [
+    ["--mode", "log"],  # no --database, no --broker
+    ["--mode", "queue", "--database", "postgresql://x/db", "--broker", "memory://a"],
+    [
+        "--mode",
+        "log",
+        "--database",
+        "postgresql://x/db",
+        "--broker",
+        "memory://a",
+        "--batch-size",
+        "0",
+    ],
+    ["--mode", "log", "--database", "mysql://x/db", "--broker", "memory://a"],
+    ["--mode", "log", "--database", "postgresql://x:99999/db", "--broker", "memory://a"],
+    ["--mode", "log", "--database", "postgresql://127.0.0.1/db", "--broker", "nope://a"],
+]
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "outboxer.streamrelay", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("args", BAD_USAGE)
+def test_bad_input_exits_2_without_traceback(args: list[str]) -> None:
+    result = _run(args)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip()
+
+
+def test_missing_slot_exits_1_with_one_line(logical_url: str) -> None:
+    result = _run(["--mode", "wal", "--database", logical_url, "--broker", "memory://a"])
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().count("\n") == 0
+    assert "does not exist" in result.stderr
+
+
+def test_unreachable_database_exits_1(tmp_path: object) -> None:
+    result = _run(
+        [
+            "--mode",
+            "log",
+            "--database",
+            "postgresql://postgres@127.0.0.1:1/db",
+            "--broker",
+            "memory://a",
+        ]
+    )
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "cannot connect" in result.stderr
