@@ -212,12 +212,15 @@ def build_source(
     schema: str = "outboxer",
     table: str = "outbox",
     slot_prefix: str | None = None,
+    retention_days: int | None = None,
 ) -> StreamSource:
     """The source of ``mode`` ("log" or "wal") for one destination."""
     if mode == "log":
         from outboxer.stores.pglog import PgLog
 
-        return PgLog(url, schema=schema, table=table).reader(destination)
+        return PgLog(url, schema=schema, table=table).reader(
+            destination, retention_days=retention_days
+        )
     if mode == "wal":
         from outboxer.stores.pgwal import PgWal
 
@@ -252,11 +255,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--create-slot", action="store_true", help="wal: create the destination's slot if missing"
     )
+    parser.add_argument(
+        "--retention-days",
+        type=int,
+        default=None,
+        help="log: drop the daily partitions older than this, once read by every reader",
+    )
     parser.add_argument("--batch-size", type=int, default=500)
     parser.add_argument("--poll-interval", type=float, default=0.2)
     args = parser.parse_args(argv)
     if args.batch_size < 1 or args.poll_interval <= 0:
         parser.error("--batch-size must be >= 1 and --poll-interval > 0")
+    if args.retention_days is not None and (args.retention_days < 0 or args.mode != "log"):
+        parser.error("--retention-days is for --mode log, and must be >= 0")
 
     try:
         check_url(args.database, "--database")
@@ -283,6 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             schema=args.schema,
             table=args.table,
             slot_prefix=args.slot_prefix,
+            retention_days=args.retention_days,
         )
         publisher = create_publisher(args.broker)
         stop = asyncio.Event()

@@ -122,9 +122,7 @@ async def test_retention_drops_read_partitions_only(harness: LogHarness) -> None
         _write(harness.url, 1)
         await log.seek("slow")  # a reader that has read nothing
         tomorrow = today + dt.timedelta(days=1)
-        dropped = await log.drop_partitions(tomorrow)
-        assert dropped == [log.partition_name(today - dt.timedelta(days=1))]  # empty: gone
-        assert log.partition_name(today) in [n for n, _ in await log.partitions()]
+        assert await log.drop_partitions(tomorrow) == []  # "slow" has not read today's
         await log.seek("slow", offset=await log.offset("slow") or BEGINNING)
         assert numbers(await drain(harness, "slow", 1)) == [1]
         assert numbers(await drain(harness, "default", 1)) == [1]
@@ -144,3 +142,23 @@ def test_log_mode_refuses_sqlite(tmp_path: object) -> None:
 def test_unknown_mode_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="mode must be one of"):
         Outbox(mode="queue")
+
+
+async def test_idle_reader_keeps_partitions_ahead_and_applies_retention(
+    harness: LogHarness,
+) -> None:
+    today = dt.datetime.now(dt.UTC).date()
+    async with PgLog(harness.url) as log:
+        for name, _ in await log.partitions():  # as if schema apply ran yesterday, once
+            await log.conn.execute(f"DROP TABLE outboxer.{name}")
+        await log.ensure_partitions(0, today=today - dt.timedelta(days=1))
+        reader = log.reader("default", retention_days=0, maintenance_seconds=0)
+        await reader.connect()
+        try:
+            await reader.idle()
+        finally:
+            await reader.close()
+    async with PgLog(harness.url) as log:
+        days = [day for _, day in await log.partitions()]
+    # Yesterday's (read to the end, older than retention 0) is gone; today and a week on exist.
+    assert days == [today + dt.timedelta(days=n) for n in range(8)]

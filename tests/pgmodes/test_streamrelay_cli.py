@@ -8,22 +8,16 @@ import sys
 
 import pytest
 
+LOG = ["--mode", "log", "--database", "postgresql://x/db", "--broker", "memory://a"]
 BAD_USAGE = [
     ["--mode", "log"],  # no --database, no --broker
-    ["--mode", "queue", "--database", "postgresql://x/db", "--broker", "memory://a"],
-    [
-        "--mode",
-        "log",
-        "--database",
-        "postgresql://x/db",
-        "--broker",
-        "memory://a",
-        "--batch-size",
-        "0",
-    ],
+    ["--mode", "queue", *LOG[2:]],
+    [*LOG, "--batch-size", "0"],
     ["--mode", "log", "--database", "mysql://x/db", "--broker", "memory://a"],
     ["--mode", "log", "--database", "postgresql://x:99999/db", "--broker", "memory://a"],
     ["--mode", "log", "--database", "postgresql://127.0.0.1/db", "--broker", "nope://a"],
+    ["--mode", "wal", *LOG[2:], "--retention-days", "3"],
+    [*LOG, "--retention-days", "-1"],
 ]
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,13 +69,13 @@ class PgLog(ModeSchema):
     async def ensure_partitions(
         self, days_ahead: int = 7, *, today: dt.date | None = None
     ) -> list[str]:
-        """Create the daily partitions (UTC days) from yesterday to ``days_ahead`` days on."""
-        start = (today or dt.datetime.now(dt.UTC).date()) - dt.timedelta(days=1)
+        """Create the daily partitions (UTC days) from today to ``days_ahead`` days on."""
+        start = today or dt.datetime.now(dt.UTC).date()
         existing = {
             row["name"] for row in await self._fetch("partitions", {"log": self.names["log"]})
         }
         created = []
-        for offset in range(days_ahead + 2):
+        for offset in range(days_ahead + 1):
             day = start + dt.timedelta(days=offset)
             name = self.partition_name(day)
             if name in existing:
@@ -163,17 +165,36 @@ class PgLog(ModeSchema):
         await self._execute("set_offset", {"reader": reader, **target.params()})
         return target
 
-    def reader(self, name: str, *, destination: str | None = None) -> LogReader:
+    def reader(
+        self,
+        name: str,
+        *,
+        destination: str | None = None,
+        retention_days: int | None = None,
+        maintenance_seconds: float = 3600.0,
+    ) -> LogReader:
         """A stream source for the relay: reader ``name`` (its messages carry
-        ``destination``, the reader's name unless given)."""
-        return LogReader(self, name, destination or name)
+        ``destination``, the reader's name unless given). While idle, at most every
+        ``maintenance_seconds``, it creates the coming days' partitions and, with
+        ``retention_days``, drops the partitions of days older than that (see
+        drop_partitions: never one a reader has not finished)."""
+        if retention_days is not None and retention_days < 0:
+            raise ConfigError(f"retention_days must be >= 0; got {retention_days}")
+        return LogReader(self, name, destination or name, retention_days, maintenance_seconds)
 
 
 class LogReader:
     """One reader of the log, holding its reader lock on a connection of its own: two relays
     reading for one destination would publish everything twice, so the second one fails."""
 
-    def __init__(self, log: PgLog, name: str, destination: str) -> None:
+    def __init__(
+        self,
+        log: PgLog,
+        name: str,
+        destination: str,
+        retention_days: int | None = None,
+        maintenance_seconds: float = 3600.0,
+    ) -> None:
         if not name:
             raise ConfigError("a log reader needs a name")
         self.log = log
@@ -184,6 +205,9 @@ class LogReader:
         self._read_sql = to_numbered(log.sql("read"))
         self._commit_sql = to_numbered(log.sql("commit_offset"))
         self._lock_conn: Any = None
+        self.retention_days = retention_days
+        self.maintenance_seconds = maintenance_seconds
+        self._maintained_at = -math.inf
 
     async def connect(self) -> None:
         await self.log.connect()
@@ -239,7 +263,16 @@ class LogReader:
         self._offset = max(self._offset, checkpoint)
 
     async def idle(self) -> None:
-        return None
+        """Partition upkeep while there is nothing to read: without it, rows of days past
+        the partitions made at schema apply would fill the default partition, which
+        retention never drops."""
+        if time.monotonic() - self._maintained_at < self.maintenance_seconds:
+            return
+        self._maintained_at = time.monotonic()
+        await self.log.ensure_partitions()
+        if self.retention_days is not None:
+            today = dt.datetime.now(dt.UTC).date()
+            await self.log.drop_partitions(today - dt.timedelta(days=self.retention_days))
 
 
 def _offset(row: Any) -> LogOffset:
