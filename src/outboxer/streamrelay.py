@@ -118,6 +118,8 @@ async def run_stream_relay(
             if checkpoint is not None:
                 await source.commit(checkpoint)
                 stats.commits += 1
+            if not messages:
+                await source.idle()
         except Exception as exc:
             if not is_database_outage(exc):
                 raise
@@ -145,7 +147,6 @@ async def run_stream_relay(
             continue
         backoff = 0.0
         if not messages:
-            await source.idle()
             await _sleep(stop, poll_interval)
     return stats
 
