@@ -254,6 +254,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--slot-prefix", default=None, help="wal: slot names are PREFIX_DESTINATION"
     )
     parser.add_argument(
+        "--apply-schema",
+        action="store_true",
+        help="log: create or upgrade the log's tables before relaying",
+    )
+    parser.add_argument(
         "--create-slot", action="store_true", help="wal: create the destination's slot if missing"
     )
     parser.add_argument(
@@ -280,6 +285,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
 
     async def run() -> None:
+        if args.apply_schema and args.mode == "log":
+            from outboxer.stores.pglog import PgLog
+
+            log = PgLog(args.database, schema=args.schema, table=args.table)
+            async with log:
+                await log.apply_schema()
         if args.create_slot and args.mode == "wal":
             from outboxer.stores.pgwal import PgWal
 
