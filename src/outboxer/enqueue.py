@@ -23,7 +23,9 @@ from outboxer.message import (
     encode_payload,
     validate_envelope,
 )
+from outboxer.stores import pgmodes
 from outboxer.stores.base import check_identifier
+from outboxer.stores.pgmodes import check_mode
 from outboxer.stores.sqlfiles import (
     queries,
     render,
@@ -82,11 +84,15 @@ class Outbox:
     #: Refuse (PayloadError, nothing written) a payload larger than this once encoded;
     #: None accepts any size the database takes.
     max_payload_bytes: int | None = None
+    #: "table" (the default outbox), or a PostgreSQL mode: "log", "wal", "debezium"
+    #: (outboxer.stores.pgmodes).
+    mode: str = "table"
     _cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         check_identifier("schema", self.schema)
         check_identifier("table", self.table)
+        check_mode(self.mode)
         # Frozen: set through object's own setattr (a list given here becomes the tuple).
         object.__setattr__(self, "destinations", _destination_names(self.destinations))
         limit = self.max_payload_bytes
@@ -185,7 +191,10 @@ class Outbox:
         if not messages:
             return
         try:
-            driver.write(self, conn, messages)
+            if self.mode == "table":
+                driver.write(self, conn, messages)
+            else:
+                pgmodes.write(driver, self.mode, self.schema, self.table, conn, messages)
         except Exception as exc:
             _raise_duplicate(exc, messages)
             raise
@@ -230,7 +239,12 @@ class Outbox:
         if not messages:
             return
         try:
-            await driver.write_async(self, conn, messages)
+            if self.mode == "table":
+                await driver.write_async(self, conn, messages)
+            else:
+                await pgmodes.write_async(
+                    driver, self.mode, self.schema, self.table, conn, messages
+                )
         except Exception as exc:
             _raise_duplicate(exc, messages)
             raise
@@ -681,6 +695,7 @@ def configure(
     table: str = "outbox",
     destinations: Sequence[str] = (DEFAULT_DESTINATION,),
     max_payload_bytes: int | None = None,
+    mode: str = "table",
 ) -> Outbox:
     """Set the names, destinations and payload limit that the module-level ``enqueue``
     functions use."""
@@ -690,6 +705,7 @@ def configure(
         table=table,
         destinations=tuple(destinations),
         max_payload_bytes=max_payload_bytes,
+        mode=mode,
     )
     return DEFAULT_OUTBOX
 
