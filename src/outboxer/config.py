@@ -646,8 +646,13 @@ TABLE_COMMANDS = (
     "messages",
     "requeue",
     "enqueue",
+    "keys rotate",
+    "claim-check sweep",
 )
 RELAY = ("relay",)
+#: The commands that encrypt or decrypt payloads, and those that reach the claim-check store.
+ENCRYPTING = ("enqueue", "keys rotate")
+CLAIM_CHECKING = ("enqueue", "keys rotate", "claim-check sweep")
 RETENTION = ("relay", "cleanup")
 HTTP = ("relay", "serve")
 
@@ -812,6 +817,55 @@ class Settings:
         commands=HTTP,
         secret=True,
     )
+    # ----- payload protection (outboxer.crypto, outboxer.claimcheck) -----
+    encryption_keys: str | None = setting(
+        kind=Secret(16),
+        help="encryption keys as id=base64key,id=base64key (`outboxer keys generate` makes "
+        "one); no flag: keys shown in `ps` are no secret",
+        commands=(),
+        secret=True,
+    )
+    encryption_key_file: str | None = setting(
+        kind=Text(4096),
+        help="TOML file of encryption keys ([keys] id = base64key, optional current = id), "
+        "instead of encryption_keys",
+        commands=ENCRYPTING,
+    )
+    encryption_current_key: str | None = setting(
+        kind=Text(64),
+        help="id of the key new encryptions use; default the last key listed",
+        commands=ENCRYPTING,
+    )
+    subject_keys: str | None = setting(
+        kind=Text(4096),
+        help="directory of the per-subject secrets (crypto-shredding); shared by every "
+        "writer and reader",
+        commands=(*ENCRYPTING, "keys shred"),
+    )
+    claim_check_store: str | None = setting(
+        kind=Url("file:///var/lib/outboxer/claims or s3://bucket/prefix?region=eu-west-1"),
+        help="object store for payloads over claim_check_threshold",
+        commands=CLAIM_CHECKING,
+    )
+    claim_check_threshold: int = setting(
+        256 * 1024,
+        kind=Whole(0, 2**31),
+        help="payloads larger than this many bytes (after encryption) go to the claim-check store",
+        commands=("enqueue",),
+    )
+    claim_check_sweep_grace: float = setting(
+        3600.0,
+        kind=Duration(LONGEST_RETENTION),
+        help="the sweep deletes unreferenced objects older than this: longer than any "
+        "transaction that enqueues",
+        commands=("claim-check sweep",),
+    )
+    rotation_batch: int = setting(
+        500,
+        kind=Whole(1, 100_000),
+        help="rows re-encrypted per transaction by `keys rotate`",
+        commands=("keys rotate",),
+    )
 
     def __post_init__(self) -> None:
         # Settings built in Python pass the same checks as flags, variables and files.
@@ -820,7 +874,9 @@ class Settings:
             if value is not None:
                 object.__setattr__(self, declared.name, declared.kind.parse(value, declared.name))
         register_url_secrets(self.db)
+        register_url_secrets(self.claim_check_store)
         register_secret(self.http_token)
+        register_secret(self.encryption_keys)
         if self.broker is not None:
             destinations = dict(self.destinations)
             base = destinations.get(DEFAULT_DESTINATION)
@@ -839,7 +895,7 @@ class Settings:
             if not item.repr:
                 continue
             value = getattr(self, item.name)
-            if item.name in ("db", "broker") and value is not None:
+            if item.name in ("db", "broker", "claim_check_store") and value is not None:
                 value = redact_url(value)
             shown.append(f"{item.name}={value!r}")
         return f"Settings({', '.join(shown)})"

@@ -372,18 +372,34 @@ class KeyRing:
         """Keys from ``id=base64,id=base64`` in ``var``; the current one named by
         ``current_var``, else the last listed (add a new key at the end to rotate)."""
         env = os.environ if environ is None else environ
-        text = env.get(var, "").strip()
-        if not text:
-            raise ConfigError(f"{var} is empty: set it to id=base64key[,id=base64key…]")
+        return cls.from_text(
+            env.get(var, ""), env.get(current_var) or None, origin=var, subjects=subjects
+        )
+
+    @classmethod
+    def from_text(
+        cls,
+        text: str,
+        current: str | None = None,
+        *,
+        origin: str = "encryption keys",
+        subjects: SubjectKeyStore | None = None,
+    ) -> KeyRing:
+        """Keys from ``id=base64,id=base64`` (``origin`` names the source in errors, which
+        never quote a key); the current one is ``current``, else the last listed."""
+        if not text.strip():
+            raise ConfigError(f"{origin} is empty: set it to id=base64key[,id=base64key…]")
         keys: dict[str, str] = {}
-        for item in text.split(","):
+        for item in text.strip().split(","):
             key_id, sep, material = item.strip().partition("=")
             if not sep or not key_id.strip():
-                raise ConfigError(f"{var}: each entry must be id=base64key (entry {len(keys) + 1})")
+                raise ConfigError(
+                    f"{origin}: each entry must be id=base64key (entry {len(keys) + 1})"
+                )
             if key_id.strip() in keys:
-                raise ConfigError(f"{var}: key id {key_id.strip()!r} is listed twice")
+                raise ConfigError(f"{origin}: key id {key_id.strip()!r} is listed twice")
             keys[key_id.strip()] = material
-        return cls(keys, env.get(current_var) or None, subjects=subjects)
+        return cls(keys, current, subjects=subjects)
 
     @classmethod
     def from_file(

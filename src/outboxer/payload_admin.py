@@ -20,27 +20,33 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from outboxer.claimcheck import (
     HEADER_CLAIM_CHECK,
     ClaimCheck,
     ObjectName,
     ObjectStore,
+    create_object_store,
     fetch_payload,
     is_claim_checked,
     sweep_orphans,
 )
 from outboxer.crypto import (
     HEADER_KEY_ID,
+    FileSubjectKeys,
     KeyRing,
     KeyRingUnavailableError,
     SubjectKeyDeletedError,
     reencrypt,
 )
+from outboxer.enqueue import Outbox
 from outboxer.errors import ConfigError, OutboxerError
 from outboxer.message import Message
 from outboxer.stores.sqlfiles import queries, render, table_name, to_pyformat
+
+if TYPE_CHECKING:
+    from outboxer.config import Settings
 
 
 def dialect_of(url: str) -> str:
@@ -54,9 +60,12 @@ def connect(url: str) -> Any:
     """A synchronous DB-API connection to the database at ``url``, no transaction open."""
     dialect = dialect_of(url)
     if dialect == "sqlite":
-        from outboxer.stores.sqlite import open_connection, sqlite_path
+        import sqlite3
 
-        return open_connection(sqlite_path(url))  # autocommit: transactions are explicit
+        from outboxer.stores.sqlite import sqlite_path
+
+        # sqlite3's default: a transaction opens before the first write (as enqueue needs).
+        return sqlite3.connect(sqlite_path(url), timeout=30)
     if dialect == "mysql":
         import pymysql
 
@@ -66,6 +75,67 @@ def connect(url: str) -> Any:
     import psycopg
 
     return psycopg.connect(url)
+
+
+# ----- from the settings ------------------------------------------------------------------
+
+
+def subject_keys(settings: Settings) -> FileSubjectKeys | None:
+    return FileSubjectKeys(settings.subject_keys) if settings.subject_keys else None
+
+
+def keyring(settings: Settings) -> KeyRing | None:
+    """The key ring the settings describe (``encryption_keys`` or ``encryption_key_file``),
+    or None when they name no keys. ConfigError for a ring that cannot be built."""
+    keys, key_file, current = (
+        settings.encryption_keys,
+        settings.encryption_key_file,
+        settings.encryption_current_key,
+    )
+    if keys and key_file:
+        raise ConfigError("set encryption_keys or encryption_key_file, not both")
+    if keys:
+        return KeyRing.from_text(
+            keys, current, origin="encryption_keys", subjects=subject_keys(settings)
+        )
+    if key_file:
+        ring = KeyRing.from_file(key_file, subjects=subject_keys(settings))
+        if current is None:
+            return ring
+        # The setting names the current key over the file's own choice.
+        return KeyRing(
+            {key_id: ring.key(key_id) for key_id in ring.key_ids}, current, subjects=ring.subjects
+        )
+    if current is not None:
+        raise ConfigError("encryption_current_key is set, but no encryption_keys or key file")
+    return None
+
+
+def require_keyring(settings: Settings) -> KeyRing:
+    ring = keyring(settings)
+    if ring is None:
+        raise ConfigError("no encryption keys: set OUTBOXER_ENCRYPTION_KEYS or encryption_key_file")
+    return ring
+
+
+def object_store(settings: Settings) -> ObjectStore | None:
+    url = settings.claim_check_store
+    return create_object_store(url) if url else None
+
+
+def claim_check(settings: Settings) -> ClaimCheck | None:
+    store = object_store(settings)
+    return ClaimCheck(store, settings.claim_check_threshold) if store is not None else None
+
+
+def outbox(settings: Settings) -> Outbox:
+    """The outbox ``outboxer enqueue`` writes to: names and payload protection as set."""
+    return Outbox(
+        schema=settings.schema,
+        table=settings.table,
+        encryption=keyring(settings),
+        claim_check=claim_check(settings),
+    )
 
 
 @dataclass
