@@ -690,6 +690,9 @@ class DestinationSettings:
     envelope: str = "full"
     routes: Mapping[str, str] = field(default_factory=dict)
     options: Mapping[str, Any] = field(default_factory=dict)
+    #: Encrypted rows: ``decrypt`` publishes the plaintext, ``forward`` the ciphertext
+    #: (outboxer.payload_relay).
+    payload: str = "decrypt"
 
     def __repr__(self) -> str:
         options = {
@@ -697,7 +700,8 @@ class DestinationSettings:
         }
         return (
             f"DestinationSettings(name={self.name!r}, broker={redact_url(self.broker)!r}, "
-            f"envelope={self.envelope!r}, routes={dict(self.routes)!r}, options={options!r})"
+            f"envelope={self.envelope!r}, routes={dict(self.routes)!r}, options={options!r}, "
+            f"payload={self.payload!r})"
         )
 
     def __post_init__(self) -> None:
@@ -707,6 +711,11 @@ class DestinationSettings:
                 register_secret(value)
         if self.envelope not in ("full", "stripped"):
             raise ConfigError(f"destination {self.name!r}: envelope must be 'full' or 'stripped'")
+        if self.payload not in ("decrypt", "forward"):
+            raise ConfigError(
+                f"destination {self.name!r}: payload must be 'decrypt' or 'forward'; "
+                f"got {self.payload!r}"
+            )
         if "://" not in self.broker:
             raise ConfigError(
                 f"destination {self.name!r}: broker must be a URL such as amqp://host/; "
@@ -995,9 +1004,10 @@ def _destinations(raw: object, origin: str | None) -> dict[str, DestinationSetti
             raise ConfigError(f"{where} must be a table with a broker URL, not {toml_type(spec)}")
         if "broker" not in spec:
             raise ConfigError(f"{where} needs a broker URL")
-        if unknown := sorted(set(spec) - {"broker", "envelope", "routes", "options"}):
+        if unknown := sorted(set(spec) - {"broker", "envelope", "routes", "options", "payload"}):
             raise ConfigError(
-                f"{where} has unknown keys {unknown}; known: broker, envelope, routes, options"
+                f"{where} has unknown keys {unknown}; "
+                "known: broker, envelope, routes, options, payload"
             )
         broker, envelope = spec["broker"], spec.get("envelope", "full")
         routes, options = spec.get("routes", {}), spec.get("options", {})
@@ -1009,7 +1019,10 @@ def _destinations(raw: object, origin: str | None) -> dict[str, DestinationSetti
             raise ConfigError(f"{where}: routes must map topics to names (strings)")
         if not isinstance(options, Mapping):
             raise ConfigError(f"{where}: options must be a table, not {toml_type(options)}")
-        result[name] = DestinationSettings(name, broker, envelope, dict(routes), dict(options))
+        payload = spec.get("payload", "decrypt")
+        result[name] = DestinationSettings(
+            name, broker, envelope, dict(routes), dict(options), payload
+        )
     return result
 
 
