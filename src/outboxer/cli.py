@@ -318,6 +318,10 @@ async def _cleanup(args: argparse.Namespace) -> int:
     async with _store(settings) as store:
         deleted = await cleanup(store, settings, max_batches=1_000_000)
     print(f"deleted {deleted} finished message(s)")
+    # Then the objects of the rows just deleted: no row refers to them any more.
+    objects = await asyncio.to_thread(payload_admin.sweep_claim_checks, settings)
+    if objects is not None:
+        print(f"deleted {objects} claim-check object(s) no row refers to")
     return EXIT_OK
 
 
@@ -454,17 +458,9 @@ def _keys_shred(args: argparse.Namespace) -> int:
 
 
 def _claim_check_sweep(args: argparse.Namespace) -> int:
-    settings = _settings(args)
-    store = payload_admin.object_store(settings)
-    if store is None:
+    deleted = payload_admin.sweep_claim_checks(_settings(args))
+    if deleted is None:
         raise ConfigError("claim-check sweep needs claim_check_store (OUTBOXER_CLAIM_CHECK_STORE)")
-    try:
-        with payload_admin.payload_table(
-            settings.require_db(), schema=settings.schema, table=settings.table
-        ) as table:
-            deleted = table.sweep(store, grace=settings.claim_check_sweep_grace)
-    finally:
-        store.close()
     print(f"deleted {deleted} orphaned claim-check object(s)")
     return EXIT_OK
 

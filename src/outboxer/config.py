@@ -652,7 +652,7 @@ TABLE_COMMANDS = (
 RELAY = ("relay",)
 #: The commands that encrypt or decrypt payloads, and those that reach the claim-check store.
 ENCRYPTING = ("enqueue", "keys rotate")
-CLAIM_CHECKING = ("enqueue", "keys rotate", "claim-check sweep")
+CLAIM_CHECKING = ("enqueue", "keys rotate", "claim-check sweep", "cleanup")
 RETENTION = ("relay", "cleanup")
 HTTP = ("relay", "serve")
 
@@ -867,7 +867,7 @@ class Settings:
         kind=Duration(LONGEST_RETENTION),
         help="the sweep deletes unreferenced objects older than this: longer than any "
         "transaction that enqueues",
-        commands=("claim-check sweep",),
+        commands=("claim-check sweep", "cleanup"),
     )
     rotation_batch: int = setting(
         500,

@@ -138,6 +138,21 @@ def outbox(settings: Settings) -> Outbox:
     )
 
 
+def sweep_claim_checks(settings: Settings) -> int | None:
+    """Delete the claim-check objects no row refers to, older than the grace: those of
+    rolled-back enqueues, and those whose rows retention deleted. None without a store."""
+    store = object_store(settings)
+    if store is None:
+        return None
+    try:
+        with payload_table(
+            settings.require_db(), schema=settings.schema, table=settings.table
+        ) as table:
+            return table.sweep(store, grace=settings.claim_check_sweep_grace)
+    finally:
+        store.close()
+
+
 @dataclass
 class RotationResult:
     #: Rows now encrypted under the current key.

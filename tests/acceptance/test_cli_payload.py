@@ -146,3 +146,35 @@ def test_missing_or_bad_settings_exit_2_with_a_clear_message(
     code, _, err = run(capsys, *argv)
     assert code == EXIT_USAGE and expected in err, err
     assert "short-but-long-enough" not in err
+
+
+def test_cleanup_deletes_the_objects_of_the_rows_it_deletes(
+    sqlite_url: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sqlite3
+
+    from outboxer.stores.sqlite import sqlite_path
+
+    claims = tmp_path / "claims"
+    monkeypatch.setenv("OUTBOXER_DB", sqlite_url)
+    monkeypatch.setenv("OUTBOXER_CLAIM_CHECK_STORE", f"file://{claims}")
+    monkeypatch.setenv("OUTBOXER_CLAIM_CHECK_THRESHOLD", "10")
+    for text in ("old", "new"):
+        code, _, err = run(capsys, "enqueue", "--topic", text, "--payload", json.dumps([text * 20]))
+        assert code == EXIT_OK, err
+    _, new = raw_rows(sqlite_url)
+    with sqlite3.connect(sqlite_path(sqlite_url)) as conn:  # published long ago
+        conn.execute("UPDATE outbox SET status = 'PUBLISHED', updated_at = 0 WHERE topic = 'old'")
+    # Every object is older than the grace: only the reference of a row keeps one.
+    code, out, err = run(capsys, "cleanup", "--claim-check-sweep-grace", "0")
+    assert code == EXIT_OK, err
+    assert out.splitlines() == [
+        "deleted 1 finished message(s)",
+        "deleted 1 claim-check object(s) no row refers to",
+    ]
+    store = FileObjectStore(claims)
+    assert [stored.name for stored in store.list_objects()] == [new.headers["outboxer-claim-check"]]
+    assert json.loads(fetch_payload(new, store).payload) == ["new" * 20]
