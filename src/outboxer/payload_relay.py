@@ -37,6 +37,7 @@ from outboxer.crypto import (
     decrypt,
     is_encrypted,
 )
+from outboxer.envelope import strip_envelope
 from outboxer.message import Message
 from outboxer.redact import get_logger
 
@@ -52,6 +53,9 @@ class PayloadHandling:
     destination: str
     mode: PayloadMode = "decrypt"
     keyring: KeyRing | None = None
+    #: ``stripped``: internal headers are dropped after decryption, so a sealed internal
+    #: header never leaves with the plaintext (outboxer.envelope).
+    envelope: str = "full"
 
     async def prepare(self, message: Message) -> Message:
         """``message`` as it is published; raises DecryptionError (permanent) or
@@ -83,7 +87,10 @@ class PayloadHandling:
                 outcomes[index] = SKIPPED
                 continue
             try:
-                ready.append((index, await self.prepare(message)))
+                prepared = await self.prepare(message)
+                ready.append(
+                    (index, strip_envelope(prepared) if self.envelope == "stripped" else prepared)
+                )
                 continue
             except KeyRingUnavailableError as exc:
                 outcomes[index] = Outcome(OutcomeKind.FAILED, str(exc), retryable=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 
@@ -130,6 +131,16 @@ async def test_claim_checked_messages_are_published_as_references(tmp_path: obje
     [sent] = memory.broker.messages
     assert sent.payload == b"" and sent.headers[HEADER_DESTINATION] == "d"
     assert sent.headers["outboxer-claim-check"] == reference.headers["outboxer-claim-check"]
+
+
+async def test_a_stripped_envelope_drops_internal_headers_once_decrypted() -> None:
+    ring = KeyRing({"k1": KEY})
+    plain = dataclasses.replace(message(1), headers={"internal-user": "alice", "h": "v"})
+    stored = encrypt_message(plain, ring, seal_headers=True)
+    memory = await publisher("stripped")
+    await PayloadHandling("d", "decrypt", ring, envelope="stripped").publish(memory, [stored])
+    [sent] = memory.broker.messages
+    assert sent.headers == {"h": "v"} and sent.payload == plain.payload
 
 
 def test_a_destination_names_its_payload_mode() -> None:
