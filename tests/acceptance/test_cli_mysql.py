@@ -56,7 +56,7 @@ def test_schema_enqueue_relay_status_and_operations(
     out = tmp_path / "events.jsonl"
     refused = cli("relay", "--db", db, "--broker", f"file://{out}", "--exit-when-idle")
     assert refused.returncode == 2 and "outboxer schema apply" in refused.stderr, refused.stderr
-    assert cli("schema", "apply", "--db", db).stdout.strip() == "applied: 0001_outbox"
+    assert cli("schema", "apply", "--db", db).stdout.strip() == "applied: 0001_outbox, 0002_leases"
     assert cli("schema", "apply", "--db", db).stdout.strip() == "schema is up to date"
     ids = []
     for n in range(3):

@@ -66,7 +66,7 @@ async def abandon(store: Store, count: int) -> None:
     claimed = await store.claim("default", "relay-test", count, 60.0, False)
     await store.settle(
         "default",
-        "relay-test",
+        claimed.lease,
         [],
         [Failure(m.stored_seq, "rejected", 0.0, True) for m in claimed],
         [],
