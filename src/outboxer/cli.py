@@ -322,10 +322,6 @@ async def _cleanup(args: argparse.Namespace) -> int:
     async with _store(settings) as store:
         deleted = await cleanup(store, settings, max_batches=1_000_000)
     print(f"deleted {deleted} finished message(s)")
-    # Then the objects of the rows just deleted: no row refers to them any more.
-    objects = await asyncio.to_thread(payload_admin.sweep_claim_checks, settings)
-    if objects is not None:
-        print(f"deleted {objects} claim-check object(s) no row refers to")
     return EXIT_OK
 
 

@@ -47,7 +47,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from outboxer.errors import ConfigError
@@ -651,8 +651,8 @@ TABLE_COMMANDS = (
 )
 RELAY = ("relay",)
 #: The commands that encrypt or decrypt payloads, and those that reach the claim-check store.
-ENCRYPTING = ("enqueue", "keys rotate")
-CLAIM_CHECKING = ("enqueue", "keys rotate", "claim-check sweep", "cleanup")
+ENCRYPTING = ("enqueue", "keys rotate", "relay")
+CLAIM_CHECKING = ("enqueue", "keys rotate", "claim-check sweep", "cleanup", "relay")
 RETENTION = ("relay", "cleanup")
 HTTP = ("relay", "serve")
 
@@ -692,7 +692,7 @@ class DestinationSettings:
     options: Mapping[str, Any] = field(default_factory=dict)
     #: Encrypted rows: ``decrypt`` publishes the plaintext, ``forward`` the ciphertext
     #: (outboxer.payload_relay).
-    payload: str = "decrypt"
+    payload: Literal["decrypt", "forward"] = "decrypt"
 
     def __repr__(self) -> str:
         options = {
@@ -868,7 +868,7 @@ class Settings:
         kind=Duration(LONGEST_RETENTION),
         help="the sweep deletes unreferenced objects older than this: longer than any "
         "transaction that enqueues",
-        commands=("claim-check sweep", "cleanup"),
+        commands=("claim-check sweep", "cleanup", "relay"),
     )
     rotation_batch: int = setting(
         500,

@@ -18,12 +18,13 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from outboxer import payload_admin
 from outboxer.brokers import Publisher, create_publisher
 from outboxer.brokers.base import Outcome, OutcomeKind
 from outboxer.config import Settings
-from outboxer.envelope import strip_envelope
 from outboxer.errors import ConfigError, PublishError, SchemaError
 from outboxer.message import Message
+from outboxer.payload_relay import PayloadHandling
 from outboxer.redact import get_logger, redact_text
 from outboxer.retry import Backoff
 from outboxer.stores import (
@@ -338,6 +339,7 @@ class Relay:
         settings: Settings | None = None,
         *,
         envelopes: Mapping[str, str] | None = None,
+        payloads: Mapping[str, PayloadHandling] | None = None,
     ) -> None:
         if not publishers:
             raise ValueError("a relay needs at least one destination publisher")
@@ -345,6 +347,12 @@ class Relay:
         self.publishers = dict(publishers)
         self.settings = settings or Settings()
         self.envelopes = dict(envelopes or {})
+        #: Per destination: decrypt or forward encrypted rows, then the envelope.
+        self.payloads = {
+            name: (payloads or {}).get(name)
+            or PayloadHandling(name, envelope=self.envelopes.get(name, "full"))
+            for name in self.publishers
+        }
         self.backoff = self.settings.backoff
         self.stats = RelayStats()
         #: The same counters per destination; ``stats`` holds their sums plus what no
@@ -377,7 +385,12 @@ class Relay:
             for name, dest in settings.destinations.items()
         }
         envelopes = {name: dest.envelope for name, dest in settings.destinations.items()}
-        return cls(store, publishers, settings, envelopes=envelopes)
+        keyring = payload_admin.keyring(settings)
+        payloads = {
+            name: PayloadHandling(name, dest.payload, keyring, dest.envelope)
+            for name, dest in settings.destinations.items()
+        }
+        return cls(store, publishers, settings, envelopes=envelopes, payloads=payloads)
 
     @property
     def relay_id(self) -> str:
@@ -629,10 +642,7 @@ class Relay:
         for stats in self._stats(destination):
             stats.claimed += len(batch)
             stats.batches += 1
-        outgoing: Sequence[Message] = batch
-        if self.envelopes.get(destination) == "stripped":
-            outgoing = [strip_envelope(message) for message in batch]
-        publish = asyncio.create_task(self._publish(destination, batch.recovered, outgoing))
+        publish = asyncio.create_task(self._publish(destination, batch.recovered, batch))
         lease = LeaseKeeper(self, destination, batch, claimed_at, publish)
         keeper = asyncio.create_task(lease.keep())
         try:
@@ -664,7 +674,9 @@ class Relay:
         if recovered:
             await self._gate.alone()
         started = time.perf_counter()
-        outcomes = await self.publishers[destination].publish_batch(outgoing)
+        # Decrypted (or forwarded) and enveloped per destination; a key error fails its
+        # message, never the batch.
+        outcomes = await self.payloads[destination].publish(self.publishers[destination], outgoing)
         for stats in self._stats(destination):
             stats.publish_seconds += time.perf_counter() - started
         return outcomes
@@ -894,6 +906,10 @@ async def cleanup(store: Store, settings: Settings, max_batches: int = 100) -> i
             await asyncio.sleep(0)  # let the relay's loops run between batches
     if deleted:
         logger.info("cleanup deleted %d finished message(s)", deleted)
+    # The claim-check objects no row refers to any more: those of the rows just deleted.
+    objects = await asyncio.to_thread(payload_admin.sweep_claim_checks, settings)
+    if objects:
+        logger.info("cleanup deleted %d claim-check object(s)", objects)
     return deleted
 
 
