@@ -33,6 +33,7 @@ from outboxer.stores.sqlfiles import (
     to_numbered,
     to_pyformat,
 )
+from outboxer.tracing import inject_trace_context
 
 if TYPE_CHECKING:
     from outboxer.claimcheck import ClaimCheck
@@ -151,6 +152,8 @@ class Outbox:
             if self.encryption is None:
                 raise PayloadError("subject= needs an outbox with encryption= (a KeyRing)")
             check_subject(subject)
+        # Every enqueue variant builds here: the active span's context rides in the headers.
+        headers = inject_trace_context(headers)
         topic, key, clean_headers = validate_envelope(topic, key, headers)
         body, kind = encode_payload(payload, content_type, self.max_payload_bytes)
         identifier = coerce_message_id(message_id)
