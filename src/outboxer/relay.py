@@ -16,16 +16,20 @@ import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from outboxer import logjson, payload_admin, tracing
 from outboxer.brokers import Publisher, create_publisher
 from outboxer.brokers.base import Outcome, OutcomeKind
 from outboxer.config import Settings
-from outboxer.envelope import strip_envelope
 from outboxer.errors import ConfigError, PublishError, SchemaError
 from outboxer.message import Message
+from outboxer.payload_relay import PayloadHandling
 from outboxer.redact import get_logger, redact_text
 from outboxer.retry import Backoff
+
+if TYPE_CHECKING:
+    from outboxer.metrics import Metrics
 from outboxer.stores import (
     Claim,
     Failure,
@@ -338,6 +342,9 @@ class Relay:
         settings: Settings | None = None,
         *,
         envelopes: Mapping[str, str] | None = None,
+        payloads: Mapping[str, PayloadHandling] | None = None,
+        metrics: Metrics | None = None,
+        messaging_systems: Mapping[str, str] | None = None,
     ) -> None:
         if not publishers:
             raise ValueError("a relay needs at least one destination publisher")
@@ -345,6 +352,12 @@ class Relay:
         self.publishers = dict(publishers)
         self.settings = settings or Settings()
         self.envelopes = dict(envelopes or {})
+        #: Per destination: decrypt or forward encrypted rows, then the envelope.
+        self.payloads = {
+            name: (payloads or {}).get(name)
+            or PayloadHandling(name, envelope=self.envelopes.get(name, "full"))
+            for name in self.publishers
+        }
         self.backoff = self.settings.backoff
         self.stats = RelayStats()
         #: The same counters per destination; ``stats`` holds their sums plus what no
@@ -359,6 +372,12 @@ class Relay:
         self._refusals: dict[str, tuple[float, str]] = {}
         self._loops_running = False
         self._gate = RecoveryGate(self._stopping)
+        #: Prometheus histograms and gauges (outboxer[metrics]); None without prometheus_client.
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.watch_relay(self)
+        #: ``messaging.system`` of each destination's spans, from its broker URL.
+        self._systems = dict(messaging_systems or {})
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Relay:
@@ -377,7 +396,24 @@ class Relay:
             for name, dest in settings.destinations.items()
         }
         envelopes = {name: dest.envelope for name, dest in settings.destinations.items()}
-        return cls(store, publishers, settings, envelopes=envelopes)
+        keyring = payload_admin.keyring(settings)
+        payloads = {
+            name: PayloadHandling(name, dest.payload, keyring, dest.envelope)
+            for name, dest in settings.destinations.items()
+        }
+        systems = {
+            name: tracing.messaging_system(dest.broker)
+            for name, dest in settings.destinations.items()
+        }
+        return cls(
+            store,
+            publishers,
+            settings,
+            envelopes=envelopes,
+            payloads=payloads,
+            metrics=_metrics_if_installed(publishers),
+            messaging_systems=systems,
+        )
 
     @property
     def relay_id(self) -> str:
@@ -560,8 +596,11 @@ class Relay:
                 continue
             self._gate.claimed(batch, recover)
             claims.over()
+            claim_seconds = time.perf_counter() - started
             for stats in self._stats(destination):
-                stats.claim_seconds += time.perf_counter() - started
+                stats.claim_seconds += claim_seconds
+            if self.metrics is not None:
+                self.metrics.observe_claim(destination, claim_seconds, len(batch))
             self._log_abandoned(destination, batch)
             if len(batch) == settings.batch_size or batch.recovered:
                 # A full batch: there is likely more. A recovered row: its batch-mates are
@@ -603,6 +642,13 @@ class Relay:
                 row.topic,
                 row.key,
                 row.error,
+                extra=logjson.fields(
+                    message_id=row.id,
+                    destination=destination,
+                    topic=row.topic,
+                    error=row.error,
+                    relay_id=self.relay_id,
+                ),
             )
         if batch.recovered:
             for stats in self._stats(destination):
@@ -629,10 +675,13 @@ class Relay:
         for stats in self._stats(destination):
             stats.claimed += len(batch)
             stats.batches += 1
-        outgoing: Sequence[Message] = batch
-        if self.envelopes.get(destination) == "stripped":
-            outgoing = [strip_envelope(message) for message in batch]
-        publish = asyncio.create_task(self._publish(destination, batch.recovered, outgoing))
+        # Decryption and the stripped envelope come later, per message (PayloadHandling).
+        spans = tracing.start_publish_spans(
+            batch,
+            system=self._systems.get(destination, "unknown"),
+            destination_name=lambda message: message.topic,
+        )
+        publish = asyncio.create_task(self._publish(destination, batch.recovered, spans.messages))
         lease = LeaseKeeper(self, destination, batch, claimed_at, publish)
         keeper = asyncio.create_task(lease.keep())
         try:
@@ -640,6 +689,7 @@ class Relay:
         except asyncio.CancelledError:
             # Cancelled mid-publish (forced shutdown): nothing is known, give the rows back.
             await _cancel(publish, keeper)
+            spans.end([None] * len(batch))
             await asyncio.shield(self._settle(destination, batch, [None] * len(batch)))
             raise
         await _cancel(keeper)
@@ -653,9 +703,21 @@ class Relay:
                 len(batch),
                 lease.lost or "publishing was cancelled",
             )
+            spans.end([None] * len(batch))
             await self._settle(destination, batch, [None] * len(batch))
             return
-        await self._settle(destination, batch, publish.result())
+        outcomes = publish.result()
+        spans.end(outcomes)
+        if self.metrics is not None:
+            self.metrics.observe_confirmed(
+                destination,
+                [
+                    message.created_at
+                    for message, outcome in zip(batch, outcomes, strict=True)
+                    if outcome is not None and outcome.kind is OutcomeKind.PUBLISHED
+                ],
+            )
+        await self._settle(destination, batch, outcomes)
 
     async def _publish(
         self, destination: str, recovered: bool, outgoing: Sequence[Message]
@@ -664,7 +726,9 @@ class Relay:
         if recovered:
             await self._gate.alone()
         started = time.perf_counter()
-        outcomes = await self.publishers[destination].publish_batch(outgoing)
+        # Decrypted (or forwarded) and enveloped per destination; a key error fails its
+        # message, never the batch.
+        outcomes = await self.payloads[destination].publish(self.publishers[destination], outgoing)
         for stats in self._stats(destination):
             stats.publish_seconds += time.perf_counter() - started
         return outcomes
@@ -701,6 +765,14 @@ class Relay:
                         message.topic,
                         message.attempts + 1,
                         error,
+                        extra=logjson.fields(
+                            message_id=message.id,
+                            destination=destination,
+                            topic=message.topic,
+                            attempt=message.attempts + 1,
+                            error=error,
+                            relay_id=self.relay_id,
+                        ),
                     )
                 else:
                     retrying.setdefault(error, []).append(message)
@@ -713,16 +785,25 @@ class Relay:
                 len(messages),
                 shown,
                 error,
+                extra=logjson.fields(
+                    message_id=messages[0].id if len(messages) == 1 else None,
+                    destination=destination,
+                    error=error,
+                    relay_id=self.relay_id,
+                ),
             )
         started = time.perf_counter()
         keys = {message.stored_seq: message.key for message in batch}
         result = await self._record(
             destination, batch.lease, Settlement(published, failed, released), keys
         )
+        settle_seconds = time.perf_counter() - started
+        if self.metrics is not None:  # the batch is out of this relay's hands either way
+            self.metrics.observe_settle(destination, settle_seconds, len(batch))
         if result is None:
             return
         for stats in self._stats(destination):
-            stats.settle_seconds += time.perf_counter() - started
+            stats.settle_seconds += settle_seconds
             stats.published += result.published
             stats.failed += result.failed
             stats.released += result.released
@@ -894,6 +975,10 @@ async def cleanup(store: Store, settings: Settings, max_batches: int = 100) -> i
             await asyncio.sleep(0)  # let the relay's loops run between batches
     if deleted:
         logger.info("cleanup deleted %d finished message(s)", deleted)
+    # The claim-check objects no row refers to any more: those of the rows just deleted.
+    objects = await asyncio.to_thread(payload_admin.sweep_claim_checks, settings)
+    if objects:
+        logger.info("cleanup deleted %d claim-check object(s)", objects)
     return deleted
 
 
@@ -906,3 +991,14 @@ async def _cancel(*tasks: asyncio.Task[Any]) -> None:
 
 def _with(settings: Settings, **changes: object) -> Settings:
     return dataclasses.replace(settings, **changes)  # type: ignore[arg-type]
+
+
+def _metrics_if_installed(publishers: Mapping[str, Publisher]) -> Metrics | None:
+    """A ``Metrics`` of the relay's destinations, or None without prometheus_client."""
+    from outboxer.errors import MissingDependencyError
+    from outboxer.metrics import Metrics
+
+    try:
+        return Metrics(publishers)
+    except MissingDependencyError:
+        return None
