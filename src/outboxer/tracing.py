@@ -98,13 +98,18 @@ def inject_trace_context(headers: Mapping[str, str] | None) -> Mapping[str, str]
 
 
 def extract_trace_context(headers: Mapping[str, str]) -> Context | None:
-    """The context carried in ``headers`` (None without OpenTelemetry or a ``traceparent``)."""
+    """The context carried in ``headers``: None without OpenTelemetry, without a
+    ``traceparent``, or with one that does not parse (then it is the caller's own data, and
+    the relay neither traces the message nor rewrites the header)."""
     if _OTEL_TRACE not in sys.modules or not _has_trace_header(headers):
         return None
-    from opentelemetry import propagate
+    from opentelemetry import propagate, trace
 
     # The propagators read lower-case names (HTTP header style); brokers may keep the case.
-    return propagate.extract({name.lower(): value for name, value in headers.items()})
+    context = propagate.extract({name.lower(): value for name, value in headers.items()})
+    if not trace.get_current_span(context).get_span_context().is_valid:
+        return None
+    return context
 
 
 @functools.cache

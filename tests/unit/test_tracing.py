@@ -180,6 +180,19 @@ def test_one_trace_from_the_request_through_the_publish_to_the_consume(
     assert [event.name for event in process.events] == ["exception"]
 
 
+def test_a_traceparent_that_does_not_parse_is_the_callers_data_and_goes_out_untouched(
+    exporter: InMemorySpanExporter,
+) -> None:
+    """An application may carry its own "traceparent" that is no W3C context: the relay
+    starts no span for it and must not rewrite it."""
+    exporter.clear()
+    message = stored({"traceparent": "00-abc-01", "x-user": "4"})
+    spans = start_publish_spans([message], system="rabbitmq", destination_name=lambda m: m.topic)
+    spans.end([PUBLISHED])
+    assert exporter.get_finished_spans() == ()
+    assert spans.messages[0] is message
+
+
 def test_messaging_system_names() -> None:
     assert messaging_system("amqps://u:p@h/") == "rabbitmq"
     assert messaging_system("kafka://h:9092") == "kafka"
