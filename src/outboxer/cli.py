@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from outboxer import consume_cli
 from outboxer.config import Settings, load_settings
 from outboxer.errors import ConfigError, OutboxerError
 from outboxer.relay import Relay, cleanup
@@ -146,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
+    consume_cli.add_commands(commands)
     return parser
 
 
@@ -355,6 +357,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
+        if (consumed := consume_cli.run(args)) is not None:
+            return consumed
         if args.command == "relay":
             return asyncio.run(_relay(args))
         if args.command == "serve":

@@ -302,7 +302,8 @@ def load_settings(
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
         file_values = dict(file_values.get("outboxer", file_values))
-    unknown = set(file_values) - set(SETTING_NAMES) - {"destinations", "broker"}
+    # [consumer]: the settings of `outboxer consume` alone (outboxer.consume_cli).
+    unknown = set(file_values) - set(SETTING_NAMES) - {"destinations", "broker", "consumer"}
     if unknown:
         raise ConfigError(
             f"{path}: unknown settings {sorted(unknown)}; known: {sorted(SETTING_NAMES)}"

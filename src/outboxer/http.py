@@ -521,7 +521,10 @@ class HttpApi:
         token: str | None = None,
         status_cache_seconds: float = STATUS_CACHE_SECONDS,
         store_timeout: float = STORE_TIMEOUT,
+        extra_metrics: Callable[[], Iterable[Metric]] | None = None,
     ) -> None:
+        #: More metrics for ``/metrics`` (the consumer's: outboxer.consumer.consumer_metrics).
+        self.extra_metrics = extra_metrics
         self.store = store
         self.settings = settings
         self.relay = relay
@@ -624,6 +627,8 @@ class HttpApi:
                 not self.relay.health_problems(),
                 destinations=self.relay.destination_stats,
             )
+        if self.extra_metrics is not None:
+            metrics += self.extra_metrics()
         metrics += store_metrics(await self.status_cache.get())
         return Response(
             http.HTTPStatus.OK, render_metrics(metrics).encode(), PROMETHEUS_CONTENT_TYPE
@@ -891,14 +896,19 @@ def check_exposure(host: str, token: str | None) -> None:
         )
 
 
-async def start_http_api(settings: Settings, relay: Relay | None = None) -> HttpServer:
+async def start_http_api(
+    settings: Settings,
+    relay: Relay | None = None,
+    *,
+    extra_metrics: Callable[[], Iterable[Metric]] | None = None,
+) -> HttpServer:
     """Check the settings, then listen on ``settings.http``; ConfigError if it cannot."""
     if not settings.http:
         raise ConfigError("no HTTP address: pass --http HOST:PORT or set OUTBOXER_HTTP")
     host, port = parse_http_address(settings.http, "--http")
     check_exposure(host, settings.http_token)
     store = create_store(settings.require_db(), schema=settings.schema, table=settings.table)
-    api = HttpApi(store, settings, relay, token=settings.http_token)
+    api = HttpApi(store, settings, relay, token=settings.http_token, extra_metrics=extra_metrics)
     return await HttpServer(api, host, port).start()
 
 

@@ -27,12 +27,10 @@ REGISTRY: dict[str, tuple[str, str, str | None, str | None]] = {
 }
 
 
-def publisher_class(url: str) -> type[Publisher]:
-    scheme = urlsplit(url).scheme.lower()
-    if scheme not in REGISTRY:
-        known = ", ".join(sorted(REGISTRY))
-        raise ConfigError(f"unknown broker URL scheme {scheme!r} in {url!r}; known: {known}")
-    module_name, class_name, extra, requirement = REGISTRY[scheme]
+def adapter_class(entry: tuple[str, str, str | None, str | None], what: str) -> Any:
+    """The class a registry entry names, importing its driver first (a missing one names
+    the extra to install)."""
+    module_name, class_name, extra, requirement = entry
     if requirement is not None:
         try:
             importlib.import_module(requirement)
@@ -41,8 +39,16 @@ def publisher_class(url: str) -> type[Publisher]:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        raise ConfigError(f"the {scheme}:// publisher is not available in this version") from exc
-    cls: type[Publisher] = getattr(module, class_name)
+        raise ConfigError(f"the {what} is not available in this version") from exc
+    return getattr(module, class_name)
+
+
+def publisher_class(url: str) -> type[Publisher]:
+    scheme = urlsplit(url).scheme.lower()
+    if scheme not in REGISTRY:
+        known = ", ".join(sorted(REGISTRY))
+        raise ConfigError(f"unknown broker URL scheme {scheme!r} in {url!r}; known: {known}")
+    cls: type[Publisher] = adapter_class(REGISTRY[scheme], f"{scheme}:// publisher")
     return cls
 
 

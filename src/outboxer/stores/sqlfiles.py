@@ -17,13 +17,9 @@ _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 
 
 @functools.cache
-def queries(dialect: str) -> dict[str, str]:
-    """All named blocks of ``sql/<dialect>/queries.sql``."""
-    text = (
-        resources.files("outboxer.stores")
-        .joinpath("sql", dialect, "queries.sql")
-        .read_text("utf-8")
-    )
+def queries(dialect: str, file: str = "queries.sql") -> dict[str, str]:
+    """All named blocks of ``sql/<dialect>/<file>`` (``queries.sql`` unless named)."""
+    text = resources.files("outboxer.stores").joinpath("sql", dialect, file).read_text("utf-8")
     parts = _BLOCK.split(text)
     return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}
 

@@ -1,0 +1,199 @@
+"""End to end, per broker: enqueue -> `outboxer relay` -> broker -> `outboxer consume` -> rows.
+
+The consumer is SIGKILLed twice mid-run and started again; every message must be applied
+exactly once (one row each in the handler's table), each key's messages in order, and the
+broker must end with nothing unacknowledged. A final SIGTERM must end the consumer with 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+import outboxer
+from tests.consumer_handlers import APPLIED_DDL
+from tests.services import require
+
+OUTBOXER = [sys.executable, "-m", "outboxer.cli"]
+ROOT = Path(__file__).resolve().parents[2]
+MESSAGES, KEYS = 1200, 12
+
+
+@dataclass
+class BrokerSide:
+    """What differs per broker: where to publish and consume, and how to see it drained."""
+
+    url: str
+    group: str
+    topic: str
+    pattern: str
+    #: Extra arguments for `outboxer consume`.
+    consume_args: list[str] = field(default_factory=list)
+    #: Whether the broker holds nothing for the group any more (nothing unacked or pending).
+    drained: Callable[[], Any] | None = None
+    #: Whether the consumer's subscription exists (the relay may publish then).
+    ready: Callable[[], Any] | None = None
+    cleanup: Callable[[], Any] | None = None
+
+
+async def rabbitmq_side() -> BrokerSide:
+    import aio_pika
+    import aiormq
+
+    require("rabbitmq")
+    exchange = f"e2e-{uuid.uuid4().hex[:8]}"
+    url = f"amqp://guest:guest@127.0.0.1:5672/?exchange={exchange}"
+    group = f"e2e-{exchange}"
+
+    async def queue_count() -> int | None:
+        connection = await aio_pika.connect("amqp://guest:guest@127.0.0.1:5672/")
+        try:
+            channel = await connection.channel()
+            queue = await channel.declare_queue(group, passive=True)
+            return int(queue.declaration_result.message_count)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            return None
+        finally:
+            await connection.close()
+
+    async def drained() -> bool:
+        return await queue_count() == 0
+
+    async def ready() -> bool:
+        return await queue_count() is not None
+
+    async def cleanup() -> None:
+        connection = await aio_pika.connect("amqp://guest:guest@127.0.0.1:5672/")
+        channel = await connection.channel()
+        await channel.queue_delete(group)
+        await channel.exchange_delete(exchange)
+        await connection.close()
+
+    return BrokerSide(url, group, "e2e.order", "e2e.*", [], drained, ready, cleanup)
+
+
+SIDES = {"rabbitmq": rabbitmq_side}
+
+
+@pytest.fixture(params=sorted(SIDES))
+async def side(request: pytest.FixtureRequest) -> AsyncIterator[BrokerSide]:
+    made = await SIDES[request.param]()
+    yield made
+    if made.cleanup is not None:
+        await made.cleanup()
+
+
+def spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [*OUTBOXER, *args],
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def applied(db: str) -> list[tuple[str, str, int]]:
+    with psycopg.connect(db) as conn:
+        rows = conn.execute("SELECT message_id, key, n FROM applied ORDER BY position").fetchall()
+    return [(str(message_id), key, n) for message_id, key, n in rows]
+
+
+async def wait_until(check: Callable[[], Any], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+async def test_sigkilled_twice_every_message_applied_once_in_key_order(
+    pg_url: str, side: BrokerSide, tmp_path: Path
+) -> None:
+    with psycopg.connect(pg_url) as conn:
+        conn.execute(APPLIED_DDL)
+        outboxer.enqueue_many(
+            conn,
+            [
+                {"topic": side.topic, "payload": {"n": n}, "key": f"k{n % KEYS}"}
+                for n in range(MESSAGES)
+            ],
+        )
+    consume = [
+        "consume",
+        "--db",
+        pg_url,
+        "--broker",
+        side.url,
+        "--group",
+        side.group,
+        "--topic",
+        side.pattern,
+        "--concurrency",
+        "3",
+        "--batch",
+        "8",
+        *side.consume_args,
+        "tests.consumer_handlers:record",
+    ]
+    log = tmp_path / "consumer.log"
+    env = {"CONSUMER_TEST_SLEEP": "0.002"}
+    consumer = spawn(consume, log, env)
+    relay = None
+    try:
+        if side.ready is not None:
+            await wait_until(side.ready, 30, "the consumer's subscription")
+        relay = spawn(["relay", "--db", pg_url, "--broker", side.url], tmp_path / "relay.log")
+        for fraction in (0.25, 0.6):
+            await wait_until(
+                lambda f=fraction: len(applied(pg_url)) >= MESSAGES * f,
+                60,
+                f"{fraction:.0%} applied",
+            )
+            consumer.send_signal(signal.SIGKILL)
+            consumer.wait(10)
+            consumer = spawn(consume, log, env)
+        await wait_until(
+            lambda: len({row[0] for row in applied(pg_url)}) >= MESSAGES, 90, "every message"
+        )
+        if side.drained is not None:
+            await wait_until(side.drained, 30, "the broker to hold nothing unacked")
+        consumer.send_signal(signal.SIGTERM)
+        assert consumer.wait(30) == 0, log.read_text()
+    finally:
+        for process in (consumer, relay):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait(10)
+    rows = applied(pg_url)
+    assert len(rows) == MESSAGES, "a message was applied twice (or lost)"
+    assert len({row[0] for row in rows}) == MESSAGES
+    by_key: dict[str, list[int]] = {}
+    for _, key, n in rows:
+        by_key.setdefault(key, []).append(n)
+    for key, numbers in by_key.items():
+        assert numbers == sorted(numbers), f"key {key} applied out of order: {numbers}"
+    if side.drained is not None:
+        assert await side.drained()
+    with psycopg.connect(pg_url) as conn:
+        (inbox,) = conn.execute(
+            "SELECT count(*) FROM outboxer.inbox WHERE consumer = %s", (side.group,)
+        ).fetchone() or (0,)
+    assert inbox == MESSAGES
