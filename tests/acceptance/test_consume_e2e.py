@@ -84,7 +84,31 @@ async def rabbitmq_side() -> BrokerSide:
     return BrokerSide(url, group, "e2e.order", "e2e.*", [], drained, ready, cleanup)
 
 
-SIDES = {"rabbitmq": rabbitmq_side}
+async def redis_side() -> BrokerSide:
+    import redis.asyncio as aioredis
+
+    require("redis")
+    url = "redis://127.0.0.1:6379/0"
+    stream = f"e2e-{uuid.uuid4().hex[:8]}"
+    group = f"g-{stream}"
+
+    async def drained() -> bool:
+        client = aioredis.Redis.from_url(url)
+        try:
+            [info] = await client.xinfo_groups(stream)
+            return bool(info["pending"] == 0 and info["lag"] == 0)
+        finally:
+            await client.aclose()
+
+    async def cleanup() -> None:
+        client = aioredis.Redis.from_url(url)
+        await client.delete(stream)
+        await client.aclose()
+
+    return BrokerSide(url, group, stream, stream, [], drained, None, cleanup)
+
+
+SIDES = {"rabbitmq": rabbitmq_side, "redis": redis_side}
 
 
 @pytest.fixture(params=sorted(SIDES))

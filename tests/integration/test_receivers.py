@@ -1,0 +1,93 @@
+"""Every receiver passes the receiver contract (outboxer.testing_consumer) on its real server."""
+
+from __future__ import annotations
+
+import socket
+
+import aio_pika
+import pytest
+
+from outboxer.brokers import create_publisher
+from outboxer.brokers.base import Publisher
+from outboxer.receivers import create_receiver
+from outboxer.receivers.base import Receiver
+from outboxer.testing import make_message
+from outboxer.testing_consumer import ReceiverContract
+from tests.services import require
+
+AMQP = "amqp://guest:guest@127.0.0.1:5672/"
+REDIS = "redis://127.0.0.1:6379/0"
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class TestRabbitMQReceiver(ReceiverContract):
+    @pytest.fixture(autouse=True)
+    def _service(self) -> None:
+        require("rabbitmq")
+
+    def url(self, topic: str) -> str:
+        return f"{AMQP}?exchange=x-{topic}"
+
+    def make_publisher(self, topic: str) -> Publisher:
+        return create_publisher(self.url(topic))
+
+    def make_receiver(self, group: str, topic: str) -> Receiver:
+        return create_receiver(self.url(topic), group=group, topics=[topic])
+
+    def make_unreachable_receiver(self) -> Receiver:
+        return create_receiver(f"amqp://guest:guest@127.0.0.1:{closed_port()}/", group="g")
+
+    async def cleanup(self, group: str, topic: str) -> None:
+        connection = await aio_pika.connect(AMQP)
+        channel = await connection.channel()
+        await channel.queue_delete(group)
+        await channel.exchange_delete(f"x-{topic}")
+        await connection.close()
+
+
+class TestRedisReceiver(ReceiverContract):
+    @pytest.fixture(autouse=True)
+    def _service(self) -> None:
+        require("redis")
+
+    def make_publisher(self, topic: str) -> Publisher:
+        return create_publisher(REDIS)
+
+    def make_receiver(self, group: str, topic: str) -> Receiver:
+        return create_receiver(REDIS, group=group, topics=[topic], name="contract")
+
+    def make_unreachable_receiver(self) -> Receiver:
+        return create_receiver(f"redis://127.0.0.1:{closed_port()}/0", group="g", topics=["t"])
+
+    async def cleanup(self, group: str, topic: str) -> None:
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(REDIS)
+        await client.delete(topic)
+        await client.aclose()
+
+    async def test_a_dead_consumers_entries_are_claimed_by_another(self) -> None:
+        topic, group = self.fresh_topic(), self.fresh_group()
+        dead = create_receiver(REDIS, group=group, topics=[topic], name="dead")
+        await dead.connect()
+        try:
+            await self.publish(topic, [make_message(topic, {"n": n}, key="k") for n in range(3)])
+            held = await self.collect(dead, 3, self.receive_timeout)
+            await dead.close()  # never acks: it died
+            alive = create_receiver(
+                f"{REDIS}?claim_idle=0.3", group=group, topics=[topic], name="alive"
+            )
+            await alive.connect()
+            try:
+                taken = await self.collect(alive, 3, 5.0)
+                assert [i.delivery.id for i in taken] == [i.delivery.id for i in held]
+                await alive.ack(taken)
+            finally:
+                await alive.close()
+        finally:
+            await self.cleanup(group, topic)
