@@ -108,7 +108,35 @@ async def redis_side() -> BrokerSide:
     return BrokerSide(url, group, stream, stream, [], drained, None, cleanup)
 
 
-SIDES = {"rabbitmq": rabbitmq_side, "redis": redis_side}
+async def nats_side() -> BrokerSide:
+    import nats
+
+    require("nats")
+    stream = f"e2e_{uuid.uuid4().hex[:8]}"
+    subject = f"{stream}.order"
+    url = f"nats://127.0.0.1:4222?stream={stream}&create_stream=true&subjects={stream}.>"
+    group = f"g-{stream}"
+
+    async def drained() -> bool:
+        nc = await nats.connect("nats://127.0.0.1:4222")
+        try:
+            info = await nc.jetstream().consumer_info(stream, group)
+            return info.num_ack_pending == 0 and info.num_pending == 0
+        finally:
+            await nc.close()
+
+    async def cleanup() -> None:
+        nc = await nats.connect("nats://127.0.0.1:4222")
+        await nc.jetstream().delete_stream(stream)
+        await nc.close()
+
+    # A short ack_wait: a restarted consumer waits that long for the killed one's messages.
+    return BrokerSide(
+        url, group, subject, f"{stream}.*", ["--option", "ack_wait=2"], drained, None, cleanup
+    )
+
+
+SIDES = {"rabbitmq": rabbitmq_side, "redis": redis_side, "nats": nats_side}
 
 
 @pytest.fixture(params=sorted(SIDES))

@@ -91,3 +91,49 @@ class TestRedisReceiver(ReceiverContract):
                 await alive.close()
         finally:
             await self.cleanup(group, topic)
+
+
+class TestNatsReceiver(ReceiverContract):
+    redelivery_timeout = 10.0
+
+    @pytest.fixture(autouse=True)
+    def _service(self) -> None:
+        require("nats")
+
+    def url(self, topic: str) -> str:
+        stream = topic.replace(".", "_")
+        return f"nats://127.0.0.1:4222?stream={stream}&create_stream=true&subjects={topic}"
+
+    def make_publisher(self, topic: str) -> Publisher:
+        return create_publisher(self.url(topic))
+
+    def make_receiver(self, group: str, topic: str) -> Receiver:
+        return create_receiver(self.url(topic), group=group, topics=[topic], ack_wait=1.5)
+
+    def make_unreachable_receiver(self) -> Receiver:
+        return create_receiver(f"nats://127.0.0.1:{closed_port()}", group="g")
+
+    async def cleanup(self, group: str, topic: str) -> None:
+        import nats
+
+        nc = await nats.connect("nats://127.0.0.1:4222")
+        await nc.jetstream().delete_stream(topic.replace(".", "_"))
+        await nc.close()
+
+    async def test_in_progress_acks_keep_a_slow_message_from_redelivery(self) -> None:
+        topic, group = self.fresh_topic(), self.fresh_group()
+        holder = self.make_receiver(group, topic)
+        other = self.make_receiver(group, topic)
+        await holder.connect()
+        await other.connect()
+        try:
+            await self.publish(topic, [make_message(topic, {"n": 1})])
+            held = await self.collect(holder, 1, self.receive_timeout)
+            for _ in range(6):  # 3 s: twice ack_wait, kept alive every 0.5 s
+                await holder.extend(held)
+                assert await other.receive(1, 0.5) == []
+            await holder.ack(held)
+        finally:
+            await holder.close()
+            await other.close()
+            await self.cleanup(group, topic)

@@ -1,0 +1,189 @@
+"""``nats://``: a durable JetStream pull consumer per topic, acked after commit.
+
+Each topic (a subject or a subject pattern with ``*`` and ``>``, before ``subject_prefix``)
+gets a durable pull consumer on the stream that captures it (``stream``, or the one
+JetStream names for the subject): named after the group (``durable``), explicit acks,
+every message from the stream's start. Every consumer process of the group pulls from it.
+A message is acked (``+ACK``) once the transaction that applied it committed; while a
+handler or its retries take long the receiver sends in-progress acks (``+WPI``) every
+third of ``ack_wait`` (default 30 s), so JetStream does not hand the message to another
+puller meanwhile. At shutdown, messages held but not started are handed back (``-NAK``).
+
+JetStream redelivers what a crashed consumer held once ``ack_wait`` has passed, and a
+puller meanwhile gets newer messages. So that a key's messages stay in order across a
+crash, a receiver that finds messages of its consumer unacknowledged when it starts waits
+``ack_wait`` before its first pull: JetStream then hands out those redeliveries first.
+
+The URL is the relay's: servers, TLS and credentials are read by :class:`NatsPublisher`
+(with ``create_stream``, the stream is created as the relay would create it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from outboxer.brokers.nats import MSG_ID_HEADER, NatsPublisher
+from outboxer.config import float_option
+from outboxer.errors import ConfigError
+from outboxer.receivers.base import Incoming, Receiver, decode
+
+#: Headers the publisher adds for JetStream, not the user's.
+_JETSTREAM_HEADERS = (MSG_ID_HEADER, "Nats-Expected-Stream")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def durable_name(group: str, topic: str, several: bool) -> str:
+    """A valid consumer name for the group (and the topic, if the group has several)."""
+    name = _UNSAFE.sub("_", group)
+    if several:
+        digest = hashlib.sha1(topic.encode()).hexdigest()[:8]
+        name = f"{name}-{_UNSAFE.sub('_', topic)[:40]}-{digest}"
+    return name
+
+
+class NatsReceiver(Receiver):
+    """Pulls the group's messages from a durable JetStream consumer per topic."""
+
+    schemes = ("nats",)
+    options = ("ack_wait", "durable")
+    all_topics = ">"
+
+    def __init__(self, url: str, **options: Any) -> None:
+        super().__init__(url, **options)
+        self.ack_wait = float_option(
+            self.settings.get("ack_wait", 30), "nats option ack_wait", 0.5, 86_400
+        )
+        self.extend_interval = self.ack_wait / 3
+        several = len(self.topics) > 1
+        durable = self.settings.get("durable")
+        if durable and several:
+            raise ConfigError("nats option durable names one consumer: give one topic with it")
+        self.durables = {
+            topic: str(durable) if durable else durable_name(self.group, topic, several)
+            for topic in self.topics
+        }
+        self._nc: Client | None = None
+        self._subscriptions: list[JetStreamContext.PullSubscription] = []
+        self._turn = 0
+        self._lost = asyncio.Event()
+        self._pull_after = 0.0
+
+    @property
+    def _nats(self) -> NatsPublisher:
+        assert isinstance(self.publisher, NatsPublisher)
+        return self.publisher
+
+    def parse(self, url: str) -> NatsPublisher:
+        return NatsPublisher(url)
+
+    async def _connect(self) -> None:
+        await self._close()
+        lost = self._lost = asyncio.Event()
+
+        async def on_disconnect() -> None:
+            lost.set()
+
+        async def on_error(error: Exception) -> None:
+            lost.set()
+
+        nc = await nats.connect(
+            **self._nats.connection_options(),
+            error_cb=on_error,
+            disconnected_cb=on_disconnect,
+            closed_cb=on_disconnect,
+        )
+        self._nc = nc
+        js = nc.jetstream(timeout=self.connect_timeout)
+        if self._nats.create_stream:
+            await self._nats.ensure_stream(js)
+        unacked = 0
+        for topic, durable in self.durables.items():
+            subject = self._nats.subject_prefix + topic
+            stream = self._nats.stream or await js.find_stream_name_by_subject(subject)
+            config = ConsumerConfig(
+                durable_name=durable,
+                ack_policy=AckPolicy.EXPLICIT,
+                deliver_policy=DeliverPolicy.ALL,
+                filter_subject=subject,
+                ack_wait=self.ack_wait,
+                max_deliver=-1,
+            )
+            try:
+                info = await js.add_consumer(stream, config)
+            except nats.js.errors.BadRequestError as exc:
+                raise ConfigError(
+                    f"JetStream consumer {durable!r} on stream {stream!r} exists with other "
+                    f"settings ({exc.description}): delete it or set ack_wait to match"
+                ) from exc
+            unacked += info.num_ack_pending or 0
+            self._subscriptions.append(await js.pull_subscribe_bind(durable, stream))
+        # Redeliveries of a crashed holder come before newer messages only once ack_wait is
+        # over: pulling earlier would apply a key's newer messages first.
+        loop = asyncio.get_running_loop()
+        self._pull_after = loop.time() + self.ack_wait if unacked else 0.0
+
+    async def _close(self) -> None:
+        nc, self._nc = self._nc, None
+        self._subscriptions = []
+        if nc is not None and not nc.is_closed:
+            # Closing flushes acks written and not yet sent; a broken connection has none.
+            with contextlib.suppress(nats.errors.Error, OSError, asyncio.TimeoutError):
+                await nc.close()
+
+    async def _receive(self, limit: int, timeout: float) -> list[Incoming]:
+        if self._nc is None or self._nc.is_closed or self._lost.is_set():
+            raise ConnectionError("the connection to NATS is closed")
+        loop = asyncio.get_running_loop()
+        wait = self._pull_after - loop.time()
+        if wait > 0:
+            await asyncio.sleep(min(wait, timeout))
+            return []
+        subscription = self._subscriptions[self._turn % len(self._subscriptions)]
+        self._turn += 1
+        try:
+            messages = await subscription.fetch(limit, timeout / len(self._subscriptions))
+        except (TimeoutError, nats.errors.TimeoutError):
+            return []
+        received = []
+        for message in messages:
+            headers = {
+                name: value
+                for name, value in (message.headers or {}).items()
+                if name not in _JETSTREAM_HEADERS
+            }
+            incoming = decode(headers, message.data, fallback_topic=message.subject)
+            incoming.token = message
+            received.append(incoming)
+        return received
+
+    async def _each(self, incomings: Sequence[Incoming], action: str) -> None:
+        for incoming in incomings:
+            message: Msg = incoming.token
+            await getattr(message, action)()
+        if self._nc is not None:
+            await self._nc.flush(timeout=10)  # sent, not just written to the buffer
+
+    async def _ack(self, incomings: Sequence[Incoming]) -> None:
+        await self._each(incomings, "ack")
+
+    async def _extend(self, incomings: Sequence[Incoming]) -> None:
+        await self._each(incomings, "in_progress")
+
+    async def _release(self, incomings: Sequence[Incoming]) -> None:
+        await self._each(incomings, "nak")
+
+
+__all__ = ["NatsReceiver", "durable_name"]
