@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import uuid
+from collections.abc import Iterator
 
 import aio_pika
 import pytest
@@ -137,3 +139,42 @@ class TestNatsReceiver(ReceiverContract):
             await holder.close()
             await other.close()
             await self.cleanup(group, topic)
+
+
+@pytest.fixture(scope="module")
+def kafka_cluster() -> Iterator[str]:
+    from tests.integration.test_broker_kafka import MockCluster
+
+    cluster = MockCluster()
+    yield cluster.bootstrap
+    cluster.stop()
+
+
+class TestKafkaReceiver(ReceiverContract):
+    """On librdkafka's mock cluster (no Kafka broker runs here), as the publisher's tests."""
+
+    receive_timeout = redelivery_timeout = 30.0
+
+    @pytest.fixture(autouse=True)
+    def _cluster(self, kafka_cluster: str) -> None:
+        self.bootstrap = kafka_cluster
+
+    def fresh_topic(self) -> str:
+        from confluent_kafka.admin import AdminClient
+
+        topic = f"contract-{uuid.uuid4().hex[:10]}"
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        # A metadata request creates the topic on the mock cluster (4 partitions).
+        assert admin.list_topics(topic=topic, timeout=10).topics[topic].partitions
+        return topic
+
+    def make_publisher(self, topic: str) -> Publisher:
+        return create_publisher(f"kafka://{self.bootstrap}")
+
+    def make_receiver(self, group: str, topic: str) -> Receiver:
+        # The mock cluster lets a new member in once the old one's session timed out.
+        url = f"kafka://{self.bootstrap}?session.timeout.ms=6000&heartbeat.interval.ms=500"
+        return create_receiver(url, group=group, topics=[topic])
+
+    def make_unreachable_receiver(self) -> Receiver:
+        return create_receiver(f"kafka://127.0.0.1:{closed_port()}", group="g", topics=["t"])

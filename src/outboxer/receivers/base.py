@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from outboxer.brokers.base import Publisher, describe
@@ -162,6 +162,35 @@ def split_url(url: str, names: Sequence[str]) -> tuple[str, dict[str, str]]:
     ours = {name: value for name, value in pairs if name in names}
     rest = [(name, value) for name, value in pairs if name not in names]
     return parts._replace(query=urlencode(rest)).geturl(), ours
+
+
+T = TypeVar("T")
+
+
+async def take(
+    arrived: asyncio.Queue[T], lost: asyncio.Event, limit: int, timeout: float, what: str
+) -> list[T]:
+    """Up to ``limit`` items a driver's callback queued, waiting up to ``timeout`` for the
+    first; ConnectionError once ``lost`` is set (the items are redelivered after a reconnect)."""
+    items: list[T] = []
+    if arrived.empty() and not lost.is_set():
+        getter = asyncio.ensure_future(arrived.get())
+        lost_wait = asyncio.ensure_future(lost.wait())
+        try:
+            await asyncio.wait(
+                (getter, lost_wait), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            lost_wait.cancel()
+            if not getter.done():
+                getter.cancel()
+        if getter.done() and not getter.cancelled():
+            items.append(getter.result())
+    if lost.is_set():
+        raise ConnectionError(f"the connection to {what} is lost")
+    while not arrived.empty() and len(items) < limit:
+        items.append(arrived.get_nowait())
+    return items
 
 
 @dataclass
@@ -391,4 +420,5 @@ __all__ = [
     "decode",
     "decode_payload",
     "split_url",
+    "take",
 ]

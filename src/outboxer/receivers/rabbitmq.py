@@ -32,7 +32,7 @@ from aio_pika.abc import AbstractConnection, AbstractIncomingMessage
 from outboxer.brokers.base import option_bool
 from outboxer.brokers.rabbitmq import RabbitMQPublisher
 from outboxer.errors import ConfigError
-from outboxer.receivers.base import Incoming, Receiver, decode
+from outboxer.receivers.base import Incoming, Receiver, decode, take
 
 _QUEUE_TYPES = ("classic", "quorum")
 
@@ -119,24 +119,7 @@ class RabbitMQReceiver(Receiver):
             await RabbitMQPublisher._quietly(connection.close())
 
     async def _receive(self, limit: int, timeout: float) -> list[Incoming]:
-        messages: list[AbstractIncomingMessage] = []
-        if self._arrived.empty():
-            getter = asyncio.ensure_future(self._arrived.get())
-            lost = asyncio.ensure_future(self._lost.wait())
-            try:
-                await asyncio.wait(
-                    (getter, lost), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-                )
-            finally:
-                lost.cancel()
-                if not getter.done():
-                    getter.cancel()
-            if getter.done() and not getter.cancelled():
-                messages.append(getter.result())
-        if self._lost.is_set():
-            raise ConnectionError("the connection or channel to RabbitMQ closed")
-        while not self._arrived.empty() and len(messages) < limit:
-            messages.append(self._arrived.get_nowait())
+        messages = await take(self._arrived, self._lost, limit, timeout, "RabbitMQ")
         return [self._incoming(message) for message in messages]
 
     @staticmethod
