@@ -385,8 +385,9 @@ class Consumer:
             if not self.receiver.connected:
                 try:
                     await self.receiver.connect()
-                    if failures:
-                        logger.info("broker %s is back", self.receiver.safe_url)
+                    logger.info(
+                        "consumer %s: receiving from %s", self.group, self.receiver.safe_url
+                    )
                     failures = 0
                 except ConfigError as exc:
                     self._fatal = exc

@@ -178,3 +178,36 @@ class TestKafkaReceiver(ReceiverContract):
 
     def make_unreachable_receiver(self) -> Receiver:
         return create_receiver(f"kafka://127.0.0.1:{closed_port()}", group="g", topics=["t"])
+
+
+class TestMqttReceiver(ReceiverContract):
+    @pytest.fixture(autouse=True)
+    def _service(self) -> None:
+        require("mosquitto")
+
+    def make_publisher(self, topic: str) -> Publisher:
+        return create_publisher("mqtt://127.0.0.1:1883")
+
+    def make_receiver(self, group: str, topic: str) -> Receiver:
+        return create_receiver(  # sessions left on the broker expire within a minute
+            "mqtt://127.0.0.1:1883?session_expiry=60", group=group, topics=[topic], name="contract"
+        )
+
+    def make_unreachable_receiver(self) -> Receiver:
+        return create_receiver(f"mqtt://127.0.0.1:{closed_port()}", group="g")
+
+    async def test_pubacks_go_out_in_arrival_order(self) -> None:
+        topic, group = self.fresh_topic(), self.fresh_group()
+        receiver = self.make_receiver(group, topic)
+        await receiver.connect()
+        try:
+            await self.publish(topic, [make_message(topic, {"n": n}) for n in range(3)])
+            received = await self.collect(receiver, 3, self.receive_timeout)
+            await receiver.ack(received[1:])  # the first is not done: no PUBACK goes out yet
+            await receiver.close()
+            await receiver.connect()
+            again = await self.collect(receiver, 3, self.redelivery_timeout)
+            assert [i.delivery.id for i in again] == [i.delivery.id for i in received]
+            await receiver.ack(again)
+        finally:
+            await receiver.close()
