@@ -7,6 +7,7 @@ publishes it to your broker, at least once and in order per key.
 from outboxer.brokers import Publisher, create_publisher
 from outboxer.brokers.base import Outcome, OutcomeKind
 from outboxer.config import DestinationSettings, Settings, load_settings
+from outboxer.consumer import Consumer, ConsumerStats, Delivery
 from outboxer.enqueue import (
     Outbox,
     configure,
@@ -38,6 +39,9 @@ __all__ = [
     "Backoff",
     "BrokerUnavailableError",
     "ConfigError",
+    "Consumer",
+    "ConsumerStats",
+    "Delivery",
     "DestinationSettings",
     "DuplicateMessageError",
     "Inbox",
