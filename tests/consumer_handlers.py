@@ -41,3 +41,10 @@ async def record_async(message: Delivery, conn: Any) -> None:
         message.payload["n"],
         message.attempt,
     )
+
+
+def fail_on_zero(message: Delivery, conn: Any) -> None:
+    """Fails for ``n == 0`` until the environment says the bug is fixed."""
+    if message.payload["n"] == 0 and not os.environ.get("CONSUMER_TEST_FIXED"):
+        raise RuntimeError("n is zero")
+    record(message, conn)
