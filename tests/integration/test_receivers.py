@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import aio_pika
 import pytest
@@ -211,3 +212,24 @@ class TestMqttReceiver(ReceiverContract):
             await receiver.ack(again)
         finally:
             await receiver.close()
+
+
+class TestFileReceiver(ReceiverContract):
+    """The demo's JSON-lines broker (no server)."""
+
+    @pytest.fixture(autouse=True)
+    def _folder(self, tmp_path: Path) -> None:
+        self.folder = tmp_path
+
+    def url(self, topic: str) -> str:
+        return f"file://{self.folder / topic}.jsonl"
+
+    def make_publisher(self, topic: str) -> Publisher:
+        return create_publisher(self.url(topic))
+
+    def make_receiver(self, group: str, topic: str) -> Receiver:
+        (self.folder / f"{topic}.jsonl").touch()
+        return create_receiver(self.url(topic), group=group)
+
+    def make_unreachable_receiver(self) -> Receiver:
+        return create_receiver(f"file://{self.folder}/missing/events.jsonl", group="g")
