@@ -105,7 +105,7 @@ CONSUMER_SETTINGS = (
         "batch",
         "CONSUMER_BATCH",
         lambda v, n: int_option(v, n, 1, 10_000),
-        "messages of different keys applied per transaction (default 32)",
+        "messages of different keys applied per transaction (default 100)",
     ),
     _Setting(
         "prefetch",
@@ -312,7 +312,7 @@ def _consumer(loaded: ConsumeSettings, **overrides: Any) -> Any:
         "handler": loaded.require("handler"),
         "topics": values.get("topics"),
         "concurrency": settings.concurrency,
-        "batch": values.get("batch", 32),
+        "batch": values.get("batch", 100),
         "prefetch": values.get("prefetch"),
         "max_attempts": settings.max_attempts,
         "backoff": settings.backoff,

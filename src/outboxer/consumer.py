@@ -146,7 +146,7 @@ class Consumer:
         handler: Handler | str,
         topics: Sequence[str] | None = None,
         concurrency: int = 4,
-        batch: int = 32,
+        batch: int = 100,
         prefetch: int | None = None,
         max_attempts: int = 10,
         backoff: Backoff | None = None,
@@ -478,14 +478,17 @@ class Consumer:
         troubles = 0
         while todo and not self.stopping:
             deliveries = [
-                dataclasses.replace(lane.head.delivery, attempt=lane.failures + 1) for lane in todo
+                dataclasses.replace(lane.head.delivery, attempt=lane.failures + 1)
+                if lane.failures
+                else lane.head.delivery  # attempt 1 already
+                for lane in todo
             ]
             try:
                 results = await session.apply(
                     self.group, deliveries, self._timed_handler, hold_keys=self.abandoned_blocks_key
                 )
             except BatchFailed as failure:
-                if failure.in_handler and failure.index is not None:
+                if failure.index is not None:  # its handler raised
                     await self._failed(session, todo.pop(failure.index), failure.cause)
                     continue  # the others again at once: not their fault
                 self.stats.database_errors += 1
@@ -500,7 +503,7 @@ class Consumer:
                     for lane in todo:
                         await self._apply(session, [lane], alone=True)
                     return
-                if failure.index is None:  # its commit failed: the message's doing
+                if failure.stage == "commit":  # alone, its commit failed: the message's doing
                     await self._failed(session, todo.pop(), failure.cause)
                     continue
                 troubles += 1

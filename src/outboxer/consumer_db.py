@@ -1,5 +1,6 @@
 """The consumer's database: a connection per worker of the runner, the transaction that
-applies a batch of messages (inbox claim + handler, per message), and the dead-letter table.
+applies a batch of messages (the inbox claim, then each message's handler), and the
+dead-letter table.
 
 Which connection a handler gets follows the handler: a plain function gets a sync
 connection (psycopg for PostgreSQL, sqlite3, PyMySQL for MySQL/MariaDB), run in a thread of
@@ -9,7 +10,8 @@ handler writes on that connection and never commits: the runner does, once per b
 
 One transaction, several messages. A batch holds messages of different keys (never two of
 one key), sorted by message id so that two consumers claiming the same redelivered messages
-lock inbox rows in one order and cannot deadlock on them. A handler's exception rolls the
+lock inbox rows in one order and cannot deadlock on them. On PostgreSQL one statement
+claims the whole batch (``inbox_claim_many``); elsewhere one per message. A handler's exception rolls the
 whole batch back (``BatchFailed`` names the culprit); the runner applies the others again
 at once, without counting an attempt for them.
 """
@@ -52,21 +54,38 @@ class Result(StrEnum):
 class BatchFailed(Exception):
     """A batch's transaction failed and was rolled back.
 
-    ``index`` is the message whose handler raised (``in_handler``), or whose statement
-    failed; None when the commit failed, which no single message can be blamed for.
+    ``stage`` says where: ``handler`` (message ``index``'s handler raised: its own failure),
+    ``statement`` (one of the consumer's statements before the handlers: the inbox claim,
+    the dead-letter check) or ``commit`` (which no single message can be blamed for when
+    the batch holds several).
     """
 
-    def __init__(self, index: int | None, cause: BaseException, *, in_handler: bool) -> None:
+    def __init__(self, stage: str, cause: BaseException, index: int | None = None) -> None:
         super().__init__(f"{type(cause).__name__}: {cause}")
-        self.index = index
+        self.stage = stage
         self.cause = cause
-        self.in_handler = in_handler
+        self.index = index
 
 
 @functools.cache
 def _sql(dialect: str, schema: str, name: str) -> str:
-    tokens = {"dead_letters": table_name(dialect, schema, "dead_letters")}
-    return render(queries(dialect, "dead_letters.sql")[name], tokens)
+    tokens = {
+        "dead_letters": table_name(dialect, schema, "dead_letters"),
+        "inbox": table_name(dialect, schema, "inbox"),
+    }
+    return render(queries(dialect, "consumer.sql")[name], tokens)
+
+
+def _claimable(
+    deliveries: Sequence[Delivery], held: Sequence[bool]
+) -> tuple[list[int], list[Result | None]]:
+    """Indexes of the messages to claim (not held), and the results so far."""
+    results: list[Result | None] = [Result.HELD if h else None for h in held]
+    return [i for i, h in enumerate(held) if not h], results
+
+
+def _finish(results: list[Result | None]) -> list[Result]:
+    return [result or Result.APPLIED for result in results]
 
 
 def held_query(group: str, delivery: Delivery) -> dict[str, Any]:
@@ -302,6 +321,10 @@ class SyncSession(Session):
                 self._rollback()
             raise
 
+    def _claim(self, group: str, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
+        """The ids of ``ids`` claimed now (first deliveries); one statement a message here."""
+        return {i for i in ids if self.inbox.claim(self.conn, group, i)}
+
     def _apply(
         self,
         group: str,
@@ -310,35 +333,31 @@ class SyncSession(Session):
         hold_keys: bool,
         replaying: bool,
     ) -> list[Result]:
-        results: list[Result] = []
-
         def work() -> list[Result]:
-            for index, delivery in enumerate(deliveries):
-                try:
-                    if hold_keys and self._hold(group, delivery):
-                        results.append(Result.HELD)
-                        continue
-                    claimed = self.inbox.claim(self.conn, group, delivery.id)
-                    if replaying:
-                        self._execute("delete", self.id_params(group, delivery.id))
-                except Exception as exc:
-                    raise BatchFailed(index, exc, in_handler=False) from exc
-                if not claimed:
-                    results.append(Result.DUPLICATE)
+            try:
+                held = [hold_keys and self._hold(group, d) for d in deliveries]
+                todo, results = _claimable(deliveries, held)
+                claimed = self._claim(group, [deliveries[i].id for i in todo])
+                for i in todo if replaying else ():
+                    self._execute("delete", self.id_params(group, deliveries[i].id))
+            except Exception as exc:
+                raise BatchFailed("statement", exc) from exc
+            for index in todo:
+                if deliveries[index].id not in claimed:
+                    results[index] = Result.DUPLICATE
                     continue
                 try:
-                    handler(delivery, self.conn)
+                    handler(deliveries[index], self.conn)
                 except Exception as exc:
-                    raise BatchFailed(index, exc, in_handler=True) from exc
-                results.append(Result.APPLIED)
-            return results
+                    raise BatchFailed("handler", exc, index) from exc
+            return _finish(results)
 
         try:
             return self._transaction(work)
         except BatchFailed:
             raise
         except Exception as exc:  # the commit (or the rollback) failed
-            raise BatchFailed(None, exc, in_handler=False) from exc
+            raise BatchFailed("commit", exc) from exc
 
     async def apply(
         self,
@@ -383,6 +402,11 @@ class PsycopgSession(SyncSession):
     def _commit(self) -> None:
         _refuse_aborted(self.conn)
         self.conn.commit()
+
+    def _claim(self, group: str, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
+        if not ids:
+            return set()
+        return {row["message_id"] for row in self._fetch("inbox_claim_many", _many(group, ids))}
 
     def _cursor_sql(self, sql: str) -> str:
         return _pyformat(sql)
@@ -472,6 +496,10 @@ class AsyncSession(Session):
                 await transaction.rollback()
             raise
 
+    async def _claim(self, group: str, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
+        """The ids of ``ids`` claimed now (first deliveries)."""
+        return {i for i in ids if await self.inbox.claim_async(self.conn, group, i)}
+
     async def apply(
         self,
         group: str,
@@ -481,35 +509,31 @@ class AsyncSession(Session):
         hold_keys: bool,
         replaying: bool = False,
     ) -> list[Result]:
-        results: list[Result] = []
-
         async def work() -> list[Result]:
-            for index, delivery in enumerate(deliveries):
-                try:
-                    if hold_keys and await self._hold(group, delivery):
-                        results.append(Result.HELD)
-                        continue
-                    claimed = await self.inbox.claim_async(self.conn, group, delivery.id)
-                    if replaying:
-                        await self._execute("delete", self.id_params(group, delivery.id))
-                except Exception as exc:
-                    raise BatchFailed(index, exc, in_handler=False) from exc
-                if not claimed:
-                    results.append(Result.DUPLICATE)
+            try:
+                held = [hold_keys and await self._hold(group, d) for d in deliveries]
+                todo, results = _claimable(deliveries, held)
+                claimed = await self._claim(group, [deliveries[i].id for i in todo])
+                for i in todo if replaying else ():
+                    await self._execute("delete", self.id_params(group, deliveries[i].id))
+            except Exception as exc:
+                raise BatchFailed("statement", exc) from exc
+            for index in todo:
+                if deliveries[index].id not in claimed:
+                    results[index] = Result.DUPLICATE
                     continue
                 try:
-                    await handler(delivery, self.conn)
+                    await handler(deliveries[index], self.conn)
                 except Exception as exc:
-                    raise BatchFailed(index, exc, in_handler=True) from exc
-                results.append(Result.APPLIED)
-            return results
+                    raise BatchFailed("handler", exc, index) from exc
+            return _finish(results)
 
         try:
             return await self._transaction(work)
         except BatchFailed:
             raise
         except Exception as exc:  # the commit (or the rollback) failed
-            raise BatchFailed(None, exc, in_handler=False) from exc
+            raise BatchFailed("commit", exc) from exc
 
     async def run(self, name: str, params: Mapping[str, Any]) -> int:
         return await self._transaction(functools.partial(self._execute, name, params))
@@ -573,6 +597,13 @@ class AsyncpgSession(AsyncSession):
         sql, names = _numbered(self.sql(name))
         return [dict(row) for row in await self.conn.fetch(sql, *(params[n] for n in names))]
 
+    async def _claim(self, group: str, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
+        if not ids:
+            return set()
+        return {
+            row["message_id"] for row in await self._fetch("inbox_claim_many", _many(group, ids))
+        }
+
 
 class _PsycopgTransaction:
     """psycopg's async connection begins with its first statement: commit or roll back."""
@@ -614,6 +645,13 @@ class PsycopgAsyncSession(AsyncSession):
         cursor = await self.conn.execute(_pyformat(self.sql(name)), dict(params))
         names = [column.name for column in cursor.description]
         return [dict(zip(names, row, strict=True)) for row in await cursor.fetchall()]
+
+    async def _claim(self, group: str, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
+        if not ids:
+            return set()
+        return {
+            row["message_id"] for row in await self._fetch("inbox_claim_many", _many(group, ids))
+        }
 
 
 # ----- choosing one -------------------------------------------------------------------------
@@ -660,6 +698,11 @@ def session_factory(
         return session(url, schema)  # on the event loop: no threads
 
     return make
+
+
+def _many(group: str, ids: Sequence[uuid.UUID]) -> dict[str, Any]:
+    """PostgreSQL's batch claim: the ids sorted (one lock order for every consumer)."""
+    return {"consumer": group, "message_ids": sorted(ids)}
 
 
 def _require(module: str, extra: str) -> Any:

@@ -28,5 +28,5 @@ def test_every_dialect_has_the_queries_the_relay_needs() -> None:
         versions = [m.version for m in migrations(dialect)]
         assert versions == sorted(set(versions)) and versions[0] == 1, versions
         assert {"insert", "key_blocked", "list", "delete", "failed_again"} <= set(
-            queries(dialect, "dead_letters.sql")
+            queries(dialect, "consumer.sql")
         ), dialect

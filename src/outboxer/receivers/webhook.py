@@ -271,7 +271,7 @@ class WebhookReceiver:
                 hold_keys=consumer.abandoned_blocks_key,
             )
         except BatchFailed as failure:
-            if not failure.in_handler:
+            if failure.index is None:
                 stats.database_errors += 1
                 if session.broken():
                     await _reopen(session)

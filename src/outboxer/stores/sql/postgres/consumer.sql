@@ -1,5 +1,16 @@
--- The consumer runner's dead letters (outboxer.consumer, outboxer.consume_cli). Each block
--- runs on the consumer's own connection; a state change is one statement.
+-- The consumer runner's SQL (outboxer.consumer_db, outboxer.consume_cli): the inbox claim
+-- of a whole batch, and the dead letters. Each block runs on the consumer's own connection,
+-- in its transaction; a state change is one statement.
+
+-- name: inbox_claim_many
+-- A batch's first deliveries -> recorded, and returned; those the inbox already had (applied
+-- earlier) -> not returned. One round trip for the batch instead of one per message. The ids
+-- come sorted, so two consumers claiming the same ids lock inbox rows in one order (no
+-- deadlock); a concurrent claim of the same id waits for this transaction, as inbox_claim.
+INSERT INTO {inbox} (consumer, message_id)
+SELECT :consumer, id FROM unnest(CAST(:message_ids AS uuid[])) AS id
+ON CONFLICT DO NOTHING
+RETURNING message_id
 
 -- name: insert
 -- A message whose handler failed max_attempts times (or that cannot be read, or that is held
