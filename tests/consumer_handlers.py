@@ -48,3 +48,11 @@ def fail_on_zero(message: Delivery, conn: Any) -> None:
     if message.payload["n"] == 0 and not os.environ.get("CONSUMER_TEST_FIXED"):
         raise RuntimeError("n is zero")
     record(message, conn)
+
+
+async def record_psycopg_async(message: Delivery, conn: Any) -> None:
+    """Async handler on psycopg's AsyncConnection (async_driver="psycopg")."""
+    await conn.execute(
+        "INSERT INTO applied (message_id, key, n, attempt) VALUES (%s, %s, %s, %s)",
+        (message.id, message.key, message.payload["n"], message.attempt),
+    )

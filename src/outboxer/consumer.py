@@ -488,15 +488,16 @@ class Consumer:
                     self.group, deliveries, self._timed_handler, hold_keys=self.abandoned_blocks_key
                 )
             except BatchFailed as failure:
-                if failure.index is not None:  # its handler raised
-                    await self._failed(session, todo.pop(failure.index), failure.cause)
-                    continue  # the others again at once: not their fault
-                self.stats.database_errors += 1
-                if session.broken():
+                if session.lost(failure.cause):  # an outage, wherever it struck: no attempt
+                    self.stats.database_errors += 1
                     logger.warning("database connection lost (%s); reconnecting", failure)
                     if not await self._open(session):
                         return
                     continue
+                if failure.index is not None:  # its handler raised
+                    await self._failed(session, todo.pop(failure.index), failure.cause)
+                    continue  # the others again at once: not their fault
+                self.stats.database_errors += 1
                 if len(todo) > 1 and not alone:
                     # A statement or the commit failed with no handler raising (a deadlock,
                     # a deferred constraint): alone, each message's own failure shows.
@@ -590,7 +591,7 @@ class Consumer:
             except Exception as exc:  # noqa: BLE001 -- database trouble: the message waits
                 failures += 1
                 self.stats.database_errors += 1
-                if session.broken() and not await self._open(session):
+                if session.lost(exc) and not await self._open(session):
                     return  # stopping: not acked, delivered again later
                 delay = OUTAGE_BACKOFF.delay(failures)
                 logger.warning("recording a dead letter failed (%s); retrying in %.1fs", exc, delay)
@@ -658,7 +659,7 @@ class Consumer:
                         self.group, [retry], self._timed_handler, hold_keys=False, replaying=True
                     )
                 except BatchFailed as failure:
-                    if session.broken():
+                    if session.lost(failure.cause):
                         raise failure.cause from failure
                     error = {"error": describe(failure.cause)[:4000]}
                     await session.run(

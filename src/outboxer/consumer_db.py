@@ -116,6 +116,11 @@ class Session(ABC):
     def broken(self) -> bool:
         """Whether the connection is gone (the runner opens a new one)."""
 
+    def lost(self, exc: BaseException) -> bool:
+        """Whether ``exc`` means the connection is gone (an outage, not the message's fault:
+        no attempt is counted), whatever statement it interrupted, the handler's included."""
+        return self.broken() or isinstance(exc, ConnectionError | OSError)
+
     @abstractmethod
     async def apply(
         self,
@@ -579,10 +584,29 @@ class AsyncpgSession(AsyncSession):
     async def close(self) -> None:
         conn, self.conn = self.conn, None
         if conn is not None and not conn.is_closed():
-            await conn.close(timeout=5)
+            try:
+                await conn.close(timeout=5)
+            except Exception as exc:  # noqa: BLE001 -- mid-operation when the server went away
+                logger.debug("closing an asyncpg connection failed (%s): terminated", exc)
+                conn.terminate()
 
     def broken(self) -> bool:
         return self.conn is None or bool(self.conn.is_closed())
+
+    def lost(self, exc: BaseException) -> bool:
+        from asyncpg import exceptions as pg
+
+        # After the server ended it mid-statement, asyncpg may report a confused protocol
+        # state (InternalClientError) before it marks the connection closed.
+        gone = (
+            pg.PostgresConnectionError,
+            pg.InterfaceError,
+            pg.InternalClientError,
+            pg.AdminShutdownError,
+            pg.CrashShutdownError,
+            pg.CannotConnectNowError,
+        )
+        return super().lost(exc) or isinstance(exc, gone)
 
     async def _begin(self) -> Any:
         await self.conn.execute("BEGIN")

@@ -16,7 +16,7 @@ import pytest
 import outboxer
 from outboxer.consumer import Consumer, Delivery
 from outboxer.retry import Backoff
-from tests.consumer_handlers import APPLIED_DDL, record, record_async
+from tests.consumer_handlers import APPLIED_DDL, record, record_async, record_psycopg_async
 from tests.services import require
 
 AMQP = "amqp://guest:guest@127.0.0.1:5672/"
@@ -101,11 +101,15 @@ def consumer_for(db: str, rabbit: Rabbit, handler: Any, **options: Any) -> Consu
     return Consumer(db=db, broker=rabbit.url, group=rabbit.group, handler=handler, **options)
 
 
-@pytest.mark.parametrize("handler", [record, record_async], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    ("handler", "driver"),
+    [(record, None), (record_async, "asyncpg"), (record_psycopg_async, "psycopg")],
+    ids=["sync-psycopg", "async-asyncpg", "async-psycopg"],
+)
 async def test_applies_each_message_once_and_acks_after_commit(
-    db: str, rabbit: Rabbit, handler: Any
+    db: str, rabbit: Rabbit, handler: Any, driver: str | None
 ) -> None:
-    consumer = consumer_for(db, rabbit, handler, topics=["t.*"])
+    consumer = consumer_for(db, rabbit, handler, topics=["t.*"], async_driver=driver)
     task = await started(consumer)
     ids = enqueue(db, 60)
     await relay(db, rabbit.url)
@@ -279,3 +283,38 @@ async def test_sigterm_finishes_handlers_in_flight_and_acks_them(db: str, rabbit
     while await rabbit.ready_count() != 4:  # the rest go back to the queue, unacked
         assert time.monotonic() < deadline, "the unstarted messages did not go back"
         await asyncio.sleep(0.05)
+
+
+async def test_a_lost_database_connection_costs_no_attempt(db: str, rabbit: Rabbit) -> None:
+    """The consumer's connections are cut three times mid-run: it reconnects, applies
+    everything once and counts no handler failure."""
+
+    async def slow(message: Delivery, conn: Any) -> None:
+        await record_async(message, conn)
+        await asyncio.sleep(0.01)
+
+    consumer = consumer_for(db, rabbit, slow, batch=4)
+    task = await started(consumer)
+    enqueue(db, 200, keys=10)
+    publishing = asyncio.create_task(relay(db, rabbit.url))
+    cuts = 0
+    deadline = time.monotonic() + 60
+    while len(rows(db, "SELECT 1 FROM applied")) < 200:
+        assert time.monotonic() < deadline, "timed out"
+        if cuts < 3 and len(rows(db, "SELECT 1 FROM applied")) >= 20 + 50 * cuts:
+            with psycopg.connect(db, autocommit=True) as conn:
+                conn.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+                    "AND application_name NOT LIKE 'outboxer-relay%'"
+                )
+            cuts += 1
+        await asyncio.sleep(0.01)
+    await publishing
+    consumer.stop()
+    stats = await task
+    assert cuts == 3
+    assert rows(db, "SELECT count(*), count(DISTINCT message_id) FROM applied") == [(200, 200)]
+    assert stats.failed == 0 and stats.dead_lettered == 0
+    assert stats.database_errors >= 1
+    assert await rabbit.ready_count() == 0

@@ -214,3 +214,33 @@ def test_held_count_is_bounded_by_prefetch(db: str, broker: str) -> None:
     asyncio.run(consumer.run_async())
     assert 1 <= peak <= 7
     assert len(applied(db)) == 50
+
+
+def test_a_broker_outage_reconnects_and_redelivers_what_was_not_acked(db: str, broker: str) -> None:
+    publish(broker, *(make_message("t", {"n": n}, key=f"k{n % 3}") for n in range(40)))
+    memory = memory_broker(broker)
+
+    def flaky_broker(delivery: Delivery, conn: sqlite3.Connection) -> None:
+        record(delivery, conn)
+        if delivery.payload["n"] == 10 and memory.available:
+            memory.available = False  # the broker goes away mid-run, then comes back
+
+    async def main() -> Any:
+        consumer = Consumer(
+            db=db, broker=f"memory://{broker}", group="g", handler=flaky_broker, concurrency=1
+        )
+        task = asyncio.create_task(consumer.run_async())
+        while consumer.stats.broker_errors == 0:
+            await asyncio.sleep(0.01)
+        memory.available = True
+        while len({row[0] for row in applied(db)}) < 40:
+            await asyncio.sleep(0.01)
+        consumer.stop()
+        return await task
+
+    stats = asyncio.run(main())
+    rows = applied(db)
+    assert len(rows) == len({row[0] for row in rows}) == 40  # none twice
+    assert stats.broker_errors >= 1 and stats.failed == 0
+    state = group_state(broker, "g")
+    assert not state.unacked

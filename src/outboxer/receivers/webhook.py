@@ -271,9 +271,9 @@ class WebhookReceiver:
                 hold_keys=consumer.abandoned_blocks_key,
             )
         except BatchFailed as failure:
-            if failure.index is None:
+            if failure.index is None or session.lost(failure.cause):
                 stats.database_errors += 1
-                if session.broken():
+                if session.lost(failure.cause):
                     await _reopen(session)
                 return 503, {"error": f"database error: {failure}"}, {"retry-after": "1"}
             failures += 1
