@@ -7,132 +7,161 @@ import asyncio
 import json
 import logging
 import sys
-from collections.abc import Sequence
-from typing import Any
+import uuid
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, NoReturn
 
-from outboxer import consume_cli
-from outboxer.config import Settings, load_settings
-from outboxer.errors import ConfigError, OutboxerError
+from outboxer import __version__, consume_cli
+from outboxer.config import (
+    ENV_PREFIX,
+    Settings,
+    Whole,
+    add_flags,
+    flags_from_args,
+    load_settings,
+)
+from outboxer.errors import ConfigError, OutboxerError, PayloadError
+from outboxer.redact import RedactingFilter, get_logger, redact_text
 from outboxer.relay import Relay, cleanup
 from outboxer.stores import create_store
 
-logger = logging.getLogger("outboxer.cli")
+logger = get_logger("outboxer.cli")
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+STATUSES = ("PENDING", "PROCESSING", "PUBLISHED", "FAILED", "ABANDONED")
+#: The most rows ``outboxer messages`` prints at once.
+MESSAGES_LIMIT = Whole(1, 10_000)
+
+Command = Callable[[argparse.Namespace], int]
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--db", help="database URL (env OUTBOXER_DB)")
-    parser.add_argument(
-        "--config", help="TOML settings file (env OUTBOXER_CONFIG; default ./outboxer.toml)"
-    )
-    parser.add_argument("--schema", help="schema of the outbox table (default outboxer)")
-    parser.add_argument("--table", help="outbox table name (default outbox)")
-    parser.add_argument(
-        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
-    )
+class UsageError(ConfigError):
+    """A command's own argument is wrong (``--limit -1``, ``--id junk``): exit 2."""
 
 
-def _http_flags(parser: argparse.ArgumentParser) -> None:
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (no usage block) and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _asynchronous(
+    command: Callable[[argparse.Namespace], Coroutine[Any, Any, int]],
+) -> Command:
+    def run(args: argparse.Namespace) -> int:
+        return asyncio.run(command(args))
+
+    return run
+
+
+def _add_command(
+    commands: argparse._SubParsersAction[_Parser],
+    name: str,
+    run: Command,
+    help: str,
+    *,
+    settings_of: str | None = None,
+) -> _Parser:
+    """A subcommand with ``--config``, ``--log-level`` and the flags of the settings that
+    ``settings_of`` (default ``name``) takes."""
+    parser = commands.add_parser(name, help=help, description=help)
     parser.add_argument(
-        "--http",
-        metavar="HOST:PORT",
-        help="serve the HTTP API (health, metrics, status, requeue) here (env OUTBOXER_HTTP)",
+        "--config",
+        metavar="FILE",
+        help=f"TOML settings file (env {ENV_PREFIX}CONFIG; default ./outboxer.toml if present)",
     )
-    parser.add_argument(
-        "--http-token",
-        metavar="TOKEN",
-        help="bearer token the API's POST endpoints require (env OUTBOXER_HTTP_TOKEN)",
-    )
+    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
+    add_flags(parser, Settings, settings_of or name)
+    parser.set_defaults(func=run)
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="outboxer", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="outboxer", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"outboxer {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    relay = commands.add_parser("relay", help="publish committed outbox messages to the broker")
-    _common(relay)
-    relay.add_argument(
-        "--broker", help="broker URL of the 'default' destination (env OUTBOXER_BROKER)"
+    _add_command(commands, "relay", _asynchronous(_relay), "publish committed outbox messages")
+    _add_command(
+        commands,
+        "serve",
+        _asynchronous(_serve),
+        "the HTTP API without a relay (health, metrics, status, requeue)",
     )
-    relay.add_argument("--batch-size", help="rows claimed per batch (default 500)")
-    relay.add_argument("--lock-timeout", help="seconds a claim stays locked (default 60)")
-    relay.add_argument("--max-attempts", help="attempts before ABANDONED (default 10)")
-    relay.add_argument("--poll-interval", help="seconds between polls without NOTIFY (default 1)")
-    relay.add_argument(
-        "--concurrency", help="claim-publish-settle loops per destination (default 4)"
-    )
-    relay.add_argument("--backoff-base", help="first retry delay in seconds (default 1)")
-    relay.add_argument("--backoff-multiplier", help="growth per attempt (default 2)")
-    relay.add_argument("--backoff-max", help="longest retry delay in seconds (default 300)")
-    relay.add_argument("--backoff-jitter", help="± fraction of jitter (default 0.25)")
-    relay.add_argument("--publish-timeout", help="seconds to wait for broker confirms (default 30)")
-    relay.add_argument("--published-retention", help="keep PUBLISHED rows this long (default 7d)")
-    relay.add_argument("--abandoned-retention", help="keep ABANDONED rows this long (default 30d)")
-    relay.add_argument("--cleanup-interval", help="seconds between retention runs (default 300)")
-    relay.add_argument(
-        "--abandoned-blocks-key",
-        choices=["true", "false"],
-        help="whether an abandoned message holds back its key (default false)",
-    )
-    relay.add_argument(
-        "--relay-id", help="name of this relay in locked_by (default host:pid:random)"
-    )
-    relay.add_argument(
-        "--exit-when-idle", action="store_const", const=True, help="publish what is due, then exit"
-    )
-    _http_flags(relay)
-
-    serve = commands.add_parser(
-        "serve", help="the HTTP API without a relay (health, metrics, status, requeue)"
-    )
-    _common(serve)
-    _http_flags(serve)
 
     schema = commands.add_parser("schema", help="create, upgrade or print the outbox schema")
     schema_commands = schema.add_subparsers(dest="schema_command", required=True)
-    apply = schema_commands.add_parser("apply", help="create or upgrade the schema (idempotent)")
-    _common(apply)
-    sql = schema_commands.add_parser("sql", help="print the DDL for your own migration tool")
-    _common(sql)
+    _add_command(
+        schema_commands,
+        "apply",
+        _asynchronous(_schema_apply),
+        "create or upgrade the schema (idempotent)",
+        settings_of="schema apply",
+    )
+    sql = _add_command(
+        schema_commands,
+        "sql",
+        _schema_sql,
+        "print the DDL for your own migration tool",
+        settings_of="schema sql",
+    )
     sql.add_argument(
         "--dialect",
         choices=sorted(_DIALECT_URLS),
         help="print for this database (default: from --db, else postgres)",
     )
 
-    status = commands.add_parser("status", help="counts per status, oldest pending age, retry rate")
-    _common(status)
+    status = _add_command(
+        commands,
+        "status",
+        _asynchronous(_status),
+        "counts per status, oldest pending age, retry rate",
+    )
     status.add_argument("--json", action="store_true", help="machine-readable output")
 
-    clean = commands.add_parser("cleanup", help="delete finished messages past their retention")
-    _common(clean)
-    clean.add_argument("--published-retention", help="keep PUBLISHED rows this long (default 7d)")
-    clean.add_argument("--abandoned-retention", help="keep ABANDONED rows this long (default 30d)")
-    clean.add_argument("--inbox-retention", help="keep inbox entries this long (default 30d)")
+    _add_command(
+        commands,
+        "cleanup",
+        _asynchronous(_cleanup),
+        "delete finished messages past their retention",
+    )
 
-    messages = commands.add_parser("messages", help="list messages in a status (default ABANDONED)")
-    _common(messages)
+    messages = _add_command(
+        commands,
+        "messages",
+        _asynchronous(_messages),
+        "list messages in a status (default ABANDONED)",
+    )
+    messages.add_argument("--status", action="append", choices=STATUSES)
     messages.add_argument(
-        "--status",
-        action="append",
-        choices=["PENDING", "PROCESSING", "PUBLISHED", "FAILED", "ABANDONED"],
+        "--limit",
+        default="50",
+        metavar="N",
+        help=f"the most messages to list ({MESSAGES_LIMIT.allowed()}; default 50)",
     )
-    messages.add_argument("--limit", type=int, default=50)
-    messages.add_argument("--json", action="store_true")
+    messages.add_argument("--json", action="store_true", help="machine-readable output")
 
-    requeue = commands.add_parser(
-        "requeue", help="make ABANDONED (or FAILED) messages PENDING again"
+    requeue = _add_command(
+        commands,
+        "requeue",
+        _asynchronous(_requeue),
+        "make ABANDONED (or FAILED) messages PENDING again",
     )
-    _common(requeue)
     requeue.add_argument(
-        "--id", action="append", dest="ids", help="message id (repeatable); default: all"
+        "--id",
+        action="append",
+        dest="ids",
+        metavar="UUID",
+        help="message id (repeatable); default: all",
     )
     requeue.add_argument("--status", action="append", choices=["ABANDONED", "FAILED"])
-    requeue.add_argument("--destination", action="append")
+    requeue.add_argument("--destination", action="append", help="default: every configured one")
 
-    enqueue = commands.add_parser("enqueue", help="add one message (in its own transaction)")
-    _common(enqueue)
+    enqueue = _add_command(
+        commands, "enqueue", _enqueue, "add one message (in its own transaction)"
+    )
     enqueue.add_argument("--topic", required=True)
     enqueue.add_argument("--key")
     enqueue.add_argument("--payload", required=True, help="JSON text; with --text, sent as text")
@@ -144,10 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="the pattern end to end on SQLite and a JSON-lines file"
     )
     demo.add_argument("--dir", default="outboxer-demo", help="where the demo writes its files")
-    demo.add_argument(
-        "--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
-    )
-    consume_cli.add_commands(commands)
+    demo.add_argument("--log-level", default="WARNING", choices=LOG_LEVELS)
+    demo.set_defaults(func=_demo)
+    consume_cli.add_commands(commands, _add_command)  # consume, dead-letters
     return parser
 
 
@@ -159,35 +187,8 @@ _DIALECT_URLS = {
 }
 
 
-def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
-    names = (
-        "db",
-        "schema",
-        "table",
-        "broker",
-        "batch_size",
-        "lock_timeout",
-        "max_attempts",
-        "poll_interval",
-        "concurrency",
-        "backoff_base",
-        "backoff_multiplier",
-        "backoff_max",
-        "backoff_jitter",
-        "publish_timeout",
-        "published_retention",
-        "abandoned_retention",
-        "cleanup_interval",
-        "abandoned_blocks_key",
-        "relay_id",
-        "exit_when_idle",
-        "inbox_retention",
-        "http",
-        "http_token",
-    )
-    flags = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
-    flags.update(extra)
-    return load_settings(flags, config_file=getattr(args, "config", None))
+def _settings(args: argparse.Namespace) -> Settings:
+    return load_settings(flags_from_args(args, Settings), config_file=args.config)
 
 
 def _store(settings: Settings) -> Any:
@@ -279,8 +280,9 @@ async def _cleanup(args: argparse.Namespace) -> int:
 
 
 async def _messages(args: argparse.Namespace) -> int:
+    limit = _usage(MESSAGES_LIMIT.parse, args.limit, "--limit")
     async with _store(_settings(args)) as store:
-        rows = await store.list_messages(args.status or ["ABANDONED"], args.limit)
+        rows = await store.list_messages(args.status or ["ABANDONED"], limit)
     if args.json:
         print(json.dumps(rows, default=str, indent=2))
     else:
@@ -292,33 +294,49 @@ async def _messages(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _message_id(text: str, name: str) -> str:
+    try:
+        return str(uuid.UUID(text))
+    except ValueError:
+        raise UsageError(f"{name} {text!r} is not a message id (a UUID)") from None
+
+
 async def _requeue(args: argparse.Namespace) -> int:
+    ids = [_message_id(text, "--id") for text in args.ids] if args.ids else None
     settings = _settings(args)
     destinations = args.destination or settings.destination_names
     async with _store(settings) as store:
-        count = await store.requeue(destinations, args.status or ["ABANDONED"], args.ids)
+        count = await store.requeue(destinations, args.status or ["ABANDONED"], ids)
     print(f"requeued {count} message(s)")
     return EXIT_OK
+
+
+def _usage(parse: Callable[[object, str], Any], value: object, name: str) -> Any:
+    """``parse(value, name)``, its ConfigError a UsageError."""
+    try:
+        return parse(value, name)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _enqueue(args: argparse.Namespace) -> int:
     from outboxer.enqueue import Outbox
 
-    settings = _settings(args)
     payload: object = args.payload
     if not args.text:
         try:
             payload = json.loads(args.payload)
         except json.JSONDecodeError as exc:
-            raise ConfigError(
+            raise UsageError(
                 f"--payload is not JSON ({exc}); pass --text to send it as text"
             ) from None
     headers = {}
     for item in args.header:
         name, sep, value = item.partition("=")
         if not sep:
-            raise ConfigError(f"--header needs NAME=VALUE, got {item!r}")
+            raise UsageError(f"--header needs NAME=VALUE, got {item!r}")
         headers[name] = value
+    settings = _settings(args)
     db = settings.require_db()
     outbox = Outbox(schema=settings.schema, table=settings.table)
     dialect = _store(settings).dialect
@@ -349,6 +367,17 @@ def _enqueue(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from outboxer.demo import run_demo
+
+    return run_demo(args.dir)
+
+
+def _fail(text: str) -> None:
+    """``text`` on one line of stderr, secrets masked (driver messages span several lines)."""
+    print(redact_text(" ".join(line.strip() for line in text.splitlines())), file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -356,42 +385,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # Drivers log too (aio-pika, asyncpg, httpx): their lines pass the same redaction.
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RedactingFilter())
+    run: Command = args.func
     try:
-        if (consumed := consume_cli.run(args)) is not None:
-            return consumed
-        if args.command == "relay":
-            return asyncio.run(_relay(args))
-        if args.command == "serve":
-            return asyncio.run(_serve(args))
-        if args.command == "schema":
-            return (
-                _schema_sql(args)
-                if args.schema_command == "sql"
-                else asyncio.run(_schema_apply(args))
-            )
-        if args.command == "status":
-            return asyncio.run(_status(args))
-        if args.command == "cleanup":
-            return asyncio.run(_cleanup(args))
-        if args.command == "messages":
-            return asyncio.run(_messages(args))
-        if args.command == "requeue":
-            return asyncio.run(_requeue(args))
-        if args.command == "enqueue":
-            return _enqueue(args)
-        if args.command == "demo":
-            from outboxer.demo import run_demo
-
-            return run_demo(args.dir)
+        return run(args)
+    except (UsageError, PayloadError) as exc:  # PayloadError: enqueue's check of --topic …
+        _fail(f"outboxer {args.command}: {exc}")
+        return EXIT_USAGE
     except ConfigError as exc:
-        print(f"outboxer: configuration error: {exc}", file=sys.stderr)
+        _fail(f"outboxer: configuration error: {exc}")
         return EXIT_USAGE
     except OutboxerError as exc:
-        print(f"outboxer: {exc}", file=sys.stderr)
+        _fail(f"outboxer: {exc}")
         return EXIT_ERROR
     except KeyboardInterrupt:
         return EXIT_OK
-    raise AssertionError(f"unhandled command {args.command}")
+    except Exception as exc:  # a database that refuses, a disk that is full, or a bug
+        logger.debug("outboxer %s failed", args.command, exc_info=True)
+        _fail(
+            f"outboxer: {type(exc).__name__}: {exc} (run with --log-level DEBUG for the traceback)"
+        )
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":

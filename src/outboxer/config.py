@@ -1,5 +1,20 @@
 """Settings: flags, then ``OUTBOXER_*`` environment variables, then ``outboxer.toml``.
 
+Each setting is declared once, as a field of :class:`Settings` made by :func:`setting`:
+its type, default, value kind (how text becomes a value, and its bounds), help text and
+the commands that take it. Everything else derives from that declaration: the flag
+``--batch-size``, the environment variable ``OUTBOXER_BATCH_SIZE``, the TOML key
+``batch_size``, the CLI's help with the real default (:func:`add_flags`) and the README's
+table (:func:`settings_table`; ``scripts/settings-table`` writes it into README.md).
+
+Another command's settings reuse the mechanism: add fields to :class:`Settings` with
+``commands=("consume",)`` (or add "consume" to a shared setting's commands), or declare a
+dataclass of their own with :func:`setting`, give it flags with :func:`add_flags`, and read
+it with :func:`declared_values` from its own table of the file (:func:`read_config_file`,
+:func:`file_table`; list the table in ``OTHER_COMMANDS_TABLES``). ``repeatable=True`` makes
+a flag that can be given several times (kinds :class:`TextList`, :class:`Pairs`);
+``flag=``/``env=`` rename a vague flag or variable (``OUTBOXER_CONSUMER_NAME``).
+
 A file can name several destinations, each with its own broker::
 
     db = "postgresql://localhost/app"
@@ -17,79 +32,337 @@ A file can name several destinations, each with its own broker::
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import datetime
+import functools
 import ipaddress
+import math
 import os
 import re
 import socket
 import tomllib
 import uuid
-from collections.abc import Mapping
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Generic, TypeVar
+from urllib.parse import urlsplit
 
 from outboxer.errors import ConfigError
 from outboxer.message import DEFAULT_DESTINATION
+from outboxer.options import parse_bool
+from outboxer.redact import (
+    MASK,
+    is_secret_option,
+    redact_text,
+    redact_url,
+    register_secret,
+    register_url_secrets,
+)
 from outboxer.retry import Backoff
 
 ENV_PREFIX = "OUTBOXER_"
 DEFAULT_CONFIG_FILE = "outboxer.toml"
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+T = TypeVar("T")
+
+DAY = 86400.0
+#: The longest timeout or interval: longer ones are typos (or ``1e20``) that would make a
+#: claim lock rows, or a loop sleep, for ever.
+LONGEST_INTERVAL = 30 * DAY
+#: The longest retention.
+LONGEST_RETENTION = 3650 * DAY
 
 
-def parse_duration(value: object, name: str) -> float:
-    """Seconds from a number or a string like ``250ms``, ``30s``, ``5m``, ``7d``."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{name} must be a duration, not a boolean")
-    if isinstance(value, int | float):
-        seconds = float(value)
-    elif isinstance(value, str) and (match := _DURATION.match(value)):
-        seconds = float(match.group(1)) * _UNITS[match.group(2)]
-    else:
-        raise ConfigError(
-            f"{name} must be a duration such as 30, '30s', '5m' or '7d'; got {value!r}"
-        )
-    if seconds < 0:
-        raise ConfigError(f"{name} must not be negative")
-    return seconds
+# ----- value kinds: how a flag's, a variable's or a TOML value's text becomes a value -----
 
 
-def int_option(value: object, name: str, low: int, high: int) -> int:
+class Kind(ABC, Generic[T]):
+    """How one setting's value is read, shown and described."""
+
+    #: What the CLI's help shows in place of the value.
+    metavar: ClassVar[str] = "VALUE"
+
+    @abstractmethod
+    def parse(self, value: object, name: str) -> T:
+        """The value, or a ConfigError naming ``name`` (a flag, a variable or a file key)."""
+
+    def show(self, value: T) -> str:
+        """``value`` as a user would write it (the help's and the README's default)."""
+        return str(value)
+
+    def allowed(self) -> str:
+        """The values it takes, for the help and the README ("" when any text will do)."""
+        return ""
+
+
+_WHOLE = re.compile(r"[+-]?[0-9]{1,30}")
+_NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+# ASCII digits only: str.isdigit() and \d accept '²' or '٣', which int() then refuses.
+_DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|d)?")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": DAY, None: 1.0}
+
+
+def _finite(value: float, name: str, what: str) -> float:
+    """A finite float from an int or a float (TOML's ``nan``, ``inf`` and ``1e400`` are not)."""
     try:
-        number = int(str(value)) if not isinstance(value, int) or isinstance(value, bool) else value
-    except ValueError:
-        raise ConfigError(f"{name} must be a whole number; got {value!r}") from None
-    if isinstance(value, bool) or not low <= number <= high:
-        raise ConfigError(f"{name} must be between {low} and {high}; got {value!r}")
+        number = float(value)
+    except OverflowError:  # an int too large for a float
+        number = math.inf
+    if not math.isfinite(number):
+        raise ConfigError(f"{name} must be a finite {what}; got {value!r}")
     return number
 
 
-def float_option(value: object, name: str, low: float, high: float) -> float:
-    try:
-        number = (
-            float(str(value))
-            if not isinstance(value, int | float) or isinstance(value, bool)
-            else float(value)
-        )
-    except ValueError:
-        raise ConfigError(f"{name} must be a number; got {value!r}") from None
-    if isinstance(value, bool) or not low <= number <= high:
-        raise ConfigError(f"{name} must be between {low} and {high}; got {value!r}")
-    return number
+@dataclass(frozen=True)
+class Whole(Kind[int]):
+    low: int
+    high: int
+    metavar: ClassVar[str] = "N"
+
+    def parse(self, value: object, name: str) -> int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{name} must be a whole number, not a boolean")
+        if isinstance(value, int):
+            number = value
+        elif isinstance(value, str) and _WHOLE.fullmatch(value.strip()):
+            number = int(value.strip())
+        else:
+            raise ConfigError(f"{name} must be a whole number; got {value!r}")
+        if not self.low <= number <= self.high:
+            raise ConfigError(f"{name} must be between {self.low} and {self.high}; got {value!r}")
+        return number
+
+    def allowed(self) -> str:
+        return f"{self.low} to {self.high}"
 
 
-def bool_option(value: object, name: str) -> bool:
-    if isinstance(value, bool):
+@dataclass(frozen=True)
+class Number(Kind[float]):
+    low: float
+    high: float
+    metavar: ClassVar[str] = "X"
+
+    def parse(self, value: object, name: str) -> float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{name} must be a number, not a boolean")
+        if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+            value = float(value.strip())
+        if not isinstance(value, int | float):
+            raise ConfigError(f"{name} must be a number; got {value!r}")
+        number = _finite(value, name, "number")
+        if not self.low <= number <= self.high:
+            raise ConfigError(
+                f"{name} must be between {self.low:g} and {self.high:g}; got {value!r}"
+            )
+        return number
+
+    def show(self, value: float) -> str:
+        return f"{value:g}"
+
+    def allowed(self) -> str:
+        return f"{self.low:g} to {self.high:g}"
+
+
+def format_duration(seconds: float) -> str:
+    """``seconds`` in the largest unit that writes it exactly: 604800 -> ``7d``, 0.25 -> ``250ms``."""
+    for unit, size in (("d", DAY), ("h", 3600.0), ("m", 60.0), ("s", 1.0)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    if seconds and (seconds * 1000) % 1 == 0:
+        return f"{seconds * 1000:g}ms"
+    return f"{seconds:g}s"
+
+
+@dataclass(frozen=True)
+class Duration(Kind[float]):
+    """Seconds, from a number or a string like ``250ms``, ``30s``, ``5m``, ``7d``."""
+
+    high: float = LONGEST_RETENTION
+    #: Whether zero is refused (an interval or a timeout of zero would spin or never wait).
+    positive: bool = False
+    metavar: ClassVar[str] = "DURATION"
+
+    def parse(self, value: object, name: str) -> float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{name} must be a duration, not a boolean")
+        if isinstance(value, int | float):
+            seconds = _finite(value, name, "duration")
+        elif isinstance(value, str) and (match := _DURATION.fullmatch(value.strip())):
+            seconds = _finite(float(match.group(1)) * _UNITS[match.group(2)], name, "duration")
+        else:
+            raise ConfigError(
+                f"{name} must be a duration such as 30, '30s', '5m' or '7d'; got {value!r}"
+            )
+        if seconds < 0:
+            raise ConfigError(f"{name} must not be negative")
+        if self.positive and seconds == 0:
+            raise ConfigError(f"{name} must be greater than zero")
+        if seconds > self.high:
+            raise ConfigError(f"{name} must be at most {format_duration(self.high)}; got {value!r}")
+        return seconds
+
+    def show(self, value: float) -> str:
+        return format_duration(value)
+
+    def allowed(self) -> str:
+        if self.positive:
+            return f"more than 0, at most {format_duration(self.high)}"
+        return f"0 to {format_duration(self.high)}"
+
+
+@dataclass(frozen=True)
+class Boolean(Kind[bool]):
+    metavar: ClassVar[str] = "true|false"
+
+    def parse(self, value: object, name: str) -> bool:
+        if isinstance(value, bool):
+            return value
+        if not isinstance(value, str):
+            raise ConfigError(f"{name} must be true or false; got {value!r}")
+        return parse_bool(value, name)
+
+    def show(self, value: bool) -> str:
+        return "true" if value else "false"
+
+    def allowed(self) -> str:
+        return "true or false"
+
+
+@dataclass(frozen=True)
+class Text(Kind[str]):
+    """Printable text of at most ``longest`` characters."""
+
+    longest: int
+    metavar: ClassVar[str] = "TEXT"
+
+    def parse(self, value: object, name: str) -> str:
+        if not isinstance(value, str) or not value.strip():
+            raise ConfigError(f"{name} must be a non-empty string; got {value!r}")
+        if not value.isprintable() or len(value) > self.longest:
+            raise ConfigError(
+                f"{name} must be printable text of at most {self.longest} characters; got {value!r}"
+            )
         return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{name} must be true or false; got {value!r}")
+
+    def allowed(self) -> str:
+        return f"text, at most {self.longest} characters"
+
+
+@dataclass(frozen=True)
+class Identifier(Kind[str]):
+    """A schema or table name (the stores quote it into SQL)."""
+
+    what: str
+    metavar: ClassVar[str] = "NAME"
+
+    def parse(self, value: object, name: str) -> str:
+        from outboxer.stores.base import check_identifier  # the stores' own rule
+
+        if not isinstance(value, str):
+            raise ConfigError(f"{name} must be a string; got {value!r}")
+        try:
+            return check_identifier(self.what, value)
+        except ConfigError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
+
+    def allowed(self) -> str:
+        return "letters, digits, _"
+
+
+def check_url(url: str, name: str) -> None:
+    """ConfigError unless every host of ``url`` has no port or a port from 0 to 65535.
+
+    The drivers parse ports late (``urlsplit(url).port`` raises ValueError, asyncpg
+    ``int()``), so a typo would surface as a traceback, or a relay retrying for ever.
+    Comma-separated hosts (libpq, Kafka) are checked one by one.
+    """
+    try:
+        netloc = urlsplit(url).netloc
+    except ValueError as exc:
+        raise ConfigError(f"{name} is not a valid URL ({exc}): {redact_url(url)!r}") from None
+    for host in netloc.rpartition("@")[2].split(","):
+        if host.startswith("["):
+            closing = host.find("]")
+            port = host[closing + 1 :].removeprefix(":") if closing >= 0 else "?"
+        else:
+            port = host.rpartition(":")[2] if ":" in host else ""
+        if port and not (
+            port.isascii() and port.isdigit() and len(port) <= 5 and int(port) <= 65535
+        ):
+            raise ConfigError(
+                f"{name}: the port {port!r} in {redact_url(url)!r} is not a number from 0 to 65535"
+            )
+
+
+@dataclass(frozen=True)
+class Url(Kind[str]):
+    example: str
+    metavar: ClassVar[str] = "URL"
+
+    def parse(self, value: object, name: str) -> str:
+        if not isinstance(value, str) or "://" not in value:
+            raise ConfigError(
+                f"{name} must be a URL such as {self.example}; got {redact_text(repr(value))}"
+            )
+        check_url(value, name)
+        return value
+
+    def allowed(self) -> str:
+        return f"a URL such as {self.example}"
+
+
+def _comma_separated(value: object, name: str, what: str) -> list[str]:
+    """The texts of ``a,b``, of a TOML array of strings or of a repeated flag (a list)."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
+        raise ConfigError(f"{name} must be {what}; got {value!r}")
+    return [text.strip() for item in items for text in item.split(",") if text.strip()]
+
+
+@dataclass(frozen=True)
+class TextList(Kind[tuple[str, ...]]):
+    """Several texts: comma-separated, a TOML array of strings, or a repeated flag."""
+
+    metavar: ClassVar[str] = "TEXT"
+
+    def parse(self, value: object, name: str) -> tuple[str, ...]:
+        texts = _comma_separated(value, name, "a list of strings (or a,b,c)")
+        if not texts:
+            raise ConfigError(f"{name} must name at least one")
+        return tuple(texts)
+
+    def show(self, value: tuple[str, ...]) -> str:
+        return ",".join(value)
+
+    def allowed(self) -> str:
+        return "one or more, comma-separated"
+
+
+@dataclass(frozen=True)
+class Pairs(Kind[dict[str, Any]]):
+    """Named values: a TOML table, or ``NAME=VALUE`` texts (comma-separated or repeated)."""
+
+    metavar: ClassVar[str] = "NAME=VALUE"
+
+    def parse(self, value: object, name: str) -> dict[str, Any]:
+        if isinstance(value, Mapping):
+            return {str(key): item for key, item in value.items()}
+        pairs: dict[str, Any] = {}
+        for text in _comma_separated(value, name, "a table or NAME=VALUE texts"):
+            key, sep, item = text.partition("=")
+            if not sep or not key.strip():
+                raise ConfigError(f"{name} needs NAME=VALUE, got {text!r}")
+            pairs[key.strip()] = item.strip()
+        return pairs
+
+    def show(self, value: dict[str, Any]) -> str:
+        return ",".join(f"{key}={item}" for key, item in value.items())
+
+    def allowed(self) -> str:
+        return "NAME=VALUE, comma-separated"
 
 
 def parse_http_address(value: object, name: str) -> tuple[str, int]:
@@ -102,11 +375,65 @@ def parse_http_address(value: object, name: str) -> tuple[str, int]:
         raise ConfigError(
             f"{name}: write an IPv6 address in brackets, as in [::1]:8080; got {value!r}"
         )
-    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+    if not sep or not host or not _WHOLE.fullmatch(port_text) or not 0 <= int(port_text) <= 65535:
         raise ConfigError(
             f"{name} must be HOST:PORT, such as 127.0.0.1:8080 or 0.0.0.0:8080; got {value!r}"
         )
     return host, int(port_text)
+
+
+@dataclass(frozen=True)
+class HttpAddress(Kind[str]):
+    metavar: ClassVar[str] = "HOST:PORT"
+
+    def parse(self, value: object, name: str) -> str:
+        parse_http_address(value, name)
+        return str(value).strip()
+
+    def allowed(self) -> str:
+        return "HOST:PORT, [::1]:PORT"
+
+
+@dataclass(frozen=True)
+class Secret(Kind[str]):
+    """A token: never echoed in errors, long enough not to be guessed."""
+
+    shortest: int = 16
+    metavar: ClassVar[str] = "TOKEN"
+
+    def parse(self, value: object, name: str) -> str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{name} must be a string")
+        if not value.strip():
+            # Set but empty is a mistake (a secret that failed to mount), not "no token".
+            raise ConfigError(
+                f"{name} is set but empty: give a token of at least {self.shortest} "
+                "characters, or unset it"
+            )
+        if value != value.strip():
+            raise ConfigError(f"{name} must not start or end with white space")
+        if len(value) < self.shortest:
+            raise ConfigError(
+                f"{name} is too short ({len(value)} characters): a token needs at least "
+                f"{self.shortest}"
+            )
+        return value
+
+    def allowed(self) -> str:
+        return f"at least {self.shortest} characters"
+
+
+def parse_duration(value: object, name: str) -> float:
+    """Seconds from a number or a string like ``250ms``, ``30s``, ``5m``, ``7d``."""
+    return Duration().parse(value, name)
+
+
+def int_option(value: object, name: str, low: int, high: int) -> int:
+    return Whole(low, high).parse(value, name)
+
+
+def float_option(value: object, name: str, low: float, high: float) -> float:
+    return Number(low, high).parse(value, name)
 
 
 def is_loopback(host: str) -> bool:
@@ -119,19 +446,240 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _http_address(value: object, name: str) -> str:
-    parse_http_address(value, name)
-    return str(value).strip()
+# ----- declarations -------------------------------------------------------------------------
+
+_DECLARATION = "outboxer.setting"
 
 
-def _secret(value: object, name: str) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{name} must be a non-empty string")
-    return value
+@dataclass(frozen=True)
+class Declaration:
+    """One setting, as :func:`setting` declared it on a field."""
+
+    kind: Kind[Any]
+    help: str
+    #: The commands whose flags include it ("relay", "schema apply", …); every command reads
+    #: it from the environment and the file.
+    commands: tuple[str, ...]
+    name: str = ""
+    default: Any = None
+    #: The default as the help shows it, when the value is computed (``host:pid:random``).
+    default_text: str | None = None
+    #: A flag without a value (``--exit-when-idle``).
+    switch: bool = False
+    #: Kept out of reprs; an empty environment variable is an error, not "unset".
+    secret: bool = False
+    #: A flag given several times, its values a list (``--topic a --topic b``).
+    repeatable: bool = False
+    #: The flag and the variable when the name alone would be vague (``--consumer-name``).
+    flag_name: str | None = None
+    env_name: str | None = None
+
+    @property
+    def flag(self) -> str:
+        return self.flag_name or "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return self.env_name or ENV_PREFIX + self.name.upper()
+
+    @property
+    def key(self) -> str:
+        """Its key in ``outboxer.toml``."""
+        return self.name
+
+    @property
+    def shown_default(self) -> str:
+        if self.default_text is not None:
+            return self.default_text
+        return "" if self.default is None else self.kind.show(self.default)
+
+    def help_text(self) -> str:
+        """The CLI's help: meaning, values, the real default, the environment variable."""
+        details = [self.kind.allowed()] if self.kind.allowed() else []
+        if self.shown_default:
+            details.append(f"default {self.shown_default}")
+        details.append(f"env {self.env}")
+        return f"{self.help} ({'; '.join(details)})"
+
+
+def setting(
+    default: Any = None,
+    *,
+    kind: Kind[Any],
+    help: str,
+    commands: Sequence[str],
+    default_factory: Any = None,
+    default_text: str | None = None,
+    switch: bool = False,
+    secret: bool = False,
+    repeatable: bool = False,
+    flag: str | None = None,
+    env: str | None = None,
+) -> Any:
+    """A dataclass field that declares a setting (see the module's docstring)."""
+    declared = Declaration(
+        kind,
+        help,
+        tuple(commands),
+        default_text=default_text,
+        switch=switch,
+        secret=secret,
+        repeatable=repeatable,
+        flag_name=flag,
+        env_name=env,
+    )
+    metadata = {_DECLARATION: declared}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=metadata, repr=not secret)
+    return field(default=default, metadata=metadata, repr=not secret)
+
+
+@functools.cache
+def declarations(cls: type) -> tuple[Declaration, ...]:
+    """The settings ``cls`` declares, in field order, each with its name and default."""
+    result = []
+    for item in dataclasses.fields(cls):
+        declared = item.metadata.get(_DECLARATION)
+        if isinstance(declared, Declaration):
+            default = None if item.default is dataclasses.MISSING else item.default
+            result.append(dataclasses.replace(declared, name=item.name, default=default))
+    return tuple(result)
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type, command: str) -> None:
+    """The flags of the settings of ``cls`` that ``command`` takes; unset flags are None."""
+    for declared in declarations(cls):
+        if command not in declared.commands:
+            continue
+        help_text = declared.help_text().replace("%", "%%")
+        if declared.switch:
+            parser.add_argument(
+                declared.flag, dest=declared.name, action="store_const", const=True, help=help_text
+            )
+        else:
+            parser.add_argument(
+                declared.flag,
+                dest=declared.name,
+                metavar=declared.kind.metavar,
+                action="append" if declared.repeatable else "store",
+                help=help_text,
+            )
+
+
+def flags_from_args(args: argparse.Namespace, cls: type) -> dict[str, object]:
+    """The settings of ``cls`` given as flags (argparse's None: not given)."""
+    return {
+        declared.name: getattr(args, declared.name)
+        for declared in declarations(cls)
+        if getattr(args, declared.name, None) is not None
+    }
+
+
+def declared_values(
+    cls: type,
+    flags: Mapping[str, object],
+    environ: Mapping[str, str],
+    file_values: Mapping[str, object],
+    origin: str | None,
+) -> dict[str, Any]:
+    """Each setting of ``cls`` from the strongest source that gives it, parsed.
+
+    An empty environment variable counts as unset (``OUTBOXER_DB=`` in a compose file),
+    except for a secret, where it is an error.
+    """
+    known = {declared.name: declared for declared in declarations(cls)}
+    given = {name: value for name, value in flags.items() if value is not None}
+    if unknown := sorted(set(given) - set(known)):
+        raise ConfigError(f"unknown settings {unknown}; known: {sorted(known)}")
+    values: dict[str, Any] = {}
+    for name, declared in known.items():
+        from_env = environ.get(declared.env)
+        if name in given:
+            raw, source = given[name], declared.flag
+        elif from_env is not None and (from_env != "" or declared.secret):
+            raw, source = from_env, declared.env
+        elif declared.key in file_values:
+            raw, source = file_values[declared.key], f"{origin}: {declared.key}"
+        else:
+            continue
+        values[name] = declared.kind.parse(raw, source)
+    return values
+
+
+def _commands_text(commands: Iterable[str]) -> str:
+    names = set(commands)
+    if names == set(TABLE_COMMANDS):
+        return "all but demo"
+    return ", ".join(sorted(names))
+
+
+def settings_table(cls: type | None = None) -> str:
+    """The README's table of settings (Markdown), from the declarations."""
+    rows = [
+        "| setting (TOML) | flag | environment | default | values | commands | meaning |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for declared in declarations(cls or Settings):
+        cells = (
+            f"`{declared.key}`",
+            f"`{declared.flag}`",
+            f"`{declared.env}`",
+            declared.shown_default,
+            declared.kind.allowed(),
+            _commands_text(declared.commands),
+            declared.help,
+        )
+        rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+# ----- the settings -------------------------------------------------------------------------
+
+#: The commands that work on the outbox table: they take --db, --schema and --table.
+TABLE_COMMANDS = (
+    "relay",
+    "serve",
+    "schema apply",
+    "schema sql",
+    "status",
+    "cleanup",
+    "messages",
+    "requeue",
+    "enqueue",
+    "consume",
+    "dead-letters list",
+    "dead-letters replay",
+    "dead-letters purge",
+)
+RELAY = ("relay",)
+RETENTION = ("relay", "cleanup")
+HTTP = ("relay", "serve", "consume")
+#: The relay's settings that `outboxer consume` shares (outboxer.consume_cli has its own).
+RELAY_AND_CONSUMER = ("relay", "consume")
 
 
 def default_relay_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def _interval(help: str, default: float, commands: Sequence[str] = RELAY) -> Any:
+    return setting(
+        default, kind=Duration(LONGEST_INTERVAL, positive=True), help=help, commands=commands
+    )
+
+
+def _retention(help: str, default: float) -> Any:
+    return setting(default, kind=Duration(LONGEST_RETENTION), help=help, commands=RETENTION)
+
+
+#: Tables of the settings file that other commands read with :func:`file_table`
+#: (``outboxer consume``'s ``[consumer]``, declared in outboxer.consume_cli);
+#: ``load_settings`` lets them pass.
+OTHER_COMMANDS_TABLES = frozenset({"consumer"})
+
+#: Publisher keywords the relay passes itself: a destination's ``routes`` and the
+#: ``publish_timeout`` setting. They (and ``url``, the broker) are no destination options.
+PASSED_BY_THE_RELAY = frozenset({"routes", "publish_timeout"})
 
 
 @dataclass(frozen=True)
@@ -145,50 +693,174 @@ class DestinationSettings:
     routes: Mapping[str, str] = field(default_factory=dict)
     options: Mapping[str, Any] = field(default_factory=dict)
 
+    def __repr__(self) -> str:
+        options = {
+            name: MASK if is_secret_option(name) else value for name, value in self.options.items()
+        }
+        return (
+            f"DestinationSettings(name={self.name!r}, broker={redact_url(self.broker)!r}, "
+            f"envelope={self.envelope!r}, routes={dict(self.routes)!r}, options={options!r})"
+        )
+
     def __post_init__(self) -> None:
+        register_url_secrets(self.broker)
+        for name, value in self.options.items():
+            if is_secret_option(name) and isinstance(value, str):
+                register_secret(value)
         if self.envelope not in ("full", "stripped"):
             raise ConfigError(f"destination {self.name!r}: envelope must be 'full' or 'stripped'")
         if "://" not in self.broker:
             raise ConfigError(
-                f"destination {self.name!r}: broker must be a URL such as amqp://host/; got {self.broker!r}"
+                f"destination {self.name!r}: broker must be a URL such as amqp://host/; "
+                f"got {redact_url(self.broker)!r}"
+            )
+        check_url(self.broker, f"destination {self.name!r}: broker")
+        if misplaced := sorted(set(self.options) & (PASSED_BY_THE_RELAY | {"url"})):
+            raise ConfigError(
+                f"destination {self.name!r}: {', '.join(misplaced)} cannot be an option "
+                "(routes and broker are keys of the destination, publish_timeout a setting)"
             )
 
 
 @dataclass(frozen=True)
 class Settings:
-    """Every setting of the relay and the CLI, with its documented default."""
+    """Every setting of the relay and the CLI, each declared once with its default."""
 
-    db: str | None = None
-    schema: str = "outboxer"
-    table: str = "outbox"
+    db: str | None = setting(
+        kind=Url("postgresql://host/db or sqlite:///file.db"),
+        help="database URL",
+        commands=TABLE_COMMANDS,
+    )
+    #: The ``default`` destination's broker; it joins ``destinations`` as ``default``.
+    broker: str | None = setting(
+        kind=Url("amqp://host/"),
+        help="broker URL of the `default` destination (`consume`: the broker to consume from)",
+        commands=RELAY_AND_CONSUMER,
+    )
+    schema: str = setting(
+        "outboxer",
+        kind=Identifier("schema"),
+        help="schema of the outbox table",
+        commands=TABLE_COMMANDS,
+    )
+    table: str = setting(
+        "outbox", kind=Identifier("table"), help="outbox table name", commands=TABLE_COMMANDS
+    )
+    #: Destinations by name, from ``[destinations.NAME]`` tables of the file (and ``broker``).
     destinations: Mapping[str, DestinationSettings] = field(default_factory=dict)
-    batch_size: int = 500
-    #: Seconds a claimed row stays locked; a relay that dies releases its rows after this.
-    lock_timeout: float = 60.0
-    max_attempts: int = 10
-    #: Seconds between polls when no NOTIFY arrives (a fallback: NOTIFY wakes the relay at once).
-    poll_interval: float = 1.0
-    backoff_base: float = 1.0
-    backoff_multiplier: float = 2.0
-    backoff_max: float = 300.0
-    backoff_jitter: float = 0.25
-    published_retention: float = 7 * 86400.0
-    abandoned_retention: float = 30 * 86400.0
-    #: Keep inbox entries this long: longer than any redelivery can come late.
-    inbox_retention: float = 30 * 86400.0
-    cleanup_interval: float = 300.0
-    cleanup_batch: int = 1000
-    #: Claim-publish-settle loops per destination in one relay process.
-    concurrency: int = 4
-    publish_timeout: float = 30.0
-    #: Whether an abandoned message holds back the later messages of its key.
-    abandoned_blocks_key: bool = False
-    exit_when_idle: bool = False
-    relay_id: str = field(default_factory=default_relay_id)
-    #: ``HOST:PORT`` of the HTTP API (health, metrics, status, requeue); None: no API.
-    http: str | None = None
-    #: Bearer token the HTTP API's mutating endpoints require (kept out of reprs and logs).
-    http_token: str | None = field(default=None, repr=False)
+    batch_size: int = setting(
+        500, kind=Whole(1, 10_000), help="rows claimed per batch", commands=RELAY
+    )
+    lock_timeout: float = _interval(
+        "how long a claim stays locked: a relay that dies releases its rows after this", 60.0
+    )
+    max_attempts: int = setting(
+        10,
+        kind=Whole(1, 1_000_000),
+        help="attempts before ABANDONED (`consume`: before a dead letter)",
+        commands=RELAY_AND_CONSUMER,
+    )
+    poll_interval: float = _interval(
+        "fallback poll when no NOTIFY comes; a NOTIFY wakes the relay at once", 1.0
+    )
+    backoff_base: float = _interval("delay after the first failure", 1.0, RELAY_AND_CONSUMER)
+    backoff_multiplier: float = setting(
+        2.0,
+        kind=Number(1.0, 1000.0),
+        help="growth of the delay per failure",
+        commands=RELAY_AND_CONSUMER,
+    )
+    backoff_max: float = _interval(
+        "cap of the delay: jitter never exceeds it, and it caps a webhook's `Retry-After` too",
+        300.0,
+        RELAY_AND_CONSUMER,
+    )
+    backoff_jitter: float = setting(
+        0.25,
+        kind=Number(0.0, 0.99),
+        help="± fraction of random spread",
+        commands=RELAY_AND_CONSUMER,
+    )
+    published_retention: float = _retention("keep PUBLISHED rows this long", 7 * DAY)
+    abandoned_retention: float = _retention("keep ABANDONED rows this long", 30 * DAY)
+    inbox_retention: float = _retention(
+        "keep inbox entries this long: longer than any redelivery can come late", 30 * DAY
+    )
+    cleanup_interval: float = _interval("time between retention runs inside the relay", 300.0)
+    cleanup_batch: int = setting(
+        1000,
+        kind=Whole(1, 1_000_000),
+        help="rows deleted per retention statement",
+        commands=RETENTION,
+    )
+    concurrency: int = setting(
+        4, kind=Whole(1, 64), help="claim-publish-settle loops per destination", commands=RELAY
+    )
+    publish_timeout: float = _interval("how long to wait for broker confirms and connects", 30.0)
+    abandoned_blocks_key: bool = setting(
+        False,
+        kind=Boolean(),
+        help="whether an ABANDONED message (`consume`: a dead letter) holds back the later "
+        "messages of its key",
+        commands=(*RELAY_AND_CONSUMER, "dead-letters replay"),
+    )
+    exit_when_idle: bool = setting(
+        False,
+        kind=Boolean(),
+        help="publish what is due (`consume`: apply what the broker holds), then exit",
+        commands=RELAY_AND_CONSUMER,
+        switch=True,
+    )
+    relay_id: str = setting(
+        kind=Text(200),  # MySQL's locked_by holds 255 characters
+        help="name of this relay in `locked_by`",
+        commands=RELAY,
+        default_factory=default_relay_id,
+        default_text="host:pid:random",
+    )
+    http: str | None = setting(
+        kind=HttpAddress(),
+        help="where the HTTP API (health, metrics, status, requeue) listens",
+        commands=HTTP,
+        default_text="off",
+    )
+    http_token: str | None = setting(
+        kind=Secret(16),
+        help="bearer token the API's POST endpoints require; prefer the variable, flags show in `ps`",
+        commands=HTTP,
+        secret=True,
+    )
+
+    def __post_init__(self) -> None:
+        # Settings built in Python pass the same checks as flags, variables and files.
+        for declared in declarations(Settings):
+            value = getattr(self, declared.name)
+            if value is not None:
+                object.__setattr__(self, declared.name, declared.kind.parse(value, declared.name))
+        register_url_secrets(self.db)
+        register_secret(self.http_token)
+        if self.broker is not None:
+            destinations = dict(self.destinations)
+            base = destinations.get(DEFAULT_DESTINATION)
+            destinations[DEFAULT_DESTINATION] = (
+                dataclasses.replace(base, broker=self.broker)
+                if base
+                else DestinationSettings(DEFAULT_DESTINATION, self.broker)
+            )
+            object.__setattr__(self, "destinations", destinations)
+        self.backoff  # validates the combination (cap >= base, …)  # noqa: B018
+
+    def __repr__(self) -> str:
+        """Every field, with the URLs' secrets masked and no token."""
+        shown = []
+        for item in dataclasses.fields(self):
+            if not item.repr:
+                continue
+            value = getattr(self, item.name)
+            if item.name in ("db", "broker") and value is not None:
+                value = redact_url(value)
+            shown.append(f"{item.name}={value!r}")
+        return f"Settings({', '.join(shown)})"
 
     @property
     def backoff(self) -> Backoff:
@@ -207,74 +879,99 @@ class Settings:
         return self.db
 
 
-def _positive_duration(value: object, name: str) -> float:
-    seconds = parse_duration(value, name)
-    if seconds <= 0:
-        raise ConfigError(f"{name} must be greater than zero")
-    return seconds
+# ----- the file -----------------------------------------------------------------------------
 
 
-_CHECKS: dict[str, Any] = {
-    "batch_size": lambda v, n: int_option(v, n, 1, 10_000),
-    "lock_timeout": _positive_duration,
-    "max_attempts": lambda v, n: int_option(v, n, 1, 1_000_000),
-    "poll_interval": _positive_duration,
-    "backoff_base": _positive_duration,
-    "backoff_multiplier": lambda v, n: float_option(v, n, 1.0, 1000.0),
-    "backoff_max": _positive_duration,
-    "backoff_jitter": lambda v, n: float_option(v, n, 0.0, 0.99),
-    "published_retention": parse_duration,
-    "abandoned_retention": parse_duration,
-    "inbox_retention": parse_duration,
-    "cleanup_interval": _positive_duration,
-    "cleanup_batch": lambda v, n: int_option(v, n, 1, 1_000_000),
-    "concurrency": lambda v, n: int_option(v, n, 1, 64),
-    "publish_timeout": _positive_duration,
-    "abandoned_blocks_key": bool_option,
-    "exit_when_idle": bool_option,
-    "db": lambda v, n: _url(v, n),
-    "schema": lambda v, n: str(v),
-    "table": lambda v, n: str(v),
-    "relay_id": lambda v, n: str(v),
-    "http": _http_address,
-    "http_token": _secret,
-}
+def toml_type(value: object) -> str:
+    """How TOML calls the type of ``value``, for error messages."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a float"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, Mapping):
+        return "a table"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, datetime.date | datetime.time):
+        return "a date or time"
+    return type(value).__name__
 
 
-def _url(value: object, name: str) -> str:
-    if not isinstance(value, str) or "://" not in value:
+def read_config_file(
+    config_file: str | os.PathLike[str] | None, environ: Mapping[str, str]
+) -> tuple[dict[str, Any], str | None]:
+    """The settings table of the file (``--config``, ``OUTBOXER_CONFIG`` or ``./outboxer.toml``)
+    and its path; ({}, None) when there is none. Every problem is a ConfigError."""
+    path = config_file or environ.get(ENV_PREFIX + "CONFIG") or None
+    if path is None:
+        if not Path(DEFAULT_CONFIG_FILE).is_file():
+            return {}, None
+        path = DEFAULT_CONFIG_FILE
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory, not a TOML file") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
         raise ConfigError(
-            f"{name} must be a URL such as postgresql://host/db or sqlite:///file.db; got {value!r}"
+            f"config file {path} is not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#x})"
+        ) from None
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    table = document.get("outboxer", document)
+    if not isinstance(table, dict):
+        raise ConfigError(
+            f"{path}: outboxer must be a table ([outboxer]) of settings, not {toml_type(table)}"
         )
-    return value
+    return table, str(path)
 
 
-SETTING_NAMES = tuple(_CHECKS)
+def file_table(file_values: Mapping[str, object], name: str, origin: str | None) -> dict[str, Any]:
+    """The ``[name]`` table of the file's settings ({} when absent), for another command's
+    settings (``[consumer]``); ConfigError when ``name`` is there but no table."""
+    table = file_values.get(name, {})
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"{origin}: {name} must be a table ([{name}]), not {toml_type(table)}")
+    return dict(table)
 
 
-def _destinations(raw: object, origin: str) -> dict[str, DestinationSettings]:
+def _destinations(raw: object, origin: str | None) -> dict[str, DestinationSettings]:
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"{origin}: [destinations] must be a table of named destinations")
+        raise ConfigError(
+            f"{origin}: destinations must be a table of named destinations "
+            f"([destinations.NAME]), not {toml_type(raw)}"
+        )
     result = {}
     for name, spec in raw.items():
-        if not isinstance(spec, Mapping) or "broker" not in spec:
-            raise ConfigError(f"{origin}: destination {name!r} needs a broker URL")
-        unknown = set(spec) - {"broker", "envelope", "routes", "options"}
-        if unknown:
-            raise ConfigError(f"{origin}: destination {name!r} has unknown keys {sorted(unknown)}")
-        routes = spec.get("routes", {})
-        options = spec.get("options", {})
+        where = f"{origin}: destination {name!r}"
+        if not isinstance(spec, Mapping):
+            raise ConfigError(f"{where} must be a table with a broker URL, not {toml_type(spec)}")
+        if "broker" not in spec:
+            raise ConfigError(f"{where} needs a broker URL")
+        if unknown := sorted(set(spec) - {"broker", "envelope", "routes", "options"}):
+            raise ConfigError(
+                f"{where} has unknown keys {unknown}; known: broker, envelope, routes, options"
+            )
+        broker, envelope = spec["broker"], spec.get("envelope", "full")
+        routes, options = spec.get("routes", {}), spec.get("options", {})
+        if not isinstance(broker, str):
+            raise ConfigError(f"{where}: broker must be a URL string, not {toml_type(broker)}")
+        if not isinstance(envelope, str):
+            raise ConfigError(f"{where}: envelope must be 'full' or 'stripped'")
         if not isinstance(routes, Mapping) or not all(isinstance(v, str) for v in routes.values()):
-            raise ConfigError(f"{origin}: destination {name!r}: routes must map topics to names")
+            raise ConfigError(f"{where}: routes must map topics to names (strings)")
         if not isinstance(options, Mapping):
-            raise ConfigError(f"{origin}: destination {name!r}: options must be a table")
-        result[name] = DestinationSettings(
-            name,
-            str(spec["broker"]),
-            str(spec.get("envelope", "full")),
-            dict(routes),
-            dict(options),
-        )
+            raise ConfigError(f"{where}: options must be a table, not {toml_type(options)}")
+        result[name] = DestinationSettings(name, broker, envelope, dict(routes), dict(options))
     return result
 
 
@@ -286,51 +983,15 @@ def load_settings(
 ) -> Settings:
     """Merge the three sources; a value given in a stronger source wins.
 
-    ``flags`` may hold ``broker`` (a URL for the ``default`` destination).
+    ``flags`` maps setting names (``batch_size``, ``broker``, …) to values or their text;
+    None means not given.
     """
     environ = os.environ if environ is None else environ
-    flags = {k: v for k, v in (flags or {}).items() if v is not None}
-    path = config_file or environ.get(ENV_PREFIX + "CONFIG")
-    file_values: dict[str, Any] = {}
-    if path is None and Path(DEFAULT_CONFIG_FILE).is_file():
-        path = DEFAULT_CONFIG_FILE
-    if path is not None:
-        try:
-            file_values = tomllib.loads(Path(path).read_text("utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-        file_values = dict(file_values.get("outboxer", file_values))
-    # [consumer]: the settings of `outboxer consume` alone (outboxer.consume_cli).
-    unknown = set(file_values) - set(SETTING_NAMES) - {"destinations", "broker", "consumer"}
-    if unknown:
-        raise ConfigError(
-            f"{path}: unknown settings {sorted(unknown)}; known: {sorted(SETTING_NAMES)}"
-        )
-
-    values: dict[str, Any] = {}
-    for name in SETTING_NAMES:
-        if name in flags:
-            raw, origin = flags[name], f"--{name.replace('_', '-')}"
-        elif environ.get(ENV_PREFIX + name.upper()):  # set and not empty
-            raw, origin = environ[ENV_PREFIX + name.upper()], ENV_PREFIX + name.upper()
-        elif name in file_values:
-            raw, origin = file_values[name], f"{path}: {name}"
-        else:
-            continue
-        values[name] = _CHECKS[name](raw, origin)
-
-    destinations = _destinations(file_values.get("destinations", {}), str(path))
-    broker = flags.get("broker") or environ.get(ENV_PREFIX + "BROKER") or file_values.get("broker")
-    if broker is not None:
-        base = destinations.get(DEFAULT_DESTINATION)
-        destinations[DEFAULT_DESTINATION] = (
-            dataclasses.replace(base, broker=str(broker))
-            if base
-            else DestinationSettings(DEFAULT_DESTINATION, str(broker))
-        )
-    values["destinations"] = destinations
-    settings = Settings(**values)
-    settings.backoff  # validates the combination (cap >= base, …)  # noqa: B018
-    return settings
+    file_values, path = read_config_file(config_file, environ)
+    known = {declared.key for declared in declarations(Settings)} | {"destinations"}
+    known |= OTHER_COMMANDS_TABLES
+    if unknown := sorted(set(file_values) - known):
+        raise ConfigError(f"{path}: unknown settings {unknown}; known: {sorted(known)}")
+    values = declared_values(Settings, flags or {}, environ, file_values, path)
+    destinations = _destinations(file_values.get("destinations", {}), path)
+    return Settings(destinations=destinations, **values)

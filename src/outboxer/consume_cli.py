@@ -1,10 +1,11 @@
 """``outboxer consume`` and ``outboxer dead-letters``: the consumer runner from the command line.
 
 Settings come, strongest first, from flags, ``OUTBOXER_*`` environment variables and the
-settings file, as for the relay. The relay's settings the consumer shares (``db``,
-``broker``, ``schema``, ``table``, ``concurrency``, ``max_attempts``, ``backoff_*``,
-``abandoned_blocks_key``, ``http``, ``http_token``, ``exit_when_idle``) keep their names;
-the consumer's own live in the file's ``[consumer]`` table::
+settings file, declared once like the relay's (:mod:`outboxer.config`). The relay's settings
+the consumer shares (``db``, ``broker``, ``schema``, ``table``, ``max_attempts``,
+``backoff_*``, ``abandoned_blocks_key``, ``exit_when_idle``, ``http``, ``http_token``) keep
+their names and places; the consumer's own (:class:`ConsumerSettings`) live in the file's
+``[consumer]`` table::
 
     db = "postgresql://localhost/shipping"
     broker = "amqp://guest:guest@localhost/"
@@ -24,335 +25,268 @@ import json
 import os
 import signal
 import sys
-import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from outboxer.config import (
-    DEFAULT_CONFIG_FILE,
-    ENV_PREFIX,
+    LONGEST_INTERVAL,
+    Duration,
+    Pairs,
     Settings,
-    int_option,
+    Text,
+    TextList,
+    Whole,
+    add_flags,
+    declared_values,
+    file_table,
+    flags_from_args,
     load_settings,
-    parse_duration,
+    read_config_file,
+    setting,
 )
 from outboxer.errors import ConfigError
 
-#: The relay's settings that ``consume`` takes as well (flag names as the relay's).
-SHARED = (
-    "db",
-    "schema",
-    "table",
-    "broker",
-    "concurrency",
-    "max_attempts",
-    "backoff_base",
-    "backoff_multiplier",
-    "backoff_max",
-    "backoff_jitter",
-    "abandoned_blocks_key",
-    "exit_when_idle",
-    "http",
-    "http_token",
-)
+CONSUME = ("consume",)
+#: Every command that names a group.
+GROUPS = ("consume", "dead-letters list", "dead-letters replay", "dead-letters purge")
 
 
 @dataclass(frozen=True)
-class _Setting:
-    """One consumer setting: its ``[consumer]`` key (also the flag's dest), environment
-    variable, how a text value is read, and its help."""
+class ConsumerSettings:
+    """The settings of ``outboxer consume`` (and ``dead-letters``) of their own; the file's
+    ``[consumer]`` table holds them."""
 
-    name: str
-    env: str
-    parse: Callable[[object, str], Any]
-    help: str
-
-
-def _text(value: object, name: str) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{name} must be a non-empty string")
-    return value.strip()
-
-
-def _topics(value: object, name: str) -> list[str]:
-    items = value.split(",") if isinstance(value, str) else value
-    if not isinstance(items, list | tuple) or not all(isinstance(t, str) for t in items):
-        raise ConfigError(f"{name} must be a list of topic patterns")
-    return [topic.strip() for topic in items if topic.strip()]
-
-
-def _options(value: object, name: str) -> dict[str, str]:
-    if isinstance(value, Mapping):
-        return {str(k): str(v) for k, v in value.items()}
-    pairs = value.split(",") if isinstance(value, str) else value
-    options = {}
-    for pair in pairs if isinstance(pairs, list | tuple) else []:
-        option, sep, text = str(pair).partition("=")
-        if not sep or not option:
-            raise ConfigError(f"{name} needs NAME=VALUE, got {pair!r}")
-        options[option.strip()] = text
-    return options
-
-
-CONSUMER_SETTINGS = (
-    _Setting("group", "GROUP", _text, "consumer group: inbox name, queue, durable, group id"),
-    _Setting("topics", "TOPICS", _topics, "topic pattern to consume (repeatable)"),
-    _Setting("handler", "HANDLER", _text, "module:function called for each message"),
-    _Setting(
-        "batch",
-        "CONSUMER_BATCH",
-        lambda v, n: int_option(v, n, 1, 10_000),
-        "messages of different keys applied per transaction (default 100)",
-    ),
-    _Setting(
-        "prefetch",
-        "PREFETCH",
-        lambda v, n: int_option(v, n, 1, 1_000_000),
-        "messages held at most, unacked (default 2 x concurrency x batch, at least 100)",
-    ),
-    _Setting(
-        "shutdown_timeout",
-        "SHUTDOWN_TIMEOUT",
-        parse_duration,
-        "seconds handlers in flight get to finish on SIGTERM (default 30)",
-    ),
-    _Setting(
-        "name",
-        "CONSUMER_NAME",
-        _text,
-        "this process's stable name in its group (Redis consumer, MQTT client; default host name)",
-    ),
-    _Setting("async_driver", "ASYNC_DRIVER", _text, "asyncpg or psycopg, for async handlers"),
-    _Setting("options", "CONSUMER_OPTIONS", _options, "receiver option NAME=VALUE (repeatable)"),
-)
-
-
-@dataclass(frozen=True)
-class ConsumeSettings:
-    settings: Settings
-    values: dict[str, Any] = field(default_factory=dict)
+    group: str | None = setting(
+        kind=Text(200),
+        help="consumer group: the inbox's name, the queue, the durable, the Kafka group id",
+        commands=GROUPS,
+    )
+    topics: tuple[str, ...] | None = setting(
+        kind=TextList(),
+        help="topic (pattern) to consume; repeatable",
+        commands=CONSUME,
+        repeatable=True,
+        flag="--topic",
+        default_text="all the broker can name",
+    )
+    handler: str | None = setting(
+        kind=Text(300),
+        help="module:function called for each message (or the command's argument)",
+        commands=("consume", "dead-letters replay"),
+    )
+    concurrency: int = setting(
+        4,
+        kind=Whole(1, 256),
+        help="transactions applied in parallel, each on a database connection of its own",
+        commands=CONSUME,
+        env="OUTBOXER_CONSUMER_CONCURRENCY",
+    )
+    batch: int = setting(
+        100,
+        kind=Whole(1, 10_000),
+        help="messages of different keys applied in one transaction, at most",
+        commands=CONSUME,
+        env="OUTBOXER_CONSUMER_BATCH",
+    )
+    prefetch: int | None = setting(
+        kind=Whole(1, 1_000_000),
+        help="messages received and not yet acked, at most (the broker's prefetch)",
+        commands=CONSUME,
+        default_text="2 x concurrency x batch, at least 100",
+    )
+    shutdown_timeout: float = setting(
+        30.0,
+        kind=Duration(LONGEST_INTERVAL, positive=True),
+        help="how long handlers in flight get to finish on SIGTERM before they roll back",
+        commands=CONSUME,
+    )
+    name: str | None = setting(
+        kind=Text(100),
+        help="this process's stable name in its group (Redis consumer, MQTT client id)",
+        commands=CONSUME,
+        env="OUTBOXER_CONSUMER_NAME",
+        default_text="host name",
+    )
+    async_driver: str | None = setting(
+        kind=Text(20),
+        help="driver of an async handler's connection: asyncpg or psycopg",
+        commands=CONSUME,
+        default_text="asyncpg",
+    )
+    options: Mapping[str, Any] | None = setting(
+        kind=Pairs(),
+        help="receiver option (queue_type, claim_idle, ack_wait …); repeatable",
+        commands=CONSUME,
+        repeatable=True,
+        flag="--option",
+        env="OUTBOXER_CONSUMER_OPTIONS",
+    )
 
     def require(self, name: str) -> Any:
-        if self.values.get(name) is None:
-            flag = "the handler argument" if name == "handler" else f"--{name}"
+        value = getattr(self, name)
+        if value is None:
+            where = "the handler argument" if name == "handler" else f"--{name}"
             raise ConfigError(
-                f"no {name}: pass {flag}, set {ENV_PREFIX}{name.upper()} or [consumer] {name}"
+                f"no {name}: pass {where}, set OUTBOXER_{name.upper()} or [consumer] {name}"
             )
-        return self.values[name]
-
-
-def _config_path(given: str | None, environ: Mapping[str, str]) -> str | None:
-    path = given or environ.get(ENV_PREFIX + "CONFIG")
-    if path is None and Path(DEFAULT_CONFIG_FILE).is_file():
-        return DEFAULT_CONFIG_FILE
-    return path
+        return value
 
 
 def load_consume_settings(
     flags: Mapping[str, object],
+    consumer_flags: Mapping[str, object],
     *,
     environ: Mapping[str, str] | None = None,
     config_file: str | None = None,
-) -> ConsumeSettings:
-    """The relay's shared settings (``load_settings``) and the consumer's own."""
+) -> tuple[Settings, ConsumerSettings]:
+    """The shared settings (``load_settings``) and the consumer's own (``[consumer]``)."""
     environ = os.environ if environ is None else environ
-    path = _config_path(config_file, environ)
-    table: Mapping[str, Any] = {}
-    if path is not None:
-        try:
-            document = tomllib.loads(Path(path).read_text("utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-        table = dict(document.get("outboxer", document)).get("consumer", {})
-        if not isinstance(table, Mapping):
-            raise ConfigError(f"{path}: [consumer] must be a table")
-        unknown = set(table) - {s.name for s in CONSUMER_SETTINGS}
-        if unknown:
-            known = sorted(s.name for s in CONSUMER_SETTINGS)
-            raise ConfigError(
-                f"{path}: unknown [consumer] settings {sorted(unknown)}; known: {known}"
-            )
-    values: dict[str, Any] = {}
-    for setting in CONSUMER_SETTINGS:
-        given = flags.get(setting.name)
-        if given is not None and given != []:
-            values[setting.name] = setting.parse(given, f"--{setting.name.replace('_', '-')}")
-        elif environ.get(ENV_PREFIX + setting.env):
-            values[setting.name] = setting.parse(
-                environ[ENV_PREFIX + setting.env], ENV_PREFIX + setting.env
-            )
-        elif setting.name in table:
-            values[setting.name] = setting.parse(table[setting.name], f"{path}: {setting.name}")
-    shared = {name: flags[name] for name in SHARED if flags.get(name) is not None}
-    settings = load_settings(shared, environ=environ, config_file=path)
-    return ConsumeSettings(settings, values)
+    settings = load_settings(flags, environ=environ, config_file=config_file)
+    file_values, origin = read_config_file(config_file, environ)
+    values = declared_values(
+        ConsumerSettings,
+        consumer_flags,
+        environ,
+        file_table(file_values, "consumer", origin),
+        f"{origin} [consumer]",
+    )
+    return settings, ConsumerSettings(**values)
 
 
 # ----- argparse ------------------------------------------------------------------------------
 
-
-def _database_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--db", help="the consumer's database URL (env OUTBOXER_DB)")
-    parser.add_argument(
-        "--config", help="TOML settings file (env OUTBOXER_CONFIG; default ./outboxer.toml)"
-    )
-    parser.add_argument("--schema", help="schema of the inbox and dead letters (default outboxer)")
-    parser.add_argument(
-        "--table", help="outbox table whose migrations are checked (default outbox)"
-    )
-    parser.add_argument(
-        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
-    )
+AddCommand = Callable[..., argparse.ArgumentParser]
 
 
-def add_commands(commands: Any) -> None:
-    """Register ``consume`` and ``dead-letters`` on the ``outboxer`` command's subparsers."""
-    consume = commands.add_parser(
-        "consume", help="apply a consumer group's messages to your database, once each"
+def add_commands(commands: Any, add_command: AddCommand) -> None:
+    """Register ``consume`` and ``dead-letters`` on the ``outboxer`` command's subparsers;
+    ``add_command`` is the CLI's (``--config``, ``--log-level``, the shared settings' flags)."""
+    consume = add_command(
+        commands,
+        "consume",
+        _run(_consume),
+        "apply a consumer group's messages to your database, once each",
     )
-    _database_flags(consume)
-    consume.add_argument("handler", nargs="?", help="module:function (env OUTBOXER_HANDLER)")
-    consume.add_argument("--broker", help="broker URL (env OUTBOXER_BROKER)")
-    consume.add_argument("--group", help="consumer group (env OUTBOXER_GROUP)")
-    consume.add_argument(
-        "--topic",
-        action="append",
-        dest="topics",
-        metavar="PATTERN",
-        help="topic pattern to consume, repeatable (env OUTBOXER_TOPICS, comma-separated)",
-    )
-    consume.add_argument("--concurrency", help="transactions in parallel (default 4)")
-    for setting in CONSUMER_SETTINGS:
-        if setting.name in ("group", "topics", "handler"):
-            continue
-        flag = "--" + setting.name.replace("_", "-")
-        if setting.name == "options":
-            consume.add_argument(
-                "--option", action="append", dest="options", metavar="NAME=VALUE", help=setting.help
-            )
-        else:
-            consume.add_argument(flag, help=f"{setting.help} (env {ENV_PREFIX}{setting.env})")
-    consume.add_argument("--max-attempts", help="attempts before a dead letter (default 10)")
-    consume.add_argument("--backoff-base", help="first retry delay in seconds (default 1)")
-    consume.add_argument("--backoff-multiplier", help="growth per attempt (default 2)")
-    consume.add_argument("--backoff-max", help="longest retry delay in seconds (default 300)")
-    consume.add_argument("--backoff-jitter", help="± fraction of jitter (default 0.25)")
-    consume.add_argument(
-        "--abandoned-blocks-key",
-        choices=["true", "false"],
-        help="hold a key's later messages behind its dead letter (default false)",
-    )
-    consume.add_argument(
-        "--exit-when-idle",
-        action="store_const",
-        const=True,
-        help="stop once the broker has nothing more to deliver",
-    )
-    consume.add_argument("--http", metavar="HOST:PORT", help="serve /health and /metrics here")
-    consume.add_argument("--http-token", metavar="TOKEN", help="bearer token of the API's POSTs")
+    _consumer_flags(consume, "consume")
 
     letters = commands.add_parser("dead-letters", help="list, replay or purge dead letters")
     actions = letters.add_subparsers(dest="dead_letters_command", required=True)
-    listing = actions.add_parser("list", help="the dead letters, oldest first")
-    _database_flags(listing)
-    listing.add_argument("--group", help="only this consumer group")
-    listing.add_argument("--limit", type=int, default=100)
+    listing = add_command(
+        actions,
+        "list",
+        _run(_list),
+        "the dead letters, oldest first",
+        settings_of="dead-letters list",
+    )
+    _consumer_flags(listing, "dead-letters list")
+    listing.add_argument("--limit", type=int, default=100, help="the most to list (default 100)")
     listing.add_argument("--json", action="store_true", help="machine-readable output")
-    replay = actions.add_parser("replay", help="apply dead letters again through the handler")
-    _database_flags(replay)
-    replay.add_argument("handler", nargs="?", help="module:function (env OUTBOXER_HANDLER)")
-    replay.add_argument("--group", help="consumer group (env OUTBOXER_GROUP)")
-    replay.add_argument(
-        "--id", action="append", dest="ids", help="message id (repeatable); default all"
+    replay = add_command(
+        actions,
+        "replay",
+        _run(_replay),
+        "apply dead letters again through the handler, in order",
+        settings_of="dead-letters replay",
     )
-    replay.add_argument(
-        "--abandoned-blocks-key",
-        choices=["true", "false"],
-        help="a dead letter that fails again holds back its key's later ones (default false)",
+    _consumer_flags(replay, "dead-letters replay")
+    replay.add_argument("--id", action="append", dest="ids", help="message id (repeatable)")
+    purge = add_command(
+        actions,
+        "purge",
+        _run(_purge),
+        "delete dead letters for good",
+        settings_of="dead-letters purge",
     )
-    purge = actions.add_parser("purge", help="delete dead letters for good")
-    _database_flags(purge)
-    purge.add_argument("--group", help="consumer group (env OUTBOXER_GROUP)")
+    _consumer_flags(purge, "dead-letters purge")
     purge.add_argument("--id", action="append", dest="ids", help="message id (repeatable)")
     purge.add_argument("--all", action="store_true", help="every dead letter of the group")
 
 
-def _flags(args: argparse.Namespace) -> dict[str, object]:
-    names = {*SHARED, *(s.name for s in CONSUMER_SETTINGS)}
-    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+def _consumer_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    add_flags(parser, ConsumerSettings, command)
+    if command in ("consume", "dead-letters replay"):
+        parser.add_argument(
+            "handler_argument",
+            nargs="?",
+            metavar="module:function",
+            help="the handler (or --handler, OUTBOXER_HANDLER, [consumer] handler)",
+        )
 
 
-def run(args: argparse.Namespace) -> int | None:
-    """Run ``args.command`` if it is one of this module's; None otherwise."""
-    if args.command == "consume":
-        return asyncio.run(_consume(args))
-    if args.command == "dead-letters":
-        return asyncio.run(_dead_letters(args))
-    return None
+def _run(command: Callable[[argparse.Namespace], Any]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        result: int = asyncio.run(command(args))
+        return result
+
+    return run
 
 
-def _consumer(loaded: ConsumeSettings, **overrides: Any) -> Any:
+def _load(args: argparse.Namespace) -> tuple[Settings, ConsumerSettings]:
+    consumer_flags = flags_from_args(args, ConsumerSettings)
+    positional = getattr(args, "handler_argument", None)
+    if positional is not None:
+        if "handler" in consumer_flags:
+            raise ConfigError("give the handler once: as the argument or as --handler")
+        consumer_flags["handler"] = positional
+    return load_consume_settings(
+        flags_from_args(args, Settings), consumer_flags, config_file=args.config
+    )
+
+
+def _importable_here() -> None:
+    """Handlers are imported as ``python -m`` would: from the current directory too (the
+    ``outboxer`` script's own directory is what Python puts first on the path)."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
+def _consumer(settings: Settings, own: ConsumerSettings, **overrides: Any) -> Any:
     from outboxer.consumer import Consumer
 
-    settings, values = loaded.settings, loaded.values
     destination = settings.destinations.get("default")
-    options: dict[str, Any] = {}
-    if destination is not None:
-        options.update(destination.options)
-    options.update(values.get("options", {}))
+    options: dict[str, Any] = dict(destination.options) if destination is not None else {}
+    options.update(own.options or {})
     arguments: dict[str, Any] = {
         "db": settings.require_db(),
         "broker": destination.broker if destination is not None else None,
-        "group": loaded.require("group"),
-        "handler": loaded.require("handler"),
-        "topics": values.get("topics"),
-        "concurrency": settings.concurrency,
-        "batch": values.get("batch", 100),
-        "prefetch": values.get("prefetch"),
+        "group": own.require("group"),
+        "handler": own.require("handler"),
+        "topics": list(own.topics) if own.topics else None,
+        "concurrency": own.concurrency,
+        "batch": own.batch,
+        "prefetch": own.prefetch,
         "max_attempts": settings.max_attempts,
         "backoff": settings.backoff,
         "abandoned_blocks_key": settings.abandoned_blocks_key,
         "schema": settings.schema,
         "table": settings.table,
-        "shutdown_timeout": values.get("shutdown_timeout", 30.0),
-        "name": values.get("name"),
+        "shutdown_timeout": own.shutdown_timeout,
+        "name": own.name,
         "broker_options": options,
-        "async_driver": values.get("async_driver"),
+        "async_driver": own.async_driver,
         "exit_when_idle": settings.exit_when_idle,
     }
     arguments.update(overrides)
-    if not arguments["broker"] and "broker" not in overrides:
+    if arguments["broker"] is None and "broker" not in overrides:
         raise ConfigError("no broker: pass --broker URL or set OUTBOXER_BROKER")
     return Consumer(**arguments)
 
 
-def _importable_here() -> None:
-    """Handlers are imported like ``python -m`` would: from the current directory too (the
-    ``outboxer`` script's own directory is what Python puts first)."""
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-
-
 async def _consume(args: argparse.Namespace) -> int:
     _importable_here()
-    loaded = load_consume_settings(_flags(args), config_file=args.config)
-    consumer = _consumer(loaded)
+    settings, own = _load(args)
+    consumer = _consumer(settings, own)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, consumer.stop)
     server = None
-    if loaded.settings.http:
+    if settings.http:
         from outboxer.consumer import consumer_metrics
         from outboxer.http import start_http_api
 
-        server = await start_http_api(
-            loaded.settings, extra_metrics=lambda: consumer_metrics([consumer])
-        )
+        server = await start_http_api(settings, extra_metrics=lambda: consumer_metrics([consumer]))
     try:
         await consumer.run_async()
     finally:
@@ -361,46 +295,63 @@ async def _consume(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _dead_letters(args: argparse.Namespace) -> int:
-    loaded = load_consume_settings(_flags(args), config_file=args.config)
-    action = args.dead_letters_command
-    if action == "replay":
-        _importable_here()
-        consumer = _consumer(loaded, broker=None)  # replaying needs no broker
-        counts = await consumer.replay_dead_letters(args.ids)
-        print(", ".join(f"{name} {count}" for name, count in counts.items()))
-        return 0 if counts["failed"] == 0 else 1
-    from outboxer.consumer_db import session_factory
+async def _replay(args: argparse.Namespace) -> int:
+    _importable_here()
+    settings, own = _load(args)
+    consumer = _consumer(settings, own, broker=None)  # replaying needs no broker
+    counts = await consumer.replay_dead_letters(args.ids)
+    print(", ".join(f"{name} {count}" for name, count in counts.items()))
+    return 0 if counts["failed"] == 0 else 1
 
-    settings = loaded.settings
-    executor = ThreadPoolExecutor(1)
-    session = session_factory(
-        settings.require_db(), settings.schema, is_async=False, async_driver=None
-    )(executor)
-    await session.open()
-    try:
-        if action == "list":
-            letters = await session.dead_letters(loaded.values.get("group"), args.limit)
-            _print_letters([letter.as_dict() for letter in letters], as_json=args.json)
-            return 0
-        group = loaded.require("group")
-        if args.all == bool(args.ids):
-            raise ConfigError("purge needs --id ID (repeatable) or --all, not both")
-        from outboxer.consumer import parse_message_id
 
+async def _list(args: argparse.Namespace) -> int:
+    settings, own = _load(args)
+    if args.limit < 1:
+        raise ConfigError(f"--limit must be at least 1, not {args.limit}")
+    async with _session(settings) as session:
+        letters = await session.dead_letters(own.group, args.limit)
+    _print_letters([letter.as_dict() for letter in letters], as_json=args.json)
+    return 0
+
+
+async def _purge(args: argparse.Namespace) -> int:
+    from outboxer.consumer import parse_message_id
+
+    settings, own = _load(args)
+    group = own.require("group")
+    if args.all == bool(args.ids):
+        raise ConfigError("purge needs --id ID (repeatable) or --all, not both")
+    ids = [parse_message_id(value) for value in args.ids or []]
+    async with _session(settings) as session:
         if args.all:
             deleted = await session.run("purge_consumer", {"consumer": group})
         else:
             deleted = 0
-            for value in args.ids:
-                deleted += await session.run(
-                    "delete", session.id_params(group, parse_message_id(value))
-                )
-        print(f"purged {deleted} dead letter(s)")
-        return 0
-    finally:
-        await session.close()
-        executor.shutdown(wait=False)
+            for message_id in ids:
+                deleted += await session.run("delete", session.id_params(group, message_id))
+    print(f"purged {deleted} dead letter(s)")
+    return 0
+
+
+class _session:
+    """A sync connection of the consumer's database, for ``list`` and ``purge``."""
+
+    def __init__(self, settings: Settings) -> None:
+        from outboxer.consumer_db import session_factory
+
+        self._executor = ThreadPoolExecutor(1)
+        make = session_factory(
+            settings.require_db(), settings.schema, is_async=False, async_driver=None
+        )
+        self.session = make(self._executor)
+
+    async def __aenter__(self) -> Any:
+        await self.session.open()
+        return self.session
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.session.close()
+        self._executor.shutdown(wait=False)
 
 
 def _print_letters(rows: Sequence[dict[str, Any]], *, as_json: bool) -> None:
@@ -417,4 +368,4 @@ def _print_letters(rows: Sequence[dict[str, Any]], *, as_json: bool) -> None:
         )
 
 
-__all__ = ["CONSUMER_SETTINGS", "ConsumeSettings", "add_commands", "load_consume_settings", "run"]
+__all__ = ["ConsumerSettings", "add_commands", "load_consume_settings"]

@@ -13,10 +13,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from outboxer.errors import ConfigError, DuplicateMessageError
+from outboxer.errors import ConfigError, DuplicateMessageError, PayloadError
 from outboxer.message import (
     DEFAULT_DESTINATION,
+    MAX_DESTINATION_LENGTH,
     Message,
+    check_text,
     coerce_message_id,
     encode_payload,
     validate_envelope,
@@ -76,13 +78,23 @@ class Outbox:
     schema: str = "outboxer"
     table: str = "outbox"
     destinations: tuple[str, ...] = (DEFAULT_DESTINATION,)
+    #: Refuse (PayloadError, nothing written) a payload larger than this once encoded;
+    #: None accepts any size the database takes.
+    max_payload_bytes: int | None = None
     _cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         check_identifier("schema", self.schema)
         check_identifier("table", self.table)
-        if not self.destinations:
-            raise ConfigError("an Outbox needs at least one destination")
+        # Frozen: set through object's own setattr (a list given here becomes the tuple).
+        object.__setattr__(self, "destinations", _destination_names(self.destinations))
+        limit = self.max_payload_bytes
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
+        ):
+            raise ConfigError(
+                f"max_payload_bytes must be None or a whole number of bytes >= 1; got {limit!r}"
+            )
 
     # ----- building rows ------------------------------------------------------------------
 
@@ -99,11 +111,9 @@ class Outbox:
     ) -> list[Message]:
         """Validate and encode one message, one copy per destination. Raises PayloadError."""
         topic, key, clean_headers = validate_envelope(topic, key, headers)
-        body, kind = encode_payload(payload, content_type)
+        body, kind = encode_payload(payload, content_type, self.max_payload_bytes)
         identifier = coerce_message_id(message_id)
-        targets = tuple(destinations) if destinations is not None else self.destinations
-        if not targets or not all(isinstance(d, str) and d for d in targets):
-            raise ConfigError("destinations must be a non-empty list of destination names")
+        targets = self.destinations if destinations is None else _destination_names(destinations)
         return [
             Message(
                 id=identifier,
@@ -221,6 +231,28 @@ class Outbox:
         except Exception as exc:
             _raise_duplicate(exc, messages)
             raise
+
+
+def _destination_names(destinations: Iterable[object]) -> tuple[str, ...]:
+    """``destinations`` as a tuple of names; ConfigError unless each is a storable name."""
+    given = () if isinstance(destinations, str) else tuple(destinations)
+    names = tuple(
+        name
+        for name in given
+        if isinstance(name, str) and name and len(name) <= MAX_DESTINATION_LENGTH
+    )
+    if not names or len(names) != len(given):
+        raise ConfigError(
+            "destinations must be a non-empty list of destination names "
+            f"(non-empty strings of at most {MAX_DESTINATION_LENGTH} characters); "
+            f"got {destinations!r:.100}"
+        )
+    for name in names:
+        try:
+            check_text(name, "a destination name")
+        except PayloadError as exc:
+            raise ConfigError(str(exc)) from None
+    return names
 
 
 def _raise_duplicate(exc: BaseException, messages: Sequence[Message]) -> None:
@@ -642,10 +674,17 @@ def configure(
     schema: str = "outboxer",
     table: str = "outbox",
     destinations: Sequence[str] = (DEFAULT_DESTINATION,),
+    max_payload_bytes: int | None = None,
 ) -> Outbox:
-    """Set the names and destinations that the module-level ``enqueue`` functions use."""
+    """Set the names, destinations and payload limit that the module-level ``enqueue``
+    functions use."""
     global DEFAULT_OUTBOX
-    DEFAULT_OUTBOX = Outbox(schema=schema, table=table, destinations=tuple(destinations))
+    DEFAULT_OUTBOX = Outbox(
+        schema=schema,
+        table=table,
+        destinations=tuple(destinations),
+        max_payload_bytes=max_payload_bytes,
+    )
     return DEFAULT_OUTBOX
 
 

@@ -23,7 +23,6 @@ import dataclasses
 import hmac
 import http
 import json
-import logging
 import math
 import re
 import signal
@@ -32,15 +31,16 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, unquote
 
 from outboxer.config import Settings, is_loopback, parse_http_address
-from outboxer.errors import ConfigError, StoreError
-from outboxer.message import Status
+from outboxer.errors import ConfigError, PayloadError, StoreError
+from outboxer.message import Status, check_text
+from outboxer.redact import get_logger, redact_text
 from outboxer.relay import Relay, RelayStats
 from outboxer.stores import DestinationStatus, Store, create_store
 
-logger = logging.getLogger("outboxer.http")
+logger = get_logger("outboxer.http")
 
 MAX_BODY_BYTES = 64 * 1024
 MAX_HEAD_BYTES = 16 * 1024
@@ -54,6 +54,8 @@ STATUS_CACHE_SECONDS = 5.0
 STORE_TIMEOUT = 5.0
 #: Seconds ``/status`` and ``/messages`` wait for their queries.
 QUERY_TIMEOUT = 30.0
+#: Shortest bearer token accepted: a short token can be guessed over the network.
+MIN_TOKEN_LENGTH = 16
 MESSAGES_DEFAULT_LIMIT = 50
 MESSAGES_MAX_LIMIT = 1000
 REQUEUE_STATUSES = (Status.ABANDONED.value, Status.FAILED.value)
@@ -67,10 +69,19 @@ JSON_CONTENT_TYPE = "application/json"
 _LINGER_SECONDS = 2.0
 _LINGER_BYTES = 1024 * 1024
 
-_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
-_VERSION = re.compile(r"^HTTP/(\d)\.(\d)$")
+# Matched with fullmatch: ``$`` would also accept a trailing newline. Digits are ASCII only:
+# ``\d``, ``str.isdigit()`` and ``int()`` also take "²" or "٣", which HTTP never means.
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_VERSION = re.compile(r"HTTP/([0-9])\.([0-9])")
+_ASCII_DIGITS = re.compile(r"[0-9]+")
+#: A serialized origin (RFC 6454, 6.1): scheme, host and port only.
+_ORIGIN = re.compile(r"https?://([^/?#@\s]+)", re.IGNORECASE)
+#: Characters no request target or field value may hold (RFC 9110, 5.5): controls but HTAB.
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 _METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+#: What ``parse_ascii_int`` returns for a number of more digits than any limit here needs.
+_HUGE = 10**18
 
 
 # ----- errors that become responses --------------------------------------------------------
@@ -92,6 +103,18 @@ class BadRequest(HttpError):
 
 class Unauthorized(HttpError):
     status = http.HTTPStatus.UNAUTHORIZED
+
+
+class Forbidden(HttpError):
+    status = http.HTTPStatus.FORBIDDEN
+
+
+class MisdirectedRequest(HttpError):
+    status = http.HTTPStatus.MISDIRECTED_REQUEST
+
+
+class UnsupportedMediaType(HttpError):
+    status = http.HTTPStatus.UNSUPPORTED_MEDIA_TYPE
 
 
 class NotFound(HttpError):
@@ -152,6 +175,18 @@ class Response:
     headers: Mapping[str, str] = field(default_factory=dict)
 
 
+def parse_ascii_int(text: str) -> int | None:
+    """A whole number in ASCII digits (leading zeros allowed), else None.
+
+    Numbers of more than 18 digits come back as 10**18, above every limit here: ``int()``
+    refuses strings of over 4300 digits with a ValueError.
+    """
+    if not _ASCII_DIGITS.fullmatch(text):
+        return None
+    digits = text.lstrip("0") or "0"
+    return int(digits) if len(digits) <= 18 else _HUGE
+
+
 def parse_head(head: bytes) -> Request:
     """The request line and header fields of ``head`` (up to and including the blank line)."""
     lines = head.decode("latin-1").split("\r\n")
@@ -163,16 +198,16 @@ def parse_head(head: bytes) -> Request:
     if len(parts) != 3:
         raise BadRequest(f"malformed request line {lines[0][:100]!r}")
     method, target, version = parts
-    if not _TOKEN.match(method):
+    if not _TOKEN.fullmatch(method):
         raise BadRequest(f"malformed method {method[:40]!r}")
-    match = _VERSION.match(version)
+    match = _VERSION.fullmatch(version)
     if match is None:
         raise BadRequest(f"malformed HTTP version {version[:40]!r}")
     if match.group(1) != "1":
         raise VersionNotSupported(
             f"HTTP/{match.group(1)}.{match.group(2)} is not supported; use HTTP/1.1"
         )
-    if not target.startswith("/"):
+    if not target.startswith("/") or _CONTROL.search(target):
         raise BadRequest(
             f"the request target must be a path starting with '/'; got {target[:100]!r}"
         )
@@ -183,16 +218,18 @@ def parse_head(head: bytes) -> Request:
         if line[:1] in (" ", "\t"):
             raise BadRequest("folded header lines are not accepted (RFC 9112, 5.2)")
         name, sep, value = line.partition(":")
-        if not sep or not _TOKEN.match(name):
+        if not sep or not _TOKEN.fullmatch(name) or _CONTROL.search(value):
             raise BadRequest(f"malformed header line {line[:100]!r}")
         name, value = name.lower(), value.strip(" \t")
         headers[name] = f"{headers[name]}, {value}" if name in headers else value
-    split = urlsplit(target)
+    # Split by hand, not with urlsplit: a target such as "//[x" is a path here, not a
+    # network location to parse (urlsplit raises on it).
+    path, _, query_text = target.partition("#")[0].partition("?")
     try:
-        query = parse_qs(split.query, keep_blank_values=True, max_num_fields=50)
+        query = parse_qs(query_text, keep_blank_values=True, max_num_fields=50)
     except ValueError as exc:
         raise BadRequest(f"malformed query string: {exc}") from None
-    return Request(method=method, path=unquote(split.path), query=query, headers=headers)
+    return Request(method=method, path=unquote(path), query=query, headers=headers)
 
 
 def body_length(headers: Mapping[str, str], max_body: int = MAX_BODY_BYTES) -> int:
@@ -202,13 +239,15 @@ def body_length(headers: Mapping[str, str], max_body: int = MAX_BODY_BYTES) -> i
     announced = headers.get("content-length")
     if announced is None:
         return 0
-    values = {value.strip() for value in announced.split(",")}
-    if len(values) != 1 or not all(value.isdigit() for value in values):
+    # "5, 5" is one length sent twice (RFC 9110, 8.6); "5, 6" cannot be read safely.
+    lengths = {parse_ascii_int(value.strip()) for value in announced.split(",")}
+    length = lengths.pop() if len(lengths) == 1 else None
+    if length is None:
         raise BadRequest(f"malformed Content-Length {announced[:40]!r}")
-    length = int(values.pop())
     if length > max_body:
         raise PayloadTooLarge(
-            f"the request body of {length} bytes is over the limit of {max_body} bytes"
+            f"the request body (Content-Length {announced[:40]}) is over the limit "
+            f"of {max_body} bytes"
         )
     return length
 
@@ -240,6 +279,93 @@ async def read_request(
     except asyncio.IncompleteReadError:
         raise BadRequest(f"the body ended before its Content-Length of {length} bytes") from None
     return dataclasses.replace(request, body=body)
+
+
+# ----- requests from browsers ----------------------------------------------------------------
+# A web page can make a browser send requests to 127.0.0.1, or, by pointing its own DNS name
+# at 127.0.0.1 (DNS rebinding), read the answers. Browsers always say which page sent a
+# request (Origin, on every POST) and which host they think they talk to (Host); curl,
+# scrapers and probes send no Origin. A POST a page can send without asking the server first
+# (a CORS preflight) cannot carry Content-Type: application/json, so requiring it stops
+# the rest.
+
+
+def check_origin(request: Request, server_authority: str) -> None:
+    """Refuse a request sent by a page of another origin than this server's own."""
+    origin = request.headers.get("origin")
+    if origin is None:
+        return
+    own = request.headers.get("host", server_authority)
+    match = _ORIGIN.fullmatch(origin)
+    if match is None or match.group(1).lower() != own.lower():
+        raise Forbidden(
+            f"cross-origin request refused: Origin {origin[:100]!r} is not this API's own "
+            f"origin (http://{own[:100]}); send the request without an Origin header"
+        )
+
+
+def check_host(request: Request, bind_host: str) -> None:
+    """On loopback, refuse a Host that is not a loopback name: a DNS rebinding page sends its own."""
+    host = request.headers.get("host")
+    if host is None or not is_loopback(bind_host):
+        return
+    name = host_name(host)
+    if name is None or not (is_loopback(name) or name.lower() == bind_host.lower()):
+        raise MisdirectedRequest(
+            f"this API listens on a loopback address and answers requests for localhost, "
+            f"127.0.0.1 or [::1] only; got Host {host[:100]!r}"
+        )
+
+
+def host_name(host: str) -> str | None:
+    """The name or address of a Host field (``name``, ``name:port``, ``[v6]:port``), or None."""
+    if host.startswith("["):
+        name, bracket, port = host[1:].partition("]")
+        if not bracket or (port and not port.startswith(":")):
+            return None
+        port = port[1:]
+    else:
+        name, colon, port = host.partition(":")
+        if colon and not port:
+            return None
+    if port:
+        number = parse_ascii_int(port)
+        if number is None or number > 65535:
+            return None
+    return name or None
+
+
+def require_json(request: Request) -> None:
+    given = request.headers.get("content-type")
+    if given is None or given.partition(";")[0].strip(" \t").lower() != JSON_CONTENT_TYPE:
+        raise UnsupportedMediaType(
+            f"send the body as Content-Type: {JSON_CONTENT_TYPE}; got "
+            + ("no Content-Type" if given is None else repr(given[:100])),
+            headers={"Accept": JSON_CONTENT_TYPE},
+        )
+
+
+def check_token(token: object) -> None:
+    """Refuse a bearer token that is empty, short, or that no Authorization header can carry."""
+    if token is None:
+        return
+    if not isinstance(token, str):
+        raise ConfigError(f"the HTTP API token must be a string, not {type(token).__name__}")
+    if not token.strip():
+        raise ConfigError(
+            "the HTTP API token is empty: set one of at least "
+            f"{MIN_TOKEN_LENGTH} characters, or none to answer requeue on loopback only"
+        )
+    if len(token) < MIN_TOKEN_LENGTH:
+        raise ConfigError(
+            f"the HTTP API token has {len(token)} characters; use at least {MIN_TOKEN_LENGTH}, "
+            "such as the output of: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+        )
+    if token != token.strip(" \t") or _CONTROL.search(token):
+        raise ConfigError(
+            "the HTTP API token starts or ends with a space or holds a control character, "
+            "which an Authorization header cannot carry"
+        )
 
 
 def json_response(
@@ -523,6 +649,7 @@ class HttpApi:
         store_timeout: float = STORE_TIMEOUT,
         extra_metrics: Callable[[], Iterable[Metric]] | None = None,
     ) -> None:
+        check_token(token)
         #: More metrics for ``/metrics`` (the consumer's: outboxer.consumer.consumer_metrics).
         self.extra_metrics = extra_metrics
         self.store = store
@@ -557,6 +684,8 @@ class HttpApi:
                 )
             if request.method != "GET":
                 self._authorize(request)
+            if request.method == "POST":
+                require_json(request)
             return await handler(request)
         except HttpError as exc:
             return error_response(exc)
@@ -650,12 +779,13 @@ class HttpApi:
         limits = request.query.get("limit", [str(MESSAGES_DEFAULT_LIMIT)])
         if len(limits) != 1:
             raise BadRequest("give limit once")
-        try:
-            limit = int(limits[0])
-        except ValueError:
-            raise BadRequest(f"limit must be a whole number; got {limits[0][:40]!r}") from None
+        limit = parse_ascii_int(limits[0])
+        if limit is None:
+            raise BadRequest(f"limit must be a whole number; got {limits[0][:40]!r}")
         if not 1 <= limit <= MESSAGES_MAX_LIMIT:
-            raise BadRequest(f"limit must be between 1 and {MESSAGES_MAX_LIMIT}; got {limit}")
+            raise BadRequest(
+                f"limit must be between 1 and {MESSAGES_MAX_LIMIT}; got {limits[0][:40]}"
+            )
         store = await self._connected_store()
         async with asyncio.timeout(QUERY_TIMEOUT):
             rows = await store.list_messages(statuses, limit)
@@ -666,6 +796,8 @@ class HttpApi:
             body = json.loads(request.body) if request.body.strip() else None
         except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8/16/32
             raise BadRequest(f"the body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise BadRequest("the body is not valid JSON: nested too deep") from None
         if not isinstance(body, dict):
             raise BadRequest(
                 'the body must be a JSON object such as {"statuses": ["ABANDONED"]} '
@@ -701,7 +833,8 @@ _DATABASE_DRIVERS = frozenset({"asyncpg", "aiomysql", "pymysql", "sqlite3"})
 
 
 def _describe(exc: BaseException) -> str:
-    return str(exc) or type(exc).__name__  # a timeout's text is empty
+    """An error as an API answer shows it: never empty (a timeout's text is), no secrets."""
+    return redact_text(str(exc) or type(exc).__name__)
 
 
 def _is_database_error(exc: BaseException) -> bool:
@@ -732,6 +865,12 @@ def _string_list(body: Mapping[str, Any], name: str) -> list[str] | None:
         raise BadRequest(
             f"{name} must be a non-empty list of non-empty strings (leave it out for the default)"
         )
+    for item in value:
+        # JSON can spell both ("\u0000", "\ud800"); the database driver cannot send them.
+        try:
+            check_text(item, f"an item of {name}")
+        except PayloadError as exc:
+            raise BadRequest(str(exc)) from None
     return list(value)
 
 
@@ -758,6 +897,7 @@ class HttpServer:
         read_timeout: float = READ_TIMEOUT,
         max_connections: int = MAX_CONNECTIONS,
     ) -> None:
+        check_exposure(host, api.token)
         self.api = api
         self.host = host
         self.port = port
@@ -848,6 +988,12 @@ class HttpServer:
             ), False
         except HttpError as exc:
             return error_response(exc), True
+        try:
+            check_host(request, self.host)
+            check_origin(request, self.url.removeprefix("http://"))
+        except HttpError as exc:
+            logger.warning("refused %s %r: %s", request.method, request.path[:100], exc)
+            return error_response(exc), False
         response = await self.api.handle(request)
         logger.debug(
             "%s %s -> %d in %.1f ms",
@@ -906,7 +1052,6 @@ async def start_http_api(
     if not settings.http:
         raise ConfigError("no HTTP address: pass --http HOST:PORT or set OUTBOXER_HTTP")
     host, port = parse_http_address(settings.http, "--http")
-    check_exposure(host, settings.http_token)
     store = create_store(settings.require_db(), schema=settings.schema, table=settings.table)
     api = HttpApi(store, settings, relay, token=settings.http_token, extra_metrics=extra_metrics)
     return await HttpServer(api, host, port).start()

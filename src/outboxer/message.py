@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 import uuid
@@ -30,10 +31,15 @@ BINARY = "application/octet-stream"
 
 MAX_TOPIC_LENGTH = 255
 MAX_KEY_LENGTH = 255
+#: The content_type and destination columns are VARCHAR(255) on MySQL.
+MAX_CONTENT_TYPE_LENGTH = 255
+MAX_DESTINATION_LENGTH = 255
+
+_PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]+")
 
 
 class Status(StrEnum):
-    """The states of an outbox row; see DESIGN.md for the transitions."""
+    """The states of an outbox row; docs/design/message-states.md has the transitions."""
 
     PENDING = "PENDING"
     PROCESSING = "PROCESSING"
@@ -98,25 +104,85 @@ class Message:
         }
 
 
-def encode_payload(payload: object, content_type: str | None = None) -> tuple[bytes, str]:
+def encode_payload(
+    payload: object, content_type: str | None = None, max_bytes: int | None = None
+) -> tuple[bytes, str]:
     """Turn a dict, list, str or bytes into stored bytes and a content type.
 
-    Raises PayloadError for anything else, and for dicts or lists that JSON
-    cannot represent, so the caller learns before any SQL runs.
+    Raises PayloadError for anything else, for dicts or lists that JSON cannot
+    represent, for text no database stores (see ``check_text``), and for an
+    encoded payload over ``max_bytes``, so the caller learns before any SQL runs.
     """
+    if content_type is not None:
+        check_content_type(content_type)
+    body: bytes
     if isinstance(payload, bytes | bytearray | memoryview):
-        return bytes(payload), content_type or BINARY
-    if isinstance(payload, str):
-        return payload.encode("utf-8"), content_type or TEXT
-    if isinstance(payload, dict | list):
+        body, kind = bytes(payload), content_type or BINARY
+    elif isinstance(payload, str):
+        body = text_bytes(payload, "a text payload", hint="; send bytes for binary data")
+        kind = content_type or TEXT
+    elif isinstance(payload, dict | list):
         try:
             encoded = json.dumps(
                 payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False
             )
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:
             raise PayloadError(f"payload is not JSON-serializable: {exc}") from exc
-        return encoded.encode("utf-8"), content_type or JSON
-    raise PayloadError(f"payload must be dict, list, str or bytes, not {type(payload).__name__}")
+        try:
+            body = encoded.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            # JSON could escape it as \udXXX, but parsers that check Unicode refuse that.
+            raise PayloadError(
+                f"a string in the payload contains a lone surrogate {exc.object[exc.start]!r}: "
+                "it is not valid Unicode text"
+            ) from None
+        kind = content_type or JSON
+    else:
+        raise PayloadError(
+            f"payload must be dict, list, str or bytes, not {type(payload).__name__}"
+        )
+    if max_bytes is not None and len(body) > max_bytes:
+        raise PayloadError(
+            f"the payload is {len(body)} bytes encoded, over max_payload_bytes={max_bytes}"
+        )
+    return body, kind
+
+
+def check_text(value: str, what: str) -> None:
+    """Refuse text that a database cannot store, before the driver finds out mid-transaction.
+
+    A NUL is refused by PostgreSQL's text and jsonb (psycopg refuses it client-side; asyncpg
+    sends it and the server aborts the caller's transaction). A lone surrogate cannot be
+    encoded as UTF-8, so every driver fails on it, some after the transaction began.
+    """
+    text_bytes(value, what)
+
+
+def text_bytes(value: str, what: str, *, hint: str = "") -> bytes:
+    """``value`` as UTF-8, or PayloadError naming ``what`` if it holds a NUL or a lone surrogate."""
+    if "\x00" in value:
+        raise PayloadError(f"{what} contains a NUL character (\\x00){hint}")
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PayloadError(
+            f"{what} contains a lone surrogate {value[exc.start]!r} at index {exc.start}: "
+            f"it is not valid Unicode text{hint}"
+        ) from None
+
+
+def check_content_type(content_type: object) -> None:
+    # A media type is printable ASCII (RFC 9110, 8.3); it goes into broker and HTTP headers.
+    if (
+        not isinstance(content_type, str)
+        or not content_type
+        or len(content_type) > MAX_CONTENT_TYPE_LENGTH
+        or not _PRINTABLE_ASCII.fullmatch(content_type)
+    ):
+        raise PayloadError(
+            "content_type must be None or a media type of at most "
+            f"{MAX_CONTENT_TYPE_LENGTH} printable ASCII characters; got {content_type!r:.80}"
+        )
 
 
 def validate_envelope(
@@ -127,17 +193,24 @@ def validate_envelope(
         raise PayloadError(
             f"topic must be a non-empty string of at most {MAX_TOPIC_LENGTH} characters"
         )
-    if key is not None and (not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH):
-        raise PayloadError(
-            f"key must be None or a non-empty string of at most {MAX_KEY_LENGTH} characters"
-        )
+    check_text(topic, "the topic")
+    if key is not None:
+        if not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH:
+            raise PayloadError(
+                f"key must be None or a non-empty string of at most {MAX_KEY_LENGTH} characters"
+            )
+        check_text(key, "the key")
     if headers is None:
         return topic, key, {}
     if not isinstance(headers, Mapping):
         raise PayloadError(f"headers must be a mapping of str to str, not {type(headers).__name__}")
     for name, value in headers.items():
         if not isinstance(name, str) or not isinstance(value, str) or not name:
-            raise PayloadError(f"headers must map non-empty str to str; got {name!r}: {value!r}")
+            raise PayloadError(
+                f"headers must map non-empty str to str; got {name!r:.80}: {value!r:.80}"
+            )
+        check_text(name, f"the header name {name!r:.80}")
+        check_text(value, f"the value of header {name!r:.80}")
     return topic, key, dict(headers)
 
 
@@ -150,7 +223,7 @@ def coerce_message_id(message_id: object) -> uuid.UUID:
         try:
             return uuid.UUID(message_id)
         except ValueError as exc:
-            raise PayloadError(f"message_id is not a UUID: {message_id!r}") from exc
+            raise PayloadError(f"message_id is not a UUID: {message_id!r:.80}") from exc
     raise PayloadError(
         f"message_id must be a UUID or a UUID string, not {type(message_id).__name__}"
     )

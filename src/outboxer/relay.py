@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -23,10 +22,11 @@ from outboxer.config import Settings
 from outboxer.envelope import strip_envelope
 from outboxer.errors import ConfigError, PublishError, SchemaError
 from outboxer.message import Message
+from outboxer.redact import get_logger, redact_text
 from outboxer.retry import Backoff
 from outboxer.stores import Failure, Store, create_store
 
-logger = logging.getLogger("outboxer.relay")
+logger = get_logger("outboxer.relay")
 
 #: Backoff for the relay's own trouble (database or broker unreachable), not per message.
 OUTAGE_BACKOFF = Backoff(base=0.2, multiplier=2.0, cap=15.0, jitter=0.25)
@@ -131,7 +131,7 @@ class Relay:
         if reason is None:
             self._outages.pop(place, None)
         else:
-            self._outages[place] = str(reason)
+            self._outages[place] = redact_text(str(reason))  # /health shows it
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()

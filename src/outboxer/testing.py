@@ -589,13 +589,30 @@ class StoreContract(ABC):
         assert (row["status"], row["attempts"]) == ("PENDING", 0)
 
     async def test_ping_and_status_report(self, url: str, store: Any) -> None:
+        from outboxer.enqueue import enqueue
+        from outboxer.stores.base import Store
+
         await store.ping()
         self.enqueue(url, ("t", None))
+        self.execute(url, self.shift_sql("created_at", 90))
         report = await store.status_report()
         [entry] = report["destinations"]
         assert entry["destination"] == "default" and entry["counts"] == {"PENDING": 1}
-        lag = report["oldest_transaction_age_seconds"]
-        assert lag is None or lag >= 0
+        age = entry["oldest_pending_age_seconds"]
+        assert 90 <= age < 90 + 60, f"the pending row was enqueued 90 s ago, not {age} s"
+        reports_transactions = type(store).oldest_transaction is not Store.oldest_transaction
+        assert report["oldest_transaction_age_seconds"] == (0 if reports_transactions else None)
+        if not reports_transactions:
+            return
+        writer = self.connect_sync(url)  # a writing transaction left open for a while
+        try:
+            enqueue(writer, "t", {"n": 2})
+            await asyncio.sleep(1.5)
+            lag = (await store.status_report())["oldest_transaction_age_seconds"]
+            assert 1.5 <= lag < 60, f"a writer open for 1.5 s, reported as {lag} s"
+        finally:
+            writer.rollback()
+            writer.close()
 
     async def test_rollback_leaves_nothing(self, url: str, store: Any) -> None:
         from outboxer.enqueue import enqueue

@@ -19,6 +19,8 @@ import pytest
 import outboxer
 from tests.acceptance.test_cli import OUTBOXER, cli
 
+TOKEN = "t0ken-for-the-acceptance-test"
+
 
 def free_port() -> int:
     with socket.socket() as probe:
@@ -115,7 +117,7 @@ def test_serve_requeues_with_the_token_from_the_environment(
     with log.open("ab") as sink:
         serve = subprocess.Popen(
             [*OUTBOXER, "serve", "--db", pg_url, "--http", f"127.0.0.1:{port}"],
-            env={**os.environ, "OUTBOXER_HTTP_TOKEN": "t0ken"},
+            env={**os.environ, "OUTBOXER_HTTP_TOKEN": TOKEN},
             stdout=sink,
             stderr=subprocess.STDOUT,
         )
@@ -123,10 +125,12 @@ def test_serve_requeues_with_the_token_from_the_environment(
     wait_until(lambda: request(base + "/health")[0] == 200, "serve answers /health with 200")
     status, text = request(base + "/messages")
     assert status == 200 and [m["id"] for m in json.loads(text)["messages"]] == [str(message.id)]
-    body = b'{"statuses": ["ABANDONED"]}'
-    assert request(base + "/messages/requeue", data=body)[0] == 401
+    body, json_type = b'{"statuses": ["ABANDONED"]}', {"Content-Type": "application/json"}
+    assert request(base + "/messages/requeue", data=body, headers=json_type)[0] == 401
     status, text = request(
-        base + "/messages/requeue", data=body, headers={"Authorization": "Bearer t0ken"}
+        base + "/messages/requeue",
+        data=body,
+        headers={**json_type, "Authorization": f"Bearer {TOKEN}"},
     )
     assert (status, json.loads(text)) == (200, {"requeued": 1})
     status, text = request(base + "/status")
@@ -136,7 +140,7 @@ def test_serve_requeues_with_the_token_from_the_environment(
     assert "outboxer_messages_published_total" not in text, "serve has no relay counters"
     serve.send_signal(signal.SIGTERM)
     assert serve.wait(20) == 0, log.read_text()[-3000:]
-    assert "t0ken" not in log.read_text(), "the token is never logged"
+    assert TOKEN not in log.read_text(), "the token is never logged"
 
 
 @pytest.mark.parametrize(

@@ -324,6 +324,9 @@ def test_options() -> None:
     assert MqttPublisher(URL).client_id.startswith("outboxer-")
     with pytest.raises(ConfigError, match="retain"):
         MqttPublisher(f"{URL}?retain=sometimes")
+    # The same yes/no words as every other option (outboxer.options.parse_bool).
+    assert MqttPublisher(f"{URL}?retain=on").retain is True
+    assert MqttPublisher(f"{URL}?retain=OFF").retain is False
     with pytest.raises(ConfigError, match="max_inflight"):
         MqttPublisher(f"{URL}?max_inflight=many")
     with pytest.raises(ConfigError, match="positive"):

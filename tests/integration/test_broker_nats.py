@@ -20,7 +20,7 @@ from nats.js.api import DeliverPolicy
 
 from outboxer.brokers import create_publisher
 from outboxer.brokers.base import OutcomeKind, Publisher
-from outboxer.brokers.nats import MSG_ID_HEADER, NatsPublisher
+from outboxer.brokers.nats import MSG_ID_HEADER, NatsPublisher, api_error
 from outboxer.errors import ConfigError
 from outboxer.message import HEADER_ID, HEADER_KEY, HEADER_TOPIC, Message
 from outboxer.testing import Consumer, PublisherContract, Received, TcpProxy, make_message
@@ -191,6 +191,25 @@ async def test_subject_without_stream_fails_retryably() -> None:
     assert "no JetStream stream" in (outcome.error or "")
 
 
+@pytest.fixture(params=["raises", "returns"])
+def from_error(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """nats-py's ``APIError.from_error`` raises the typed error in some releases (2.16 here)
+    and returns it in others: the refusal tests run with both."""
+    if request.param == "returns":
+        raising = nats.js.errors.APIError.from_error.__func__  # type: ignore[attr-defined]
+
+        def returning(cls: type[nats.js.errors.APIError], err: dict[str, Any]) -> Any:
+            try:
+                raising(cls, err)
+            except nats.js.errors.APIError as exc:
+                return exc
+            raise AssertionError("from_error was expected to raise")
+
+        monkeypatch.setattr(nats.js.errors.APIError, "from_error", classmethod(returning))
+    return str(request.param)
+
+
+@pytest.mark.usefixtures("from_error")
 async def test_stream_refusal_is_permanent_and_headers_count_towards_max_payload() -> None:
     name = f"OUTBOXER_SMALL_{uuid.uuid4().hex[:8]}"
     prefix = f"s{uuid.uuid4().hex[:8]}."
@@ -214,10 +233,36 @@ async def test_stream_refusal_is_permanent_and_headers_count_towards_max_payload
     assert outcomes[2].published
 
 
+@pytest.mark.usefixtures("from_error")
 async def test_expected_stream_mismatch_is_permanent() -> None:
     async with NatsPublisher(URL, subject_prefix=PREFIX, stream="SOME_OTHER_STREAM") as publisher:
         [outcome] = await publisher.publish_batch([make_message("x")])
-    assert outcome.kind is OutcomeKind.FAILED and not outcome.retryable
+    assert outcome.kind is OutcomeKind.FAILED and not outcome.retryable, outcome
+    assert "JetStream refused" in (outcome.error or "") and "10060" in (outcome.error or "")
+
+
+@pytest.mark.parametrize(
+    ("error", "kind", "code"),
+    [
+        (
+            {"code": 400, "err_code": 10060, "description": "expected stream does not match"},
+            nats.js.errors.BadRequestError,
+            400,
+        ),
+        ({"code": 503, "description": "unavailable"}, nats.js.errors.ServiceUnavailableError, 503),
+        (
+            {"code": 409, "err_code": 1, "description": "x", "a_future_field": 1},
+            nats.js.errors.APIError,
+            409,
+        ),
+        ({"description": "no code"}, nats.js.errors.APIError, None),
+        ("not an object", nats.js.errors.APIError, None),
+    ],
+)
+@pytest.mark.usefixtures("from_error")
+def test_jetstream_errors_become_typed_errors(error: object, kind: type, code: int | None) -> None:
+    made = api_error(error)
+    assert type(made) is kind and made.code == code, made
 
 
 async def test_invalid_subject_or_header_name_is_refused_before_sending() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import shutil
 import subprocess
 import time
@@ -15,7 +16,7 @@ import aiormq
 import pytest
 from aio_pika.abc import AbstractIncomingMessage
 
-from outboxer.brokers import create_publisher
+from outboxer.brokers import create_publisher, rabbitmq
 from outboxer.brokers.base import OutcomeKind, Publisher
 from outboxer.brokers.rabbitmq import RabbitMQPublisher
 from outboxer.errors import ConfigError, PublishError
@@ -71,6 +72,19 @@ def write_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     state, and a ``basic_publish`` per message (what other aiormq versions get)."""
     monkeypatch.setattr(RabbitMQPublisher, "_wave_writes", request.param == "waves")
     return str(request.param)
+
+
+def count_basic_publish_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A one-item list counting the calls of aiormq's ``basic_publish`` from now on."""
+    calls = [0]
+    basic_publish = aiormq.Channel.basic_publish
+
+    async def counting(self: aiormq.Channel, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return await basic_publish(self, *args, **kwargs)
+
+    monkeypatch.setattr(aiormq.Channel, "basic_publish", counting)
+    return calls
 
 
 def header_text(value: object) -> str:
@@ -342,19 +356,45 @@ async def test_refused_messages_amid_a_large_wave() -> None:
     assert good <= received
 
 
+#: Rounds of the refusal hammer below: each round's refusal races a close-ok against the
+#: writes of its lane (about 30 ms a round here).
+HAMMER_ROUNDS = 200
+
+
 async def test_concurrent_callers_share_one_publisher() -> None:
-    """Relay loops share a publisher: one connection, and a refusal only fails its message."""
-    topic = fresh()
-    consumer = await QueueConsumer.start(EXCHANGE, topic)
+    """Relay loops share a publisher: one connection, and a refusal only fails its message.
+
+    Round after round, one lane's wave holds a refused message: RabbitMQ closes that lane's
+    channel while its later messages are being written. A frame written on the channel
+    after aiormq's close-ok makes RabbitMQ close the connection (504 CHANNEL_ERROR -
+    expected 'channel.open'), failing every lane's messages and forcing a reconnect.
+    """
     routes = {REJECTED_TOPIC: f"{INTERNAL_EXCHANGE}/refused"}
     publisher = RabbitMQPublisher(URL, exchange=EXCHANGE, routes=routes)
     try:
         await asyncio.gather(*(publisher.connect() for _ in range(3)))
         assert publisher._generation == 1, "concurrent connects must open one connection"
+        for round_ in range(HAMMER_ROUNDS):
+            # contract.* goes to the sink queue: routable, so every good message is acked.
+            batches = [[make_message("contract.hammer") for _ in range(8)] for _ in range(4)]
+            batches[round_ % 4][round_ % 7] = make_message(REJECTED_TOPIC, {"round": round_})
+            results = await asyncio.gather(*(publisher.publish_batch(b) for b in batches))
+            for batch, outcomes in zip(batches, results, strict=True):
+                for message, outcome in zip(batch, outcomes, strict=True):
+                    if message.topic == REJECTED_TOPIC:
+                        assert outcome.kind is OutcomeKind.FAILED, (round_, outcome)
+                        assert not outcome.retryable, (round_, outcome)
+                    else:
+                        assert outcome.published, (round_, outcome)
+            assert publisher._generation == 1, f"RabbitMQ closed the connection in round {round_}"
+        # Deliveries, with refusals on two lanes at once.
+        topic = fresh()
+        consumer = await QueueConsumer.start(EXCHANGE, topic)
         batches = [[make_message(topic, {"b": b, "n": n}) for n in range(100)] for b in range(4)]
         batches[0][50] = make_message(REJECTED_TOPIC, {"bad": 0})
         batches[2][10] = make_message(REJECTED_TOPIC, {"bad": 2})
         results = await asyncio.gather(*(publisher.publish_batch(b) for b in batches))
+        assert publisher._generation == 1, "RabbitMQ closed the connection"
     finally:
         await publisher.close()
     good: set[str] = set()
@@ -367,6 +407,40 @@ async def test_concurrent_callers_share_one_publisher() -> None:
                 good.add(str(message.id))
     assert good <= await consumer.ids_until(good)
     await consumer.close()
+
+
+async def test_nothing_is_written_on_a_closing_channel() -> None:
+    """Between RabbitMQ's channel.close and the moment aiormq reports the channel closed,
+    aiormq has already queued its close-ok: a wave must not be written then (RabbitMQ would
+    close the connection for it), but fail as never written, retryably."""
+    publisher = RabbitMQPublisher(URL, exchange=EXCHANGE)
+    try:
+        await publisher.connect()
+        lane = await publisher._take_lane()
+        underlay = await lane.channel.get_underlay_channel()
+        refused = publisher._prepare(make_message("contract.closing"))
+        # Refused by RabbitMQ (403: an internal exchange): it answers with channel.close.
+        refusal = asyncio.ensure_future(
+            underlay.basic_publish(
+                b"x", exchange=INTERNAL_EXCHANGE, routing_key="x", properties=refused.properties
+            )
+        )
+        # aiormq sets _close_exception as it queues its close-ok; is_closed follows later.
+        deadline = time.monotonic() + 5
+        while getattr(underlay, "_close_exception", None) is None:
+            assert time.monotonic() < deadline, "RabbitMQ did not close the channel"
+            await asyncio.sleep(0)
+        assert not underlay.is_closed, "the closing window was missed"
+        outcomes = await publisher._send_all(lane, [publisher._prepare(make_message("contract.x"))])
+        assert isinstance(outcomes[0], aiormq.exceptions.ChannelInvalidStateError), outcomes
+        with pytest.raises(aiormq.exceptions.ChannelAccessRefused):
+            await refusal
+        # The connection is still open: the next wave goes out on it.
+        [after] = await publisher.publish_batch([make_message("contract.after")])
+        assert after.published, after
+        assert publisher._generation == 1, "RabbitMQ closed the connection"
+    finally:
+        await publisher.close()
 
 
 async def test_concurrent_waves_are_in_flight_together_on_lanes_of_one_connection() -> None:
@@ -525,15 +599,7 @@ async def test_a_wave_goes_out_whole_in_order_with_large_bodies_split(
     over RabbitMQ's frame size (128 KiB) split into body frames, and aiormq's basic_publish
     is not called for any of them (if a newer aiormq lacked the channel state the wave path
     writes through, this would show the fallback was taken)."""
-    calls = 0
-    basic_publish = aiormq.Channel.basic_publish
-
-    async def counting(self: aiormq.Channel, *args: Any, **kwargs: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        return await basic_publish(self, *args, **kwargs)
-
-    monkeypatch.setattr(aiormq.Channel, "basic_publish", counting)
+    calls = count_basic_publish_calls(monkeypatch)
     topic = fresh()
     consumer = await QueueConsumer.start(EXCHANGE, topic)
     batch = [make_message(topic, {"n": n}) for n in range(60)]
@@ -555,7 +621,7 @@ async def test_a_wave_goes_out_whole_in_order_with_large_bodies_split(
     assert by_id[str(batch[31].id)].payload == b""
     assert [r.id for r in received if r.payload] == [str(m.id) for m in batch if m.payload]
     assert by_id[str(batch[30].id)].payload == big
-    assert calls == (0 if write_path == "waves" else len(batch))
+    assert calls[0] == (0 if write_path == "waves" else len(batch))
 
 
 async def test_an_exchange_name_amqp_cannot_carry_fails_only_its_message() -> None:
@@ -577,3 +643,24 @@ async def test_an_exchange_name_amqp_cannot_carry_fails_only_its_message() -> No
     assert bad.kind is OutcomeKind.FAILED and not bad.retryable
     assert "no spaces allowed!" in (bad.error or "")
     assert [r.id for r in received] == [str(batch[0].id), str(batch[2].id)]
+
+
+async def test_falling_back_to_one_message_at_a_time_warns_once_saying_why(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An aiormq outside the releases the wave writes were verified with gets the
+    one-at-a-time path, and the publisher says so once, with the reason."""
+    monkeypatch.setattr(RabbitMQPublisher, "_wave_writes", True)
+    monkeypatch.setattr(rabbitmq, "WAVE_AIORMQ_RANGE", ((99, 0, 0), (100, 0, 0)))
+    calls = count_basic_publish_calls(monkeypatch)
+    caplog.set_level("WARNING", logger="outboxer.publisher.rabbitmq")
+    async with RabbitMQPublisher(URL, exchange=EXCHANGE) as publisher:
+        for _ in range(3):
+            outcomes = await publisher.publish_batch([make_message("contract.x") for _ in range(4)])
+            assert all(outcome.published for outcome in outcomes), outcomes
+    assert calls[0] == 12, "each message goes out through basic_publish"
+    warnings = [r.getMessage() for r in caplog.records if r.name == "outboxer.publisher.rabbitmq"]
+    assert len(warnings) == 1, warnings
+    assert "one message at a time" in warnings[0]
+    assert f"aiormq {importlib.metadata.version('aiormq')} is outside" in warnings[0]
+    assert ">=99.0.0,<100.0.0" in warnings[0]

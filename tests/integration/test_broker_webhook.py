@@ -455,6 +455,111 @@ async def test_https_with_a_private_ca(self_signed: tuple[Path, Path]) -> None:
         await server.stop()
 
 
+# ----- receivers answering with huge or endless bodies -------------------------------------
+
+#: What the flooding receiver starts its body with: NUL, invalid UTF-8, a terminal escape.
+FLOOD_HEAD = b"boom\x00\xff\xfe \x1b[31m"
+
+
+@dataclass
+class FloodServer:
+    """Answers every request with ``500`` and a body of ``size`` bytes (chunked and endless
+    when None), written ``chunk`` bytes every ``pause`` seconds; counts what it wrote."""
+
+    size: int | None
+    chunk: int
+    pause: float
+    written: int = 0
+    port: int = 0
+    _server: asyncio.Server | None = None
+
+    async def start(self) -> FloodServer:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(
+                int(line.split(b":")[1])
+                for line in head.lower().split(b"\r\n")
+                if line.startswith(b"content-length:")
+            )
+            await reader.readexactly(length)
+            framing = (
+                b"Transfer-Encoding: chunked"
+                if self.size is None
+                else b"Content-Length: %d" % self.size
+            )
+            writer.write(
+                b"HTTP/1.1 500 Boom\r\nContent-Type: text/plain\r\n" + framing + b"\r\n\r\n"
+            )
+            body = FLOOD_HEAD + b"x" * (self.chunk - len(FLOOD_HEAD))
+            while self.size is None or self.written < self.size:
+                data = body if self.size is None else body[: self.size - self.written]
+                writer.write(b"%x\r\n%s\r\n" % (len(data), data) if self.size is None else data)
+                await writer.drain()
+                self.written += len(data)
+                body = b"x" * self.chunk
+                await asyncio.sleep(self.pause)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the publisher hung up: what it was sent is counted
+        finally:
+            writer.transport.abort()
+
+
+def peak_rss_reset() -> None:
+    """Start counting the process's peak resident memory (VmHWM) afresh."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss_bytes() -> int:
+    status = Path("/proc/self/status").read_text()
+    return int(status.split("VmHWM:")[1].split()[0]) * 1024
+
+
+@pytest.mark.parametrize(
+    ("size", "chunk", "pause"),
+    [
+        (300_000_000, 1 << 20, 0.002),  # 300 MB at up to 500 MB/s
+        (None, 1, 0.05),  # an endless drip, a byte every 50 ms
+    ],
+    ids=["300MB", "endless-drip"],
+)
+async def test_a_huge_or_endless_error_body_costs_a_few_kib_and_fails_promptly(
+    size: int | None, chunk: int, pause: float
+) -> None:
+    server = await FloodServer(size, chunk, pause).start()
+    peak_rss_reset()
+    before = peak_rss_bytes()
+    try:
+        async with WebhookPublisher(
+            f"http://127.0.0.1:{server.port}/hooks", publish_timeout=20
+        ) as publisher:
+            started = time.monotonic()
+            [outcome] = await publisher.publish_batch([make_message("t")])
+            elapsed = time.monotonic() - started
+    finally:
+        await server.stop()
+    assert elapsed < 3, f"the publish took {elapsed:.1f}s"
+    # Loopback socket buffers hold a few MiB that the publisher never read.
+    assert server.written < 16 << 20, f"the receiver got to write {server.written:,} bytes"
+    assert peak_rss_bytes() - before < 32 << 20, "the publisher's memory grew by 32 MiB or more"
+    assert outcome.kind is OutcomeKind.FAILED and outcome.retryable, outcome
+    error = outcome.error or ""
+    assert "HTTP 500" in error, error
+    assert "\x00" not in error and "\x1b" not in error, error
+    assert "boom\ufffd" in error, error  # NUL and invalid UTF-8 replaced
+    assert len(error) < 600, error
+    if size is None:
+        assert "still arriving" in error, error
+
+
 # ----- configuration (no server needed) --------------------------------------------------
 
 

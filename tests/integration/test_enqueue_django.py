@@ -42,10 +42,10 @@ def pending(url: str) -> list[dict[str, object]]:
 @pytest.fixture(scope="module")
 def django_setup() -> None:
     import django
-    import pymysql
     from django.conf import settings
 
-    pymysql.install_as_MySQLdb()  # Django's MySQL backend on PyMySQL (no mysqlclient build)
+    # Django's MySQL backend runs on mysqlclient (MySQLdb), its recommended driver, which the
+    # dev group installs; PyMySQL in its place would also shadow MySQLdb for the other tests.
     if not settings.configured:
         settings.configure(INSTALLED_APPS=[], USE_TZ=True, DATABASES={})
         django.setup()

@@ -7,10 +7,12 @@ import sqlite3
 import uuid
 from typing import Any
 
+import MySQLdb
 import pytest
 
 import outboxer
 from outboxer import PayloadError
+from outboxer.stores.mysql import mysql_connect_args
 from outboxer.stores.sqlite import sqlite_path
 from tests.conftest import aiomysql_connect, mysql_connect
 
@@ -197,6 +199,92 @@ def test_bad_input_raises_payload_error_before_any_sql(
     assert len(stored(pg_url)) == 1
 
 
+#: enqueue arguments each refused with PayloadError, on top of a valid message.
+REFUSED: list[dict[str, Any]] = [
+    {"topic": "order\x00placed"},
+    {"topic": "order.placed\ud800"},
+    {"key": "customer\x007"},
+    {"headers": {"trace\x00": "1"}},
+    {"headers": {"trace": "00-\x00-01"}},
+    {"headers": {"trace": "\udcff"}},
+    {"payload": "caf\x00e"},
+    {"payload": "caf\udce9"},
+    {"payload": {"name": "caf\udce9"}},
+    {"payload": b"x" * 1025},  # over LIMITED's max_payload_bytes
+]
+LIMITED = outboxer.Outbox(max_payload_bytes=1024)
+
+
+def refused_arguments(change: dict[str, Any]) -> dict[str, Any]:
+    return {"topic": "t", "payload": {"ok": True}, "key": "k", "headers": {"h": "v"}} | change
+
+
+def sync_connection(driver: str, url: str) -> Any:
+    if driver == "psycopg":
+        import psycopg
+
+        return psycopg.connect(url)
+    if driver == "pymysql":
+        return mysql_connect(url)
+    return sqlite3.connect(sqlite_path(url))
+
+
+def committed_topics(driver: str, url: str) -> list[str]:
+    if driver == "psycopg":
+        return [row["topic"] for row in stored(url)]
+    if driver == "pymysql":
+        return [row["topic"] for row in mysql_stored(url)]
+    with sqlite3.connect(sqlite_path(url)) as conn:
+        return [row[0] for row in conn.execute("SELECT topic FROM outbox ORDER BY seq")]
+
+
+@pytest.mark.parametrize(
+    ("driver", "url_fixture"),
+    [("psycopg", "pg_url"), ("pymysql", "mysql_url"), ("sqlite3", "sqlite_url")],
+)
+def test_refused_enqueues_leave_the_callers_transaction_usable(
+    request: pytest.FixtureRequest, driver: str, url_fixture: str
+) -> None:
+    """Each refusal is a PayloadError before any SQL; the open transaction goes on and commits."""
+    url = request.getfixturevalue(url_fixture)
+    conn = sync_connection(driver, url)
+    try:
+        LIMITED.enqueue(conn, "before", {"n": 1})  # the caller's transaction is open
+        for change in REFUSED:
+            with pytest.raises(PayloadError):
+                LIMITED.enqueue(conn, **refused_arguments(change))
+            if driver == "psycopg":
+                import psycopg
+
+                assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS, (
+                    f"{change!r} left the transaction {conn.info.transaction_status.name}"
+                )
+        LIMITED.enqueue(conn, "after", b"x" * 1024, key="k")  # a later statement succeeds
+        conn.commit()
+    finally:
+        conn.close()
+    assert committed_topics(driver, url) == ["before", "after"], "nothing refused was written"
+
+
+async def test_refused_enqueues_leave_an_asyncpg_transaction_usable(pg_url: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(pg_url)
+    try:
+        async with conn.transaction():
+            await LIMITED.enqueue_async(conn, "before", {"n": 1})
+            for change in REFUSED:
+                with pytest.raises(PayloadError):
+                    await LIMITED.enqueue_async(conn, **refused_arguments(change))
+                # asyncpg sends what it is given: a NUL reaching the server would abort the
+                # transaction, and this statement would fail with InFailedSQLTransactionError.
+                assert await conn.fetchval("SELECT 1") == 1, f"after {change!r}"
+            await LIMITED.enqueue_async(conn, "after", b"x" * 1024, key="k")
+    finally:
+        await conn.close()
+    assert [row["topic"] for row in stored(pg_url)] == ["before", "after"]
+
+
 def test_unsupported_connection_names_the_supported_kinds() -> None:
     with pytest.raises(TypeError, match=r"psycopg.Connection.*asyncpg"):
         outboxer.enqueue(object(), "t", {"a": 1})
@@ -237,7 +325,28 @@ def test_several_destinations_and_own_names(pg_url: str) -> None:
         outboxer.Outbox(table="bad name; drop")
 
 
-# ----- MySQL / MariaDB: PyMySQL, aiomysql, SQLAlchemy -----------------------------------------
+# ----- MySQL / MariaDB: PyMySQL, mysqlclient, aiomysql, SQLAlchemy --------------------------
+
+
+def mysqlclient_connect(url: str) -> Any:
+    """A mysqlclient (MySQLdb) connection to the database of a mysql:// URL (not in autocommit)."""
+    # The C extension is what makes it mysqlclient: PyMySQL installed as MySQLdb has none.
+    assert hasattr(MySQLdb, "_mysql"), f"MySQLdb is not mysqlclient here: {MySQLdb.__file__}"
+    args = mysql_connect_args(url)
+    if "connect_timeout" in args:
+        args["connect_timeout"] = int(args["connect_timeout"])
+    conn = MySQLdb.connect(**args)
+    assert type(conn).__module__ == "MySQLdb.connections"
+    return conn
+
+
+def connect_sync_mysql(url: str, driver: str) -> Any:
+    """A DB-API connection of ``driver`` (pymysql or mysqlclient), not in autocommit."""
+    return mysqlclient_connect(url) if driver == "mysqlclient" else mysql_connect(url)
+
+
+#: SQLAlchemy's dialect driver name for each DB-API driver.
+SQLALCHEMY_DRIVER = {"pymysql": "pymysql", "mysqlclient": "mysqldb"}
 
 
 def mysql_stored(url: str) -> list[dict[str, Any]]:
@@ -300,19 +409,27 @@ async def mysql_scenario_async(conn: Any, url: str) -> None:
     check_mysql(url, first, second)
 
 
-@pytest.mark.parametrize("kind", ["pymysql", "sqlalchemy connection", "sqlalchemy session"])
-def test_mysql_sync_drivers(mysql_url: str, kind: str) -> None:
+@pytest.mark.parametrize("handle", ["dbapi", "sqlalchemy connection", "sqlalchemy session"])
+@pytest.mark.parametrize("driver", ["pymysql", "mysqlclient"])
+def test_mysql_sync_drivers(mysql_url: str, driver: str, handle: str) -> None:
     from sqlalchemy import create_engine
     from sqlalchemy.orm import Session
 
-    if kind == "pymysql":
-        conn = mysql_connect(mysql_url)
+    if handle == "dbapi":
+        conn = connect_sync_mysql(mysql_url, driver)
         mysql_scenario(conn, mysql_url)
         conn.close()
         return
-    engine = create_engine(sqlalchemy_mysql(mysql_url, "pymysql"))
-    with engine.connect() if kind == "sqlalchemy connection" else Session(engine) as handle:
-        mysql_scenario(handle, mysql_url)
+    engine = create_engine(sqlalchemy_mysql(mysql_url, SQLALCHEMY_DRIVER[driver]))
+    with engine.connect() if handle == "sqlalchemy connection" else Session(engine) as handle_:
+        mysql_scenario(handle_, mysql_url)
+        raw = engine.raw_connection()
+        try:  # the pool's DB-API connections are the driver under test
+            assert type(raw.dbapi_connection).__module__.split(".")[0] == (
+                "MySQLdb" if driver == "mysqlclient" else "pymysql"
+            )
+        finally:
+            raw.close()
     engine.dispose()
 
 
@@ -346,13 +463,32 @@ def test_mysql_autocommit_is_refused_outside_a_transaction(mysql_url: str) -> No
     assert mysql_stored(mysql_url) == []
 
 
+def test_mysqlclient_autocommit_is_refused(mysql_url: str) -> None:
+    """mysqlclient does not say whether a transaction is open, so in autocommit mode even an
+    explicit BEGIN is refused (the key lock and the row would otherwise commit apart);
+    with autocommit off, the same connection writes."""
+    conn = mysqlclient_connect(mysql_url)
+    conn.autocommit(True)
+    with pytest.raises(TypeError, match="MySQLdb connection is in autocommit"):
+        outboxer.enqueue(conn, "t", {"a": 1}, key="k")
+    conn.query("BEGIN")
+    with pytest.raises(TypeError, match="autocommit"):
+        outboxer.enqueue_many(conn, [{"topic": "t", "payload": "x", "key": "k"}])
+    conn.rollback()
+    conn.autocommit(False)
+    message = outboxer.enqueue(conn, "t", {"a": 1}, key="k")
+    conn.commit()
+    conn.close()
+    assert [row["id"] for row in mysql_stored(mysql_url)] == [str(message.id)]
+
+
 class _Writer:
-    """A transaction on PyMySQL or on a SQLAlchemy Session (pymysql dialect)."""
+    """A transaction on PyMySQL, on mysqlclient or on a SQLAlchemy Session (pymysql dialect)."""
 
     def __init__(self, url: str, kind: str) -> None:
         self.kind = kind
-        if kind == "pymysql":
-            self.conn: Any = mysql_connect(url)
+        if kind in ("pymysql", "mysqlclient"):
+            self.conn: Any = connect_sync_mysql(url, kind)
         else:
             from sqlalchemy import create_engine
             from sqlalchemy.orm import Session
@@ -363,11 +499,11 @@ class _Writer:
     def commit_and_close(self) -> None:
         self.conn.commit()
         self.conn.close()
-        if self.kind != "pymysql":
+        if self.kind == "sqlalchemy":
             self.engine.dispose()
 
 
-@pytest.mark.parametrize("kind", ["pymysql", "sqlalchemy"])
+@pytest.mark.parametrize("kind", ["pymysql", "mysqlclient", "sqlalchemy"])
 def test_mysql_key_lock_holds_back_the_same_key_only(mysql_url: str, kind: str) -> None:
     """A second writer of key k waits for the first to commit, then takes the larger seq;
     writers of another key, or of no key, do not wait."""

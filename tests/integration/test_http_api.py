@@ -27,7 +27,7 @@ from outboxer.stores.sqlite import sqlite_path
 from outboxer.testing import eventually
 from tests.conftest import mysql_connect
 
-TOKEN = "s3cret-token"
+TOKEN = "s3cret-token-0123456789"
 
 
 @pytest.fixture(params=["sqlite", "postgres", "mysql"])
@@ -359,6 +359,94 @@ async def test_requeue_needs_the_token_when_one_is_configured(sqlite_url: str) -
     assert [r.status_code for r in reads] == [200, 200, 200, 200], "reads need no token"
 
 
+# ----- requests from browsers --------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def abandoned(url: str, count: int) -> AsyncIterator[Store]:
+    """A store over ``count`` ABANDONED messages: what a requeue would move."""
+    enqueue(url, count)
+    async with create_store(url) as store:
+        await abandon(store, count)
+        yield store
+
+
+def assert_refused(responses: list[httpx.Response], status: int, kind: str, fragment: str) -> None:
+    for response in responses:
+        assert response.status_code == status, response.text
+        assert response.json()["type"] == kind
+        assert fragment in response.json()["error"]
+
+
+async def test_a_cross_site_form_post_is_refused_and_requeues_nothing(sqlite_url: str) -> None:
+    """What a page on evil.example can make a browser send to a loopback API without a token."""
+    async with abandoned(sqlite_url, 3) as store:
+        async with serving(sqlite_url) as client:
+            own_origin = client.server.url  # type: ignore[attr-defined]
+            form = await client.post(
+                "/messages/requeue",
+                content=b'{"statuses": ["ABANDONED"]}',
+                headers={"Content-Type": "text/plain", "Origin": "http://evil.example"},
+            )
+            as_json = await client.post(
+                "/messages/requeue", json={}, headers={"Origin": "http://evil.example"}
+            )
+            sandboxed = await client.post("/messages/requeue", json={}, headers={"Origin": "null"})
+            read = await client.get("/messages", headers={"Origin": "http://evil.example"})
+            assert await statuses(store) == {"ABANDONED": 3}, "nothing was requeued"
+            same_origin = await client.post(
+                "/messages/requeue", json={}, headers={"Origin": own_origin}
+            )
+        assert await statuses(store) == {"PENDING": 3}
+    assert_refused([form, as_json, sandboxed, read], 403, "Forbidden", "cross-origin request")
+    assert same_origin.status_code == 200 and same_origin.json() == {"requeued": 3}
+
+
+async def test_a_post_must_be_json(sqlite_url: str) -> None:
+    async with abandoned(sqlite_url, 2) as store:
+        async with serving(sqlite_url) as client:
+            refused = [
+                await client.post("/messages/requeue", content=b"{}", headers=headers)
+                for headers in (
+                    {},
+                    {"Content-Type": "text/plain"},
+                    {"Content-Type": "application/x-www-form-urlencoded"},
+                    {"Content-Type": "multipart/form-data; boundary=x"},
+                )
+            ]
+            assert await statuses(store) == {"ABANDONED": 2}, "nothing was requeued"
+            accepted = await client.post(
+                "/messages/requeue",
+                content=b'{"ids": null}',
+                headers={"Content-Type": "Application/JSON; charset=utf-8"},
+            )
+        assert await statuses(store) == {"PENDING": 2}
+    assert_refused(refused, 415, "UnsupportedMediaType", "Content-Type: application/json")
+    assert {response.headers["accept"] for response in refused} == {"application/json"}
+    assert accepted.status_code == 200 and accepted.json() == {"requeued": 2}
+
+
+async def test_a_dns_rebinding_host_is_misdirected_on_loopback(sqlite_url: str) -> None:
+    """A page whose name resolves to 127.0.0.1 reaches the API with its own name as Host."""
+    async with abandoned(sqlite_url, 1) as store, serving(sqlite_url) as client:
+        port = client.server.port  # type: ignore[attr-defined]
+        rebound = f"evil.example:{port}"
+        read = await client.get("/messages", headers={"Host": rebound})
+        requeue = await client.post(
+            "/messages/requeue",
+            json={},
+            headers={"Host": rebound, "Origin": f"http://{rebound}"},
+        )
+        assert await statuses(store) == {"ABANDONED": 1}, "nothing was requeued"
+        loopback_names = [
+            await client.get("/messages", headers={"Host": host})
+            for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "localhost")
+        ]
+    assert_refused([read, requeue], 421, "MisdirectedRequest", "got Host 'evil.example:")
+    assert [response.status_code for response in loopback_names] == [200, 200, 200, 200]
+    assert len(loopback_names[0].json()["messages"]) == 1
+
+
 # ----- bad requests ------------------------------------------------------------------------
 
 
@@ -367,6 +455,10 @@ async def test_requeue_needs_the_token_when_one_is_configured(sqlite_url: str) -
     [
         ("GET", "/messages?status=LOST", None, "unknown status LOST"),
         ("GET", "/messages?limit=ten", None, "limit must be a whole number"),
+        ("GET", "/messages?limit=%C2%B2", None, "limit must be a whole number"),  # "²"
+        ("GET", "/messages?limit=%D9%A3", None, "limit must be a whole number"),  # int() took it
+        ("GET", "/messages?limit=-1", None, "limit must be a whole number"),
+        ("GET", "/messages?limit=" + "9" * 5000, None, "limit must be between 1 and 1000"),
         ("GET", "/messages?limit=0", None, "limit must be between 1 and 1000"),
         ("GET", "/messages?limit=1001", None, "limit must be between 1 and 1000"),
         ("GET", "/messages?limit=1&limit=2", None, "give limit once"),
@@ -399,6 +491,19 @@ async def test_requeue_needs_the_token_when_one_is_configured(sqlite_url: str) -
         (
             "POST",
             "/messages/requeue",
+            b'{"destinations": ["a\\u0000b"]}',
+            "an item of destinations contains a NUL",
+        ),
+        (
+            "POST",
+            "/messages/requeue",
+            b'{"statuses": ["\\ud800"]}',
+            "an item of statuses contains a lone surrogate",
+        ),
+        ("POST", "/messages/requeue", b"[" * 60000, "nested too deep"),
+        (
+            "POST",
+            "/messages/requeue",
             b'{"ids": null, "destinations": [""]}',
             "destinations must be a non-empty list",
         ),
@@ -408,7 +513,9 @@ async def test_bad_input_is_a_400_that_says_why(
     sqlite_url: str, method: str, path: str, body: bytes | None, fragment: str
 ) -> None:
     async with serving(sqlite_url) as client:
-        response = await client.request(method, path, content=body)
+        response = await client.request(
+            method, path, content=body, headers={"Content-Type": "application/json"}
+        )
     assert response.status_code == 400, response.text
     assert response.json()["type"] == "BadRequest"
     assert fragment in response.json()["error"]
@@ -455,13 +562,25 @@ async def raw_exchange(port: int, data: bytes) -> bytes:
         ),
         (b"GET /health HTTP/1.1\r\nContent-Length: 1, 2\r\n\r\n", b"400 Bad Request"),
         (b"GET /health HTTP/1.0\r\n\r\n", b"200 OK"),
+        # Each of these was a traceback in the log and a connection closed without an answer.
+        (b"GET /health HTTP/1.1\r\nContent-Length: \xb2\r\n\r\n", b"400 Bad Request"),
+        (
+            b"GET /health HTTP/1.1\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n",
+            b"413 Request Entity Too Large",
+        ),
+        (b"GET //[x HTTP/1.1\r\n\r\n", b"404 Not Found"),
     ],
 )
-async def test_raw_requests(sqlite_url: str, data: bytes, status: bytes) -> None:
-    async with serving(sqlite_url) as client:
-        answer = await raw_exchange(client.server.port, data)  # type: ignore[attr-defined]
+async def test_raw_requests(
+    sqlite_url: str, data: bytes, status: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        async with serving(sqlite_url) as client:
+            answer = await raw_exchange(client.server.port, data)  # type: ignore[attr-defined]
+            assert (await client.get("/health")).status_code == 200
     assert answer.startswith(b"HTTP/1.1 " + status + b"\r\n"), answer
     assert b"Connection: close\r\n" in answer
+    assert [r.getMessage() for r in caplog.records if r.exc_info] == [], "no traceback"
 
 
 async def test_unexpected_errors_are_a_500_with_the_traceback_in_the_log(

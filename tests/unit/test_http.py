@@ -14,26 +14,38 @@ from outboxer.http import (
     MAX_BODY_BYTES,
     MAX_HEAD_BYTES,
     BadRequest,
+    Forbidden,
     HeadersTooLarge,
+    HttpApi,
     HttpError,
+    HttpServer,
     LengthRequired,
     Metric,
+    MisdirectedRequest,
     PayloadTooLarge,
+    Request,
     Response,
+    UnsupportedMediaType,
     VersionNotSupported,
     _ClientGone,
     body_length,
     check_exposure,
+    check_host,
+    check_origin,
+    check_token,
     encode_response,
     escape_label_value,
+    host_name,
+    parse_ascii_int,
     parse_head,
     read_request,
     relay_metrics,
     render_metrics,
+    require_json,
     store_metrics,
 )
 from outboxer.relay import RelayStats
-from outboxer.stores import DestinationStatus
+from outboxer.stores import DestinationStatus, create_store
 
 # ----- the request parser ------------------------------------------------------------------
 
@@ -52,6 +64,39 @@ def test_path_is_percent_decoded_and_blank_query_values_kept() -> None:
     request = parse_head(b"GET /messages%2Frequeue?limit= HTTP/1.0\r\n\r\n")
     assert request.path == "/messages/requeue"
     assert request.query == {"limit": [""]}
+
+
+def test_a_target_is_a_path_never_a_network_location() -> None:
+    # urlsplit read "//[x" as a network location and raised ValueError (a traceback).
+    assert parse_head(b"GET //[x?limit=1 HTTP/1.1\r\n\r\n").path == "//[x"
+    assert parse_head(b"GET //evil.example/health HTTP/1.1\r\n\r\n").path == (
+        "//evil.example/health"
+    )
+    assert parse_head(b"GET /health#frag?x=1 HTTP/1.1\r\n\r\n").query == {}
+
+
+@pytest.mark.parametrize(
+    ("text", "number"),
+    [
+        ("0", 0),
+        ("0042", 42),
+        ("65535", 65535),
+        ("9" * 18, 10**18 - 1),
+        ("9" * 5000, 10**18),  # int() raises on over 4300 digits
+        ("0" * 5000 + "7", 7),
+        ("\u00b2", None),  # superscript two: str.isdigit() says True, int() raises
+        ("\u0663", None),  # Arabic-Indic three: int() takes it
+        ("\uff11", None),  # fullwidth one
+        ("1_000", None),
+        ("+1", None),
+        ("-1", None),
+        (" 1", None),
+        ("1\n", None),
+        ("", None),
+    ],
+)
+def test_numbers_are_ascii_digits_only(text: str, number: int | None) -> None:
+    assert parse_ascii_int(text) == number
 
 
 @pytest.mark.parametrize(
@@ -73,6 +118,14 @@ def test_path_is_percent_decoded_and_blank_query_values_kept() -> None:
             "header fields",
         ),
         (b"\r\n\r\n", BadRequest, "empty"),
+        # "$" in a pattern also matches before a final newline; these must not pass.
+        (b"GET /health HTTP/1.1\n\r\n\r\n", BadRequest, "version"),
+        (b"GET\n /health HTTP/1.1\r\n\r\n", BadRequest, "method"),
+        (b"GET /health HTTP/1.1\r\nHost\n: x\r\n\r\n", BadRequest, "header line"),
+        (b"GET /health HTTP/\xb9.1\r\n\r\n", BadRequest, "version"),  # superscript one
+        (b"GET /health HTTP/1.1\r\nX: a\x00b\r\n\r\n", BadRequest, "header line"),
+        (b"GET /health HTTP/1.1\r\nX: a\nb\r\n\r\n", BadRequest, "header line"),
+        (b"GET /he\x00alth HTTP/1.1\r\n\r\n", BadRequest, "starting with '/'"),
     ],
 )
 def test_malformed_heads_are_refused(head: bytes, error: type[HttpError], fragment: str) -> None:
@@ -100,6 +153,11 @@ def test_body_length(headers: dict[str, str], length: int) -> None:
         ({"content-length": "5, 6"}, BadRequest),
         ({"content-length": "-1"}, BadRequest),
         ({"content-length": "ten"}, BadRequest),
+        ({"content-length": "\u00b2"}, BadRequest),  # was int("²"): ValueError, a traceback
+        ({"content-length": "\u0661\u0662"}, BadRequest),  # was 12
+        ({"content-length": "1_2"}, BadRequest),
+        ({"content-length": "+12"}, BadRequest),
+        ({"content-length": "9" * 5000}, PayloadTooLarge),  # was int(): ValueError
         ({"content-length": str(MAX_BODY_BYTES + 1)}, PayloadTooLarge),
         ({"transfer-encoding": "chunked"}, LengthRequired),
     ],
@@ -150,6 +208,154 @@ def test_response_encoding_closes_the_connection() -> None:
         "Allow: POST",
     } <= set(lines)
     assert body == b'{"x": 1}'
+
+
+# ----- requests from browsers --------------------------------------------------------------
+
+
+def _request(method: str = "GET", **headers: str) -> Request:
+    return Request(method, "/messages/requeue", headers=headers)
+
+
+@pytest.mark.parametrize(
+    ("host", "name"),
+    [
+        ("localhost", "localhost"),
+        ("localhost:9100", "localhost"),
+        ("127.0.0.1:80", "127.0.0.1"),
+        ("[::1]:9100", "::1"),
+        ("[::1]", "::1"),
+        ("evil.example:9100", "evil.example"),
+        ("localhost:", None),
+        ("localhost:\u00b9", None),
+        ("localhost:65536", None),
+        ("localhost:80:80", None),
+        ("[::1", None),
+        ("[::1]x", None),
+        ("::1", None),
+        (":9100", None),
+        ("", None),
+    ],
+)
+def test_host_names(host: str, name: str | None) -> None:
+    assert host_name(host) == name
+
+
+@pytest.mark.parametrize(
+    "host", ["localhost", "LOCALHOST:1", "127.0.0.1:9100", "127.3.2.1", "[::1]:9100"]
+)
+def test_loopback_hosts_are_answered_on_loopback(host: str) -> None:
+    check_host(_request(host=host), "127.0.0.1")
+
+
+@pytest.mark.parametrize(
+    "host", ["evil.example", "evil.example:9100", "10.0.0.1:9100", "localhost.:9100", "x:y", ""]
+)
+def test_other_hosts_are_misdirected_on_loopback(host: str) -> None:
+    with pytest.raises(MisdirectedRequest, match="answers requests for localhost"):
+        check_host(_request(host=host), "127.0.0.1")
+
+
+def test_host_rules_apply_on_loopback_only() -> None:
+    check_host(_request(), "127.0.0.1")  # no Host: HTTP/1.0 clients, not browsers
+    check_host(_request(host="relay.internal:9100"), "0.0.0.0")  # the token guards it
+    check_host(_request(host="relay.internal:9100"), "10.1.2.3")
+    check_host(_request(host="MyBox:9100"), "mybox")  # bound by a name
+
+
+@pytest.mark.parametrize(
+    ("origin", "host"),
+    [
+        ("http://127.0.0.1:9100", "127.0.0.1:9100"),
+        ("http://localhost:9100", "LocalHost:9100"),
+        ("https://relay.internal", "relay.internal"),  # behind a TLS proxy
+        ("http://[::1]:9100", "[::1]:9100"),
+    ],
+)
+def test_the_apis_own_origin_is_accepted(origin: str, host: str) -> None:
+    check_origin(_request(origin=origin, host=host), "127.0.0.1:9100")
+    check_origin(_request(), "127.0.0.1:9100")  # no Origin: curl, scrapers, probes
+
+
+@pytest.mark.parametrize(
+    "origin",
+    [
+        "http://evil.example",
+        "http://127.0.0.1:9101",  # another port is another origin
+        "null",  # sandboxed frames, file:// pages
+        "file://",
+        "http://127.0.0.1:9100/path",
+        "http://user@127.0.0.1:9100",
+        "http://127.0.0.1:9100, http://evil.example",  # two Origin fields
+        "",
+    ],
+)
+def test_a_foreign_origin_is_forbidden(origin: str) -> None:
+    with pytest.raises(Forbidden, match="cross-origin request refused"):
+        check_origin(_request(origin=origin, host="127.0.0.1:9100"), "127.0.0.1:9100")
+
+
+def test_without_a_host_the_origin_is_compared_with_the_bound_address() -> None:
+    check_origin(_request(origin="http://127.0.0.1:9100"), "127.0.0.1:9100")
+    with pytest.raises(Forbidden):
+        check_origin(_request(origin="http://localhost:9100"), "127.0.0.1:9100")
+
+
+@pytest.mark.parametrize(
+    "content_type", ["application/json", "Application/JSON", "application/json; charset=utf-8"]
+)
+def test_json_bodies_are_accepted(content_type: str) -> None:
+    require_json(_request("POST", **{"content-type": content_type}))
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        None,
+        "text/plain",  # what a cross-site <form enctype="text/plain"> sends
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+        "application/jsonp",
+        "application/json-patch+json",
+    ],
+)
+def test_other_bodies_are_an_unsupported_media_type(content_type: str | None) -> None:
+    headers = {} if content_type is None else {"content-type": content_type}
+    with pytest.raises(UnsupportedMediaType, match="Content-Type: application/json") as raised:
+        require_json(_request("POST", **headers))
+    assert raised.value.status == 415 and raised.value.headers == {"Accept": "application/json"}
+
+
+@pytest.mark.parametrize(
+    ("token", "fragment"),
+    [
+        ("", "empty"),
+        ("   ", "empty"),
+        ("t0ken", "has 5 characters; use at least 16"),
+        ("x" * 15, "has 15 characters"),
+        (" " + "x" * 20, "starts or ends with a space"),
+        ("x" * 20 + "\n", "control character"),
+        ("x" * 10 + "\x00" + "x" * 10, "control character"),
+    ],
+)
+def test_tokens_that_are_refused(token: str, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        check_token(token)
+
+
+def test_library_users_get_the_same_token_and_exposure_rules(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'outbox.db'}"
+    settings = load_settings({"db": url}, environ={})
+    with pytest.raises(ConfigError, match="at least 16"):
+        HttpApi(create_store(url), settings, token="short-token")
+    with pytest.raises(ConfigError, match="empty"):
+        HttpApi(create_store(url), settings, token="")
+    check_token(None)
+    open_api = HttpApi(create_store(url), settings)
+    with pytest.raises(ConfigError, match="set --http-token to expose requeue"):
+        HttpServer(open_api, "0.0.0.0", 0)
+    HttpServer(HttpApi(create_store(url), settings, token="x" * 16), "0.0.0.0", 0)
+    HttpServer(open_api, "127.0.0.1", 0)
 
 
 # ----- Prometheus rendering ----------------------------------------------------------------
@@ -315,9 +521,9 @@ def test_loopback(host: str, loopback: bool) -> None:
 
 def test_http_settings_from_flags_environment_and_file(tmp_path: Path) -> None:
     config = tmp_path / "outboxer.toml"
-    config.write_text('http = "127.0.0.1:9100"\nhttp_token = "from-file"\n')
+    config.write_text('http = "127.0.0.1:9100"\nhttp_token = "from-file-0123456789"\n')
     from_file = load_settings({}, config_file=config, environ={})
-    assert (from_file.http, from_file.http_token) == ("127.0.0.1:9100", "from-file")
+    assert (from_file.http, from_file.http_token) == ("127.0.0.1:9100", "from-file-0123456789")
     from_env = load_settings({}, config_file=config, environ={"OUTBOXER_HTTP": "0.0.0.0:9200"})
     assert from_env.http == "0.0.0.0:9200"
     assert "from-file" not in repr(from_env), "the token stays out of reprs (and so out of logs)"

@@ -5,7 +5,7 @@ import uuid
 
 import pytest
 
-from outboxer import Message, PayloadError, uuid7
+from outboxer import ConfigError, Message, Outbox, PayloadError, uuid7
 from outboxer.message import coerce_message_id, encode_payload, validate_envelope
 
 
@@ -69,3 +69,106 @@ def test_envelope_headers_carry_id_topic_key_and_user_headers() -> None:
     assert (headers["outboxer-topic"], headers["outboxer-key"], headers["trace"]) == ("t", "k", "1")
     with pytest.raises(ValueError, match="no seq"):
         _ = message.stored_seq
+
+
+# ----- text no database stores, and sizes --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("topic", "key", "headers", "fragment"),
+    [
+        ("order\x00placed", None, None, "the topic contains a NUL"),
+        ("order\ud800", None, None, "the topic contains a lone surrogate '\\ud800' at index 5"),
+        ("t", "k\x00", None, "the key contains a NUL"),
+        ("t", "\udfffk", None, "the key contains a lone surrogate"),
+        ("t", None, {"trace\x00": "1"}, "the header name 'trace\\x00' contains a NUL"),
+        ("t", None, {"trace": "a\x00b"}, "the value of header 'trace' contains a NUL"),
+        ("t", None, {"trace": "\udc80"}, "the value of header 'trace' contains a lone surrogate"),
+        ("t", None, {"\ud800": "1"}, "contains a lone surrogate"),
+    ],
+)
+def test_nul_and_lone_surrogates_in_the_envelope_are_refused(
+    topic: str, key: str | None, headers: dict[str, str] | None, fragment: str
+) -> None:
+    with pytest.raises(PayloadError) as raised:
+        validate_envelope(topic, key, headers)
+    assert fragment in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("payload", "fragment"),
+    [
+        ("caf\x00e", "a text payload contains a NUL character (\\x00); send bytes"),
+        ("caf\udce9", "a text payload contains a lone surrogate '\\udce9' at index 3"),
+        ({"name": "caf\udce9"}, "a string in the payload contains a lone surrogate '\\udce9'"),
+        ({"\ud800": 1}, "lone surrogate"),
+        (["\udbff"], "lone surrogate"),
+    ],
+)
+def test_text_payloads_that_are_not_unicode_text_are_refused(
+    payload: object, fragment: str
+) -> None:
+    with pytest.raises(PayloadError) as raised:
+        encode_payload(payload)
+    assert fragment in str(raised.value)
+
+
+def test_a_nul_inside_a_json_string_is_escaped_and_kept() -> None:
+    body, _ = encode_payload({"text": "a\x00b"})
+    assert body == b'{"text":"a\\u0000b"}'
+    assert json.loads(body) == {"text": "a\x00b"}
+
+
+def test_json_too_deep_to_encode_is_a_payload_error() -> None:
+    deep: list[object] = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(PayloadError, match="not JSON-serializable"):
+        encode_payload(deep)
+
+
+@pytest.mark.parametrize(
+    "content_type", ["", "text/plain\r\nX-Injected: 1", "caf\u00e9/x", "a" * 256, 5, b"text/plain"]
+)
+def test_content_types_must_be_printable_ascii(content_type: object) -> None:
+    with pytest.raises(PayloadError, match="content_type must be None or a media type"):
+        encode_payload("x", content_type)  # type: ignore[arg-type]
+
+
+def test_max_bytes_counts_the_encoded_payload() -> None:
+    assert encode_payload(b"x" * 10, max_bytes=10) == (b"x" * 10, "application/octet-stream")
+    with pytest.raises(PayloadError, match=r"is 12 bytes encoded, over max_payload_bytes=10"):
+        encode_payload("é" * 6, max_bytes=10)  # six characters, twelve bytes of UTF-8
+    with pytest.raises(PayloadError, match="is 11 bytes"):
+        encode_payload({"a": "123"}, max_bytes=10)  # {"a":"123"}
+    assert encode_payload({"a": "12"}, max_bytes=10)[0] == b'{"a":"12"}'
+
+
+@pytest.mark.parametrize("limit", [0, -1, True, 1.5, "1024"])
+def test_max_payload_bytes_must_be_a_positive_whole_number(limit: object) -> None:
+    with pytest.raises(ConfigError, match="max_payload_bytes must be None or a whole number"):
+        Outbox(max_payload_bytes=limit)  # type: ignore[arg-type]
+
+
+def test_outbox_refuses_a_payload_over_its_limit_before_building_anything() -> None:
+    outbox = Outbox(max_payload_bytes=16)
+    assert [m.payload for m in outbox.build("t", b"x" * 16)] == [b"x" * 16]
+    with pytest.raises(PayloadError, match="over max_payload_bytes=16"):
+        outbox.build("t", b"x" * 17)
+
+
+@pytest.mark.parametrize(
+    "destinations", ["partner", [], ["ok", ""], ["a\x00"], ["\ud800"], ["d" * 256], [1]]
+)
+def test_destination_names_are_checked(destinations: object) -> None:
+    with pytest.raises(ConfigError, match="destination"):
+        Outbox(destinations=destinations)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="destination"):
+        Outbox().build("t", {}, destinations=destinations)  # type: ignore[arg-type]
+
+
+def test_destinations_may_be_any_iterable_of_names() -> None:
+    outbox = Outbox(destinations=["a", "b"])  # type: ignore[arg-type]
+    assert outbox.destinations == ("a", "b")
+    built = outbox.build("t", {}, destinations=(name for name in ("x", "y")))
+    assert [m.destination for m in built] == ["x", "y"]

@@ -8,8 +8,9 @@ import uuid
 import pytest
 
 from outboxer import OutcomeKind, PublishError, create_publisher
-from outboxer.brokers.base import waves
+from outboxer.brokers.base import AckedPublisher, waves
 from outboxer.brokers.memory import memory_broker
+from outboxer.message import Message
 from outboxer.testing import make_message
 
 
@@ -98,3 +99,82 @@ def test_safe_url_hides_the_password() -> None:
     publisher = create_publisher("memory://x")
     publisher.url = "amqp://user:secret@host:5672/vhost"
     assert "secret" not in publisher.safe_url and "host:5672" in publisher.safe_url
+
+
+class ScriptedAcks(AckedPublisher[str]):
+    """An AckedPublisher whose broker is a script: per payload, how ``_send`` behaves."""
+
+    def __init__(self) -> None:
+        super().__init__("scripted://")
+        self.lost: asyncio.Event | None = asyncio.Event()
+        self.acks: dict[bytes, asyncio.Future[str]] = {}
+
+    async def _connect(self) -> None:
+        pass
+
+    async def _close(self) -> None:
+        pass
+
+    def _connection_lost_event(self) -> asyncio.Event | None:
+        return self.lost
+
+    async def _send(self, message: Message) -> asyncio.Future[str]:
+        if message.payload == b"refused":
+            raise PublishError("refused", retryable=False)
+        if message.payload == b"cut":
+            raise ConnectionResetError("cut")
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.acks[message.payload] = future
+        return future
+
+    def _ack_error(self, message: Message, ack: str) -> BaseException | None:
+        return None if ack == "ok" else PublishError(f"nack: {ack}")
+
+    def _connection_error(self, detail: str) -> BaseException:
+        return ConnectionError(f"the connection {detail}")
+
+
+async def wave_awaiting_acks(
+    publisher: ScriptedAcks, *payloads: bytes, sent: int
+) -> asyncio.Future[list[BaseException | None]]:
+    """The publisher's wave of these payloads, once ``sent`` of them await their acks."""
+    messages = [Message(id=uuid.uuid4(), topic="t", payload=payload) for payload in payloads]
+    wave = asyncio.ensure_future(publisher._publish_wave(messages))
+    while len(publisher.acks) < sent:
+        await asyncio.sleep(0)
+    return wave
+
+
+async def test_acked_wave_sends_everything_then_reads_each_ack() -> None:
+    publisher = ScriptedAcks()
+    wave = await wave_awaiting_acks(publisher, b"a", b"refused", b"b", b"c", sent=3)
+    publisher.acks[b"c"].set_result("no")
+    publisher.acks[b"a"].set_result("ok")
+    publisher.acks[b"b"].set_result("ok")
+    a, refused, b, c = await wave
+    assert (a, b) == (None, None)
+    assert isinstance(refused, PublishError) and not refused.retryable
+    assert isinstance(c, PublishError) and "nack: no" in str(c)
+
+
+async def test_acked_wave_stops_sending_at_a_connection_failure_and_ends_when_lost() -> None:
+    publisher = ScriptedAcks()
+    wave = await wave_awaiting_acks(publisher, b"a", b"b", b"cut", b"d", sent=2)
+    publisher.acks[b"a"].set_result("ok")
+    assert publisher.lost is not None
+    publisher.lost.set()  # b's ack never comes
+    a, b, cut, d = await asyncio.wait_for(wave, 1)
+    assert a is None
+    assert str(b) == "the connection was lost before the ack"
+    assert isinstance(cut, ConnectionResetError)
+    assert str(d) == "the connection was lost before publishing"
+    assert b"d" not in publisher.acks, "nothing is sent after a connection failure"
+    assert publisher.acks[b"b"].cancelled()
+
+
+async def test_acked_wave_without_a_connection_sends_nothing() -> None:
+    publisher = ScriptedAcks()
+    publisher.lost = None
+    results = await (await wave_awaiting_acks(publisher, b"a", b"b", sent=0))
+    assert [str(r) for r in results] == ["the connection is not open"] * 2
+    assert publisher.acks == {}

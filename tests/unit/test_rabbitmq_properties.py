@@ -1,8 +1,10 @@
-"""The RabbitMQ adapter's own encoding of Basic properties is byte for byte pamqp's."""
+"""The RabbitMQ adapter's own encoding of Basic properties is byte for byte pamqp's, and
+when it writes whole waves."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta, timezone
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -11,7 +13,7 @@ pytest.importorskip("aio_pika")
 
 from aiormq import spec
 
-from outboxer.brokers.rabbitmq import _properties
+from outboxer.brokers.rabbitmq import _WAVE_ATTRIBUTES, _properties, wave_writes_unsupported
 
 WHEN = datetime(2026, 11, 21, 9, 30, 15, 123456, tzinfo=UTC)
 CASES: list[dict[str, Any]] = [
@@ -154,3 +156,19 @@ def test_wave_frames_reject_what_pamqp_rejects() -> None:
 
     with pytest.raises(ValueError):
         _wave_frames(1, 1000, [_publish("bad exchange name!", "k", b"", "a")], True)
+
+
+def test_wave_writes_need_a_verified_aiormq_and_its_channel_state() -> None:
+    channel = SimpleNamespace(**dict.fromkeys(_WAVE_ATTRIBUTES))
+    for inside in ("7.2.2", "7.2.4", "7.9.0rc1", "7.2.2.post1"):
+        assert wave_writes_unsupported(channel, inside) is None, inside
+    # 7.2.0 and 7.2.1 free a closed channel's number under the channel that reused it.
+    for outside in ("7.2.1", "7.1.6", "8.0.0", "8.0rc1", "6.9.4", "unknown"):
+        reason = wave_writes_unsupported(channel, outside)
+        assert reason is not None and f"aiormq {outside} is outside" in reason, reason
+        assert "(>=7.2.2,<8.0.0)" in reason
+    del channel.write_queue, channel.lock
+    assert (
+        wave_writes_unsupported(channel, "7.2.4")
+        == "aiormq 7.2.4's channel lacks lock, write_queue"
+    )

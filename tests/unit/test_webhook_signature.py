@@ -6,11 +6,16 @@ import hashlib
 import hmac
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from outboxer.errors import ConfigError
 from outboxer.webhook_signature import (
+    DEFAULT_TOLERANCE,
     HEADER_ID,
     HEADER_SIGNATURE,
     HEADER_TIMESTAMP,
+    TIMESTAMP_DIGITS,
     WebhookSignatureError,
     sign,
     signed_bytes,
@@ -110,8 +115,122 @@ def test_rotation_several_secrets_and_several_signatures() -> None:
     assert verify_signature("old", {**sent, HEADER_SIGNATURE: future}, BODY, now=NOW) == MESSAGE_ID
 
 
-def test_an_empty_secret_is_a_programming_error() -> None:
-    with pytest.raises(ValueError, match="secret"):
-        verify_signature("", headers(), BODY, now=NOW)
-    with pytest.raises(ValueError, match="secret"):
-        verify_signature([], headers(), BODY, now=NOW)
+@pytest.mark.parametrize("secret", ["", b"", [], ["ok", ""], "\udc80"])
+def test_an_unusable_secret_is_a_config_error(secret: object) -> None:
+    with pytest.raises(ConfigError, match="secret"):
+        verify_signature(secret, headers(), BODY, now=NOW)  # type: ignore[arg-type]
+
+
+def test_bytes_moved_between_the_id_and_the_body_do_not_verify() -> None:
+    """The signed text of id U and body ``order.7`` is also that of id ``U.order`` and body
+    ``7``: only a UUID is taken as the id, so the shifted request is refused."""
+    body = b"order.7"
+    captured = headers(body=body)
+    assert verify_signature("s3cret", captured, body, now=NOW) == MESSAGE_ID
+    shifted = {**captured, HEADER_ID: f"{MESSAGE_ID}.order"}
+    assert signed_bytes(NOW, MESSAGE_ID, body) == f"{NOW}.{MESSAGE_ID}.order.".encode() + b"7"
+    with pytest.raises(WebhookSignatureError) as raised:
+        verify_signature("s3cret", shifted, b"7", now=NOW)
+    assert raised.value.reason == "malformed"
+
+
+def test_the_id_is_returned_in_canonical_form() -> None:
+    sent = {**headers(), HEADER_ID: MESSAGE_ID.upper()}
+    assert verify_signature("s3cret", sent, BODY, now=NOW) == MESSAGE_ID
+    for not_canonical in (
+        MESSAGE_ID.replace("-", ""),
+        f"{{{MESSAGE_ID}}}",
+        f"urn:uuid:{MESSAGE_ID}",
+    ):
+        with pytest.raises(WebhookSignatureError) as raised:
+            verify_signature("s3cret", {**headers(), HEADER_ID: not_canonical}, BODY, now=NOW)
+        assert raised.value.reason == "malformed"
+    with pytest.raises(ValueError, match="UUID"):
+        sign("s3cret", NOW, "not-a-uuid", BODY)
+
+
+def test_timestamps_have_at_most_twelve_digits() -> None:
+    biggest = 10**TIMESTAMP_DIGITS - 1
+    sent = headers(timestamp=biggest)
+    assert verify_signature("s3cret", sent, BODY, tolerance=None) == MESSAGE_ID
+    for too_long in ("1" * 13, "0" * 13, "9" * 5000):  # int() refuses over 4300 digits
+        with pytest.raises(WebhookSignatureError) as raised:
+            verify_signature("s3cret", {**sent, HEADER_TIMESTAMP: too_long}, BODY, tolerance=None)
+        assert raised.value.reason == "malformed"
+    with pytest.raises(ValueError, match="digits"):
+        sign("s3cret", biggest + 1, MESSAGE_ID, BODY)
+
+
+def test_headers_and_body_may_be_bytes_or_text() -> None:
+    raw = {name.lower().encode(): value.encode() for name, value in headers().items()}
+    assert verify_signature("s3cret", raw, BODY, now=NOW) == MESSAGE_ID
+    assert verify_signature("s3cret", headers(), BODY.decode(), now=NOW) == MESSAGE_ID
+    with pytest.raises(WebhookSignatureError) as raised:
+        verify_signature("s3cret", {**headers(), HEADER_ID: b"\xff" * 36}, BODY, now=NOW)
+    assert raised.value.reason == "malformed"
+
+
+# ----- fuzzing: whatever a request holds, a result or WebhookSignatureError ----------------
+
+TEXT_OR_BYTES = st.one_of(st.text(max_size=80), st.binary(max_size=80))
+
+
+def variants(valid: str) -> st.SearchStrategy[str | bytes | None]:
+    """A header value: the valid one (as text or bytes), something else, or absent (None)."""
+    return st.one_of(
+        st.just(valid),
+        st.just(valid.encode()),
+        st.builds(lambda text: valid + text, st.text(max_size=8)),
+        TEXT_OR_BYTES,
+        st.none(),
+    )
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> dict[object, str | bytes]:
+    """Headers near a valid request's, so the checks past the first are reached too."""
+    timestamps = st.one_of(
+        variants(str(NOW)),
+        st.builds(lambda n: "9" * n, st.integers(min_value=0, max_value=6000)),
+        st.builds(str, st.integers(min_value=-(10**15), max_value=10**15)),
+    )
+    signatures = st.one_of(
+        variants(sign("s3cret", NOW, MESSAGE_ID, BODY)),
+        st.builds(lambda a, b: f"{a}={b}", st.text(max_size=5), st.text(max_size=70)),
+    )
+    sent: dict[object, str | bytes] = draw(
+        st.dictionaries(TEXT_OR_BYTES, TEXT_OR_BYTES, max_size=3)
+    )
+    for name, values in (
+        (HEADER_ID, variants(MESSAGE_ID)),
+        (HEADER_TIMESTAMP, timestamps),
+        (HEADER_SIGNATURE, signatures),
+    ):
+        value = draw(values)
+        if value is not None:
+            spelled = draw(st.sampled_from([name, name.lower(), name.upper(), name.encode()]))
+            sent[spelled] = value
+    return sent
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    headers=requests(),
+    body=st.one_of(
+        st.just(BODY), st.just(BODY.decode()), st.binary(max_size=64), st.text(max_size=64)
+    ),
+    tolerance=st.one_of(st.none(), st.just(DEFAULT_TOLERANCE), st.floats()),
+    now=st.one_of(st.none(), st.just(float(NOW)), st.floats()),
+)
+def test_any_request_gives_an_id_or_a_signature_error(
+    headers: dict[object, str | bytes],
+    body: bytes | str,
+    tolerance: float | None,
+    now: float | None,
+) -> None:
+    try:
+        message_id = verify_signature(["s3cret", b"other"], headers, body, tolerance, now=now)
+    except WebhookSignatureError as exc:
+        assert exc.reason in ("missing", "malformed", "expired", "mismatch")
+    else:
+        assert message_id == MESSAGE_ID and body in (BODY, BODY.decode())

@@ -2,7 +2,9 @@
 
 An adapter implements ``_connect``, ``_close`` and either ``_publish_one``
 (awaits the broker's confirmation of one message) or ``_publish_wave`` (a
-whole wave at once, for brokers that pipeline). Everything else lives here:
+whole wave at once, for brokers that pipeline); brokers that ack each publish
+on its own subclass ``AckedPublisher``, which owns that wave and asks only for
+sending one message and reading its ack. Everything else lives here:
 per-key ordering, timeouts, error classification, connection state and counters.
 
 Ordering. A batch is cut into *waves*: wave ``n`` holds the ``n``-th message of
@@ -16,22 +18,22 @@ overtaken by its successor.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, ClassVar
-from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
+from typing import Any, ClassVar, Generic, TypeVar
+from urllib.parse import parse_qsl, urlsplit
 
 from outboxer.errors import BrokerUnavailableError, ConfigError, PublishError
 from outboxer.message import Message
+from outboxer.options import parse_bool
+from outboxer.redact import get_logger, redact_url, register_url_secrets
 
-logger = logging.getLogger("outboxer.publisher")
-
-#: Query options whose values never appear in logs or errors.
-SECRET_WORDS = ("password", "secret", "token")
+logger = get_logger("outboxer.publisher")
+#: What a broker answers each publish with (see AckedPublisher).
+AckT = TypeVar("AckT")
 
 
 class OutcomeKind(StrEnum):
@@ -91,14 +93,8 @@ def option_bool(options: Mapping[str, str], name: str, given: bool | None, defau
     """A true/false adapter option: the keyword argument wins, then the URL query, then the default."""
     if given is not None:
         return given
-    text = options.get(name, "").strip().lower()
-    if not text:
-        return default
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{name} must be true or false, not {options[name]!r}")
+    text = options.get(name, "")
+    return parse_bool(text, name) if text.strip() else default
 
 
 def parse_options(url: str) -> tuple[Any, dict[str, str]]:
@@ -123,6 +119,7 @@ class Publisher(ABC):
         if publish_timeout <= 0:
             raise ConfigError("publish_timeout must be positive")
         self.url = url
+        register_url_secrets(url)  # masked in every outboxer log line from now on
         #: Outbox topic -> broker destination (exchange routing key, stream, subject…).
         self.routes: dict[str, str] = dict(routes or {})
         self.publish_timeout = publish_timeout
@@ -205,20 +202,8 @@ class Publisher(ABC):
 
     @property
     def safe_url(self) -> str:
-        """The URL without its password, nor query values named like secrets, for logs."""
-        parts = urlsplit(self.url)
-        userinfo, _, hosts = parts.netloc.rpartition("@")
-        if userinfo:
-            user, has_password, _ = userinfo.partition(":")
-            hosts = f"{user}:***@{hosts}" if has_password else f"{user}@{hosts}"
-        query = "&".join(
-            f"{pair.partition('=')[0]}=***"
-            if any(word in unquote(pair.partition("=")[0]).lower() for word in SECRET_WORDS)
-            else pair
-            for pair in parts.query.split("&")
-            if pair
-        )
-        return urlunsplit(parts._replace(netloc=hosts, query=query))
+        """The URL without its password, token or secret query values, for logs and errors."""
+        return redact_url(self.url)
 
     async def publish_batch(self, messages: Sequence[Message]) -> list[Outcome]:
         """Publish a batch; one Outcome per message, in the same order.
@@ -288,6 +273,69 @@ class Publisher(ABC):
             raise RuntimeError(
                 f"{type(self).__name__}._publish_wave returned {len(results)} results for {len(messages)} messages"
             )
+        return results
+
+
+class AckedPublisher(Publisher, Generic[AckT]):
+    """A publisher for brokers that answer each publish with an ack of its own (NATS
+    JetStream's PubAck, MQTT's PUBACK): a wave's messages are all sent, then their acks
+    are awaited together, until they are all in or the connection is lost.
+
+    An adapter fills in ``_connection_lost_event``, ``_send``, ``_ack_error`` and
+    ``_connection_error``.
+    """
+
+    @abstractmethod
+    def _connection_lost_event(self) -> asyncio.Event | None:
+        """The event set once the current connection is lost; None if not connected."""
+
+    @abstractmethod
+    async def _send(self, message: Message) -> asyncio.Future[AckT]:
+        """Send one message; the future gets its ack. Raise for a message that was not sent:
+        the wave goes on after a failure of the message's own, and stops after one that
+        ``is_connection_error`` calls a connection failure."""
+
+    @abstractmethod
+    def _ack_error(self, message: Message, ack: AckT) -> BaseException | None:
+        """None if ``ack`` confirms ``message``, else the error it means."""
+
+    @abstractmethod
+    def _connection_error(self, detail: str) -> BaseException:
+        """The error for a message the connection failed; ``detail`` completes "the
+        connection …": "is not open", "was lost before publishing" or "… before the ack"."""
+
+    async def _publish_wave(self, messages: Sequence[Message]) -> list[BaseException | None]:
+        lost = self._connection_lost_event()
+        if lost is None or lost.is_set():
+            return [self._connection_error("is not open")] * len(messages)
+        results: list[BaseException | None] = [None] * len(messages)
+        pending: dict[int, asyncio.Future[AckT]] = {}
+        try:
+            for index, message in enumerate(messages):
+                try:
+                    pending[index] = await self._send(message)
+                except Exception as exc:  # noqa: BLE001 - the message's outcome
+                    results[index] = exc
+                    if self.is_connection_error(exc):
+                        break
+            if pending:
+                acks = asyncio.gather(*pending.values(), return_exceptions=True)
+                watcher = asyncio.ensure_future(lost.wait())
+                try:
+                    await asyncio.wait((acks, watcher), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    watcher.cancel()
+        finally:
+            for future in pending.values():
+                future.cancel()  # no-op for the acknowledged ones
+        for index, message in enumerate(messages):
+            if index not in pending:
+                if results[index] is None:  # not sent: the connection broke before its turn
+                    results[index] = self._connection_error("was lost before publishing")
+            elif (ack := pending[index]).cancelled():
+                results[index] = self._connection_error("was lost before the ack")
+            else:
+                results[index] = self._ack_error(message, ack.result())
         return results
 
 

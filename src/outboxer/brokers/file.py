@@ -15,14 +15,41 @@ from pathlib import Path
 from typing import IO
 
 from outboxer.brokers.base import Publisher, parse_options
-from outboxer.errors import ConfigError
+from outboxer.errors import ConfigError, PublishError
 from outboxer.message import Message
+from outboxer.redact import redact_url
 
 
 def _line(message: Message, destination: str) -> str:
     record = message.to_json()
     record["destination_topic"] = destination
     return json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
+
+
+def _lines(
+    publisher: Publisher, messages: Sequence[Message]
+) -> tuple[str, list[BaseException | None]]:
+    """The lines of a wave, and per message None or why it has no line.
+
+    A payload that its content type misdescribes (labelled JSON but not JSON, text but not
+    UTF-8) has no line and never will: it fails for good, alone, so the rest of its wave is
+    still written rather than failing with it on every attempt.
+    """
+    lines: list[str] = []
+    results: list[BaseException | None] = []
+    for message in messages:
+        try:
+            lines.append(_line(message, publisher.destination_for(message)))
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            results.append(
+                PublishError(
+                    f"payload is not what its content type {message.content_type!r} says: {exc}",
+                    retryable=False,
+                )
+            )
+        else:
+            results.append(None)
+    return "".join(lines), results
 
 
 class FilePublisher(Publisher):
@@ -34,7 +61,9 @@ class FilePublisher(Publisher):
         super().__init__(url, routes=routes, publish_timeout=publish_timeout)
         parts, options = parse_options(url)
         if not parts.path:
-            raise ConfigError(f"file broker URL needs a path: {url!r} (file:///tmp/events.jsonl)")
+            raise ConfigError(
+                f"file broker URL needs a path: {redact_url(url)!r} (file:///tmp/events.jsonl)"
+            )
         self.path = Path(parts.path)
         self.fsync = options.get("fsync", "true").lower() not in ("0", "false", "no")
         self._file: IO[str] | None = None
@@ -51,9 +80,10 @@ class FilePublisher(Publisher):
     async def _publish_wave(self, messages: Sequence[Message]) -> list[BaseException | None]:
         if self._file is None:
             raise ConnectionError("file publisher is not open")
-        text = "".join(_line(message, self.destination_for(message)) for message in messages)
-        await asyncio.to_thread(self._write, text)
-        return [None] * len(messages)
+        text, results = _lines(self, messages)
+        if text:
+            await asyncio.to_thread(self._write, text)
+        return results
 
     def _write(self, text: str) -> None:
         assert self._file is not None
@@ -73,8 +103,7 @@ class StdoutPublisher(Publisher):
         return None
 
     async def _publish_wave(self, messages: Sequence[Message]) -> list[BaseException | None]:
-        sys.stdout.write(
-            "".join(_line(message, self.destination_for(message)) for message in messages)
-        )
+        text, results = _lines(self, messages)
+        sys.stdout.write(text)
         sys.stdout.flush()
-        return [None] * len(messages)
+        return results

@@ -28,8 +28,9 @@ from outboxer.brokers.base import Publisher, parse_options
 from outboxer.config import float_option
 from outboxer.errors import ConfigError, PublishError
 from outboxer.message import Message
+from outboxer.redact import get_logger, redact_url
 
-logger = logging.getLogger("outboxer.kafka")
+logger = get_logger("outboxer.kafka")
 
 #: Settings the delivery guarantee depends on; a different value is a ConfigError.
 ENFORCED = {"acks": ("all", "-1"), "enable.idempotence": ("true",)}
@@ -79,7 +80,7 @@ CONNECTION_ERRORS = frozenset(
 
 
 #: librdkafka logs of the offline configuration check go nowhere.
-_quiet = logging.getLogger("outboxer.kafka.config-check")
+_quiet = get_logger("outboxer.kafka.config-check")
 _quiet.propagate = False
 _quiet.addHandler(logging.NullHandler())
 
@@ -134,7 +135,9 @@ class KafkaPublisher(Publisher):
         parts, options = parse_options(url)
         userinfo, _, hosts = parts.netloc.rpartition("@")
         if not hosts:
-            raise ConfigError(f"kafka URL needs bootstrap servers: {url!r} (kafka://host:9092)")
+            raise ConfigError(
+                f"kafka URL needs bootstrap servers: {redact_url(url)!r} (kafka://host:9092)"
+            )
         # connect_timeout is outboxer's; every other query parameter goes to librdkafka.
         url_timeout = options.pop("connect_timeout", "10")
         self.connect_timeout = float_option(

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import ssl
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import aiomqtt
@@ -27,7 +27,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
-from outboxer.brokers.base import Publisher, parse_options
+from outboxer.brokers.base import AckedPublisher, option_bool, parse_options
 from outboxer.errors import ConfigError, PublishError
 from outboxer.message import Message
 
@@ -137,7 +137,7 @@ def publish_properties(message: Message) -> Properties:
     return properties
 
 
-class MqttPublisher(Publisher):
+class MqttPublisher(AckedPublisher[ReasonCode]):
     """Publishes each message to the MQTT topic ``topic_prefix + destination``."""
 
     schemes = ("mqtt", "mqtts")
@@ -166,12 +166,7 @@ class MqttPublisher(Publisher):
         self.topic_prefix = (
             topic_prefix if topic_prefix is not None else options.get("topic_prefix", "")
         )
-        if retain is None:
-            raw = options.get("retain", "false").lower()
-            if raw not in ("1", "true", "yes", "0", "false", "no", ""):
-                raise ConfigError(f"retain must be true or false, not {raw!r}")
-            retain = raw in ("1", "true", "yes")
-        self.retain = retain
+        self.retain = option_bool(options, "retain", retain, False)
         self.client_id = (
             client_id or options.get("client_id") or f"outboxer-{uuid.uuid4().hex[:12]}"
         )
@@ -212,59 +207,41 @@ class MqttPublisher(Publisher):
             retryable=reason.value in RETRYABLE_REASONS,
         )
 
-    async def _publish_wave(self, messages: Sequence[Message]) -> list[BaseException | None]:
+    # ----- primitives of AckedPublisher -----------------------------------------------------
+
+    def _connection_lost_event(self) -> asyncio.Event | None:
+        return None if self._client is None else self._client.lost
+
+    async def _send(self, message: Message) -> asyncio.Future[ReasonCode]:
         client = self._client
-        if client is None or client.lost.is_set():
-            return [aiomqtt.MqttError("not connected to the MQTT broker")] * len(messages)
-        results: list[BaseException | None] = [None] * len(messages)
-        pending: dict[int, asyncio.Future[ReasonCode]] = {}
+        if client is None:
+            raise self._connection_error("is not open")
+        topic = self.topic_for(message)
+        properties = publish_properties(message)
+        if client.maximum_packet_size:  # a broker drops the connection on a larger packet
+            packed_properties = properties.pack()  # type: ignore[no-untyped-call]
+            size = (
+                _PUBLISH_OVERHEAD
+                + len(topic.encode())
+                + len(message.payload)
+                + len(packed_properties)
+            )
+            if size > client.maximum_packet_size:
+                raise PublishError(
+                    f"PUBLISH of {size} bytes exceeds the broker's maximum packet size "
+                    f"of {client.maximum_packet_size} bytes",
+                    retryable=False,
+                )
         try:
-            for index, message in enumerate(messages):
-                topic = self.topic_for(message)
-                properties = publish_properties(message)
-                if client.maximum_packet_size:  # a broker drops the connection on a larger packet
-                    packed_properties = properties.pack()  # type: ignore[no-untyped-call]
-                    size = (
-                        _PUBLISH_OVERHEAD
-                        + len(topic.encode())
-                        + len(message.payload)
-                        + len(packed_properties)
-                    )
-                    if size > client.maximum_packet_size:
-                        results[index] = PublishError(
-                            f"PUBLISH of {size} bytes exceeds the broker's maximum packet size "
-                            f"of {client.maximum_packet_size} bytes",
-                            retryable=False,
-                        )
-                        continue
-                try:
-                    pending[index] = client.send(topic, message.payload, self.retain, properties)
-                except ValueError as exc:  # paho: wildcard in the topic, topic or payload too long
-                    results[index] = PublishError(
-                        f"cannot publish to {topic!r}: {exc}", retryable=False
-                    )
-                except aiomqtt.MqttError as exc:
-                    results[index] = exc
-                    break
-            if pending:
-                acks = asyncio.gather(*pending.values(), return_exceptions=True)
-                watcher = asyncio.ensure_future(client.lost.wait())
-                try:
-                    await asyncio.wait((acks, watcher), return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    watcher.cancel()
-        finally:
-            for future in pending.values():
-                future.cancel()  # no-op for the acknowledged ones
-        for index, message in enumerate(messages):
-            if index not in pending:
-                if results[index] is None:  # not sent: the connection broke before its turn
-                    results[index] = aiomqtt.MqttError("connection lost before publishing")
-            elif (ack := pending[index]).cancelled():
-                results[index] = aiomqtt.MqttError("connection lost before the PUBACK")
-            elif ack.result().is_failure:
-                results[index] = self._refusal(self.topic_for(message), ack.result())
-        return results
+            return client.send(topic, message.payload, self.retain, properties)
+        except ValueError as exc:  # paho: wildcard in the topic, topic or payload too long
+            raise PublishError(f"cannot publish to {topic!r}: {exc}", retryable=False) from exc
+
+    def _ack_error(self, message: Message, ack: ReasonCode) -> BaseException | None:
+        return self._refusal(self.topic_for(message), ack) if ack.is_failure else None
+
+    def _connection_error(self, detail: str) -> BaseException:
+        return aiomqtt.MqttError(f"the MQTT connection {detail}")
 
     def is_connection_error(self, exc: BaseException) -> bool:
         return (

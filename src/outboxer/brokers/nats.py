@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import logging
 import ssl
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -33,11 +32,12 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import Header, PubAck
 
-from outboxer.brokers.base import Publisher, option_bool, parse_options
+from outboxer.brokers.base import AckedPublisher, option_bool, parse_options
 from outboxer.errors import ConfigError, PublishError
 from outboxer.message import Message
+from outboxer.redact import get_logger, redact_url
 
-logger = logging.getLogger("outboxer.publisher.nats")
+logger = get_logger("outboxer.publisher.nats")
 
 MSG_ID_HEADER = "Nats-Msg-Id"
 #: The stream's duplicate window when outboxer creates the stream (NATS's own default).
@@ -70,7 +70,31 @@ def encoded_size(payload: bytes, headers: Mapping[str, str]) -> int:
     return block + len(payload)
 
 
-class NatsPublisher(Publisher):
+def api_error(error: object) -> nats.js.errors.APIError:
+    """JetStream's error object as nats-py's typed error (NotFoundError, BadRequestError…).
+
+    ``APIError.from_error`` raises the error in some nats-py releases and returns it in
+    others; an object it cannot take (a field it does not know) still gives an APIError.
+    """
+    if not isinstance(error, Mapping):
+        return nats.js.errors.APIError(description=repr(error)[:200])
+    try:
+        made = nats.js.errors.APIError.from_error(dict(error))
+    except nats.js.errors.APIError as exc:
+        return exc
+    except (TypeError, KeyError, ValueError):
+        made = None
+    if isinstance(made, nats.js.errors.APIError):
+        return made
+    code, err_code = error.get("code"), error.get("err_code")
+    return nats.js.errors.APIError(
+        code=code if isinstance(code, int) else None,
+        description=str(error.get("description", error)),
+        err_code=err_code if isinstance(err_code, int) else None,
+    )
+
+
+class NatsPublisher(AckedPublisher[Msg]):
     """Publishes each message to the subject ``subject_prefix + destination`` on JetStream."""
 
     schemes = ("nats",)
@@ -93,7 +117,7 @@ class NatsPublisher(Publisher):
         super().__init__(url, routes=routes, publish_timeout=publish_timeout)
         parts, options = parse_options(url)
         if not parts.hostname:
-            raise ConfigError(f"NATS URL needs a host: {url!r} (nats://127.0.0.1:4222)")
+            raise ConfigError(f"NATS URL needs a host: {redact_url(url)!r} (nats://127.0.0.1:4222)")
         self.subject_prefix = (
             subject_prefix if subject_prefix is not None else options.get("subject_prefix", "")
         )
@@ -253,10 +277,7 @@ class NatsPublisher(Publisher):
         try:
             answer = json.loads(reply.data)
             if "error" in answer:
-                try:
-                    nats.js.errors.APIError.from_error(answer["error"])  # raises the typed error
-                except nats.js.errors.APIError as exc:
-                    return self._refusal(subject, exc)
+                return self._refusal(subject, api_error(answer["error"]))
             ack = PubAck.from_response(answer)
         except (ValueError, TypeError, KeyError) as exc:
             return PublishError(f"unexpected PubAck for {subject!r}: {reply.data[:200]!r} ({exc})")
@@ -264,53 +285,44 @@ class NatsPublisher(Publisher):
             logger.debug("message %s was already in stream %s (duplicate)", message.id, ack.stream)
         return None
 
-    async def _publish_wave(self, messages: Sequence[Message]) -> list[BaseException | None]:
-        nc, lost = self._nc, self._lost
-        if nc is None or nc.is_closed:
-            return [nats.errors.ConnectionClosedError()] * len(messages)
-        results: list[BaseException | None] = [None] * len(messages)
-        pending: dict[int, tuple[str, asyncio.Future[Msg]]] = {}
-        loop = asyncio.get_running_loop()
+    # ----- primitives of AckedPublisher -----------------------------------------------------
+
+    def _connection_lost_event(self) -> asyncio.Event | None:
+        nc = self._nc
+        return None if nc is None or nc.is_closed else self._lost
+
+    async def _send(self, message: Message) -> asyncio.Future[Msg]:
+        nc = self._nc
+        if nc is None:
+            raise nats.errors.ConnectionClosedError()
+        subject = self.subject_for(message)
+        headers = publish_headers(message)
+        if self.stream:
+            headers[Header.EXPECTED_STREAM] = self.stream
+        token = str(next(self._tokens))
+        future: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
+        self._replies[token] = future
+        # Answered, or given up (cancelled) by the wave: the token is no longer awaited.
+        future.add_done_callback(lambda _: self._replies.pop(token, None))
         try:
-            for index, message in enumerate(messages):
-                subject = self.subject_for(message)
-                headers = publish_headers(message)
-                if self.stream:
-                    headers[Header.EXPECTED_STREAM] = self.stream
-                token = str(next(self._tokens))
-                future = self._replies[token] = loop.create_future()
-                try:
-                    self._check_size(message, headers)
-                    await nc.publish(
-                        subject, message.payload, reply=f"{self._inbox}.{token}", headers=headers
-                    )
-                except (PublishError, nats.errors.Error) as exc:
-                    del self._replies[token]
-                    results[index] = self._refusal(subject, exc)
-                    if self.is_connection_error(exc):
-                        break
-                    continue
-                pending[index] = token, future
-            if pending:
-                replies = asyncio.gather(*(f for _, f in pending.values()), return_exceptions=True)
-                watcher = asyncio.ensure_future(lost.wait())
-                try:
-                    await asyncio.wait((replies, watcher), return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    watcher.cancel()
-        finally:
-            for token, future in pending.values():
-                self._replies.pop(token, None)
-                future.cancel()  # no-op for the answered ones
-        for index, message in enumerate(messages):
-            if index not in pending:
-                if results[index] is None:  # not sent: the connection broke before its turn
-                    results[index] = nats.errors.ConnectionClosedError()
-            elif (reply := pending[index][1]).cancelled():
-                results[index] = nats.errors.ConnectionClosedError()  # lost before its PubAck
-            else:
-                results[index] = self._outcome(message, reply.result())
-        return results
+            self._check_size(message, headers)
+            await nc.publish(
+                subject, message.payload, reply=f"{self._inbox}.{token}", headers=headers
+            )
+        except (PublishError, nats.errors.Error) as exc:
+            del self._replies[token]
+            future.cancel()
+            error = self._refusal(subject, exc)
+            if error is exc:
+                raise
+            raise error from exc
+        return future
+
+    def _ack_error(self, message: Message, ack: Msg) -> BaseException | None:
+        return self._outcome(message, ack)
+
+    def _connection_error(self, detail: str) -> BaseException:
+        return nats.errors.ConnectionClosedError()  # nats-py's fixed text; detail is dropped
 
     def is_connection_error(self, exc: BaseException) -> bool:
         return isinstance(exc, _CONNECTION) or super().is_connection_error(exc)

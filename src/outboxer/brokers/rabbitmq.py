@@ -27,15 +27,29 @@ Failures. ``basic.return`` (no queue bound) and ``basic.nack`` are retryable,
 as is a missing exchange (404). A message RabbitMQ refuses by closing the
 channel (403 ACCESS_REFUSED, 406 PRECONDITION_FAILED such as a message above
 ``max_message_size``) is permanent. Such a close also fails every other
-message in flight on the channel, and a close amid pipelined publishes can make
-the client send frames on the dead channel, which RabbitMQ answers by closing
-the connection. So after a channel close the lane opens a fresh channel (and
-the publisher reconnects if the connection went too) and sends each message
+message in flight on the channel, so the lane opens a fresh channel (the
+publisher reconnects only if the connection went too) and sends each message
 that was in flight once more, alone on that channel: only the one RabbitMQ
-refuses again on its own is permanent. Other lanes caught by a connection close
-see their messages fail without a refusal of their own, so they too publish
-them again alone, and none of those is ever called permanent for another's
-refusal.
+refuses again on its own is permanent. Lanes caught by a connection close (an
+outage) see their messages fail without a refusal of their own, so they too
+publish them again alone, and none of those is ever called permanent for
+another's refusal.
+
+Closing channels. No frame may go out on a channel after aiormq answered
+RabbitMQ's ``channel.close`` with ``close-ok``: RabbitMQ takes any frame but
+``channel.open`` on a closed channel number as a connection error (504
+``CHANNEL_ERROR - expected 'channel.open'``) and closes the connection, every
+lane's channel with it. aiormq's reader queues the ``close-ok`` as soon as the
+close arrives, but the channel reports ``is_closed`` (all its lock checks) only
+a few event-loop turns later, once it failed its pending futures: a publish
+that takes the lock in between writes behind the ``close-ok``. So every write
+first checks :func:`_takes_frames` in the same step as it hands its frames to
+the connection's writer, and a lane has one writer at a time: a wave goes out
+in one write on aiormq 7.2 (``_write_wave``); without the channel internals
+that needs, the messages go out one ``basic_publish`` at a time, each confirmed
+before the next is written (``_send_in_turn``), since concurrent
+``basic_publish`` calls queue on aiormq's lock and cannot be checked between
+taking it and writing.
 """
 
 from __future__ import annotations
@@ -43,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import importlib.metadata
 import inspect
 import struct
 from collections.abc import Awaitable, Mapping, Sequence
@@ -63,6 +78,9 @@ from pamqp.common import FieldTable
 from outboxer.brokers.base import Publisher, option_bool, parse_options
 from outboxer.errors import BrokerUnavailableError, ConfigError, PublishError
 from outboxer.message import Message
+from outboxer.redact import get_logger
+
+logger = get_logger("outboxer.publisher.rabbitmq")
 
 #: Our own URL options; the rest of the query string goes to aio-pika (heartbeat, name, cafile…).
 _OPTIONS = (
@@ -184,7 +202,51 @@ _WAVE_ATTRIBUTES = (
     "max_content_size",
     "create_future",
     "number",
+    "connection",
 )
+#: The aiormq releases the wave writes were verified against, [lowest, first excluded): the
+#: same range as the ``rabbitmq`` extra in pyproject.toml (a test keeps the two equal).
+WAVE_AIORMQ_RANGE = ((7, 2, 2), (8, 0, 0))
+
+
+def _release(version: str) -> tuple[int, int, int]:
+    """``"7.2.4"`` -> ``(7, 2, 4)``; ``"8.0rc1"`` -> ``(8, 0, 0)``: each part's leading
+    digits, 0 where there are none."""
+    numbers = []
+    for part in [*version.split("."), "", ""][:3]:
+        digits = part[: len(part) - len(part.lstrip("0123456789"))]
+        numbers.append(int(digits) if digits else 0)
+    major, minor, patch = numbers
+    return major, minor, patch
+
+
+def _dotted(release: tuple[int, ...]) -> str:
+    return ".".join(map(str, release))
+
+
+def wave_writes_unsupported(channel: object, aiormq_version: str) -> str | None:
+    """Why waves cannot be written in one go on this aiormq channel, or None if they can."""
+    lowest, excluded = WAVE_AIORMQ_RANGE
+    if not lowest <= _release(aiormq_version) < excluded:
+        return (
+            f"aiormq {aiormq_version} is outside the releases the wave writes were verified "
+            f"with (>={_dotted(lowest)},<{_dotted(excluded)})"
+        )
+    missing = [name for name in _WAVE_ATTRIBUTES if not hasattr(channel, name)]
+    if missing:
+        return f"aiormq {aiormq_version}'s channel lacks {', '.join(missing)}"
+    return None
+
+
+def _takes_frames(channel: aiormq.abc.AbstractChannel) -> bool:
+    """Whether a frame written on ``channel`` now reaches an open channel on RabbitMQ's side.
+
+    False from the moment aiormq's connection reader got RabbitMQ's ``channel.close`` (or
+    the ``close-ok`` to ours): it then takes the number out of ``connection.channels``, a
+    step before the channel's reader queues its ``close-ok`` and several before the channel
+    reports ``is_closed`` (see "Closing channels" in the module docstring).
+    """
+    return not channel.is_closed and channel.connection.channels.get(channel.number) is channel
 
 
 @functools.lru_cache(maxsize=4096)
@@ -240,8 +302,6 @@ class _Lane:
 
     channel: AbstractChannel
     generation: int
-    #: Its last wave went out in one write (``_write_wave``), not a basic_publish each.
-    whole_waves: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,6 +371,8 @@ class RabbitMQPublisher(Publisher):
         self._generation = 0  # connections made so far
         #: Closes of lanes given up mid-wave, kept referenced until they finish.
         self._closing: set[asyncio.Task[None]] = set()
+        #: Whether waves go out in one write (``_write_wave``); decided on the first wave.
+        self._whole_waves: bool | None = None
 
     # ----- where a message goes -----------------------------------------------------------
 
@@ -449,21 +511,18 @@ class RabbitMQPublisher(Publisher):
 
         A publish still pending when the channel closes comes back as ``ChannelClosed``:
         aiormq fails the ones awaiting a confirm, but not the ones queued behind a dead
-        connection's writer, which would wait forever (another lane's refusal can take the
-        connection down).
+        connection's writer, which would wait forever (an outage can take the connection
+        down). One never written because the channel was closing comes back as
+        ``ChannelInvalidStateError``.
         """
         watcher: asyncio.Future[Any] | None = None  # see _write_wave
+        writer: asyncio.Task[None] | None = None  # see _send_in_turn
         try:
             underlay = await lane.channel.get_underlay_channel()
-            lane.whole_waves = self._wave_writes and all(
-                hasattr(underlay, name) for name in _WAVE_ATTRIBUTES
-            )
-            if lane.whole_waves:
+            if self._writes_whole_waves(underlay):
                 sends, watcher = await self._write_wave(underlay, publishes)
             else:
-                sends = [
-                    asyncio.ensure_future(self._send(underlay, publish)) for publish in publishes
-                ]
+                sends, writer = self._send_in_turn(underlay, publishes)
         except aiormq.exceptions.ChannelInvalidStateError as exc:
             return [exc] * len(publishes)
         everything = asyncio.gather(*sends, return_exceptions=True)
@@ -477,9 +536,11 @@ class RabbitMQPublisher(Publisher):
             closing.cancel()  # only stops observing
             if watcher is not None:
                 watcher.cancel()
+            if writer is not None:
+                writer.cancel()
+                await asyncio.wait((writer,))  # settles every send it has not written
             for send in sends:
                 send.cancel()
-            await asyncio.wait(sends)  # the cancelled ones end at once
             if watcher is not None:
                 # What basic_publish's own callback does: returns are matched by message id.
                 for publish in publishes:
@@ -487,6 +548,24 @@ class RabbitMQPublisher(Publisher):
                         publish.properties.message_id or "", None
                     )
         return [self._outcome(send) for send in sends]
+
+    def _writes_whole_waves(self, underlay: aiormq.abc.AbstractChannel) -> bool:
+        """Whether waves go out in one write on this aiormq; the first no is logged, once."""
+        if self._whole_waves is None:
+            reason = (
+                wave_writes_unsupported(underlay, importlib.metadata.version("aiormq"))
+                if self._wave_writes
+                else None
+            )
+            self._whole_waves = self._wave_writes and reason is None
+            if reason is not None:
+                logger.warning(
+                    "RabbitMQ publisher for %s publishes one message at a time, each confirmed "
+                    "before the next, instead of whole waves: %s",
+                    self.safe_url,
+                    reason,
+                )
+        return self._whole_waves
 
     @staticmethod
     def _outcome(send: asyncio.Future[Any]) -> BaseException | None:
@@ -517,6 +596,10 @@ class RabbitMQPublisher(Publisher):
         """
         loop = asyncio.get_running_loop()
         async with underlay.lock:  # raises ChannelInvalidStateError once the channel closed
+            if not _takes_frames(underlay):  # closing: reports is_closed only a little later
+                raise aiormq.exceptions.ChannelInvalidStateError(
+                    "the channel was closing before the wave was written"
+                )
             first = underlay.delivery_tag + 1
             confirmations = [loop.create_future() for _ in publishes]
             try:
@@ -547,7 +630,11 @@ class RabbitMQPublisher(Publisher):
     async def _enqueue_frames(underlay: Any, frame: ChannelFrame) -> None:
         """Hand the frames to the connection's writer; raises ChannelInvalidStateError, with
         nothing handed over, if the channel closes while the writer's queue is full (a dead
-        connection's writer never empties it)."""
+        connection's writer never empties it).
+
+        Waiting for room cannot let the frames follow a ``close-ok``: RabbitMQ closes a
+        channel only for a frame written on it, and the lane's earlier waves were all
+        confirmed before this one began."""
         try:
             underlay.write_queue.put_nowait(frame)
             return
@@ -564,6 +651,51 @@ class RabbitMQPublisher(Publisher):
             raise aiormq.exceptions.ChannelInvalidStateError(
                 "the channel closed before the wave was written"
             )
+
+    def _send_in_turn(
+        self, underlay: aiormq.abc.AbstractChannel, publishes: Sequence[_Publish]
+    ) -> tuple[list[asyncio.Future[None]], asyncio.Task[None]]:
+        """One future per publish, and the task that publishes them one at a time, each
+        confirmed before the next is written, for aiormq releases without the channel state
+        ``_write_wave`` writes through.
+
+        Concurrent ``basic_publish`` calls would all queue on aiormq's channel lock, and
+        the one that takes it while the channel is closing writes behind the ``close-ok``
+        (see "Closing channels" in the module docstring). One at a time, each publish is
+        checked against :func:`_takes_frames` right before its call, which writes at once
+        (the lock is free, the writer's queue has room for one lane's frames). After a
+        refusal (or if the task is cancelled) the publishes not written fail with
+        ChannelInvalidStateError.
+        """
+        loop = asyncio.get_running_loop()
+        sends: list[asyncio.Future[None]] = [loop.create_future() for _ in publishes]
+
+        def not_written(position: int) -> None:
+            for send in sends[position:]:
+                if not send.done():
+                    send.set_exception(
+                        aiormq.exceptions.ChannelInvalidStateError(
+                            "not written: the channel was closing"
+                        )
+                    )
+
+        async def write_in_turn() -> None:
+            for position, (publish, send) in enumerate(zip(publishes, sends, strict=True)):
+                if not _takes_frames(underlay):
+                    not_written(position)
+                    return
+                try:
+                    await self._send(underlay, publish)
+                except asyncio.CancelledError:
+                    send.cancel()  # it may have been written: a close with it pending
+                    not_written(position + 1)
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the message's own outcome
+                    send.set_exception(exc)
+                else:
+                    send.set_result(None)
+
+        return sends, asyncio.ensure_future(write_in_turn())
 
     async def _send(self, underlay: aiormq.abc.AbstractChannel, publish: _Publish) -> None:
         """One ``basic.publish``; returns once RabbitMQ acked it, raises the driver's error else."""
@@ -636,14 +768,11 @@ class RabbitMQPublisher(Publisher):
                 break
             if not in_flight:  # the channel closed before any of them went out: not their doing
                 return self._fail(results, unsent, self._lost(None))
-            # One of the in-flight messages closed the channel (or another lane's refusal took
-            # the connection down). Publishes written one by one after the close may make
-            # RabbitMQ close the connection too: start over on a fresh one (unless another
-            # lane already did). A wave written whole reached the socket before the close came
-            # back, and nothing more goes out on that channel: a new channel is enough, and
-            # the other lanes keep the connection their waves are on.
+            # One of the in-flight messages closed the channel (or an outage took the
+            # connection down). Nothing went out on the channel after its close, so a new
+            # channel is enough, and the other lanes keep the connection their waves are on.
             try:
-                await self._replace_lane(lane, fresh_connection=not lane.whole_waves)
+                await self._replace_lane(lane)
             except Exception as exc:  # noqa: BLE001 - reported on each message
                 return self._fail(results, in_flight + unsent, self._lost(exc))
             # Send them again one at a time, in write order, until one closes the channel on its
@@ -661,11 +790,11 @@ class RabbitMQPublisher(Publisher):
             todo = sorted(later + unsent)
         return results
 
-    async def _replace_lane(self, lane: _Lane, *, fresh_connection: bool) -> None:
-        """Swap the lane's closed channel for a new one; on a new connection if asked to or
-        if the connection is gone, unless another lane reconnected since the lane's began."""
+    async def _replace_lane(self, lane: _Lane) -> None:
+        """Swap the lane's closed channel for a new one; on a new connection if the
+        connection is gone, unless another lane reconnected since the lane's began."""
         await self._quietly(lane.channel.close())
-        if fresh_connection or self._connection_lost():
+        if self._connection_lost():
             await self._reconnect_unless_newer(lane.generation)
         if self._connection is None or self._connection_lost():
             raise BrokerUnavailableError(f"connection to {self.safe_url} is closed")
@@ -681,7 +810,7 @@ class RabbitMQPublisher(Publisher):
         """
         try:
             if lane.channel.is_closed:
-                await self._replace_lane(lane, fresh_connection=False)
+                await self._replace_lane(lane)
             [outcome] = await self._send_all(lane, [publish])
             if outcome is not None:
                 raise outcome
@@ -689,7 +818,7 @@ class RabbitMQPublisher(Publisher):
             closed = isinstance(exc, aiormq.exceptions.ChannelClosed)
             if closed:  # nothing else was in flight on it: a new channel is enough
                 with contextlib.suppress(Exception):  # if not, the next round reports the outage
-                    await self._replace_lane(lane, fresh_connection=False)
+                    await self._replace_lane(lane)
             return self._translate(exc, alone=True), closed
         return None, False
 

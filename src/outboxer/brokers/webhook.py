@@ -6,6 +6,12 @@ wait before that message's next attempt (up to the relay's longest backoff).
 Each message is one request; the body is the payload, the envelope travels in
 ``Outboxer-*`` headers and, with a ``secret``, the request is signed (see
 :mod:`outboxer.webhook_signature` for the scheme and the receiver's check).
+
+The status decides the outcome. Of the response body at most ``RESPONSE_READ_BYTES``
+are read, for at most ``RESPONSE_READ_SECONDS``, and the connection is dropped if more
+is left: a receiver answering with an endless (or 300 MB) body costs the relay a few
+KiB. The start of an error answer's body, decoded with replacement characters and
+without control characters, goes into the error text.
 """
 
 from __future__ import annotations
@@ -16,9 +22,10 @@ import os
 import re
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
+from typing import cast
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import httpx
@@ -27,6 +34,7 @@ from outboxer.brokers.base import Publisher, parse_options
 from outboxer.config import float_option, int_option
 from outboxer.errors import BrokerUnavailableError, ConfigError, PublishError
 from outboxer.message import Message
+from outboxer.redact import redact_url
 from outboxer.webhook_signature import HEADER_ID, HEADER_SIGNATURE, HEADER_TIMESTAMP, sign
 
 HEADER_TOPIC = "Outboxer-Topic"
@@ -57,6 +65,14 @@ OPTIONS = ("secret", "max_connections", "retry_statuses", "timeout")
 DEFAULT_RETRY_STATUSES = frozenset({408, 429, *range(500, 600)})
 DEFAULT_MAX_CONNECTIONS = 64
 DEFAULT_TIMEOUT = 10.0
+#: The most of a response body read (an error answer's excerpt comes from it).
+RESPONSE_READ_BYTES = 4096
+#: The longest a response body is read once the status arrived (the status decided already).
+RESPONSE_READ_SECONDS = 1.0
+#: Characters of an error answer's body kept in the error text.
+EXCERPT_CHARS = 200
+#: Control characters (but whitespace, which is collapsed) cannot go into stored error text.
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 #: Header values keep printable ASCII but ``%`` and space; the rest is percent-encoded UTF-8.
@@ -208,7 +224,9 @@ class WebhookPublisher(Publisher):
         super().__init__(url, routes=routes, publish_timeout=publish_timeout)
         parts, options = parse_options(url)
         if parts.scheme.lower() not in self.schemes or not parts.hostname:
-            raise ConfigError(f"webhook URL must be http(s)://host[:port]/path, not {url!r}")
+            raise ConfigError(
+                f"webhook URL must be http(s)://host[:port]/path, not {redact_url(url)!r}"
+            )
         #: The URL every unrouted message is posted to (outboxer's options removed).
         self.endpoint: str = urlunsplit(
             parts._replace(query=_strip_options(parts.query), fragment="")
@@ -275,7 +293,9 @@ class WebhookPublisher(Publisher):
             return httpx.AsyncClient(
                 limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
                 timeout=httpx.Timeout(self.timeout, pool=None),
-                headers=self.headers,
+                # Uncompressed answers only: a compressed body's excerpt would be unreadable,
+                # and decompressing would defeat the bound on what is read.
+                headers={"Accept-Encoding": "identity", **self.headers},
                 follow_redirects=False,
                 verify=ssl_context,
             )
@@ -321,7 +341,12 @@ class WebhookPublisher(Publisher):
         headers = self.request_headers(message)
         async with lanes.borrow() as client:
             try:
-                response = await client.post(url, content=message.payload, headers=headers)
+                async with client.stream(
+                    "POST", url, content=message.payload, headers=headers
+                ) as response:
+                    # Leaving the block closes the response: its connection is dropped if
+                    # the body was not read to the end.
+                    head, cut_short = await _read_head(response)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 raise BrokerUnavailableError(
                     f"cannot reach {_safe(url)}: {_describe(exc)}"
@@ -339,7 +364,7 @@ class WebhookPublisher(Publisher):
                 raise PublishError(f"request to {_safe(url)} failed: {_describe(exc)}") from exc
         if 200 <= response.status_code < 300:
             return
-        excerpt = " ".join(response.text[:200].split())
+        excerpt = _excerpt(head, response.headers.get("content-encoding", ""), cut_short)
         retryable = response.status_code in self.retry_statuses
         raise WebhookStatusError(
             response.status_code,
@@ -350,6 +375,44 @@ class WebhookPublisher(Publisher):
             if retryable
             else None,
         )
+
+
+async def _read_head(response: httpx.Response) -> tuple[bytes, str]:
+    """At most ``RESPONSE_READ_BYTES`` of the body, read for at most ``RESPONSE_READ_SECONDS``,
+    and what cut the reading short, if anything did ("" when the body ended or filled the head).
+
+    A body that ends sooner leaves the connection reusable. A failure while reading is no
+    failure of the request (the status arrived): it is only noted.
+    """
+    head = bytearray()
+    chunks = cast(AsyncGenerator[bytes, None], response.aiter_raw())
+    try:
+        async with asyncio.timeout(RESPONSE_READ_SECONDS), contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                head += chunk[: RESPONSE_READ_BYTES - len(head)]
+                if len(head) >= RESPONSE_READ_BYTES:
+                    break
+    except TimeoutError:
+        return bytes(head), f"(body still arriving after {RESPONSE_READ_SECONDS:g}s)"
+    except httpx.HTTPError as exc:
+        return bytes(head), f"(body unreadable: {_describe(exc)})"
+    return bytes(head), ""
+
+
+def _excerpt(head: bytes, content_encoding: str, cut_short: str) -> str:
+    """Storable text for the start of an error answer's body (UTF-8 with replacement
+    characters, at most EXCERPT_CHARS), then what cut its reading short, if anything."""
+    if content_encoding.strip().lower() in ("", "identity"):
+        shown = head[: EXCERPT_CHARS * 4].decode("utf-8", errors="replace")
+    else:
+        shown = f"({content_encoding}-encoded body, not shown)"
+    return f"{_storable(shown)} {_storable(cut_short)}".strip()
+
+
+def _storable(text: str) -> str:
+    """``text`` without control characters (NUL cannot be stored), whitespace collapsed,
+    at most EXCERPT_CHARS."""
+    return " ".join(_CONTROL.sub("\ufffd", text).split())[:EXCERPT_CHARS]
 
 
 def _ssl_context(verify: ssl.SSLContext | str | bool) -> ssl.SSLContext:

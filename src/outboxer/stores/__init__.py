@@ -6,7 +6,9 @@ import importlib
 from typing import Any
 from urllib.parse import urlsplit
 
+from outboxer.config import check_url
 from outboxer.errors import ConfigError
+from outboxer.redact import redact_url
 from outboxer.stores.base import DestinationStatus, Failure, SettleResult, Store
 
 #: URL scheme -> (module, class).
@@ -27,10 +29,12 @@ REGISTRY: dict[str, tuple[str, str]] = {
 
 def create_store(url: str, **options: Any) -> Store:
     """A store for the database at ``url`` (its scheme picks the adapter), not yet connected."""
+    check_url(url, "database URL")
     scheme = urlsplit(url).scheme.lower()
     if scheme not in REGISTRY:
         raise ConfigError(
-            f"unknown database URL scheme {scheme!r} in {url!r}; known: {', '.join(sorted(REGISTRY))}"
+            f"unknown database URL scheme {scheme!r} in {redact_url(url)!r}; "
+            f"known: {', '.join(sorted(REGISTRY))}"
         )
     module_name, class_name = REGISTRY[scheme]
     cls: type[Store] = getattr(importlib.import_module(module_name), class_name)

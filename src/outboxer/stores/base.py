@@ -12,6 +12,7 @@ from typing import Any
 
 from outboxer.errors import ConfigError, SchemaError
 from outboxer.message import Message
+from outboxer.redact import register_url_secrets
 from outboxer.stores.sqlfiles import migrations, quote_ident, render
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,40}$")
@@ -76,7 +77,7 @@ def fold_counts(rows: Sequence[Mapping[str, Any]]) -> list[DestinationStatus]:
 
 
 def check_identifier(kind: str, name: str) -> str:
-    if not _IDENTIFIER.match(name):
+    if not _IDENTIFIER.fullmatch(name):
         raise ConfigError(
             f"{kind} name {name!r} must start with a letter or underscore and hold only "
             "letters, digits and underscores (at most 41 characters)"
@@ -95,6 +96,7 @@ class Store(ABC):
 
     def __init__(self, url: str, *, schema: str = "outboxer", table: str = "outbox") -> None:
         self.url = url
+        register_url_secrets(url)  # masked in every outboxer log line from now on
         self.schema = check_identifier("schema", schema)
         self.table = check_identifier("table", table)
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -34,6 +33,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 from outboxer.errors import ConfigError, MissingDependencyError, StoreError
 from outboxer.message import Message
+from outboxer.redact import get_logger, redact_url
 from outboxer.stores.base import DestinationStatus, Failure, SettleResult, Store, fold_counts
 from outboxer.stores.sqlfiles import (
     migrations,
@@ -45,7 +45,7 @@ from outboxer.stores.sqlfiles import (
     to_pyformat,
 )
 
-logger = logging.getLogger("outboxer.store")
+logger = get_logger("outboxer.store")
 
 _MIGRATIONS_TABLE = """
 CREATE TABLE IF NOT EXISTS {migrations} (
@@ -91,10 +91,14 @@ def mysql_connect_args(url: str) -> dict[str, Any]:
     """``mysql://user:password@host:3306/db?unix_socket=/path`` -> PyMySQL ``connect`` arguments."""
     parts = urlsplit(url)
     if parts.scheme.lower() not in _SCHEMES:
-        raise ConfigError(f"not a MySQL URL: {url!r} (expected mysql://user:password@host:3306/db)")
+        raise ConfigError(
+            f"not a MySQL URL: {redact_url(url)!r} (expected mysql://user:password@host:3306/db)"
+        )
     database = unquote(parts.path.lstrip("/"))
     if not database or "/" in database:
-        raise ConfigError(f"a MySQL URL names one database: mysql://user@host:3306/db, got {url!r}")
+        raise ConfigError(
+            f"a MySQL URL names one database: mysql://user@host:3306/db, got {redact_url(url)!r}"
+        )
     args: dict[str, Any] = {
         "host": parts.hostname or "localhost",
         "port": parts.port or 3306,

@@ -11,7 +11,6 @@ import collections
 import contextlib
 import functools
 import json
-import logging
 import math
 import os
 import socket
@@ -22,10 +21,11 @@ from typing import Any
 
 from outboxer.errors import MissingDependencyError, StoreError
 from outboxer.message import Message
+from outboxer.redact import get_logger
 from outboxer.stores.base import DestinationStatus, Failure, SettleResult, Store, fold_counts
 from outboxer.stores.sqlfiles import migrations, queries, render, to_numbered
 
-logger = logging.getLogger("outboxer.store")
+logger = get_logger("outboxer.store")
 
 #: Seconds a listener registration outlives the poll it was made for.
 _REGISTRATION_MARGIN = 2.0

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from outboxer.errors import ConfigError, StoreError
 from outboxer.message import Message
+from outboxer.redact import redact_url
 from outboxer.stores.base import DestinationStatus, Failure, SettleResult, Store
 from outboxer.stores.sqlfiles import migrations, queries, quote_ident, render, statements
 
@@ -40,9 +41,9 @@ def sqlite_path(url: str) -> str:
         if url.startswith(prefix):
             path = url[len(prefix) :].split("?", 1)[0]
             if not path:
-                raise ConfigError(f"sqlite URL needs a file path: {url!r}")
+                raise ConfigError(f"sqlite URL needs a file path: {redact_url(url)!r}")
             return path
-    raise ConfigError(f"not a sqlite URL: {url!r} (expected sqlite:///path.db)")
+    raise ConfigError(f"not a sqlite URL: {redact_url(url)!r} (expected sqlite:///path.db)")
 
 
 def open_connection(path: str) -> sqlite3.Connection:

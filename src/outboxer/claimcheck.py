@@ -1,0 +1,584 @@
+"""Claim-check: a payload above a threshold goes to an object store; the row carries a reference.
+
+Brokers cap message sizes (RabbitMQ's default 128 MiB frame is generous, Kafka's 1 MiB and
+NATS's 1 MiB are not) and a database full of megabyte payloads vacuums slowly. So a large
+payload is written to an object store (a directory, or S3-compatible storage) *before* the
+row is inserted, and the row, then the published message, hold an empty payload and these
+headers:
+
+- ``outboxer-claim-check``: the object's name, ``<message id>.<destination>.<random>``
+  (the destination percent-encoded, with ``.`` and ``_`` too). One object per row: two
+  destinations of a message may hold different bytes (each is encrypted for its own
+  destination). The random part means a put never overwrites another's object, not even
+  when an ``enqueue`` with an id already in the outbox fails on the duplicate.
+- ``outboxer-claim-check-size`` and ``outboxer-claim-check-sha256``: checked by the consumer
+  on fetch, so a truncated or swapped object is an error, never a wrong payload.
+- ``outboxer-claim-check-content-type``: the payload's content type; the message itself
+  says ``application/octet-stream`` until the payload is fetched.
+
+An object whose row never committed (the transaction rolled back after the put) is an
+orphan: :func:`sweep_orphans` deletes objects older than a grace period that no row
+references. The grace period must exceed the longest transaction that enqueues, or a
+sweep could delete the object of a row about to commit. Retention deletes a row's object
+with the row.
+
+With encryption, the object holds the ciphertext (encrypt first, then offload), so the
+object store never holds the plaintext of an encrypted outbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import re
+import secrets
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
+
+from outboxer.durable import sync_directory, write_new_file
+from outboxer.errors import ConfigError, MissingDependencyError, OutboxerError, PayloadError
+from outboxer.message import BINARY, Message
+from outboxer.redact import get_logger, redact_url, register_secret, register_url_secrets
+
+logger = get_logger("outboxer.claimcheck")
+
+HEADER_CLAIM_CHECK = "outboxer-claim-check"
+HEADER_CLAIM_CHECK_SIZE = "outboxer-claim-check-size"
+HEADER_CLAIM_CHECK_SHA256 = "outboxer-claim-check-sha256"
+HEADER_CLAIM_CHECK_CONTENT_TYPE = "outboxer-claim-check-content-type"
+CLAIM_CHECK_HEADERS = frozenset(
+    {
+        HEADER_CLAIM_CHECK,
+        HEADER_CLAIM_CHECK_SIZE,
+        HEADER_CLAIM_CHECK_SHA256,
+        HEADER_CLAIM_CHECK_CONTENT_TYPE,
+    }
+)
+
+#: Payloads larger than this (bytes, as stored: after encryption) are offloaded by default.
+DEFAULT_THRESHOLD = 256 * 1024
+#: An object younger than this is never swept: its transaction may still commit.
+DEFAULT_SWEEP_GRACE = 3600.0
+
+#: ``<uuid>.<encoded destination>.<16 hex>``: anything else in a store is not outboxer's.
+_NAME = re.compile(
+    r"^(?P<id>[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})"
+    r"\.(?P<destination>[A-Za-z0-9%~-]+)\.(?P<token>[0-9a-f]{16})$"
+)
+
+
+class ClaimCheckError(OutboxerError):
+    """A claim-checked payload cannot be stored or fetched as it should."""
+
+
+class ObjectNotFoundError(ClaimCheckError):
+    """The object a message refers to is not in the store (deleted by retention or a sweep)."""
+
+
+class ObjectMismatchError(ClaimCheckError):
+    """The object's size or SHA-256 is not what the message says: it was altered or swapped."""
+
+
+def encode_destination(destination: str) -> str:
+    """Percent-encoding with ``.``, ``_`` and ``~`` encoded too, so ``.`` separates the
+    parts of an object name and no name starts with a dot."""
+    return quote(destination, safe="").replace(".", "%2E").replace("_", "%5F")
+
+
+def object_name(message_id: object, destination: str) -> str:
+    """A new, never reused, object name for one row."""
+    return f"{message_id}.{encode_destination(destination)}.{secrets.token_hex(8)}"
+
+
+@dataclass(frozen=True)
+class ObjectName:
+    """An object name taken apart; :meth:`parse` refuses anything outboxer did not make."""
+
+    name: str
+    message_id: str
+    destination: str
+
+    @classmethod
+    def parse(cls, name: str) -> ObjectName | None:
+        match = _NAME.match(name)
+        if match is None:
+            return None
+        return cls(name, match.group("id"), unquote(match.group("destination")))
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    name: str
+    #: Unix time of the last write.
+    modified: float
+
+
+# ----- the ObjectStore port -------------------------------------------------------------------
+
+
+class ObjectStore(ABC):
+    """Bytes by name. Sync methods are the primitives; the async ones run them in a thread
+    (both kinds of enqueue, the relay and consumers all use one store)."""
+
+    @abstractmethod
+    def put(self, name: str, data: bytes) -> None:
+        """Store ``data`` durably under ``name`` before returning."""
+
+    @abstractmethod
+    def get(self, name: str) -> bytes:
+        """The object's bytes; raises ObjectNotFoundError."""
+
+    @abstractmethod
+    def delete(self, name: str) -> bool:
+        """Delete the object; True if it existed. Deleting a missing object is not an error."""
+
+    def delete_many(self, names: Sequence[str]) -> None:
+        """Delete these objects (missing ones are no error), in as few requests as the store
+        allows."""
+        for name in names:
+            self.delete(name)
+
+    @abstractmethod
+    def list_objects(self) -> Iterator[StoredObject]:
+        """Every object of this store (outboxer's or not: callers filter with ObjectName)."""
+
+    def close(self) -> None:  # noqa: B027 -- most stores hold nothing to close
+        """Release connections (S3's pool); the store is not used afterwards."""
+
+    @staticmethod
+    def check_name(name: str) -> ObjectName:
+        """The parsed name; ClaimCheckError for one outboxer never makes (``../etc`` from a
+        forged header never reaches a path or a bucket key)."""
+        parsed = ObjectName.parse(name)
+        if parsed is None:
+            raise ClaimCheckError(f"{name!r} is not an outboxer claim-check object name")
+        return parsed
+
+    async def put_async(self, name: str, data: bytes) -> None:
+        await asyncio.to_thread(self.put, name, data)
+
+    async def get_async(self, name: str) -> bytes:
+        return await asyncio.to_thread(self.get, name)
+
+    async def delete_async(self, name: str) -> bool:
+        return await asyncio.to_thread(self.delete, name)
+
+    async def delete_many_async(self, names: Sequence[str]) -> None:
+        await asyncio.to_thread(self.delete_many, names)
+
+    async def list_objects_async(self) -> list[StoredObject]:
+        return await asyncio.to_thread(lambda: list(self.list_objects()))
+
+
+class FileObjectStore(ObjectStore):
+    """Objects as files in one directory (``file:///var/lib/app/claim-checks``).
+
+    A put writes a temporary file, fsyncs it, renames it into place and fsyncs the
+    directory: once ``put`` returns, a crash cannot lose the object whose row commits next.
+    Files are 0600 and the directory 0700 when created here.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    def _path(self, name: str) -> Path:
+        self.check_name(name)
+        return self.directory / name
+
+    def put(self, name: str, data: bytes) -> None:
+        path = self._path(name)
+        temporary = self.directory / f".{name}.tmp"
+        write_new_file(temporary, data)
+        os.replace(temporary, path)
+        sync_directory(self.directory)
+
+    def get(self, name: str) -> bytes:
+        try:
+            return self._path(name).read_bytes()
+        except FileNotFoundError:
+            raise ObjectNotFoundError(
+                f"claim-check object {name} is not in {self.directory}"
+            ) from None
+
+    def delete(self, name: str) -> bool:
+        try:
+            self._path(name).unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+    def list_objects(self) -> Iterator[StoredObject]:
+        with os.scandir(self.directory) as entries:
+            for entry in entries:
+                if entry.name.startswith(".") or not entry.is_file(follow_symlinks=False):
+                    continue
+                try:
+                    modified = entry.stat(follow_symlinks=False).st_mtime
+                except FileNotFoundError:  # deleted while listing
+                    continue
+                yield StoredObject(entry.name, modified)
+
+    def __repr__(self) -> str:
+        return f"FileObjectStore({str(self.directory)!r})"
+
+
+class S3ObjectStore(ObjectStore):
+    """Objects in an S3 bucket (or any S3-compatible server: MinIO, Ceph, R2…) under ``prefix``.
+
+    ``s3://bucket/prefix/?endpoint_url=http://127.0.0.1:9000&region=eu-west-1``. Credentials
+    come from boto3's usual chain (environment, profile, instance role) unless given as
+    ``access_key_id`` and ``secret_access_key``. A put returns once S3 answered 200: S3's
+    writes are durable and read-after-write consistent.
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        *,
+        prefix: str = "",
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+        client: Any = None,
+    ) -> None:
+        if not bucket:
+            raise ConfigError("an S3 claim-check store needs a bucket: s3://bucket/prefix")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.endpoint_url = endpoint_url
+        if client is None:
+            try:
+                import boto3
+            except ImportError:
+                raise MissingDependencyError("boto3", "s3") from None
+            register_url_secrets(endpoint_url)
+            register_secret(secret_access_key)
+            client = boto3.session.Session().client(
+                "s3",
+                endpoint_url=endpoint_url,
+                region_name=region,
+                aws_access_key_id=access_key_id,
+                aws_secret_access_key=secret_access_key,
+            )
+        self.client = client
+
+    def _key(self, name: str) -> str:
+        self.check_name(name)
+        return self.prefix + name
+
+    def put(self, name: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=data)
+
+    def get(self, name: str) -> bytes:
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=self._key(name))
+        except Exception as exc:
+            if _s3_error_code(exc) in ("NoSuchKey", "404"):
+                raise ObjectNotFoundError(
+                    f"claim-check object {name} is not in s3://{self.bucket}/{self.prefix}"
+                ) from None
+            raise
+        body: bytes = response["Body"].read()
+        return body
+
+    def delete(self, name: str) -> bool:
+        # S3's DeleteObject answers 204 whether or not the key existed; a HEAD first tells.
+        key = self._key(name)
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=key)
+        except Exception as exc:
+            if _s3_error_code(exc) in ("NoSuchKey", "404"):
+                return False
+            raise
+        self.client.delete_object(Bucket=self.bucket, Key=key)
+        return True
+
+    def delete_many(self, names: Sequence[str]) -> None:
+        """One DeleteObjects request per 1,000 objects."""
+        for start in range(0, len(names), 1000):
+            chunk = names[start : start + 1000]
+            response = self.client.delete_objects(
+                Bucket=self.bucket,
+                Delete={"Objects": [{"Key": self._key(name)} for name in chunk], "Quiet": True},
+            )
+            errors = response.get("Errors") or []
+            if errors:
+                first = errors[0]
+                raise ClaimCheckError(
+                    f"S3 refused to delete {len(errors)} object(s), first {first.get('Key')}: "
+                    f"{first.get('Code')} {first.get('Message')}"
+                )
+
+    def list_objects(self) -> Iterator[StoredObject]:
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix):
+            for item in page.get("Contents", []):
+                yield StoredObject(
+                    item["Key"][len(self.prefix) :], item["LastModified"].timestamp()
+                )
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __repr__(self) -> str:
+        where = f" at {redact_url(self.endpoint_url)}" if self.endpoint_url else ""
+        return f"S3ObjectStore('s3://{self.bucket}/{self.prefix}'{where})"
+
+
+def _s3_error_code(exc: BaseException) -> str | None:
+    response = getattr(exc, "response", None)
+    if isinstance(response, Mapping):
+        error = response.get("Error") or {}
+        code = error.get("Code")
+        return str(code) if code is not None else None
+    return None
+
+
+def create_object_store(url: str) -> ObjectStore:
+    """``file:///absolute/dir``, ``file://relative/dir`` or ``s3://bucket/prefix?options``
+    (options: ``endpoint_url``, ``region``, ``access_key_id``, ``secret_access_key``)."""
+    register_url_secrets(url)
+    parts = urlsplit(url)
+    if parts.scheme == "file":
+        path = unquote(parts.netloc + parts.path)
+        if not path:
+            raise ConfigError("a file claim-check store needs a directory: file:///path/to/dir")
+        return FileObjectStore(path)
+    if parts.scheme == "s3":
+        options = dict(parse_qsl(parts.query))
+        unknown = set(options) - {"endpoint_url", "region", "access_key_id", "secret_access_key"}
+        if unknown:
+            raise ConfigError(
+                f"claim-check store {redact_url(url)}: unknown options {sorted(unknown)}"
+            )
+        return S3ObjectStore(
+            parts.netloc,
+            prefix=unquote(parts.path),
+            endpoint_url=options.get("endpoint_url"),
+            region=options.get("region"),
+            access_key_id=options.get("access_key_id"),
+            secret_access_key=options.get("secret_access_key"),
+        )
+    raise ConfigError(f"claim-check store must be a file:// or s3:// URL; got {redact_url(url)!r}")
+
+
+# ----- messages -------------------------------------------------------------------------------
+
+
+def is_claim_checked(message: Message) -> bool:
+    return HEADER_CLAIM_CHECK in message.headers
+
+
+@dataclass(frozen=True)
+class ClaimCheck:
+    """Offload payloads larger than ``threshold`` bytes to ``store`` (call before the INSERT)."""
+
+    store: ObjectStore
+    threshold: int = DEFAULT_THRESHOLD
+
+    def __post_init__(self) -> None:
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, int):
+            raise ConfigError("claim-check threshold must be a whole number of bytes")
+        if self.threshold < 0:
+            raise ConfigError("claim-check threshold must not be negative")
+
+    def needs_offload(self, message: Message) -> bool:
+        return len(message.payload) > self.threshold
+
+    def _reference(self, message: Message) -> tuple[str, Message]:
+        if any(name in CLAIM_CHECK_HEADERS for name in message.headers):
+            raise PayloadError(
+                f"message {message.id} already carries outboxer claim-check headers; "
+                "they are outboxer's own and cannot be given"
+            )
+        name = object_name(message.id, message.destination)
+        headers = {
+            **message.headers,
+            HEADER_CLAIM_CHECK: name,
+            HEADER_CLAIM_CHECK_SIZE: str(len(message.payload)),
+            HEADER_CLAIM_CHECK_SHA256: hashlib.sha256(message.payload).hexdigest(),
+            HEADER_CLAIM_CHECK_CONTENT_TYPE: message.content_type,
+        }
+        return name, replace(message, payload=b"", content_type=BINARY, headers=headers)
+
+    def offload(self, message: Message) -> Message:
+        """``message`` with its payload in the store and a reference in its headers, or
+        ``message`` itself when the payload is small enough. The object is durable on return."""
+        if not self.needs_offload(message):
+            return message
+        name, reference = self._reference(message)
+        self.store.put(name, message.payload)
+        return reference
+
+    async def offload_async(self, message: Message) -> Message:
+        if not self.needs_offload(message):
+            return message
+        name, reference = self._reference(message)
+        await self.store.put_async(name, message.payload)
+        return reference
+
+
+def _restore(message: Message, data: bytes) -> Message:
+    name = message.headers[HEADER_CLAIM_CHECK]
+    size = message.headers.get(HEADER_CLAIM_CHECK_SIZE)
+    digest = message.headers.get(HEADER_CLAIM_CHECK_SHA256)
+    if size is not None and size != str(len(data)):
+        raise ObjectMismatchError(
+            f"claim-check object {name} holds {len(data)} bytes; message {message.id} says {size}"
+        )
+    if digest is not None and hashlib.sha256(data).hexdigest() != digest:
+        raise ObjectMismatchError(
+            f"claim-check object {name} does not match the SHA-256 message {message.id} carries"
+        )
+    headers = {
+        name: value for name, value in message.headers.items() if name not in CLAIM_CHECK_HEADERS
+    }
+    content_type = message.headers.get(HEADER_CLAIM_CHECK_CONTENT_TYPE, BINARY)
+    return replace(message, payload=data, content_type=content_type, headers=headers)
+
+
+def _checked_reference(message: Message) -> str:
+    name = message.headers[HEADER_CLAIM_CHECK]
+    parsed = ObjectStore.check_name(name)
+    if parsed.message_id != str(message.id):
+        # A message may only fetch its own object, never another message's.
+        raise ClaimCheckError(
+            f"message {message.id} refers to claim-check object {name} of another message"
+        )
+    return name
+
+
+def fetch_payload(message: Message, store: ObjectStore) -> Message:
+    """The message with its claim-checked payload fetched, checked (size, SHA-256) and
+    restored, with its content type; a message without a claim-check comes back unchanged.
+
+    Raises ObjectNotFoundError, ObjectMismatchError or ClaimCheckError (a reference that
+    is not outboxer's, or another message's). If the outbox encrypts, decrypt afterwards:
+    ``outboxer.decrypt(fetch_payload(message, store), keyring)``.
+    """
+    if not is_claim_checked(message):
+        return message
+    return _restore(message, store.get(_checked_reference(message)))
+
+
+async def fetch_payload_async(message: Message, store: ObjectStore) -> Message:
+    if not is_claim_checked(message):
+        return message
+    return _restore(message, await store.get_async(_checked_reference(message)))
+
+
+def references(messages: Sequence[Message]) -> list[str]:
+    """The object names ``messages`` refer to."""
+    return [m.headers[HEADER_CLAIM_CHECK] for m in messages if HEADER_CLAIM_CHECK in m.headers]
+
+
+# ----- orphans --------------------------------------------------------------------------------
+
+#: Given object names, answer the subset some outbox row still refers to.
+Referenced = Callable[[Sequence[ObjectName]], Collection[str]]
+ReferencedAsync = Callable[[Sequence[ObjectName]], Awaitable[Collection[str]]]
+
+
+def _candidates(
+    objects: Iterator[StoredObject] | list[StoredObject], grace: float, now: float | None
+) -> list[ObjectName]:
+    cutoff = (time.time() if now is None else now) - grace
+    found: list[ObjectName] = []
+    for stored in objects:
+        parsed = ObjectName.parse(stored.name)
+        if parsed is not None and stored.modified < cutoff:
+            found.append(parsed)
+    return found
+
+
+def _check_grace(grace: float) -> None:
+    if grace < 0:
+        raise ConfigError("the claim-check sweep's grace period must not be negative")
+
+
+def sweep_orphans(
+    store: ObjectStore,
+    referenced: Referenced,
+    *,
+    grace: float = DEFAULT_SWEEP_GRACE,
+    batch: int = 1000,
+    now: float | None = None,
+) -> int:
+    """Delete outboxer's objects older than ``grace`` seconds that no row refers to.
+
+    ``referenced`` gets a batch of object names and answers which of them some outbox row
+    still refers to (the Store's query; any row counts, whatever its status). Objects that
+    are not outboxer's (other names) are never touched. Returns how many were deleted
+    (objects deleted by someone else between the listing and the delete count too).
+    """
+    _check_grace(grace)
+    candidates = _candidates(store.list_objects(), grace, now)
+    deleted = 0
+    for start in range(0, len(candidates), batch):
+        chunk = candidates[start : start + batch]
+        kept = set(referenced(chunk))
+        orphans = [parsed.name for parsed in chunk if parsed.name not in kept]
+        store.delete_many(orphans)
+        deleted += len(orphans)
+    if deleted:
+        logger.info("claim-check sweep deleted %d orphaned object(s)", deleted)
+    return deleted
+
+
+async def sweep_orphans_async(
+    store: ObjectStore,
+    referenced: ReferencedAsync,
+    *,
+    grace: float = DEFAULT_SWEEP_GRACE,
+    batch: int = 1000,
+    now: float | None = None,
+) -> int:
+    """:func:`sweep_orphans` for async callers (the relay): listing and deleting in threads."""
+    _check_grace(grace)
+    candidates = _candidates(await store.list_objects_async(), grace, now)
+    deleted = 0
+    for start in range(0, len(candidates), batch):
+        chunk = candidates[start : start + batch]
+        kept = set(await referenced(chunk))
+        orphans = [parsed.name for parsed in chunk if parsed.name not in kept]
+        await store.delete_many_async(orphans)
+        deleted += len(orphans)
+    if deleted:
+        logger.info("claim-check sweep deleted %d orphaned object(s)", deleted)
+    return deleted
+
+
+__all__ = [
+    "CLAIM_CHECK_HEADERS",
+    "DEFAULT_SWEEP_GRACE",
+    "DEFAULT_THRESHOLD",
+    "HEADER_CLAIM_CHECK",
+    "HEADER_CLAIM_CHECK_CONTENT_TYPE",
+    "HEADER_CLAIM_CHECK_SHA256",
+    "HEADER_CLAIM_CHECK_SIZE",
+    "ClaimCheck",
+    "ClaimCheckError",
+    "FileObjectStore",
+    "ObjectMismatchError",
+    "ObjectName",
+    "ObjectNotFoundError",
+    "ObjectStore",
+    "S3ObjectStore",
+    "StoredObject",
+    "create_object_store",
+    "fetch_payload",
+    "fetch_payload_async",
+    "is_claim_checked",
+    "object_name",
+    "references",
+    "sweep_orphans",
+    "sweep_orphans_async",
+]

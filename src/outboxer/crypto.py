@@ -1,0 +1,713 @@
+"""Encryption at rest: AES-256-GCM per payload, a key ring with rotation, per-subject keys.
+
+An encrypted message keeps its envelope (id, topic, key, user headers) readable, so the
+relay can route and order it, and replaces its payload by ``nonce || ciphertext || tag``:
+
+- **nonce**: 12 random bytes per encryption (never a counter: writers on many hosts share a
+  key, and a random 96-bit nonce needs no coordination). NIST SP 800-38D bounds a key to
+  2**32 random-nonce encryptions: rotate long before (``outboxer keys rotate``).
+- **key id** in the header ``outboxer-key-id``, so a ring holding old and new keys decrypts
+  both while rows are re-encrypted under the current one.
+- **associated data** (authenticated, not encrypted): the JSON text of
+  ``["outboxer/1", message id, destination, [[name, value], …]]``, the last item being the
+  message's ``outboxer-`` encryption headers sorted by name. A ciphertext copied into another
+  row (another id or destination), or stripped of its subject or key id, does not
+  authenticate there. The destination is bound because two destinations of one message may
+  reach different parties: one's ciphertext must not be replayable as the other's.
+- **content type**: the stored message says ``application/octet-stream`` (it is bytes until
+  decrypted); the real one travels in ``outboxer-encrypted-content-type``.
+- **sealed headers** (optional): named user headers move inside the ciphertext; the
+  plaintext is then a 4-byte big-endian length, that many bytes of a JSON object of the
+  sealed headers, then the payload, and ``outboxer-sealed-headers: 1`` says so.
+
+**Per-subject keys (crypto-shredding).** With a subject (a pseudonymous id of a person, such
+as a user's UUID; never an e-mail: the subject travels in clear in ``outboxer-subject``), the
+payload key is HKDF-SHA256 of the ring key, salted with a random 32-byte secret kept for that
+subject by a :class:`SubjectKeyStore`. Deleting the subject's secret (``KeyRing.shred``)
+makes every message of that subject undecryptable, under every ring key, including copies in
+database backups and broker logs: the secret was never stored beside them. A key derived
+from the ring key and the subject id alone could not be shredded (anyone with the ring key
+could derive it again), hence the random secret; and a secret alone is useless without the
+ring key, so the subject store may sit in the same database as the outbox.
+
+Key material never reaches a log line: every key given to a ring is registered with
+:func:`outboxer.redact.register_secret` (its base64 and hex forms), and a ring's repr shows
+key ids only.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import hashlib
+import json
+import os
+import re
+import secrets
+import struct
+import threading
+import tomllib
+import uuid
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from outboxer.durable import sync_directory, write_new_file
+from outboxer.errors import ConfigError, MissingDependencyError, OutboxerError, PayloadError
+from outboxer.message import BINARY, Message
+from outboxer.redact import register_secret
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+#: The algorithm of ``outboxer-encryption``; the only one so far.
+ALGORITHM = "A256GCM"
+HEADER_ENCRYPTION = "outboxer-encryption"
+HEADER_KEY_ID = "outboxer-key-id"
+HEADER_SUBJECT = "outboxer-subject"
+HEADER_ENCRYPTED_CONTENT_TYPE = "outboxer-encrypted-content-type"
+HEADER_SEALED_HEADERS = "outboxer-sealed-headers"
+#: Added by a relay that forwards ciphertext: the destination the payload is bound to, which
+#: a consumer needs to decrypt (informative only: the relay itself decrypts with the row's).
+HEADER_DESTINATION = "outboxer-destination"
+#: Every header the encryption owns; all of them are bound into the associated data.
+ENCRYPTION_HEADERS = frozenset(
+    {
+        HEADER_ENCRYPTION,
+        HEADER_KEY_ID,
+        HEADER_SUBJECT,
+        HEADER_ENCRYPTED_CONTENT_TYPE,
+        HEADER_SEALED_HEADERS,
+    }
+)
+
+KEY_BYTES = 32  # AES-256
+NONCE_BYTES = 12  # 96 bits: GCM's native nonce size
+TAG_BYTES = 16
+_AAD_VERSION = "outboxer/1"
+_SUBJECT_INFO = b"outboxer subject key v1\x00"
+_SEALED_LENGTH = struct.Struct(">I")
+
+DEFAULT_KEYS_ENV = "OUTBOXER_ENCRYPTION_KEYS"
+DEFAULT_CURRENT_KEY_ENV = "OUTBOXER_ENCRYPTION_CURRENT_KEY"
+
+_KEY_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$")
+MAX_SUBJECT_LENGTH = 255
+
+
+class EncryptionError(OutboxerError):
+    """A payload cannot be encrypted or decrypted; the message names the message and why."""
+
+
+class DecryptionError(EncryptionError):
+    """The ciphertext does not authenticate, or is not in outboxer's format.
+
+    Permanent: the same bytes under the same key fail the same way on every attempt.
+    """
+
+
+class KeyNotFoundError(DecryptionError):
+    """The key ring has no key of this id (or the subject's secret is gone)."""
+
+
+class SubjectKeyDeletedError(KeyNotFoundError):
+    """The subject's secret was deleted (crypto-shredded): its messages stay unreadable."""
+
+
+class KeyRingUnavailableError(EncryptionError):
+    """The key source (a KMS behind a callable) failed to answer; trying again may help."""
+
+
+@functools.cache
+def _aesgcm_class() -> type[AESGCM]:
+    try:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    except ImportError:
+        raise MissingDependencyError("cryptography", "crypto") from None
+    return AESGCM
+
+
+@functools.cache
+def _invalid_tag() -> type[Exception]:
+    from cryptography.exceptions import InvalidTag
+
+    return InvalidTag
+
+
+def _hkdf(key: bytes, salt: bytes, info: bytes) -> bytes:
+    try:
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+    except ImportError:
+        raise MissingDependencyError("cryptography", "crypto") from None
+    return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=salt, info=info).derive(key)
+
+
+def generate_key() -> str:
+    """A new random AES-256 key as base64 text, the form key rings read."""
+    return base64.b64encode(secrets.token_bytes(KEY_BYTES)).decode("ascii")
+
+
+def _register_key(material: bytes) -> None:
+    for text in (
+        base64.b64encode(material).decode("ascii"),
+        base64.urlsafe_b64encode(material).decode("ascii"),
+        base64.b64encode(material).decode("ascii").rstrip("="),
+        base64.urlsafe_b64encode(material).decode("ascii").rstrip("="),
+        material.hex(),
+    ):
+        register_secret(text)
+
+
+def check_key_id(key_id: object) -> str:
+    if not isinstance(key_id, str) or not _KEY_ID.match(key_id):
+        raise ConfigError(
+            f"key id {key_id!r} must be 1 to 64 letters, digits, '.', '_', ':' or '-', "
+            "starting with a letter or digit"
+        )
+    return key_id
+
+
+def parse_key(key_id: str, material: object) -> bytes:
+    """32 bytes from raw bytes or base64 text (standard or URL-safe, padding optional).
+
+    The error never quotes the material: a key mistyped into a config file is still a key.
+    """
+    if isinstance(material, bytes | bytearray):
+        raw = bytes(material)
+    elif isinstance(material, str):
+        text = material.strip()
+        try:
+            raw = base64.b64decode(
+                text.replace("-", "+").replace("_", "/") + "=" * (-len(text) % 4),
+                validate=True,
+            )
+        except (binascii.Error, ValueError):
+            raise ConfigError(f"key {key_id!r} is not valid base64") from None
+    else:
+        raise ConfigError(f"key {key_id!r} must be base64 text or bytes")
+    if len(raw) != KEY_BYTES:
+        raise ConfigError(
+            f"key {key_id!r} must be {KEY_BYTES} bytes (AES-256), base64-encoded; "
+            f"it decodes to {len(raw)} bytes (make one with `outboxer keys generate`)"
+        )
+    _register_key(raw)
+    return raw
+
+
+def check_subject(subject: object) -> str:
+    if (
+        not isinstance(subject, str)
+        or not subject
+        or len(subject) > MAX_SUBJECT_LENGTH
+        or not subject.isprintable()
+    ):
+        raise PayloadError(
+            f"subject must be a non-empty printable string of at most {MAX_SUBJECT_LENGTH} "
+            "characters"
+        )
+    return subject
+
+
+# ----- subject secrets ------------------------------------------------------------------------
+
+
+class SubjectKeyStore(Protocol):
+    """Where each subject's random secret lives; deleting it shreds the subject's messages.
+
+    Writers (``get_or_create``) and readers (``get``) on every host must see one store: a
+    directory on shared storage, a database table, a KMS. Deletion must be final where it
+    matters: a store whose backups keep deleted secrets for a year shreds after a year.
+    """
+
+    def get(self, subject: str) -> bytes | None:
+        """The subject's secret, or None when it never existed or was deleted."""
+        ...
+
+    def get_or_create(self, subject: str) -> bytes:
+        """The subject's secret, made (random, 32 bytes) the first time it is asked for.
+
+        Two writers creating one subject at once must end with the same secret.
+        """
+        ...
+
+    def delete(self, subject: str) -> bool:
+        """Delete the subject's secret; True if there was one."""
+        ...
+
+
+class MemorySubjectKeys:
+    """Subject secrets in this process only: tests, and single-process applications that
+    keep nothing past a restart (a restart shreds every subject)."""
+
+    def __init__(self) -> None:
+        self._secrets: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def get(self, subject: str) -> bytes | None:
+        return self._secrets.get(subject)
+
+    def get_or_create(self, subject: str) -> bytes:
+        with self._lock:
+            return self._secrets.setdefault(subject, secrets.token_bytes(KEY_BYTES))
+
+    def delete(self, subject: str) -> bool:
+        with self._lock:
+            return self._secrets.pop(subject, None) is not None
+
+    def __repr__(self) -> str:
+        return f"MemorySubjectKeys({len(self._secrets)} subjects)"
+
+
+class FileSubjectKeys:
+    """One file per subject in a directory (mode 0600), named by the SHA-256 of the subject
+    id, so neither the id nor anything about it shows in a listing.
+
+    A secret is written to a temporary file, fsynced, then linked to its name: ``link``
+    fails if the name exists, so two writers creating one subject at once agree on the first
+    one's secret, and a reader never sees a half-written file.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    def _path(self, subject: str) -> Path:
+        return self.directory / hashlib.sha256(subject.encode("utf-8")).hexdigest()
+
+    def get(self, subject: str) -> bytes | None:
+        try:
+            secret = self._path(subject).read_bytes()
+        except FileNotFoundError:
+            return None
+        if len(secret) != KEY_BYTES:
+            raise EncryptionError(
+                f"subject key file {self._path(subject)} holds {len(secret)} bytes, not "
+                f"{KEY_BYTES}: it was altered"
+            )
+        return secret
+
+    def get_or_create(self, subject: str) -> bytes:
+        existing = self.get(subject)
+        if existing is not None:
+            return existing
+        path = self._path(subject)
+        temporary = self.directory / f".{path.name}.{secrets.token_hex(8)}.tmp"
+        secret = secrets.token_bytes(KEY_BYTES)
+        write_new_file(temporary, secret)
+        try:
+            os.link(temporary, path)
+        except FileExistsError:  # another writer made it first: its secret wins
+            winner = self.get(subject)
+            if winner is None:  # made and deleted (shredded) in between: make it again
+                return self.get_or_create(subject)
+            return winner
+        finally:
+            temporary.unlink()
+        sync_directory(self.directory)
+        return secret
+
+    def delete(self, subject: str) -> bool:
+        try:
+            self._path(subject).unlink()
+        except FileNotFoundError:
+            return False
+        sync_directory(self.directory)
+        return True
+
+    def __repr__(self) -> str:
+        return f"FileSubjectKeys({str(self.directory)!r})"
+
+
+# ----- the key ring ---------------------------------------------------------------------------
+
+
+class KeyRing:
+    """Keys by id, one of them current (new encryptions use it), and the subject secrets.
+
+    ``KeyRing({"2025-10": old, "2025-11": new})`` makes the last key current; or name it with
+    ``current=``. Keys are 32 bytes, or base64 text of 32 bytes. ``from_env``, ``from_file``
+    and ``from_callable`` (a KMS) build rings from other sources.
+    """
+
+    def __init__(
+        self,
+        keys: Mapping[str, bytes | str] | None = None,
+        current: str | None = None,
+        *,
+        subjects: SubjectKeyStore | None = None,
+        resolve: Callable[[str], bytes | str | None] | None = None,
+    ) -> None:
+        self._keys: dict[str, bytes] = {
+            check_key_id(key_id): parse_key(key_id, material)
+            for key_id, material in (keys or {}).items()
+        }
+        self._resolve = resolve
+        self._lock = threading.Lock()
+        if current is None:
+            if not self._keys:
+                raise ConfigError("a key ring needs at least one key, or current= naming one")
+            current = list(self._keys)[-1]
+        self.current_key_id = check_key_id(current)
+        if resolve is None and current not in self._keys:
+            raise ConfigError(
+                f"current key {current!r} is not among the ring's keys ({', '.join(self._keys)})"
+            )
+        self.subjects = subjects
+        self._ciphers: dict[tuple[str, bytes], AESGCM] = {}
+
+    # ----- sources -----------------------------------------------------------------------------
+
+    @classmethod
+    def from_env(
+        cls,
+        var: str = DEFAULT_KEYS_ENV,
+        current_var: str = DEFAULT_CURRENT_KEY_ENV,
+        *,
+        environ: Mapping[str, str] | None = None,
+        subjects: SubjectKeyStore | None = None,
+    ) -> KeyRing:
+        """Keys from ``id=base64,id=base64`` in ``var``; the current one named by
+        ``current_var``, else the last listed (add a new key at the end to rotate)."""
+        env = os.environ if environ is None else environ
+        text = env.get(var, "").strip()
+        if not text:
+            raise ConfigError(f"{var} is empty: set it to id=base64key[,id=base64key…]")
+        keys: dict[str, str] = {}
+        for item in text.split(","):
+            key_id, sep, material = item.strip().partition("=")
+            if not sep or not key_id.strip():
+                raise ConfigError(f"{var}: each entry must be id=base64key (entry {len(keys) + 1})")
+            if key_id.strip() in keys:
+                raise ConfigError(f"{var}: key id {key_id.strip()!r} is listed twice")
+            keys[key_id.strip()] = material
+        return cls(keys, env.get(current_var) or None, subjects=subjects)
+
+    @classmethod
+    def from_file(
+        cls, path: str | os.PathLike[str], *, subjects: SubjectKeyStore | None = None
+    ) -> KeyRing:
+        """Keys from a TOML file (a ``.json`` file is read as JSON), shaped as::
+
+        current = "2025-11"            # optional: else the last key listed
+        [keys]
+        "2025-10" = "base64…"
+        "2025-11" = "base64…"
+        """
+        source = Path(path)
+        try:
+            text = source.read_text("utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read key file {source}: {exc.strerror}") from None
+        try:
+            data: Any = json.loads(text) if source.suffix == ".json" else tomllib.loads(text)
+        except (ValueError, tomllib.TOMLDecodeError):
+            # The parser's message may quote a line of the file, that is, a key.
+            raise ConfigError(f"key file {source} is not valid TOML/JSON") from None
+        if not isinstance(data, dict) or not isinstance(data.get("keys"), dict):
+            raise ConfigError(f"key file {source} needs a [keys] table of id = base64key")
+        unknown = set(data) - {"keys", "current"}
+        if unknown:
+            raise ConfigError(f"key file {source} has unknown entries {sorted(unknown)}")
+        current = data.get("current")
+        if current is not None and not isinstance(current, str):
+            raise ConfigError(f"key file {source}: current must be a key id")
+        return cls(data["keys"], current, subjects=subjects)
+
+    @classmethod
+    def from_callable(
+        cls,
+        fetch: Callable[[str], bytes | str | None],
+        current: str,
+        *,
+        subjects: SubjectKeyStore | None = None,
+    ) -> KeyRing:
+        """Keys fetched by id from your KMS: ``fetch(key_id)`` returns the key (bytes or
+        base64), or None for an id it does not know. Each key is fetched once per ring; an
+        exception from ``fetch`` becomes :class:`KeyRingUnavailableError` (retryable)."""
+        return cls(None, current, subjects=subjects, resolve=fetch)
+
+    # ----- keys --------------------------------------------------------------------------------
+
+    @property
+    def key_ids(self) -> list[str]:
+        """Ids of the keys loaded so far (for a callable ring, those fetched so far)."""
+        return list(self._keys)
+
+    def key(self, key_id: str) -> bytes:
+        """The key of this id; raises KeyNotFoundError (or KeyRingUnavailableError)."""
+        known = self._keys.get(key_id)
+        if known is not None:
+            return known
+        if self._resolve is None:
+            raise KeyNotFoundError(
+                f"no key {key_id!r} in the key ring (it has {', '.join(self._keys)})"
+            )
+        try:
+            fetched = self._resolve(key_id)
+        except Exception as exc:
+            raise KeyRingUnavailableError(
+                f"fetching key {key_id!r} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        if fetched is None:
+            raise KeyNotFoundError(f"the key source has no key {key_id!r}")
+        material = parse_key(key_id, fetched)
+        with self._lock:
+            self._keys.setdefault(key_id, material)
+        return material
+
+    def shred(self, subject: str) -> bool:
+        """Delete the subject's secret: its messages can never be decrypted again."""
+        return self._subject_store().delete(check_subject(subject))
+
+    def _subject_store(self) -> SubjectKeyStore:
+        if self.subjects is None:
+            raise ConfigError("this key ring has no subject key store (subjects=...)")
+        return self.subjects
+
+    def _cipher(self, key_id: str, subject: str | None, create: bool) -> AESGCM:
+        material = self.key(key_id)
+        if subject is not None:
+            store = self._subject_store()
+            secret = store.get_or_create(subject) if create else store.get(subject)
+            if secret is None:
+                raise SubjectKeyDeletedError(
+                    f"subject {subject!r} has no key: it was deleted (crypto-shredded) or "
+                    "never made"
+                )
+            # HKDF's salt: the subject's random secret; its info: the subject id, so one
+            # secret could never serve two subjects.
+            material = _hkdf(material, secret, _SUBJECT_INFO + subject.encode("utf-8"))
+        cache_key = (key_id, material)
+        cipher = self._ciphers.get(cache_key)
+        if cipher is None:
+            cipher = _aesgcm_class()(material)
+            with self._lock:
+                if len(self._ciphers) > 1024:  # per-subject keys: bound the cache
+                    self._ciphers.clear()
+                self._ciphers[cache_key] = cipher
+        return cipher
+
+    # ----- payloads ----------------------------------------------------------------------------
+
+    def encrypt(
+        self,
+        payload: bytes,
+        message_id: uuid.UUID | str,
+        destination: str,
+        subject: str | None = None,
+        *,
+        content_type: str | None = None,
+        sealed_headers: Mapping[str, str] | None = None,
+    ) -> tuple[bytes, dict[str, str]]:
+        """``payload`` sealed for one row; returns the stored bytes and the headers to add."""
+        headers = {HEADER_ENCRYPTION: ALGORITHM, HEADER_KEY_ID: self.current_key_id}
+        if subject is not None:
+            headers[HEADER_SUBJECT] = check_subject(subject)
+        if content_type is not None:
+            headers[HEADER_ENCRYPTED_CONTENT_TYPE] = content_type
+        plaintext = payload
+        if sealed_headers:
+            headers[HEADER_SEALED_HEADERS] = "1"
+            packed = json.dumps(
+                dict(sealed_headers), separators=(",", ":"), ensure_ascii=False
+            ).encode("utf-8")
+            plaintext = _SEALED_LENGTH.pack(len(packed)) + packed + payload
+        cipher = self._cipher(self.current_key_id, subject, create=True)
+        nonce = os.urandom(NONCE_BYTES)
+        sealed = cipher.encrypt(nonce, plaintext, associated_data(message_id, destination, headers))
+        return nonce + sealed, headers
+
+    def decrypt_payload(
+        self,
+        stored: bytes,
+        headers: Mapping[str, str],
+        message_id: uuid.UUID | str,
+        destination: str,
+    ) -> tuple[bytes, dict[str, str]]:
+        """The payload and the sealed headers (empty if none) of one encrypted row.
+
+        Raises KeyNotFoundError, SubjectKeyDeletedError, DecryptionError (permanent) or
+        KeyRingUnavailableError (the key source failed: retry).
+        """
+        algorithm = headers.get(HEADER_ENCRYPTION)
+        if algorithm != ALGORITHM:
+            raise DecryptionError(
+                f"message {message_id}: unknown encryption {algorithm!r} (expected {ALGORITHM})"
+            )
+        key_id = headers.get(HEADER_KEY_ID)
+        if not key_id:
+            raise DecryptionError(f"message {message_id}: encrypted, but names no key id")
+        if len(stored) < NONCE_BYTES + TAG_BYTES:
+            raise DecryptionError(
+                f"message {message_id}: {len(stored)} bytes are too short for an AES-GCM ciphertext"
+            )
+        cipher = self._cipher(key_id, headers.get(HEADER_SUBJECT), create=False)
+        bound = {name: value for name, value in headers.items() if name in ENCRYPTION_HEADERS}
+        try:
+            plaintext = cipher.decrypt(
+                stored[:NONCE_BYTES],
+                stored[NONCE_BYTES:],
+                associated_data(message_id, destination, bound),
+            )
+        except _invalid_tag():
+            raise DecryptionError(
+                f"message {message_id} (destination {destination!r}) does not authenticate "
+                f"under key {key_id!r}: the key is wrong, or the ciphertext was altered or "
+                "copied from another message or destination"
+            ) from None
+        if headers.get(HEADER_SEALED_HEADERS) != "1":
+            return plaintext, {}
+        return _unpack_sealed(plaintext, message_id)
+
+    def __repr__(self) -> str:
+        source = "callable" if self._resolve is not None else "static"
+        return (
+            f"KeyRing(current={self.current_key_id!r}, keys={self.key_ids!r}, {source}, "
+            f"subjects={self.subjects!r})"
+        )
+
+
+def associated_data(
+    message_id: uuid.UUID | str, destination: str, headers: Mapping[str, str]
+) -> bytes:
+    """What the ciphertext is bound to (module docstring): id, destination, encryption headers."""
+    bound = sorted([name, value] for name, value in headers.items() if name in ENCRYPTION_HEADERS)
+    return json.dumps(
+        [_AAD_VERSION, str(message_id), destination, bound],
+        separators=(",", ":"),
+        ensure_ascii=False,
+    ).encode("utf-8")
+
+
+def _unpack_sealed(plaintext: bytes, message_id: object) -> tuple[bytes, dict[str, str]]:
+    try:
+        (length,) = _SEALED_LENGTH.unpack_from(plaintext)
+        end = _SEALED_LENGTH.size + length
+        sealed = json.loads(plaintext[_SEALED_LENGTH.size : end])
+    except (struct.error, ValueError):
+        raise DecryptionError(f"message {message_id}: its sealed headers are malformed") from None
+    if not isinstance(sealed, dict) or not all(
+        isinstance(name, str) and isinstance(value, str) for name, value in sealed.items()
+    ):
+        raise DecryptionError(f"message {message_id}: its sealed headers are malformed")
+    return plaintext[end:], sealed
+
+
+# ----- messages -------------------------------------------------------------------------------
+
+
+def is_encrypted(message: Message) -> bool:
+    return HEADER_ENCRYPTION in message.headers
+
+
+def encrypt_message(
+    message: Message,
+    keyring: KeyRing,
+    *,
+    subject: str | None = None,
+    seal_headers: bool | Collection[str] = False,
+) -> Message:
+    """``message`` as it is stored encrypted: payload sealed, content type octet-stream,
+    encryption headers added; ``seal_headers`` (True for every user header, or some names)
+    moves those headers inside the ciphertext."""
+    if any(name in ENCRYPTION_HEADERS for name in message.headers):
+        raise PayloadError(
+            f"message {message.id} already carries outboxer encryption headers; "
+            "they are outboxer's own and cannot be given"
+        )
+    if isinstance(seal_headers, str):  # one name, not its characters
+        seal_headers = {seal_headers}
+    if seal_headers is True:
+        sealed = dict(message.headers)
+    elif seal_headers:
+        sealed = {name: value for name, value in message.headers.items() if name in seal_headers}
+    else:
+        sealed = {}
+    kept = {name: value for name, value in message.headers.items() if name not in sealed}
+    stored, added = keyring.encrypt(
+        message.payload,
+        message.id,
+        message.destination,
+        subject,
+        content_type=message.content_type,
+        sealed_headers=sealed,
+    )
+    return replace(message, payload=stored, content_type=BINARY, headers={**kept, **added})
+
+
+def decrypt(message: Message, keyring: KeyRing, *, destination: str | None = None) -> Message:
+    """The plaintext ``message``: payload, content type and sealed headers restored,
+    encryption headers removed. A message that is not encrypted comes back unchanged.
+
+    ``destination`` is the outboxer destination the message was encrypted for; it defaults
+    to the ``outboxer-destination`` header a relay adds to ciphertext it forwards, then to
+    ``message.destination``. Raises the errors of :meth:`KeyRing.decrypt_payload`.
+    """
+    if not is_encrypted(message):
+        return message
+    target = destination or message.headers.get(HEADER_DESTINATION) or message.destination
+    payload, sealed = keyring.decrypt_payload(message.payload, message.headers, message.id, target)
+    headers = {
+        name: value
+        for name, value in message.headers.items()
+        if name not in ENCRYPTION_HEADERS and name != HEADER_DESTINATION
+    }
+    headers.update(sealed)
+    content_type = message.headers.get(HEADER_ENCRYPTED_CONTENT_TYPE, BINARY)
+    return replace(message, payload=payload, content_type=content_type, headers=headers)
+
+
+def reencrypt(message: Message, keyring: KeyRing) -> Message | None:
+    """``message`` encrypted under the ring's current key (a fresh nonce, the same subject and
+    sealed headers), or None when it already is (or is not encrypted at all)."""
+    if not is_encrypted(message) or message.headers.get(HEADER_KEY_ID) == keyring.current_key_id:
+        return None
+    sealed_before = message.headers.get(HEADER_SEALED_HEADERS) == "1"
+    plain = decrypt(message, keyring)
+    user_headers = {name for name in plain.headers if name not in message.headers}
+    return encrypt_message(
+        plain,
+        keyring,
+        subject=message.headers.get(HEADER_SUBJECT),
+        seal_headers=user_headers if sealed_before else False,
+    )
+
+
+def keys_in_use(messages: Iterable[Message]) -> set[str]:
+    """The key ids ``messages`` are encrypted under (for checking a ring before retiring a key)."""
+    return {
+        key_id for message in messages if (key_id := message.headers.get(HEADER_KEY_ID)) is not None
+    }
+
+
+__all__ = [
+    "ALGORITHM",
+    "DEFAULT_CURRENT_KEY_ENV",
+    "DEFAULT_KEYS_ENV",
+    "ENCRYPTION_HEADERS",
+    "HEADER_DESTINATION",
+    "HEADER_ENCRYPTED_CONTENT_TYPE",
+    "HEADER_ENCRYPTION",
+    "HEADER_KEY_ID",
+    "HEADER_SEALED_HEADERS",
+    "HEADER_SUBJECT",
+    "DecryptionError",
+    "EncryptionError",
+    "FileSubjectKeys",
+    "KeyNotFoundError",
+    "KeyRing",
+    "KeyRingUnavailableError",
+    "MemorySubjectKeys",
+    "SubjectKeyDeletedError",
+    "SubjectKeyStore",
+    "associated_data",
+    "decrypt",
+    "encrypt_message",
+    "generate_key",
+    "is_encrypted",
+    "keys_in_use",
+    "reencrypt",
+]

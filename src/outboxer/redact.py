@@ -1,0 +1,173 @@
+"""One place that decides what a secret looks like, used by every log line, error and API answer.
+
+Three kinds of secret reach outboxer: the password in a URL (``amqp://u:PASS@host``), a
+whole user part that is itself the credential (``nats://TOKEN@host``), and query options
+that carry keys (``?api_key=…``, ``?code=…``, ``?sasl_password=…``). ``redact_url`` hides
+all three; ``redact_text`` finds URLs inside free text (a driver's exception message) and
+hides theirs, and also any value registered with ``register_secret`` (a webhook signing
+secret or an HTTP token is not in a URL, yet may be echoed by a library's error).
+
+``RedactingFilter`` applies ``redact_text`` to log records. Every outboxer logger carries
+it (``get_logger``), so records are clean before any handler of the application sees them.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+MASK = "***"
+
+#: A query option whose lower-cased name contains one of these carries a credential.
+#: Broad on purpose: hiding a harmless value costs a little debugging, showing a key costs a
+#: rotation. "key" covers api_key, apikey, access_key, ssl_keyfile; "code" Azure-style
+#: function codes; "sig" signed URLs.
+SECRET_OPTION_WORDS = (
+    "pass",
+    "pwd",
+    "secret",
+    "token",
+    "key",
+    "code",
+    "auth",
+    "cred",
+    "sig",
+    "session",
+    "cookie",
+    "jwt",
+    "seed",
+)
+
+#: Schemes whose bare user part (no ``:password``) is a token, not a user name.
+TOKEN_USER_SCHEMES = frozenset({"nats", "tls", "ws", "wss"})
+
+#: Registered secrets shorter than this are not searched for in free text: masking every
+#: "test" or "guest" in every line would garble logs, and URL redaction already covers them.
+MIN_REGISTERED_SECRET = 8
+
+_URL_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.\-]{1,30}://[^\s'\"<>`]+")
+#: ``user:password@host`` without a scheme (a mistyped URL): the password is hidden too.
+_BARE_CREDENTIALS = re.compile(r"(?<![\w/:])([\w.%+\-]+):([^\s@/:'\"]+)@")
+_registered: set[str] = set()
+_registered_lock = threading.Lock()
+
+
+def is_secret_option(name: str) -> bool:
+    """Whether a query option or adapter option of this name holds a credential."""
+    lowered = unquote(name).lower()
+    return any(word in lowered for word in SECRET_OPTION_WORDS)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password, token user part and secret query values replaced by ``***``.
+
+    Never raises: a string that does not parse as a URL is returned through ``redact_text``'s
+    registered-secret masking only, so an error message about a malformed URL stays useful
+    without echoing a password (the netloc is masked whole when it cannot be split).
+    """
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc
+    except ValueError:
+        return _mask_registered(re.sub(r"//[^/?#]*@", f"//{MASK}@", url))
+    userinfo, at, hosts = netloc.rpartition("@")
+    if at:
+        user, has_password, _ = userinfo.partition(":")
+        if has_password:
+            netloc = f"{user}:{MASK}@{hosts}"
+        elif parts.scheme.lower() in TOKEN_USER_SCHEMES:
+            netloc = f"{MASK}@{hosts}"
+    query = "&".join(
+        f"{pair.partition('=')[0]}={MASK}" if is_secret_option(pair.partition("=")[0]) else pair
+        for pair in parts.query.split("&")
+        if pair
+    )
+    fragment = MASK if parts.fragment else ""
+    return _mask_registered(
+        urlunsplit(parts._replace(netloc=netloc, query=query, fragment=fragment))
+    )
+
+
+def redact_text(text: str) -> str:
+    """Free text with every URL in it redacted and every registered secret masked."""
+    text = _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
+    text = _BARE_CREDENTIALS.sub(lambda m: f"{m.group(1)}:{MASK}@", text)
+    return _mask_registered(text)
+
+
+def register_secret(value: str | None) -> None:
+    """Mask ``value`` wherever it appears in redacted text from now on (process-wide)."""
+    if value and len(value) >= MIN_REGISTERED_SECRET:
+        with _registered_lock:
+            _registered.add(value)
+
+
+def register_url_secrets(url: str | None) -> None:
+    """Register the password, token user part and secret query values of ``url``."""
+    if not url:
+        return
+    try:
+        parts = urlsplit(url)
+        userinfo, at, _ = parts.netloc.rpartition("@")
+    except ValueError:
+        return
+    if at:
+        user, has_password, password = userinfo.partition(":")
+        register_secret(unquote(password) if has_password else None)
+        if not has_password and parts.scheme.lower() in TOKEN_USER_SCHEMES:
+            register_secret(unquote(user))
+    for pair in parts.query.split("&"):
+        name, _, value = pair.partition("=")
+        if is_secret_option(name):
+            register_secret(unquote(value))
+
+
+def _mask_registered(text: str) -> str:
+    if not _registered:
+        return text
+    with _registered_lock:
+        secrets = sorted(_registered, key=len, reverse=True)  # longest first: no partial leftovers
+    for secret in secrets:
+        if secret in text:
+            text = text.replace(secret, MASK)
+    return text
+
+
+class RedactingFilter(logging.Filter):
+    """Rewrites a record's message (and its traceback text) through ``redact_text``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except (TypeError, ValueError):  # a malformed %-format: keep the raw parts, redacted
+            message = f"{record.msg} {record.args}"
+        record.msg = redact_text(message)
+        record.args = None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = redact_text(logging.Formatter().formatException(record.exc_info))
+        return True
+
+
+_FILTER = RedactingFilter()
+
+
+def get_logger(name: str) -> logging.Logger:
+    """``logging.getLogger(name)`` carrying the redacting filter (once)."""
+    logger = logging.getLogger(name)
+    if _FILTER not in logger.filters:
+        logger.addFilter(_FILTER)
+    return logger
+
+
+__all__ = [
+    "MASK",
+    "RedactingFilter",
+    "get_logger",
+    "is_secret_option",
+    "redact_text",
+    "redact_url",
+    "register_secret",
+    "register_url_secrets",
+]
