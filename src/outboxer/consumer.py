@@ -412,7 +412,7 @@ class Consumer:
                 logger.warning("%s; reconnecting", exc)
                 continue
             if not received:
-                if self.exit_when_idle and self._held == 0:
+                if self.exit_when_idle and self._held == 0 and self.receiver.idle():
                     self.stop()
                 continue
             for incoming in received:

@@ -310,6 +310,11 @@ class Receiver(ABC):
         """Hand back messages that will not be applied here (shutdown), for prompt redelivery."""
         return None
 
+    def idle(self) -> bool:
+        """Whether an empty receive means the broker has nothing more for now (``exit_when_idle``);
+        False while the receiver is still getting ready (joining a group, waiting)."""
+        return True
+
     # ----- public behaviour -----------------------------------------------------------------
 
     @property

@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -47,6 +48,9 @@ logger = logging.getLogger("outboxer.kafka")
 #: Producer settings the publisher adds that a consumer has no use for.
 _PRODUCER_ONLY = (*ENFORCED, "message.timeout.ms", "logger")
 _POLL = 0.1
+#: Seconds without a message after which an assigned member counts as idle (a partition's
+#: first fetch after an assignment takes a round trip or two).
+_QUIET = 2.0
 
 
 @dataclass
@@ -101,6 +105,8 @@ class KafkaReceiver(Receiver):
         self._epoch = 0
         #: Messages handed to the event loop and not yet taken by the runner.
         self._waiting = 0
+        #: When an assignment or a message last came (``idle``).
+        self._last_news = 0.0
 
     @property
     def _kafka(self) -> KafkaPublisher:
@@ -150,6 +156,7 @@ class KafkaReceiver(Receiver):
                 if received:
                     with self._lock:
                         self._waiting += len(received)
+                        self._last_news = time.monotonic()
                     loop.call_soon_threadsafe(self._deliver, received)
             self._commit(consumer)  # the last acks
         except Exception as exc:  # noqa: BLE001 -- reported to the runner, which reconnects
@@ -208,9 +215,16 @@ class KafkaReceiver(Receiver):
 
     def _on_assign(self, consumer: Consumer, assigned: list[TopicPartition]) -> None:
         with self._lock:
+            self._last_news = time.monotonic()
             self._epoch += 1
             for tp in assigned:
                 self._partitions[(tp.topic, tp.partition)] = _Partition(self._epoch)
+
+    def idle(self) -> bool:
+        """Idle once the group gave this member partitions and nothing came for a while since
+        (an empty poll before that, or right after, says nothing about the topics)."""
+        with self._lock:
+            return bool(self._partitions) and time.monotonic() - self._last_news > _QUIET
 
     def _on_revoke(self, consumer: Consumer, revoked: list[TopicPartition]) -> None:
         """Before the partitions go: what is done is committed, the rest is the new owner's."""

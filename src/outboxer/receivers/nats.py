@@ -80,6 +80,7 @@ class NatsReceiver(Receiver):
         self._turn = 0
         self._lost = asyncio.Event()
         self._pull_after = 0.0
+        self._pulled_nothing = False
 
     @property
     def _nats(self) -> NatsPublisher:
@@ -135,6 +136,9 @@ class NatsReceiver(Receiver):
         loop = asyncio.get_running_loop()
         self._pull_after = loop.time() + self.ack_wait if unacked else 0.0
 
+    def idle(self) -> bool:
+        return self._pulled_nothing
+
     async def _close(self) -> None:
         nc, self._nc = self._nc, None
         self._subscriptions = []
@@ -148,6 +152,7 @@ class NatsReceiver(Receiver):
             raise ConnectionError("the connection to NATS is closed")
         loop = asyncio.get_running_loop()
         wait = self._pull_after - loop.time()
+        self._pulled_nothing = False
         if wait > 0:
             await asyncio.sleep(min(wait, timeout))
             return []
@@ -156,6 +161,7 @@ class NatsReceiver(Receiver):
         try:
             messages = await subscription.fetch(limit, timeout / len(self._subscriptions))
         except (TimeoutError, nats.errors.TimeoutError):
+            self._pulled_nothing = True  # a real pull found nothing (not the startup wait)
             return []
         received = []
         for message in messages:
