@@ -54,12 +54,14 @@ from outboxer.brokers.base import describe
 from outboxer.consumer_db import BatchFailed, Result, Session, session_factory
 from outboxer.errors import BrokerUnavailableError, ConfigError, PayloadError, SchemaError
 from outboxer.receivers import create_receiver
-from outboxer.receivers.base import Delivery, Incoming, Receiver
+from outboxer.receivers.base import Delivery, Incoming, MalformedMessage, Receiver, decode_payload
 from outboxer.relay import OUTAGE_BACKOFF
 from outboxer.retry import Backoff
 from outboxer.stores import create_store
 
 if TYPE_CHECKING:
+    from outboxer.claimcheck import ObjectStore
+    from outboxer.crypto import KeyRing
     from outboxer.http import Metric
 
 logger = logging.getLogger("outboxer.consumer")
@@ -158,6 +160,8 @@ class Consumer:
         broker_options: Mapping[str, Any] | None = None,
         async_driver: str | None = None,
         exit_when_idle: bool = False,
+        keyring: KeyRing | None = None,
+        object_store: ObjectStore | None = None,
     ) -> None:
         if not 1 <= concurrency <= 256:
             raise ConfigError("concurrency must be between 1 and 256")
@@ -183,6 +187,10 @@ class Consumer:
         self.table = table
         self.shutdown_timeout = shutdown_timeout
         self.exit_when_idle = exit_when_idle
+        #: Payload protection undone before the handler: claim-checked payloads are fetched
+        #: from ``object_store``, encrypted ones decrypted with ``keyring``.
+        self.keyring = keyring
+        self.object_store = object_store
         self._receiver: Receiver | None
         if broker is None or isinstance(broker, Receiver):
             self._receiver = broker  # None: only for replaying dead letters
@@ -470,6 +478,14 @@ class Consumer:
         """Apply the heads of ``lanes`` in one transaction, then ack them (see DESIGN)."""
         todo: list[_Lane] = []
         for lane in lanes:
+            if lane.head.malformed is None and (self.keyring or self.object_store):
+                try:
+                    lane.head.delivery = await self.unwrap(lane.head.delivery)
+                except Unreadable as exc:
+                    lane.head.malformed = str(exc)
+                except Exception as exc:  # noqa: BLE001 -- the object store may be back later
+                    await self._failed(session, lane, exc)
+                    continue
             if lane.head.malformed is not None:
                 await self._dead_letter(session, lane, lane.head.malformed, 0, malformed=True)
             else:
@@ -523,6 +539,48 @@ class Consumer:
                     self.stats.dead_lettered += 1
             await self._done(todo)
             return
+
+    async def unwrap(self, delivery: Delivery) -> Delivery:
+        """``delivery`` with its claim-checked payload fetched and its encryption undone
+        (unchanged when it has neither). Unreadable for what no retry will fix (a ciphertext
+        that does not authenticate, an object that does not match)."""
+        from outboxer.message import Message
+
+        message = Message(
+            id=delivery.id,
+            topic=delivery.topic,
+            payload=delivery.body,
+            key=delivery.key,
+            headers=delivery.headers,
+            content_type=delivery.content_type,
+            created_at=delivery.created_at,
+        )
+        try:
+            if self.object_store is not None:
+                from outboxer.claimcheck import fetch_payload_async
+
+                message = await fetch_payload_async(message, self.object_store)
+            if self.keyring is not None:
+                from outboxer.crypto import decrypt
+
+                message = decrypt(message, self.keyring)
+        except Exception as exc:
+            if _permanent(exc):
+                raise Unreadable(describe(exc)) from exc
+            raise
+        if message.payload is delivery.body and message.headers is delivery.headers:
+            return delivery
+        try:
+            payload = decode_payload(message.payload, message.content_type)
+        except MalformedMessage as exc:
+            raise Unreadable(str(exc)) from exc
+        return dataclasses.replace(
+            delivery,
+            headers=message.headers,
+            payload=payload,
+            body=message.payload,
+            content_type=message.content_type,
+        )
 
     def _timed(self, handler: Handler) -> Handler:
         stats, lock = self.stats, self._stats_lock
@@ -655,26 +713,44 @@ class Consumer:
                     continue
                 retry = dataclasses.replace(delivery, attempt=letter.attempts + 1)
                 try:
+                    retry = await self.unwrap(retry)
                     [result] = await session.apply(
                         self.group, [retry], self._timed_handler, hold_keys=False, replaying=True
                     )
+                    counts["replayed" if result is Result.APPLIED else "duplicates"] += 1
+                    continue
                 except BatchFailed as failure:
                     if session.lost(failure.cause):
                         raise failure.cause from failure
-                    error = {"error": describe(failure.cause)[:4000]}
-                    await session.run(
-                        "failed_again", {**session.id_params(self.group, delivery.id), **error}
-                    )
-                    counts["failed"] += 1
-                    logger.warning("dead letter %s failed again: %s", delivery.id, error["error"])
-                    if delivery.key is not None and self.abandoned_blocks_key:
-                        blocked.add(delivery.key)
-                    continue
-                counts["replayed" if result is Result.APPLIED else "duplicates"] += 1
+                    cause: BaseException = failure.cause
+                except Exception as exc:  # noqa: BLE001 -- unwrapping failed: recorded below
+                    cause = exc
+                error = {"error": describe(cause)[:4000]}
+                await session.run(
+                    "failed_again", {**session.id_params(self.group, delivery.id), **error}
+                )
+                counts["failed"] += 1
+                logger.warning("dead letter %s failed again: %s", delivery.id, error["error"])
+                if delivery.key is not None and self.abandoned_blocks_key:
+                    blocked.add(delivery.key)
         finally:
             await session.close()
             executor.shutdown(wait=False)
         return counts
+
+
+class Unreadable(Exception):
+    """A payload no retry will make readable: the message is dead-lettered at once."""
+
+
+def _permanent(exc: BaseException) -> bool:
+    """Decryption and claim-check failures that the same message meets again."""
+    from outboxer.claimcheck import ClaimCheckError, ObjectNotFoundError
+    from outboxer.crypto import DecryptionError, KeyRingUnavailableError
+
+    if isinstance(exc, KeyRingUnavailableError | ObjectNotFoundError):
+        return False  # a KMS or an object store that may answer later
+    return isinstance(exc, DecryptionError | ClaimCheckError)
 
 
 def parse_message_id(value: str) -> uuid.UUID:
@@ -772,6 +848,7 @@ __all__ = [
     "ConsumerStats",
     "Delivery",
     "Handler",
+    "Unreadable",
     "consumer_metrics",
     "load_handler",
     "parse_message_id",

@@ -244,3 +244,37 @@ def test_a_broker_outage_reconnects_and_redelivers_what_was_not_acked(db: str, b
     assert stats.broker_errors >= 1 and stats.failed == 0
     state = group_state(broker, "g")
     assert not state.unacked
+
+
+def test_encrypted_and_claim_checked_payloads_reach_the_handler_as_plaintext(
+    db: str, broker: str, tmp_path: Any
+) -> None:
+    import dataclasses
+    import os
+
+    from outboxer.claimcheck import ClaimCheck, FileObjectStore
+    from outboxer.crypto import KeyRing, encrypt_message
+
+    keyring = KeyRing({"k1": os.urandom(32)})
+    store = FileObjectStore(tmp_path / "objects")
+    sealed = encrypt_message(make_message("t", {"n": 1}, key="a"), keyring)
+    offloaded = ClaimCheck(store, threshold=10).offload(make_message("t", {"n": 2, "x": "y" * 50}))
+    both = ClaimCheck(store, threshold=10).offload(
+        encrypt_message(make_message("t", {"n": 3, "x": "z" * 50}), keyring)
+    )
+    tampered = encrypt_message(make_message("t", {"n": 4}, key="b"), keyring)
+    tampered = dataclasses.replace(tampered, payload=tampered.payload[:-1] + b"\x00")
+    publish(broker, sealed, offloaded, both, tampered)
+    seen: list[Delivery] = []
+
+    def keep(delivery: Delivery, conn: sqlite3.Connection) -> None:
+        seen.append(delivery)
+        record(delivery, conn)
+
+    _, stats = consume(db, broker, keep, keyring=keyring, object_store=store)
+    assert sorted(d.payload["n"] for d in seen) == [1, 2, 3]
+    assert all(d.content_type == "application/json" for d in seen)
+    assert all(not any(h.startswith("outboxer-") for h in d.headers) for d in seen)
+    [letter] = dead_letters(db)
+    assert letter[0] == "b" and letter[1].startswith("DecryptionError") and letter[2] == 0
+    assert (stats.applied, stats.dead_lettered, stats.malformed) == (3, 1, 1)

@@ -34,7 +34,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from outboxer.brokers.base import describe
 from outboxer.brokers.webhook import (
@@ -44,7 +44,7 @@ from outboxer.brokers.webhook import (
     RESERVED_PREFIX,
     decode_header_value,
 )
-from outboxer.consumer import Consumer, Handler
+from outboxer.consumer import Consumer, Handler, Unreadable
 from outboxer.consumer_db import BatchFailed, Result, Session
 from outboxer.message import HEADER_CREATED_AT as ENVELOPE_CREATED_AT
 from outboxer.message import HEADER_KEY as ENVELOPE_KEY
@@ -61,6 +61,10 @@ from outboxer.webhook_signature import (
     WebhookSignatureError,
     verify_signature,
 )
+
+if TYPE_CHECKING:
+    from outboxer.claimcheck import ObjectStore
+    from outboxer.crypto import KeyRing
 
 logger = logging.getLogger("outboxer.consumer.webhook")
 
@@ -114,6 +118,8 @@ class WebhookReceiver:
         table: str = "outbox",
         max_body: int = 16 * 1024 * 1024,
         async_driver: str | None = None,
+        keyring: KeyRing | None = None,
+        object_store: ObjectStore | None = None,
     ) -> None:
         self.consumer = Consumer(
             db=db,
@@ -127,6 +133,8 @@ class WebhookReceiver:
             schema=schema,
             table=table,
             async_driver=async_driver,
+            keyring=keyring,
+            object_store=object_store,
         )
         self.secret = secret
         self.tolerance = tolerance
@@ -262,6 +270,13 @@ class WebhookReceiver:
             stats.dead_lettered += 1
             return 200, {"result": "dead-lettered", "error": incoming.malformed}, {}
         failures = self._failures.get(delivery.id, 0)
+        try:
+            delivery = await consumer.unwrap(delivery)
+        except Unreadable as exc:
+            await session.record_dead_letter(consumer.group, delivery, str(exc), 0)
+            stats.malformed += 1
+            stats.dead_lettered += 1
+            return 200, {"result": "dead-lettered", "error": str(exc)}, {}
         attempt = dataclasses.replace(delivery, attempt=failures + 1)
         try:
             [result] = await session.apply(
