@@ -255,7 +255,11 @@ class Consumer:
 
     async def run_async(self) -> ConsumerStats:
         """Run until ``stop()``; returns the counters."""
+        receiver = self.receiver  # ConfigError now if there is no broker
         self._stopping.clear()
+        self._fatal = None
+        # Nothing carries over from an earlier run: its unacked messages come again.
+        self._ready, self._lanes, self._lanes_all, self._held = asyncio.Queue(), {}, set(), 0
         executor = self._threads()
         sessions: list[Session] = []
         tasks: list[asyncio.Task[None]] = []
@@ -269,8 +273,8 @@ class Consumer:
             logger.info(
                 "consumer %s started: broker %s, topics %s, concurrency %d, batch %d, prefetch %d",
                 self.group,
-                self.receiver.safe_url,
-                ", ".join(self.receiver.topics),
+                receiver.safe_url,
+                ", ".join(receiver.topics),
                 self.concurrency,
                 self.batch,
                 self.prefetch,
@@ -278,8 +282,8 @@ class Consumer:
             workers = [asyncio.create_task(self._work(session)) for session in sessions]
             fetcher = asyncio.create_task(self._fetch())
             tasks = [fetcher, *workers]
-            if self.receiver.extend_interval:
-                tasks.append(asyncio.create_task(self._extend(self.receiver.extend_interval)))
+            if receiver.extend_interval:
+                tasks.append(asyncio.create_task(self._extend(receiver.extend_interval)))
             await self._stopping.wait()
             await self._shutdown(fetcher, workers)
         finally:
@@ -288,7 +292,7 @@ class Consumer:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self._release_all()
-            await self._quietly(self.receiver.close(), "closing the broker connection")
+            await self._quietly(receiver.close(), "closing the broker connection")
             for session in sessions:
                 await self._quietly(session.close(), "closing a database connection")
             executor.shutdown(wait=False)

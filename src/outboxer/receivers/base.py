@@ -334,6 +334,7 @@ class Receiver(ABC):
         try:
             await asyncio.wait_for(self._connect(), self.connect_timeout)
         except ConfigError:
+            await self._close_quietly()  # a refused setting: nothing half-open stays behind
             raise
         except Exception as exc:
             await self._close_quietly()
