@@ -196,7 +196,12 @@ def _store(settings: Settings) -> Any:
 
 
 async def _relay(args: argparse.Namespace) -> int:
-    settings = _settings(args)
+    await run_relay(_settings(args))
+    return EXIT_OK
+
+
+async def run_relay(settings: Settings) -> None:
+    """``outboxer relay``: the relay and, with ``settings.http``, its HTTP API, until SIGTERM."""
     relay = Relay.from_settings(settings)
     server = None
     if settings.http:
@@ -209,7 +214,6 @@ async def _relay(args: argparse.Namespace) -> int:
     finally:
         if server is not None:
             await server.close()
-    return EXIT_OK
 
 
 async def _serve(args: argparse.Namespace) -> int:

@@ -975,6 +975,9 @@ def _destinations(raw: object, origin: str | None) -> dict[str, DestinationSetti
     return result
 
 
+parse_destinations = _destinations  # public: outboxer.contrib.django reads OUTBOXER's
+
+
 def load_settings(
     flags: Mapping[str, object] | None = None,
     *,

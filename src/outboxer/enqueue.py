@@ -577,29 +577,32 @@ class _SqlAlchemy(_Driver):
             return "mysql"
         raise TypeError(f"SQLAlchemy dialect {name!r} is not supported by outboxer yet")
 
+    def _bindable(self, conn: Any, params: dict[str, Any]) -> dict[str, Any]:
+        """aiomysql cannot escape bytes itself. Its sync face (an async engine's connection
+        inside a flush event or ``run_sync``) reaches here through the sync methods too."""
+        if self._dialect(conn).driver == "aiomysql":
+            return _aiomysql_params(params)
+        return params
+
     def execute(self, conn: Any, sql: str, params: dict[str, Any]) -> int:
         from sqlalchemy import text
 
-        return int(conn.execute(text(sql), params).rowcount)
+        return int(conn.execute(text(sql), self._bindable(conn, params)).rowcount)
 
     async def execute_async(self, conn: Any, sql: str, params: dict[str, Any]) -> int:
         from sqlalchemy import text
 
-        if self._dialect(conn).driver == "aiomysql":
-            params = _aiomysql_params(params)
-        return int((await conn.execute(text(sql), params)).rowcount)
+        return int((await conn.execute(text(sql), self._bindable(conn, params))).rowcount)
 
     def execute_many(self, conn: Any, sql: str, rows: Sequence[dict[str, Any]]) -> None:
         from sqlalchemy import text
 
-        conn.execute(text(sql), list(rows))
+        conn.execute(text(sql), [self._bindable(conn, row) for row in rows])
 
     async def execute_many_async(self, conn: Any, sql: str, rows: Sequence[dict[str, Any]]) -> None:
         from sqlalchemy import text
 
-        if self._dialect(conn).driver == "aiomysql":
-            rows = [_aiomysql_params(row) for row in rows]
-        await conn.execute(text(sql), list(rows))
+        await conn.execute(text(sql), [self._bindable(conn, row) for row in rows])
 
     def driver_connection(self, conn: Any) -> Any:
         connection = conn.connection() if hasattr(conn, "get_bind") else conn  # Session

@@ -126,9 +126,11 @@ async def test_idle_relay_wakes_on_a_commit_well_before_its_poll_interval(mysql_
         latencies = []
         for _ in range(5):
             await asyncio.sleep(0.3)  # every loop idle, waiting
+            # Counted before the commit: the relay runs on this event loop while the commit's
+            # thread finishes, and may publish the row before this coroutine resumes.
+            sent = len(broker.messages)
             committed = time.monotonic()
             await asyncio.to_thread(_commit_one, mysql_url)
-            sent = len(broker.messages)
             while len(broker.messages) == sent:
                 assert time.monotonic() - committed < 5, "not published: the relay slept through it"
                 await asyncio.sleep(0.005)

@@ -1,0 +1,148 @@
+"""outboxer's settings in a Django project: ``settings.OUTBOXER`` and ``DATABASES``.
+
+``settings.OUTBOXER`` is a dict of outboxer's settings (the names of ``outboxer.toml``:
+``schema``, ``table``, ``batch_size``, ``broker``, ``destinations``, ``http`` …) plus
+``database``, the alias whose database holds the outbox (default ``"default"``). ``db``
+defaults to that alias's ``DATABASES`` entry as a URL. As with the CLI, values given here
+win over ``OUTBOXER_*`` environment variables, which win over ``outboxer.toml``
+(``destinations`` here replace the file's)::
+
+    OUTBOXER = {
+        "broker": "amqp://guest:guest@localhost/",
+        "batch_size": 200,
+        # or several destinations, as in outboxer.toml:
+        # "destinations": {"internal": {"broker": "amqp://…"}, "partner": {"broker": "https://…"}},
+    }
+
+Model events are enqueued for every configured destination (``Outbox.destinations``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import quote, urlencode
+
+from django.conf import settings as django_settings
+from django.db import DEFAULT_DB_ALIAS, connections
+
+from outboxer.config import Settings, load_settings, parse_destinations
+from outboxer.enqueue import Outbox
+from outboxer.errors import ConfigError
+from outboxer.stores.sqlfiles import table_name
+
+#: Django's database vendors and outboxer's dialect of each.
+DIALECTS = {"postgresql": "postgres", "mysql": "mysql", "sqlite": "sqlite"}
+
+
+def raw_settings() -> dict[str, Any]:
+    value = getattr(django_settings, "OUTBOXER", {})
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"settings.OUTBOXER must be a dict, not {type(value).__name__}")
+    return dict(value)
+
+
+def database_alias() -> str:
+    """The alias of the database that holds the outbox (``OUTBOXER["database"]``)."""
+    alias = raw_settings().get("database", DEFAULT_DB_ALIAS)
+    if alias not in django_settings.DATABASES:
+        raise ConfigError(f'settings.OUTBOXER["database"] names no database: {alias!r}')
+    return str(alias)
+
+
+def dialect(alias: str) -> str:
+    vendor = str(connections[alias].vendor)
+    if vendor not in DIALECTS:
+        raise ConfigError(f"Django database vendor {vendor!r} ({alias!r}) is not supported")
+    return DIALECTS[vendor]
+
+
+def database_url(alias: str) -> str:
+    """A URL outboxer's stores take for Django's database ``alias``."""
+    entry = connections[alias].settings_dict
+    kind = dialect(alias)
+    name = str(entry.get("NAME") or "")
+    if kind == "sqlite":
+        if not name or name == ":memory:" or name.startswith("file:"):
+            raise ConfigError(f"database {alias!r}: the relay needs an SQLite file, not {name!r}")
+        return f"sqlite:///{name}"  # an absolute NAME gives sqlite:////path, as it should
+    user, password = str(entry.get("USER") or ""), str(entry.get("PASSWORD") or "")
+    host, port = str(entry.get("HOST") or ""), str(entry.get("PORT") or "")
+    options: Mapping[str, Any] = entry.get("OPTIONS") or {}
+    query: dict[str, str] = {}
+    if host.startswith("/"):  # a socket directory (PostgreSQL) or socket file (MySQL)
+        query["host" if kind == "postgres" else "unix_socket"] = host
+        host = ""
+    if kind == "mysql" and "unix_socket" in options:
+        query["unix_socket"] = str(options["unix_socket"])
+    if kind == "postgres" and "sslmode" in options:
+        query["sslmode"] = str(options["sslmode"])
+    credentials = quote(user, safe="") + (":" + quote(password, safe="") if password else "")
+    netloc = (credentials + "@" if credentials else "") + host + (":" + port if port else "")
+    scheme = "postgresql" if kind == "postgres" else "mysql"
+    suffix = "?" + urlencode(query) if query else ""
+    return f"{scheme}://{netloc}/{quote(name, safe='')}{suffix}"
+
+
+def outboxer_settings() -> Settings:
+    """outboxer's ``Settings`` for this project.
+
+    The database URL is derived on every call, never cached: Django's test runner renames
+    the database after the app has loaded."""
+    return settings_with()
+
+
+def settings_with(**overrides: Any) -> Settings:
+    """``outboxer_settings()`` with some values replaced (a management command's options)."""
+    alias = overrides.pop("database", None) or database_alias()
+    given = {name: value for name, value in overrides.items() if value is not None}
+    loaded = _load(given) if given else _names()
+    # A db given in OUTBOXER, OUTBOXER_DB or outboxer.toml wins over the alias's DATABASES.
+    return loaded if loaded.db else dataclasses.replace(loaded, db=database_url(alias))
+
+
+@functools.cache
+def _names() -> Settings:
+    """The settings as configured (read once; ``override_settings`` resets it), without the
+    database URL derived from ``DATABASES``: names and destinations are all that writing to
+    the outbox needs, even where no relay could run (an in-memory SQLite test database)."""
+    return _load({})
+
+
+def _load(overrides: dict[str, Any]) -> Settings:
+    raw = raw_settings()
+    raw.pop("database", None)
+    destinations = parse_destinations(
+        raw.pop("destinations", {}), 'settings.OUTBOXER["destinations"]'
+    )
+    raw.update(overrides)
+    loaded = load_settings(raw)
+    # OUTBOXER["destinations"] replace outboxer.toml's; Settings gives the "broker" setting
+    # (OUTBOXER, OUTBOXER_BROKER or the file) to the default destination, as everywhere.
+    return dataclasses.replace(loaded, destinations=destinations) if destinations else loaded
+
+
+def forget_settings(**signal: Any) -> None:
+    """``setting_changed`` receiver: the next use reads the settings again."""
+    if signal.get("setting") in ("OUTBOXER", "DATABASES"):
+        _names.cache_clear()
+        outbox.cache_clear()
+
+
+@functools.cache
+def outbox() -> Outbox:
+    """The outbox model events are written to: the configured names and destinations."""
+    current = _names()
+    return Outbox(
+        schema=current.schema,
+        table=current.table,
+        destinations=tuple(current.destination_names),
+    )
+
+
+def outbox_table(alias: str) -> str:
+    """The outbox table as the SQL of ``alias``'s vendor names it (quoted)."""
+    current = outbox()
+    return table_name(dialect(alias), current.schema, current.table)

@@ -1,0 +1,102 @@
+"""Django model events: a model records events; ``save()`` enqueues them in its ``atomic()``.
+
+::
+
+    from outboxer.contrib.django.events import RecordsEvents
+
+    class Order(RecordsEvents, models.Model):
+        ...
+
+    with transaction.atomic():
+        order = Order(customer="c-7", total=99.5)
+        order.record_event("order.placed", lambda: {"id": order.pk}, key="c-7")
+        order.save()   # the row, then its events, on the same connection and transaction
+
+``save()`` and ``delete()`` run the model's own write and ``enqueue_many`` of the recorded
+events inside one ``transaction.atomic(using=...)`` on the database the instance is written
+to, so the events commit or roll back with the row; the events of one instance keep their
+recording order (callable payloads run after the row's INSERT: the pk is there).
+
+When an event is forgotten, and why it differs from the SQLAlchemy integration: a Django
+instance keeps its changed fields after a rollback, and saving it again writes them again.
+So an event is forgotten when the transaction that wrote it commits (``on_commit``), not
+when it is written: saving again in the same transaction does not write it twice (the
+outbox already holds its row), while saving after a rollback, or after a failed save, writes
+it again with the fields it describes. ``discard_events()`` drops what should never go out.
+``QuerySet.update()``, ``bulk_create()`` and raw SQL bypass ``save()``: enqueue there.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from django.db import connections, router, transaction
+
+from outboxer.contrib.django import conf
+from outboxer.contrib.events import RecordedEvent, forget_events, pending_events
+from outboxer.contrib.events import RecordsEvents as _RecordsEvents
+
+__all__ = ["RecordsEvents", "write_events"]
+
+#: Instance ``__dict__`` key: ids of events written by a transaction that has not committed.
+_AWAITING_COMMIT = "_outboxer_awaiting_commit"
+
+
+def _already_stored(alias: str, events: Sequence[RecordedEvent]) -> set[uuid.UUID]:
+    """Which of ``events`` the outbox holds on ``alias``'s connection (in its transaction)."""
+    if not events:
+        return set()
+    postgres = conf.dialect(alias) == "postgres"
+    ids = [event.message_id if postgres else str(event.message_id) for event in events]
+    marks = ", ".join(["%s"] * len(ids))
+    with connections[alias].cursor() as cursor:
+        cursor.execute(f"SELECT id FROM {conf.outbox_table(alias)} WHERE id IN ({marks})", ids)
+        return {row[0] if postgres else uuid.UUID(row[0]) for row in cursor.fetchall()}
+
+
+def write_events(instance: object, using: str) -> None:
+    """Enqueue ``instance``'s recorded events on ``using``, inside its open transaction.
+
+    For a model that does not use the mixin: record with
+    ``outboxer.contrib.events.record_event(instance, ...)`` and call this after the write,
+    inside the same ``transaction.atomic(using=using)``.
+    """
+    events = pending_events(instance)
+    if not events:
+        return
+    awaiting: set[uuid.UUID] = instance.__dict__.setdefault(_AWAITING_COMMIT, set())
+    written_before = [event for event in events if event.message_id in awaiting]
+    # Written by an earlier save: still there if that save's transaction is this one (a
+    # second save), gone if it rolled back (the instance still holds what they announce).
+    stored = _already_stored(using, written_before)
+    due = [event for event in events if event.message_id not in stored]
+    if not due:
+        return
+    conf.outbox().enqueue_many(connections[using], [event.as_item() for event in due])
+    awaiting.update(event.message_id for event in due)
+
+    def committed() -> None:
+        forget_events(instance, due)
+        awaiting.difference_update(event.message_id for event in due)
+
+    transaction.on_commit(committed, using=using)
+
+
+class RecordsEvents(_RecordsEvents):
+    """Model mixin (put it before ``models.Model``): ``save()`` and ``delete()`` enqueue the
+    recorded events in the same ``atomic()`` block as the write."""
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        using = kwargs.get("using") or router.db_for_write(type(self), instance=self)
+        with transaction.atomic(using=using, savepoint=False):
+            super().save(*args, **kwargs)  # type: ignore[misc]
+            write_events(self, using)
+
+    def delete(self, using: str | None = None, keep_parents: bool = False) -> Any:
+        using = using or router.db_for_write(type(self), instance=self)
+        with transaction.atomic(using=using, savepoint=False):
+            deleted = super().delete(using=using, keep_parents=keep_parents)  # type: ignore[misc]
+            write_events(self, using)
+        return deleted

@@ -1,0 +1,96 @@
+"""The migration operation that creates outboxer's schema in a Django database.
+
+It runs outboxer's own migration files for the connection's vendor (the SQL ``outboxer
+schema apply`` runs and ``outboxer schema sql`` prints, rendered with the configured schema
+and table names) and records each in ``<table>_migrations``, skipping the versions recorded
+there already: a database that ``outboxer schema apply`` set up first is left as it is.
+
+Each Django migration of this app pins the outboxer versions it brings per dialect, so
+``migrate`` stays repeatable and an upgrade arrives as a new Django migration: when
+outboxer gains a migration file, a new Django migration here raises the pins
+(tests/contrib/test_django.py fails until one does).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import router
+from django.db.migrations.operations.base import Operation
+
+from outboxer.contrib.django import conf
+from outboxer.stores import Store, create_store
+from outboxer.stores.sqlfiles import migrations, render, statements
+
+#: A URL of each dialect: only names and SQL are taken from these stores, never a connection.
+_PLACEHOLDER_URLS = {
+    "postgres": "postgresql://localhost/",
+    "mysql": "mysql://localhost/outboxer",
+    "sqlite": "sqlite:///outboxer.db",
+}
+
+
+def dialect_store(dialect: str) -> Store:
+    """A store of ``dialect`` with the configured names, for its DDL (it never connects)."""
+    current = conf.outboxer_settings()
+    return create_store(_PLACEHOLDER_URLS[dialect], schema=current.schema, table=current.table)
+
+
+class ApplyOutboxerSchema(Operation):
+    """Apply outboxer's migrations up to the pinned version of the connection's dialect."""
+
+    reversible = False
+    reduces_to_sql = True
+
+    def __init__(self, *, postgres: int, mysql: int, sqlite: int) -> None:
+        self.versions = {"postgres": postgres, "mysql": mysql, "sqlite": sqlite}
+
+    def deconstruct(self) -> tuple[str, list[Any], dict[str, int]]:
+        return (self.__class__.__qualname__, [], dict(self.versions))
+
+    def state_forwards(self, app_label: str, state: Any) -> None:
+        return None  # no model state: the tables are outboxer's, not Django models
+
+    def describe(self) -> str:
+        pins = ", ".join(f"{name} {version}" for name, version in self.versions.items())
+        return f"Apply outboxer's schema migrations ({pins})"
+
+    def database_forwards(
+        self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
+    ) -> None:
+        connection = schema_editor.connection
+        if not router.allow_migrate(connection.alias, app_label):
+            return
+        dialect = conf.dialect(connection.alias)
+        store = dialect_store(dialect)
+        tokens = store.tokens()
+        # PostgreSQL runs a migration file as one script (its functions hold semicolons);
+        # MySQL's and SQLite's drivers take one statement at a time.
+        split = (lambda sql: [sql]) if dialect == "postgres" else statements
+
+        def run(sql: str) -> None:
+            schema_editor.execute(sql, params=None)  # None: no %-formatting of the SQL
+
+        if dialect == "postgres" and not schema_editor.collect_sql:
+            # The lock `outboxer schema apply` takes: one schema change at a time.
+            run(f"SELECT pg_advisory_xact_lock({store.lock_key('schema')})")
+        for sql in split(render(store.migrations_table_sql, tokens)):
+            run(sql)
+        done = set() if schema_editor.collect_sql else self._recorded(connection, tokens)
+        for migration in migrations(dialect):
+            if migration.version in done or migration.version > self.versions[dialect]:
+                continue
+            for sql in split(render(migration.sql, tokens)):
+                run(sql)
+            run(store.record_migration_sql(tokens["migrations"], migration.version, migration.name))
+
+    @staticmethod
+    def _recorded(connection: Any, tokens: dict[str, str]) -> set[int]:
+        with connection.cursor() as cursor:
+            cursor.execute(f"SELECT version FROM {tokens['migrations']}")
+            return {int(row[0]) for row in cursor.fetchall()}
+
+    def database_backwards(
+        self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
+    ) -> None:
+        raise NotImplementedError("outboxer's schema is never dropped by a migration")

@@ -1,0 +1,177 @@
+"""SQLAlchemy domain events: entities record events, the flush that writes them enqueues them.
+
+::
+
+    from outboxer.contrib.sqlalchemy import RecordsEvents, listen
+
+    class Order(RecordsEvents, Base):
+        __tablename__ = "orders"
+        ...
+
+    Session = sessionmaker(engine)
+    listen(Session)                  # or a Session, AsyncSession, async_sessionmaker
+
+    with Session.begin() as session:
+        order = Order(customer="c-7", total=99.5)
+        session.add(order)
+        order.record_event("order.placed", lambda: {"id": order.id}, key="c-7")
+    # the order and its event committed together; a rollback drops both
+
+How it holds:
+
+* The events are written in ``after_flush``: after the flush's INSERT/UPDATE/DELETE
+  statements (so generated keys exist for deferred payloads) and inside the flush's
+  transaction, on ``session.connection()``, the very connection the rows went through. An
+  error there fails the flush, and SQLAlchemy rolls back the whole transaction. Only Core
+  SQL runs in that hook (``enqueue_many``); SQLAlchemy warns against ORM operations there.
+  A session with no changed rows does not flush at all, so ``before_commit`` writes the
+  events of entities that changed nothing.
+* A written event is forgotten at once, so flushing again never writes it twice.
+* Any rollback of the session (``after_soft_rollback``: ``Session.rollback()``, a failed
+  flush, a rolled-back savepoint) forgets the recorded events that were not written:
+  the changes they describe are gone too. Written ones vanish with the transaction.
+* The events of one flush are written in the order they were recorded, across entities.
+* ``AsyncSession`` runs its flush on a sync ``Session`` (``sync_session``) in a greenlet;
+  the listener sits on that session, and its SQL goes through the async driver.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from outboxer.contrib.events import (
+    RecordedEvent,
+    forget_events,
+    in_recording_order,
+    pending_events,
+)
+from outboxer.contrib.events import RecordsEvents as _RecordsEvents
+from outboxer.contrib.events import record_event as _record_event
+from outboxer.enqueue import Outbox
+from outboxer.errors import MissingDependencyError
+
+try:
+    from sqlalchemy import event, inspect
+    from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+    from sqlalchemy.orm import Session, object_session, scoped_session, sessionmaker
+except ImportError as exc:  # pragma: no cover - depends on the installation
+    raise MissingDependencyError("sqlalchemy", "sqlalchemy") from exc
+
+__all__ = ["RecordedEvent", "RecordsEvents", "listen", "record_event"]
+
+#: ``session.info`` key: the entities of this session that hold unwritten events, by id().
+_RECORDING = "outboxer.recording"
+
+
+def _track(entity: object) -> None:
+    session = object_session(entity)
+    if session is not None:
+        session.info.setdefault(_RECORDING, {})[id(entity)] = entity
+
+
+def record_event(entity: object, topic: str, payload: object, **options: Any) -> RecordedEvent:
+    """``RecordsEvents.record_event`` for a mapped object that does not use the mixin."""
+    recorded = _record_event(entity, topic, payload, **options)
+    _track(entity)
+    return recorded
+
+
+class RecordsEvents(_RecordsEvents):
+    """Mixin for mapped classes: ``entity.record_event(topic, payload, key=...)``.
+
+    The events are written by the next flush of the session the entity belongs to (or is
+    added to later), if ``listen`` was called for that session.
+    """
+
+    def _outboxer_recorded(self) -> None:
+        _track(self)
+
+
+class _Writer:
+    """The session listeners: track entities with events, write them at flush, forget on rollback."""
+
+    def __init__(self, outbox: Outbox | None) -> None:
+        self.outbox = outbox
+
+    def after_attach(self, session: Session, entity: object) -> None:
+        if pending_events(entity):  # recorded before the entity joined this session
+            session.info.setdefault(_RECORDING, {})[id(entity)] = entity
+
+    def after_flush(self, session: Session, flush_context: object) -> None:
+        self.write(session)
+
+    def before_commit(self, session: Session) -> None:
+        """A flush runs only when rows changed: write the events of unchanged entities too."""
+        if session.info.get(_RECORDING):
+            session.flush()  # rows first, as at every flush: deferred payloads see their keys
+            self.write(session)
+
+    def write(self, session: Session) -> None:
+        tracked: dict[int, object] | None = session.info.get(_RECORDING)
+        if not tracked:
+            return
+        batches: dict[int, tuple[Any, list[tuple[object, RecordedEvent]]]] = {}
+        for entity, recorded in in_recording_order(tracked.values()):
+            if object_session(entity) is not session:
+                continue  # expunged since: its events wait for the session it joins next
+            # The connection of the entity's own bind (a session may bind mappers apart).
+            mapper = inspect(entity).mapper
+            bind = session.get_bind(mapper=mapper)
+            if id(bind) not in batches:
+                batches[id(bind)] = (session.connection(bind_arguments={"mapper": mapper}), [])
+            batches[id(bind)][1].append((entity, recorded))
+        for connection, pairs in batches.values():
+            items = [recorded.as_item() for _, recorded in pairs]
+            if self.outbox is None:  # outboxer.configure() may change it at any time
+                from outboxer.enqueue import enqueue_many
+
+                enqueue_many(connection, items)
+            else:
+                self.outbox.enqueue_many(connection, items)
+            for entity, recorded in pairs:
+                forget_events(entity, [recorded])
+        # Only now: had a write failed, the rollback that follows must find these entities.
+        tracked.clear()
+
+    def after_soft_rollback(self, session: Session, previous_transaction: object) -> None:
+        tracked: dict[int, object] | None = session.info.get(_RECORDING)
+        if not tracked:
+            return
+        for entity in tracked.values():
+            forget_events(entity)
+        tracked.clear()
+
+
+def _session_target(target: object) -> Any:
+    """What SQLAlchemy's session events accept for ``target`` (async ones mapped to sync)."""
+    if isinstance(target, AsyncSession):
+        return target.sync_session
+    if isinstance(target, async_sessionmaker):
+        # Its sessions flush on a sync Session of class ``sync_session_class``: give this
+        # factory a subclass of its own, so the listeners reach its sessions only.
+        base = target.kw.get("sync_session_class") or target.class_.sync_session_class
+        own = type(f"Outboxer{base.__name__}", (base,), {})
+        target.kw["sync_session_class"] = own
+        return own
+    if isinstance(target, Session | sessionmaker | scoped_session) or (
+        isinstance(target, type) and issubclass(target, Session)
+    ):
+        return target
+    raise TypeError(
+        "listen() takes a Session, AsyncSession, sessionmaker, async_sessionmaker, "
+        f"scoped_session or Session subclass, not {type(target).__name__}"
+    )
+
+
+def listen(target: object, *, outbox: Outbox | None = None) -> None:
+    """Write recorded events at every flush of the sessions of ``target``.
+
+    ``outbox`` names the table and destinations (default: the one ``outboxer.enqueue``
+    uses, as ``outboxer.configure`` set it). Call it once per target.
+    """
+    where = _session_target(target)
+    writer = _Writer(outbox)
+    event.listen(where, "after_attach", writer.after_attach)
+    event.listen(where, "after_flush", writer.after_flush)
+    event.listen(where, "before_commit", writer.before_commit)
+    event.listen(where, "after_soft_rollback", writer.after_soft_rollback)
