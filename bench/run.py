@@ -958,12 +958,12 @@ async def _db_ceiling(url: str, batch: int, concurrency: int) -> tuple[float, di
     async def loop() -> None:
         nonlocal total
         while True:
-            claimed: list[Message] = await store.claim(DESTINATION, relay_id, batch, 60.0, False)
+            claimed = await store.claim(DESTINATION, relay_id, batch, 60.0, False)
             if not claimed:
                 return
             result = await store.settle(
                 DESTINATION,
-                relay_id,
+                claimed.lease,
                 [m.stored_seq for m in claimed],
                 [],
                 [],

@@ -150,3 +150,14 @@ async def pg_store(pg_url: str) -> AsyncIterator[object]:
     await store.connect()
     yield store
     await store.close()
+
+
+@pytest.fixture
+def exporter() -> Iterator[Any]:
+    """The OpenTelemetry SDK's in-memory span exporter, empty at the start of the test."""
+    from tests.otel import memory_exporter
+
+    spans = memory_exporter()
+    spans.clear()
+    yield spans
+    spans.clear()

@@ -21,6 +21,7 @@ from outboxer.config import (
     load_settings,
 )
 from outboxer.errors import ConfigError, OutboxerError, PayloadError
+from outboxer.logjson import JsonFormatter
 from outboxer.redact import RedactingFilter, get_logger, redact_text
 from outboxer.relay import Relay, cleanup
 from outboxer.stores import create_store
@@ -29,6 +30,9 @@ logger = get_logger("outboxer.cli")
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+#: ``text`` for people, ``json`` (one object per line, outboxer.logjson) for log shippers.
+LOG_FORMATS = ("text", "json")
+TEXT_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 STATUSES = ("PENDING", "PROCESSING", "PUBLISHED", "FAILED", "ABANDONED")
 #: The most rows ``outboxer messages`` prints at once.
 MESSAGES_LIMIT = Whole(1, 10_000)
@@ -64,8 +68,8 @@ def _add_command(
     *,
     settings_of: str | None = None,
 ) -> _Parser:
-    """A subcommand with ``--config``, ``--log-level`` and the flags of the settings that
-    ``settings_of`` (default ``name``) takes."""
+    """A subcommand with ``--config``, ``--log-level``, ``--log-format`` and the flags of the
+    settings that ``settings_of`` (default ``name``) takes."""
     parser = commands.add_parser(name, help=help, description=help)
     parser.add_argument(
         "--config",
@@ -73,6 +77,12 @@ def _add_command(
         help=f"TOML settings file (env {ENV_PREFIX}CONFIG; default ./outboxer.toml if present)",
     )
     parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
+    parser.add_argument(
+        "--log-format",
+        default="text",
+        choices=LOG_FORMATS,
+        help="json: one JSON object per line (time, level, logger, message, …); default text",
+    )
     add_flags(parser, Settings, settings_of or name)
     parser.set_defaults(func=run)
     return parser
@@ -382,16 +392,21 @@ def _fail(text: str) -> None:
     print(redact_text(" ".join(line.strip() for line in text.splitlines())), file=sys.stderr)
 
 
+def _configure_logging(level: str, log_format: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_LOG_FORMAT)
+    )
+    logging.basicConfig(level=getattr(logging, level), handlers=[handler])
+    # Drivers log too (aio-pika, asyncpg, httpx): their lines pass the same redaction.
+    redacting = RedactingFilter()
+    for root_handler in logging.getLogger().handlers:
+        root_handler.addFilter(redacting)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, args.log_level),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    # Drivers log too (aio-pika, asyncpg, httpx): their lines pass the same redaction.
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(RedactingFilter())
+    _configure_logging(args.log_level, getattr(args, "log_format", "text"))
     run: Command = args.func
     try:
         return run(args)

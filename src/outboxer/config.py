@@ -752,7 +752,8 @@ class Settings:
         500, kind=Whole(1, 10_000), help="rows claimed per batch", commands=RELAY
     )
     lock_timeout: float = _interval(
-        "how long a claim stays locked: a relay that dies releases its rows after this", 60.0
+        "lease of a claimed batch, renewed while it is published: a relay that dies or stalls loses its rows after this",
+        60.0,
     )
     max_attempts: int = setting(
         10,

@@ -283,10 +283,10 @@ async def _consume(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, consumer.stop)
     server = None
     if settings.http:
-        from outboxer.consumer import consumer_metrics
+        from outboxer.consumer import ConsumerCollector
         from outboxer.http import start_http_api
 
-        server = await start_http_api(settings, extra_metrics=lambda: consumer_metrics([consumer]))
+        server = await start_http_api(settings, collectors=[ConsumerCollector([consumer])])
     try:
         await consumer.run_async()
     finally:

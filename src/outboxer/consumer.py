@@ -45,7 +45,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -62,7 +62,6 @@ from outboxer.stores import create_store
 if TYPE_CHECKING:
     from outboxer.claimcheck import ObjectStore
     from outboxer.crypto import KeyRing
-    from outboxer.http import Metric
 
 logger = logging.getLogger("outboxer.consumer")
 
@@ -815,45 +814,49 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def consumer_metrics(consumers: Sequence[Consumer]) -> list[Metric]:
-    """The counters of these consumers, one series per group, for ``GET /metrics``."""
-    from outboxer.http import Metric
+class ConsumerCollector:
+    """The counters of these consumers, one series per group, for ``GET /metrics``: a
+    ``prometheus_client`` collector (``outboxer consume --http`` registers it), read at
+    each scrape."""
 
-    metrics = [
-        Metric(
-            name,
-            "counter",
-            text,
-            [({"group": c.group}, getattr(c.stats, attribute)) for c in consumers],
-        )
-        for name, attribute, text in _COUNTERS
-    ]
-    metrics.append(
-        Metric(
+    def __init__(self, consumers: Sequence[Consumer]) -> None:
+        self.consumers = list(consumers)
+
+    def collect(self) -> Iterator[Any]:
+        import importlib
+
+        core = importlib.import_module("prometheus_client.core")
+        for name, attribute, text in _COUNTERS:
+            family = core.CounterMetricFamily(name, text, labels=["group"])
+            for consumer in self.consumers:
+                family.add_metric([consumer.group], getattr(consumer.stats, attribute))
+            yield family
+        acked = core.CounterMetricFamily(
             "outboxer_consumer_acked_total",
-            "counter",
             "Messages acknowledged to the broker after their transaction committed.",
-            [({"group": c.group}, c.receiver.stats.acked) for c in consumers if c._receiver],
+            labels=["group"],
         )
-    )
-    metrics.append(
-        Metric(
+        held = core.GaugeMetricFamily(
             "outboxer_consumer_in_flight",
-            "gauge",
-            "Messages received and not yet acked (being applied, waiting for their key or a retry).",
-            [({"group": c.group}, c.in_flight) for c in consumers],
+            "Messages received and not yet acked (being applied, waiting for their key or a "
+            "retry).",
+            labels=["group"],
         )
-    )
-    return metrics
+        for consumer in self.consumers:
+            if consumer._receiver is not None:
+                acked.add_metric([consumer.group], consumer._receiver.stats.acked)
+            held.add_metric([consumer.group], consumer.in_flight)
+        yield acked
+        yield held
 
 
 __all__ = [
     "Consumer",
+    "ConsumerCollector",
     "ConsumerStats",
     "Delivery",
     "Handler",
     "Unreadable",
-    "consumer_metrics",
     "load_handler",
     "parse_message_id",
 ]

@@ -32,6 +32,7 @@ from outboxer.stores.sqlfiles import (
     to_numbered,
     to_pyformat,
 )
+from outboxer.tracing import inject_trace_context
 
 SUPPORTED = (
     "sync: psycopg.Connection, psycopg2 connection, sqlite3.Connection, pymysql.Connection, "
@@ -110,6 +111,8 @@ class Outbox:
         destinations: Sequence[str] | None = None,
     ) -> list[Message]:
         """Validate and encode one message, one copy per destination. Raises PayloadError."""
+        # Every enqueue variant builds here: the active span's context rides in the headers.
+        headers = inject_trace_context(headers)
         topic, key, clean_headers = validate_envelope(topic, key, headers)
         body, kind = encode_payload(payload, content_type, self.max_payload_bytes)
         identifier = coerce_message_id(message_id)

@@ -2,50 +2,58 @@
 
 It runs inside the relay (``outboxer relay --http HOST:PORT``) or alone
 (``outboxer serve --http HOST:PORT``, the same endpoints without the relay's
-counters).
+counters). Install it with ``pip install 'outboxer[http]'``.
 
-DESIGN: a small HTTP/1.1 server on ``asyncio.start_server``, so the API adds no
-dependency. One request per connection (``Connection: close``): probes,
-scrapers and operators send a request every few seconds at most, so keep-alive
-would buy nothing and would let idle clients hold connections. Every read has a
-deadline and every response is written with one, so a slow or silent client
-holds one small task, never the relay's loops. The API has its own store
-(its own connection or pool): a slow status query cannot take a connection the
-relay's claims are waiting for, and the relay closing its store on shutdown
-cannot pull one out from under a request.
+DESIGN (docs/design/http-api.md): uvicorn (its h11 protocol) parses and frames HTTP/1.1,
+Starlette reads requests and writes responses, ``HttpApi`` routes and answers, and
+prometheus_client renders ``/metrics``. What outboxer adds is policy: one request per
+connection (``Connection: close``: probes, scrapers and operators send a request every few
+seconds at most, so keep-alive would buy nothing and would let idle clients hold
+connections); a deadline on each request's head (``_DeadlineProtocol``) and body, so a slow
+or silent client holds one small task, never the relay's loops; bounded heads and bodies;
+the browser protections below. The API has its own store (its own connection or pool): a
+slow status query cannot take a connection the relay's claims are waiting for, and the
+relay closing its store on shutdown cannot pull one out from under a request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hmac
 import http
 import json
 import math
 import re
 import signal
+import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-from urllib.parse import parse_qs, unquote
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
 
+from outboxer import dashboard
 from outboxer.config import Settings, is_loopback, parse_http_address
-from outboxer.errors import ConfigError, PayloadError, StoreError
+from outboxer.errors import ConfigError, MissingDependencyError, PayloadError, StoreError
 from outboxer.message import Status, check_text
 from outboxer.redact import get_logger, redact_text
-from outboxer.relay import Relay, RelayStats
+from outboxer.relay import Relay
 from outboxer.stores import DestinationStatus, Store, create_store
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from outboxer.metrics import Metrics
 
 logger = get_logger("outboxer.http")
 
 MAX_BODY_BYTES = 64 * 1024
+#: Bytes of request line and header fields; 431 beyond.
 MAX_HEAD_BYTES = 16 * 1024
 MAX_HEADERS = 100
-#: Seconds a client has to send its whole request (and to take the response).
+#: Seconds a client has to send its request head, and then its body (and to take the answer).
 READ_TIMEOUT = 10.0
 MAX_CONNECTIONS = 64
 #: Seconds ``/metrics`` reuses one status query: it is a GROUP BY over the outbox.
@@ -60,8 +68,9 @@ MESSAGES_DEFAULT_LIMIT = 50
 MESSAGES_MAX_LIMIT = 1000
 REQUEUE_STATUSES = (Status.ABANDONED.value, Status.FAILED.value)
 ALL_STATUSES = tuple(status.value for status in Status)
-PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 JSON_CONTENT_TYPE = "application/json"
+#: Seconds the server waits for requests in progress when it closes, then cancels them.
+SHUTDOWN_GRACE_SECONDS = 5.0
 
 #: After an error response to a request whose body was not read, read (and drop) what the
 #: client still sends before closing: closing a socket with unread input makes the kernel
@@ -71,17 +80,31 @@ _LINGER_BYTES = 1024 * 1024
 
 # Matched with fullmatch: ``$`` would also accept a trailing newline. Digits are ASCII only:
 # ``\d``, ``str.isdigit()`` and ``int()`` also take "²" or "٣", which HTTP never means.
-_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-_VERSION = re.compile(r"HTTP/([0-9])\.([0-9])")
 _ASCII_DIGITS = re.compile(r"[0-9]+")
 #: A serialized origin (RFC 6454, 6.1): scheme, host and port only.
 _ORIGIN = re.compile(r"https?://([^/?#@\s]+)", re.IGNORECASE)
-#: Characters no request target or field value may hold (RFC 9110, 5.5): controls but HTAB.
+#: Characters no field value may hold (RFC 9110, 5.5): controls but HTAB.
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
-_METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
-_LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 #: What ``parse_ascii_int`` returns for a number of more digits than any limit here needs.
 _HUGE = 10**18
+#: The blank line that ends a request head (h11 also takes bare newlines).
+_END_OF_HEAD = re.compile(rb"\r?\n\r?\n")
+#: HTTP versions answered; uvicorn hands "2.0" in a request line through as is.
+_HTTP_VERSIONS = ("1.0", "1.1")
+
+
+#: The modules of the ``http`` extra (pip names: starlette, uvicorn, prometheus-client).
+_HTTP_EXTRA = ("starlette", "uvicorn", "prometheus_client")
+
+
+def _require(module: str) -> Any:
+    """Import a module of the ``http`` extra, or MissingDependencyError naming the extra."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingDependencyError(module.partition(".")[0], "http") from exc
 
 
 # ----- errors that become responses --------------------------------------------------------
@@ -149,10 +172,6 @@ class VersionNotSupported(HttpError):
     status = http.HTTPStatus.HTTP_VERSION_NOT_SUPPORTED
 
 
-class _ClientGone(Exception):
-    """The client closed the connection without sending a request: nothing to answer."""
-
-
 # ----- requests and responses --------------------------------------------------------------
 
 
@@ -187,51 +206,6 @@ def parse_ascii_int(text: str) -> int | None:
     return int(digits) if len(digits) <= 18 else _HUGE
 
 
-def parse_head(head: bytes) -> Request:
-    """The request line and header fields of ``head`` (up to and including the blank line)."""
-    lines = head.decode("latin-1").split("\r\n")
-    while lines and lines[-1] == "":
-        lines.pop()
-    if not lines:
-        raise BadRequest("empty request")
-    parts = lines[0].split(" ")
-    if len(parts) != 3:
-        raise BadRequest(f"malformed request line {lines[0][:100]!r}")
-    method, target, version = parts
-    if not _TOKEN.fullmatch(method):
-        raise BadRequest(f"malformed method {method[:40]!r}")
-    match = _VERSION.fullmatch(version)
-    if match is None:
-        raise BadRequest(f"malformed HTTP version {version[:40]!r}")
-    if match.group(1) != "1":
-        raise VersionNotSupported(
-            f"HTTP/{match.group(1)}.{match.group(2)} is not supported; use HTTP/1.1"
-        )
-    if not target.startswith("/") or _CONTROL.search(target):
-        raise BadRequest(
-            f"the request target must be a path starting with '/'; got {target[:100]!r}"
-        )
-    if len(lines) - 1 > MAX_HEADERS:
-        raise HeadersTooLarge(f"more than {MAX_HEADERS} header fields")
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        if line[:1] in (" ", "\t"):
-            raise BadRequest("folded header lines are not accepted (RFC 9112, 5.2)")
-        name, sep, value = line.partition(":")
-        if not sep or not _TOKEN.fullmatch(name) or _CONTROL.search(value):
-            raise BadRequest(f"malformed header line {line[:100]!r}")
-        name, value = name.lower(), value.strip(" \t")
-        headers[name] = f"{headers[name]}, {value}" if name in headers else value
-    # Split by hand, not with urlsplit: a target such as "//[x" is a path here, not a
-    # network location to parse (urlsplit raises on it).
-    path, _, query_text = target.partition("#")[0].partition("?")
-    try:
-        query = parse_qs(query_text, keep_blank_values=True, max_num_fields=50)
-    except ValueError as exc:
-        raise BadRequest(f"malformed query string: {exc}") from None
-    return Request(method=method, path=unquote(path), query=query, headers=headers)
-
-
 def body_length(headers: Mapping[str, str], max_body: int = MAX_BODY_BYTES) -> int:
     """Bytes of body the request announces; raise when it cannot or must not be read."""
     if "transfer-encoding" in headers:
@@ -250,35 +224,6 @@ def body_length(headers: Mapping[str, str], max_body: int = MAX_BODY_BYTES) -> i
             f"of {max_body} bytes"
         )
     return length
-
-
-async def read_request(
-    reader: asyncio.StreamReader,
-    writer: asyncio.StreamWriter | None = None,
-    max_body: int = MAX_BODY_BYTES,
-) -> Request:
-    """Read one request; ``writer`` answers ``Expect: 100-continue`` before the body is read."""
-    try:
-        head = await reader.readuntil(b"\r\n\r\n")
-    except asyncio.LimitOverrunError:
-        raise HeadersTooLarge(
-            f"the request line and headers exceed {MAX_HEAD_BYTES} bytes"
-        ) from None
-    except asyncio.IncompleteReadError as exc:
-        if not exc.partial.strip():
-            raise _ClientGone from None
-        raise BadRequest("the connection ended inside the request headers") from None
-    request = parse_head(head)
-    length = body_length(request.headers, max_body)
-    if not length:
-        return request
-    if writer is not None and request.headers.get("expect", "").lower() == "100-continue":
-        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-    try:
-        body = await reader.readexactly(length)
-    except asyncio.IncompleteReadError:
-        raise BadRequest(f"the body ended before its Content-Length of {length} bytes") from None
-    return dataclasses.replace(request, body=body)
 
 
 # ----- requests from browsers ----------------------------------------------------------------
@@ -382,223 +327,7 @@ def error_response(error: HttpError) -> Response:
     )
 
 
-def encode_response(response: Response) -> bytes:
-    try:
-        reason = http.HTTPStatus(response.status).phrase
-    except ValueError:
-        reason = "Unknown"
-    lines = [
-        f"HTTP/1.1 {response.status} {reason}",
-        f"Content-Type: {response.content_type}",
-        f"Content-Length: {len(response.body)}",
-        "Connection: close",
-        "Cache-Control: no-store",
-    ]
-    lines += [f"{name}: {value}" for name, value in response.headers.items()]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + response.body
-
-
-# ----- Prometheus text exposition (format 0.0.4) -------------------------------------------
-
-
-@dataclass(frozen=True)
-class Metric:
-    """One metric family: its HELP and TYPE lines and its samples (labels, value)."""
-
-    name: str
-    kind: str
-    help: str
-    samples: Sequence[tuple[Mapping[str, str], float]]
-
-
-def escape_label_value(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def escape_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def format_value(value: float) -> str:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return str(value)
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value))
-
-
-def render_metrics(metrics: Iterable[Metric]) -> str:
-    lines: list[str] = []
-    for metric in metrics:
-        if not _METRIC_NAME.match(metric.name):
-            raise ValueError(f"invalid metric name {metric.name!r}")
-        if metric.kind not in ("counter", "gauge", "untyped"):
-            raise ValueError(f"invalid metric type {metric.kind!r}")
-        lines.append(f"# HELP {metric.name} {escape_help(metric.help)}")
-        lines.append(f"# TYPE {metric.name} {metric.kind}")
-        for labels, value in metric.samples:
-            for label in labels:
-                if not _LABEL_NAME.match(label) or label.startswith("__"):
-                    raise ValueError(f"invalid label name {label!r}")
-            rendered = ",".join(
-                f'{label}="{escape_label_value(text)}"' for label, text in labels.items()
-            )
-            lines.append(
-                f"{metric.name}{{{rendered}}} {format_value(value)}"
-                if rendered
-                else f"{metric.name} {format_value(value)}"
-            )
-    return "\n".join(lines) + "\n" if lines else ""
-
-
-#: (metric, RelayStats attribute, help), one series per destination (label ``destination``).
-_DESTINATION_COUNTERS: tuple[tuple[str, str, str], ...] = (
-    (
-        "outboxer_messages_claimed_total",
-        "claimed",
-        "Messages this relay claimed (a message claimed again after a failure counts again).",
-    ),
-    (
-        "outboxer_messages_published_total",
-        "published",
-        "Messages the broker confirmed and this relay marked PUBLISHED.",
-    ),
-    (
-        "outboxer_messages_failed_total",
-        "failed",
-        "Failed publish attempts this relay recorded (retried later, or abandoned).",
-    ),
-    (
-        "outboxer_messages_abandoned_total",
-        "abandoned_now",
-        "Messages this relay gave up on (ABANDONED): attempts used up or rejected for good.",
-    ),
-    (
-        "outboxer_messages_released_total",
-        "released",
-        "Claimed messages given back without an attempt (behind a failed message of their key, or at shutdown).",
-    ),
-    (
-        "outboxer_messages_lost_total",
-        "lost",
-        "Messages another relay took over after this relay's lock expired.",
-    ),
-    ("outboxer_batches_total", "batches", "Batches this relay claimed and processed."),
-    ("outboxer_claim_seconds_total", "claim_seconds", "Seconds spent in claim statements."),
-    (
-        "outboxer_publish_seconds_total",
-        "publish_seconds",
-        "Seconds spent publishing batches and waiting for confirms.",
-    ),
-    (
-        "outboxer_settle_seconds_total",
-        "settle_seconds",
-        "Seconds spent recording outcomes (settle statements).",
-    ),
-    (
-        "outboxer_broker_connects_total",
-        "broker_reconnects",
-        "Successful broker connections: the first one of each destination and every reconnect.",
-    ),
-)
-#: Counters of the relay as a whole (no label).
-_RELAY_COUNTERS: tuple[tuple[str, str, str], ...] = (
-    (
-        "outboxer_messages_cleaned_total",
-        "cleaned",
-        "Finished messages and inbox entries this relay's retention deleted.",
-    ),
-    (
-        "outboxer_store_errors_total",
-        "store_errors",
-        "Database statements or connections that failed (the relay backs off and retries).",
-    ),
-)
-
-
-def relay_metrics(
-    stats: RelayStats,
-    healthy: bool,
-    now: float | None = None,
-    destinations: Mapping[str, RelayStats] | None = None,
-) -> list[Metric]:
-    """The relay's counters: per destination where ``destinations`` says, else unlabelled."""
-    per_destination = sorted((destinations or {}).items())
-    metrics = [
-        Metric(
-            name,
-            "counter",
-            text,
-            [
-                ({"destination": destination}, getattr(counts, attribute))
-                for destination, counts in per_destination
-            ]
-            if per_destination
-            else [({}, getattr(stats, attribute))],
-        )
-        for name, attribute, text in _DESTINATION_COUNTERS
-    ]
-    metrics += [
-        Metric(name, "counter", text, [({}, getattr(stats, attribute))])
-        for name, attribute, text in _RELAY_COUNTERS
-    ]
-    uptime = (time.time() if now is None else now) - stats.started_at
-    metrics.append(
-        Metric(
-            "outboxer_relay_uptime_seconds",
-            "gauge",
-            "Seconds since this relay started.",
-            [({}, max(uptime, 0.0))],
-        )
-    )
-    metrics.append(
-        Metric(
-            "outboxer_relay_healthy",
-            "gauge",
-            "1 while the relay's loops run and nothing is in an outage backoff (as /health).",
-            [({}, int(healthy))],
-        )
-    )
-    return metrics
-
-
-def store_metrics(statuses: Sequence[DestinationStatus] | None) -> list[Metric]:
-    """Gauges from ``store.status()``; None when the query failed (only ``outboxer_store_up``)."""
-    metrics = [
-        Metric(
-            "outboxer_store_up",
-            "gauge",
-            "1 if the last outbox status query succeeded (it is cached for a few seconds).",
-            [({}, int(statuses is not None))],
-        )
-    ]
-    if statuses is None:
-        return metrics
-    # Every status of every destination, zeros included, so a series never vanishes mid-graph.
-    counts = [
-        ({"destination": entry.destination, "status": status}, entry.counts.get(status, 0))
-        for entry in statuses
-        for status in ALL_STATUSES
-    ]
-    ages = [
-        ({"destination": entry.destination}, entry.oldest_pending_age or 0.0) for entry in statuses
-    ]
-    metrics.append(
-        Metric(
-            "outboxer_messages", "gauge", "Rows in the outbox, by destination and status.", counts
-        )
-    )
-    metrics.append(
-        Metric(
-            "outboxer_oldest_pending_age_seconds",
-            "gauge",
-            "Age of the oldest unfinished (PENDING, FAILED, PROCESSING) message; 0 when none.",
-            ages,
-        )
-    )
-    return metrics
+# ----- the outbox gauges' query --------------------------------------------------------------
 
 
 class StatusCache:
@@ -628,6 +357,10 @@ class StatusCache:
                 self._fetched_at = time.monotonic()
             return self._result
 
+    def invalidate(self) -> None:
+        """Query again at the next ``get``: the API itself just changed the outbox."""
+        self._fetched_at = -math.inf
+
 
 # ----- the API -----------------------------------------------------------------------------
 
@@ -647,19 +380,37 @@ class HttpApi:
         token: str | None = None,
         status_cache_seconds: float = STATUS_CACHE_SECONDS,
         store_timeout: float = STORE_TIMEOUT,
-        extra_metrics: Callable[[], Iterable[Metric]] | None = None,
+        sample_seconds: float = dashboard.SAMPLE_SECONDS,
+        collectors: Iterable[Any] = (),
     ) -> None:
         check_token(token)
-        #: More metrics for ``/metrics`` (the consumer's: outboxer.consumer.consumer_metrics).
-        self.extra_metrics = extra_metrics
         self.store = store
         self.settings = settings
         self.relay = relay
         self.token = token
         self.store_timeout = store_timeout
         self.status_cache = StatusCache(self._query_status, status_cache_seconds, store_timeout)
+        from outboxer.metrics import Metrics
+
+        # Inside a relay, its registry (its counters, histograms and process metrics) gets the
+        # outbox gauges too; alone, a registry of the outbox gauges only.
+        if relay is not None and relay.metrics is not None:
+            self.prometheus: Metrics = relay.metrics
+        else:
+            self.prometheus = Metrics(process_metrics=False)
+            if relay is not None:
+                self.prometheus.watch_relay(relay)
+        # More of the process's metrics (``outboxer consume``'s: outboxer.consumer).
+        for collector in collectors:
+            self.prometheus.registry.register(collector)
+        self.sample_seconds = sample_seconds
+        self.history = dashboard.History(sample_seconds)
         self._connect_lock = asyncio.Lock()
         self.routes: dict[str, dict[str, Handler]] = {
+            "/": {"GET": self.dashboard},
+            "/dashboard.js": {"GET": self.dashboard_asset},
+            "/dashboard.css": {"GET": self.dashboard_asset},
+            "/dashboard/series": {"GET": self.dashboard_series},
             "/health": {"GET": self.health},
             "/metrics": {"GET": self.metrics},
             "/status": {"GET": self.status},
@@ -749,19 +500,9 @@ class HttpApi:
         return json_response(http.HTTPStatus.OK, body)
 
     async def metrics(self, request: Request) -> Response:
-        metrics: list[Metric] = []
-        if self.relay is not None:
-            metrics += relay_metrics(
-                self.relay.stats,
-                not self.relay.health_problems(),
-                destinations=self.relay.destination_stats,
-            )
-        if self.extra_metrics is not None:
-            metrics += self.extra_metrics()
-        metrics += store_metrics(await self.status_cache.get())
-        return Response(
-            http.HTTPStatus.OK, render_metrics(metrics).encode(), PROMETHEUS_CONTENT_TYPE
-        )
+        self.prometheus.observe_store_status(await self.status_cache.get())
+        body, content_type = self.prometheus.render(request.headers.get("accept"))
+        return Response(http.HTTPStatus.OK, body, content_type)
 
     async def status(self, request: Request) -> Response:
         store = await self._connected_store()
@@ -817,6 +558,7 @@ class HttpApi:
         # No timeout here: an abandoned requeue could still commit after the client was told
         # it failed. The store's own statement timeout bounds it.
         count = await (await self._connected_store()).requeue(destinations, statuses, ids)
+        self.status_cache.invalidate()  # the next page or scrape shows the requeued rows
         logger.info(
             "requeued %d message(s) (destinations %s, statuses %s%s)",
             count,
@@ -825,6 +567,79 @@ class HttpApi:
             f", {len(ids)} id(s)" if ids is not None else "",
         )
         return json_response(http.HTTPStatus.OK, {"requeued": count})
+
+    # ----- the dashboard ------------------------------------------------------------------
+
+    async def dashboard(self, request: Request) -> Response:
+        statuses = await self.status_cache.get()
+        problems: list[dict[str, object]] = []
+        if statuses is not None:  # else the page says the database did not answer
+            store = await self._connected_store()
+            async with asyncio.timeout(QUERY_TIMEOUT):
+                # The store lists oldest first: take as many as an API call may, keep the newest.
+                rows = await store.list_messages(
+                    list(dashboard.PROBLEM_STATUSES), MESSAGES_MAX_LIMIT
+                )
+            problems = dashboard.newest_problems(rows)
+        relay = None
+        if self.relay is not None:
+            relay = "; ".join(self.relay.health_problems()) or "ok"
+        page = dashboard.render_page(
+            statuses,
+            problems,
+            relay=relay,
+            token_required=self.token is not None,
+            sample_seconds=self.sample_seconds,
+        )
+        return Response(
+            http.HTTPStatus.OK, page.encode(), "text/html; charset=utf-8", dashboard.PAGE_HEADERS
+        )
+
+    async def dashboard_asset(self, request: Request) -> Response:
+        name = request.path.removeprefix("/")
+        kind = "text/javascript" if name.endswith(".js") else "text/css"
+        return Response(
+            http.HTTPStatus.OK,
+            dashboard.asset(name),
+            f"{kind}; charset=utf-8",
+            {"X-Content-Type-Options": "nosniff"},
+        )
+
+    async def dashboard_series(self, request: Request) -> Response:
+        return json_response(http.HTTPStatus.OK, self.history.series())
+
+    async def sample(self) -> None:
+        """Add a point to the chart: messages published so far, and the latency histogram."""
+        statuses = await self.status_cache.get()
+        if self.relay is not None:  # the relay's own counters: exact, and no query
+            published = {
+                name: float(counts.published)
+                for name, counts in self.relay.destination_stats.items()
+            }
+        elif statuses is not None:  # alone: the PUBLISHED rows (retention may delete some)
+            published = {
+                entry.destination: float(entry.counts.get(Status.PUBLISHED.value, 0))
+                for entry in statuses
+            }
+        else:
+            return  # no numbers: a gap in the chart
+        registry = self.prometheus.registry
+        latency = {}
+        for name in published:
+            labels = {"destination": name}
+            total = registry.get_sample_value("outboxer_publish_latency_seconds_sum", labels)
+            count = registry.get_sample_value("outboxer_publish_latency_seconds_count", labels)
+            if total is not None and count is not None:
+                latency[name] = (total, count)
+        self.history.add(dashboard.Sample(time.time(), published, latency))
+
+    async def sample_forever(self) -> None:
+        while True:
+            try:
+                await self.sample()
+            except Exception as exc:  # noqa: BLE001 -- a missed point is logged; the next one may work
+                logger.warning("dashboard: sampling failed: %s", _describe(exc))
+            await asyncio.sleep(self.sample_seconds)
 
 
 #: Driver packages whose exceptions mean "the database failed", not "the API has a bug":
@@ -885,8 +700,235 @@ def _statuses(values: Sequence[str], allowed: Sequence[str], name: str) -> list[
 # ----- the server --------------------------------------------------------------------------
 
 
+def _raw_error(error: HttpError) -> bytes:
+    """``error`` as a whole response, for the protocol to write when no request reached the app."""
+    response = error_response(error)
+    head = [
+        f"HTTP/1.1 {response.status} {http.HTTPStatus(response.status).phrase}",
+        f"Content-Type: {response.content_type}",
+        f"Content-Length: {len(response.body)}",
+        "Connection: close",
+        "Cache-Control: no-store",
+    ]
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + response.body
+
+
+def _protocol_class(read_timeout: float) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol with a deadline on the request head and JSON protocol errors.
+
+    uvicorn times out idle keep-alive connections only: a client that opens a connection and
+    sends half a request head would hold it for good. Here a connection whose request head
+    is not complete ``read_timeout`` seconds after it opened gets 408 and is closed; one
+    whose client stops reading the answer is dropped at the next deadline. The body has its
+    own deadline in ``AsgiApp``.
+    """
+    h11_impl = _require("uvicorn.protocols.http.h11_impl")
+
+    class _DeadlineProtocol(h11_impl.H11Protocol):  # type: ignore[misc,name-defined]
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)
+            self._deadline = self.loop.call_later(read_timeout, self._on_deadline)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            super().connection_lost(exc)
+
+        def _on_deadline(self) -> None:
+            self._deadline = None
+            if self.transport.is_closing():
+                return
+            cycle = self.cycle
+            if cycle is None:  # the request head is still incomplete
+                self._refuse(RequestTimeout(f"no complete request within {read_timeout:g}s"))
+            elif cycle.response_started and not cycle.response_complete and self.flow.write_paused:
+                self.transport.abort()  # the client stopped reading the answer
+            elif not cycle.response_complete:
+                self._deadline = self.loop.call_later(read_timeout, self._on_deadline)
+
+        def data_received(self, data: bytes) -> None:
+            if self.cycle is None and not self.transport.is_closing():
+                # h11 bounds only a head that is still incomplete; a whole one in one read
+                # passes at any size. Bound it here, body bytes of the same read excluded.
+                received = self.conn.trailing_data[0] + data
+                end = _END_OF_HEAD.search(received)
+                if (end.end() if end else len(received)) > MAX_HEAD_BYTES:
+                    self._refuse(
+                        HeadersTooLarge(
+                            f"the request line and headers exceed {MAX_HEAD_BYTES} bytes"
+                        )
+                    )
+                    return
+            super().data_received(data)
+
+        def eof_received(self) -> bool:
+            # A client may end its sending side once it has said all it will (shutdown(SHUT_WR)).
+            # uvicorn closes the connection there, dropping the answer still to come: keep the
+            # connection open to answer a request that is in, refuse one cut short.
+            if self.cycle is not None:
+                return True
+            if self.conn.trailing_data[0].strip():
+                self._refuse(BadRequest("the connection ended inside the request head"))
+            return False
+
+        def send_400_response(self, msg: str) -> None:
+            # h11 refused the request: answer as every other error, JSON with a length.
+            self._refuse(
+                BadRequest(
+                    "malformed HTTP/1.1 request: the request line, a header field (Host is "
+                    "required) or the framing (Content-Length, Transfer-Encoding) is not valid"
+                )
+            )
+
+        def _refuse(self, error: HttpError) -> None:
+            self.transport.write(_raw_error(error))
+            self.transport.close()
+
+    return _DeadlineProtocol
+
+
+class AsgiApp:
+    """The ASGI application: turns a request into ``HttpApi.handle``'s ``Request``.
+
+    Checks here are the ones that need the connection: the HTTP version, the request
+    target's form, the body's length and deadline, and the Host and Origin (which need the
+    address the server listens on).
+    """
+
+    def __init__(self, api: HttpApi, host: str, read_timeout: float) -> None:
+        self.api = api
+        self.host = host
+        self.authority = host  # with the port, once the server listens (HttpServer.start)
+        self.read_timeout = read_timeout
+
+    async def __call__(
+        self,
+        scope: MutableMapping[str, Any],
+        receive: Callable[[], Awaitable[MutableMapping[str, Any]]],
+        send: Callable[[MutableMapping[str, Any]], Awaitable[None]],
+    ) -> None:
+        if scope["type"] != "http":  # uvicorn runs with lifespan and websockets off
+            return
+        requests = _require("starlette.requests")
+        started = time.perf_counter()
+        incoming = requests.Request(scope, receive)
+        response = await self._answer(scope, incoming)
+        if response is not None:
+            await self._send(response, scope, receive, send)
+            logger.debug(
+                "%s %s -> %d in %.1f ms",
+                scope["method"],
+                scope["path"][:100],
+                response.status,
+                (time.perf_counter() - started) * 1000,
+            )
+
+    async def _answer(self, scope: Mapping[str, Any], incoming: Any) -> Response | None:
+        """The response (None: the client left before its body arrived)."""
+        headers: dict[str, str] = {}
+        for raw_name, raw_value in scope["headers"]:
+            # A repeated field's values joined with ", " (RFC 9110, 5.3).
+            name, value = raw_name.decode("latin-1").lower(), raw_value.decode("latin-1")
+            headers[name] = f"{headers[name]}, {value}" if name in headers else value
+        try:
+            request = self._request(scope, headers)
+            length = body_length(headers)
+        except HttpError as exc:
+            await self._discard_body(incoming, headers)
+            return error_response(exc)
+        try:
+            if length or "transfer-encoding" in headers:
+                body = await self._read_body(incoming, length)
+                if body is None:
+                    return None
+                request = Request(request.method, request.path, request.query, headers, body)
+            check_host(request, self.host)
+            check_origin(request, self.authority)
+        except HttpError as exc:
+            logger.warning("refused %s %r: %s", request.method, request.path[:100], exc)
+            return error_response(exc)
+        return await self.api.handle(request)
+
+    @staticmethod
+    def _request(scope: Mapping[str, Any], headers: dict[str, str]) -> Request:
+        if len(scope["headers"]) > MAX_HEADERS:
+            raise HeadersTooLarge(f"more than {MAX_HEADERS} header fields")
+        version = scope["http_version"]
+        if version not in _HTTP_VERSIONS:
+            raise VersionNotSupported(f"HTTP/{version[:10]} is not supported; use HTTP/1.1")
+        path: str = scope["path"]
+        if not path.startswith("/"):  # "*" or an absolute URL ("http://host/path")
+            raise BadRequest(
+                f"the request target must be a path starting with '/'; got {path[:100]!r}"
+            )
+        try:
+            query = parse_qs(
+                scope["query_string"].decode("latin-1"), keep_blank_values=True, max_num_fields=50
+            )
+        except ValueError as exc:
+            raise BadRequest(f"malformed query string: {exc}") from None
+        return Request(method=scope["method"], path=path, query=query, headers=headers)
+
+    async def _read_body(self, incoming: Any, length: int) -> bytes | None:
+        body = bytearray()
+        try:
+            async with asyncio.timeout(self.read_timeout):
+                async for chunk in incoming.stream():
+                    body += chunk
+                    if len(body) > length:  # h11 holds a body to its Content-Length
+                        raise BadRequest(f"the body is longer than its Content-Length {length}")
+        except TimeoutError:
+            raise RequestTimeout(f"the body did not arrive within {self.read_timeout:g}s") from None
+        except _require("starlette.requests").ClientDisconnect:
+            return None
+        return bytes(body)
+
+    async def _discard_body(self, incoming: Any, headers: Mapping[str, str]) -> None:
+        """Read what the client sends of a body we refused, within bounds, before answering."""
+        if headers.get("expect", "").lower() == "100-continue":
+            return  # the client waits for our word before it sends the body
+        if "content-length" not in headers and "transfer-encoding" not in headers:
+            return
+        discarded = 0
+        with contextlib.suppress(TimeoutError, _require("starlette.requests").ClientDisconnect):
+            async with asyncio.timeout(_LINGER_SECONDS):
+                async for chunk in incoming.stream():
+                    discarded += len(chunk)
+                    if discarded > _LINGER_BYTES:
+                        break
+
+    @staticmethod
+    async def _send(
+        response: Response,
+        scope: MutableMapping[str, Any],
+        receive: Callable[[], Awaitable[MutableMapping[str, Any]]],
+        send: Callable[[MutableMapping[str, Any]], Awaitable[None]],
+    ) -> None:
+        responses = _require("starlette.responses")
+        outgoing = responses.Response(
+            response.body,
+            status_code=response.status,
+            headers={**response.headers, "Connection": "close", "Cache-Control": "no-store"},
+            media_type=response.content_type,
+        )
+
+        async def send_titled(message: MutableMapping[str, Any]) -> None:
+            # ASGI header names are lower-case; h11 writes them as given. Clients do not care,
+            # but people reading raw answers (and curl -i) are used to Content-Type.
+            if message["type"] == "http.response.start":
+                message = {
+                    **message,
+                    "headers": [(name.title(), value) for name, value in message["headers"]],
+                }
+            await send(message)
+
+        await outgoing(scope, receive, send_titled)
+
+
 class HttpServer:
-    """Serves an ``HttpApi`` on ``host:port``, one request per connection."""
+    """Serves an ``HttpApi`` on ``host:port`` with uvicorn, one request per connection."""
 
     def __init__(
         self,
@@ -903,24 +945,54 @@ class HttpServer:
         self.port = port
         self.read_timeout = read_timeout
         self.max_connections = max_connections
-        self._server: asyncio.Server | None = None
-        self._connections: set[asyncio.Task[Any]] = set()
+        self.app = AsgiApp(api, host, read_timeout)
+        self._server: uvicorn.Server | None = None
+        self._serving: asyncio.Task[None] | None = None
+        self._sampling: asyncio.Task[None] | None = None
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
-    async def start(self) -> HttpServer:
+    def _listen(self) -> socket.socket:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         try:
-            self._server = await asyncio.start_server(
-                self._serve_connection, self.host, self.port, limit=MAX_HEAD_BYTES
-            )
+            return socket.create_server((self.host, self.port), family=family)
         except OSError as exc:
             raise ConfigError(
                 f"the HTTP API cannot listen on {self.host}:{self.port}: {exc.strerror or exc}"
             ) from None
-        self.port = self._server.sockets[0].getsockname()[1]  # the port chosen for port 0
+
+    async def start(self) -> HttpServer:
+        uvicorn = _require("uvicorn")
+        config = uvicorn.Config(
+            self.app,
+            http=_protocol_class(self.read_timeout),
+            ws="none",
+            lifespan="off",
+            log_config=None,  # the application's (or the CLI's) logging, not uvicorn's
+            access_log=False,
+            proxy_headers=False,  # no client address or scheme taken from X-Forwarded-*
+            server_header=False,
+            limit_concurrency=self.max_connections,  # 503 beyond
+            h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS,
+        )
+        listener = self._listen()
+        self.port = listener.getsockname()[1]  # the port chosen for port 0
+        self.app.authority = self.url.removeprefix("http://")
+        server = uvicorn.Server(config)
+        # Server.serve() would take over SIGINT and SIGTERM, which belong to the relay (or to
+        # the application embedding the API); _serve() is serve() without that.
+        self._serving = asyncio.create_task(server._serve(sockets=[listener]))
+        self._server = server
+        while not server.started:
+            if self._serving.done():
+                await self._serving  # raises what stopped it
+                raise ConfigError(f"the HTTP API on {self.url} stopped while starting")
+            await asyncio.sleep(0.01)
+        self._sampling = asyncio.create_task(self.api.sample_forever())
         logger.info(
             "HTTP API listening on %s (requeue %s)",
             self.url,
@@ -929,18 +1001,15 @@ class HttpServer:
         return self
 
     async def close(self) -> None:
-        """Stop listening, drop the connections still open, close the API's store."""
-        if self._server is not None:
-            self._server.close()
-        connections = list(self._connections)
-        for task in connections:
-            task.cancel()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(5):
-                await asyncio.gather(*connections, return_exceptions=True)
-                if self._server is not None:
-                    await self._server.wait_closed()
-        self._server = None
+        """Stop listening, close idle connections, finish (or cancel) requests, close the store."""
+        if self._sampling is not None:
+            self._sampling.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sampling
+        if self._server is not None and self._serving is not None:
+            self._server.should_exit = True
+            await self._serving
+        self._server = self._serving = self._sampling = None
         await self.api.close()
 
     async def __aenter__(self) -> HttpServer:
@@ -948,89 +1017,6 @@ class HttpServer:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
-
-    async def _serve_connection(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._connections.add(task)
-        try:
-            if len(self._connections) > self.max_connections:
-                await self._send(
-                    writer, error_response(ServiceUnavailable("too many open connections"))
-                )
-                return
-            response, unread_input = await self._answer(reader, writer)
-            if response is not None:
-                await self._send(writer, response)
-                if unread_input:
-                    await self._discard_input(reader, writer)
-        except (ConnectionError, TimeoutError) as exc:  # the client left, or stopped reading
-            logger.debug("HTTP connection dropped: %s", _describe(exc))
-        finally:
-            self._connections.discard(task)
-            await self._close_writer(writer)
-
-    async def _answer(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> tuple[Response | None, bool]:
-        """The response (None: nobody to answer) and whether request bytes may be left unread."""
-        started = time.perf_counter()
-        try:
-            async with asyncio.timeout(self.read_timeout):
-                request = await read_request(reader, writer)
-        except _ClientGone:
-            return None, False
-        except TimeoutError:
-            return error_response(
-                RequestTimeout(f"no complete request within {self.read_timeout:g}s")
-            ), False
-        except HttpError as exc:
-            return error_response(exc), True
-        try:
-            check_host(request, self.host)
-            check_origin(request, self.url.removeprefix("http://"))
-        except HttpError as exc:
-            logger.warning("refused %s %r: %s", request.method, request.path[:100], exc)
-            return error_response(exc), False
-        response = await self.api.handle(request)
-        logger.debug(
-            "%s %s -> %d in %.1f ms",
-            request.method,
-            request.path,
-            response.status,
-            (time.perf_counter() - started) * 1000,
-        )
-        return response, False
-
-    async def _send(self, writer: asyncio.StreamWriter, response: Response) -> None:
-        writer.write(encode_response(response))
-        async with asyncio.timeout(self.read_timeout):
-            await writer.drain()
-
-    async def _discard_input(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        with contextlib.suppress(OSError):  # a timeout or a reset: close anyway
-            if writer.can_write_eof():
-                writer.write_eof()
-            async with asyncio.timeout(_LINGER_SECONDS):
-                discarded = 0
-                while discarded < _LINGER_BYTES and (chunk := await reader.read(65536)):
-                    discarded += len(chunk)
-
-    async def _close_writer(self, writer: asyncio.StreamWriter) -> None:
-        writer.close()
-        try:
-            async with asyncio.timeout(1):
-                await writer.wait_closed()
-        except OSError:
-            # A client that does not read keeps the buffer full: do not wait for it.
-            writer.transport.abort()
-        except asyncio.CancelledError:
-            writer.transport.abort()
-            raise
 
 
 def check_exposure(host: str, token: str | None) -> None:
@@ -1043,17 +1029,16 @@ def check_exposure(host: str, token: str | None) -> None:
 
 
 async def start_http_api(
-    settings: Settings,
-    relay: Relay | None = None,
-    *,
-    extra_metrics: Callable[[], Iterable[Metric]] | None = None,
+    settings: Settings, relay: Relay | None = None, *, collectors: Iterable[Any] = ()
 ) -> HttpServer:
     """Check the settings, then listen on ``settings.http``; ConfigError if it cannot."""
     if not settings.http:
         raise ConfigError("no HTTP address: pass --http HOST:PORT or set OUTBOXER_HTTP")
     host, port = parse_http_address(settings.http, "--http")
+    for module in _HTTP_EXTRA:  # checked before the store or a socket is opened
+        _require(module)
     store = create_store(settings.require_db(), schema=settings.schema, table=settings.table)
-    api = HttpApi(store, settings, relay, token=settings.http_token, extra_metrics=extra_metrics)
+    api = HttpApi(store, settings, relay, token=settings.http_token, collectors=collectors)
     return await HttpServer(api, host, port).start()
 
 

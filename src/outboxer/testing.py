@@ -23,6 +23,7 @@ import pytest
 
 from outboxer.brokers.base import OutcomeKind, Publisher
 from outboxer.message import Message, encode_payload, uuid7
+from outboxer.stores.base import Claim, Failure, SettleResult
 
 
 @dataclass(frozen=True)
@@ -334,6 +335,11 @@ class StoreContract(ABC):
     def placeholder(self) -> str:
         return "%s"
 
+    def refuse_sql(self, topic: str) -> str:
+        """DDL after which the database refuses (a constraint, not an outage) to mark rows of
+        ``topic`` PUBLISHED, or to store a ``last_error`` containing ``forbidden text``."""
+        pytest.skip(f"{type(self).__name__} cannot make its database refuse a settle")
+
     # ----- helpers ------------------------------------------------------------------------
 
     def enqueue(self, url: str, *items: tuple[str, str | None]) -> list[Message]:
@@ -390,8 +396,27 @@ class StoreContract(ABC):
         limit: int = 100,
         lock: float = 60.0,
         abandoned_blocks: bool = False,
-    ) -> list[Message]:
-        return list(await store.claim("default", relay, limit, lock, abandoned_blocks))
+        max_attempts: int = 5,
+    ) -> Claim:
+        claim: Claim = await store.claim(
+            "default", relay, limit, lock, abandoned_blocks, max_attempts=max_attempts
+        )
+        return claim
+
+    async def settle(
+        self,
+        store: Any,
+        claim: Claim,
+        published: Sequence[int] = (),
+        failed: Sequence[Failure] = (),
+        released: Sequence[int] = (),
+        max_attempts: int = 5,
+    ) -> SettleResult:
+        """Settle rows of ``claim`` under its lease."""
+        result: SettleResult = await store.settle(
+            "default", claim.lease, published, failed, released, max_attempts
+        )
+        return result
 
     # ----- schema -------------------------------------------------------------------------
 
@@ -418,14 +443,16 @@ class StoreContract(ABC):
         assert {r["status"] for r in rows} == {"PROCESSING"}
         assert {r["locked_by"] for r in rows} == {"relay-a"}
 
-    async def test_published_settles_only_for_the_lock_holder(self, url: str, store: Any) -> None:
+    async def test_published_settles_only_for_the_lease_holder(self, url: str, store: Any) -> None:
+        from outboxer.stores import Lease
+
         self.enqueue(url, ("t", "a"), ("t", "b"))
-        first, second = await self.claim(store)
-        other = await store.settle("default", "relay-other", [first.stored_seq], [], [], 5)
-        assert other.lost == 1 and other.published == 0
-        result = await store.settle(
-            "default", "relay-a", [first.stored_seq, second.stored_seq], [], [], 5
-        )
+        claim = await self.claim(store)
+        first, second = claim
+        for stranger in (Lease("relay-other", claim.lease.token), Lease.new("relay-a")):
+            other = await store.settle("default", stranger, [first.stored_seq], [], [], 5)
+            assert other.lost == 1 and other.published == 0, stranger
+        result = await self.settle(store, claim, [first.stored_seq, second.stored_seq])
         assert result.published == 2 and result.lost == 0
         assert [r["status"] for r in self.rows(url)] == ["PUBLISHED", "PUBLISHED"]
         assert {r["locked_by"] for r in self.rows(url)} == {None}
@@ -435,10 +462,9 @@ class StoreContract(ABC):
         from outboxer.stores import Failure
 
         self.enqueue(url, ("t", "a"))
-        [message] = await self.claim(store)
-        await store.settle(
-            "default", "relay-a", [], [Failure(message.stored_seq, "boom", 30.0, False)], [], 5
-        )
+        claim = await self.claim(store)
+        [message] = claim
+        await self.settle(store, claim, failed=[Failure(message.stored_seq, "boom", 30.0, False)])
         [row] = self.rows(url)
         assert (row["status"], row["attempts"], row["last_error"]) == ("FAILED", 1, "boom")
         assert await self.claim(store) == [], "not due before its backoff"
@@ -452,47 +478,185 @@ class StoreContract(ABC):
         from outboxer.stores import Failure
 
         self.enqueue(url, ("t", "a"), ("t", "b"))
-        first, second = await self.claim(store)
+        claim = await self.claim(store)
+        first, second = claim
         self.execute(url, f"UPDATE {self.table} SET attempts = 2 WHERE seq = {first.stored_seq}")
-        await store.settle(
-            "default",
-            "relay-a",
-            [],
-            [
+        await self.settle(
+            store,
+            claim,
+            failed=[
                 Failure(first.stored_seq, "again", 0.0, False),
                 Failure(second.stored_seq, "too large", 0.0, True),
             ],
-            [],
-            3,
+            max_attempts=3,
         )
         rows = self.rows(url)
         assert [(r["status"], r["attempts"]) for r in rows] == [("ABANDONED", 3), ("ABANDONED", 1)]
         assert await self.claim(store) == []
 
+    async def test_any_error_text_settles_and_reads_back_storable(
+        self, url: str, store: Any
+    ) -> None:
+        """A broker's error may hold anything: a NUL (PostgreSQL refuses it in text), lone
+        surrogates (no driver encodes them), bytes that are no UTF-8, a megabyte of body.
+        Each is recorded, bounded and readable, and the row leaves PROCESSING."""
+        from outboxer.stores import Failure
+        from outboxer.stores.base import MAX_ERROR_LENGTH, storable_error
+
+        raw = b"\xff\xfe body \x00 \xc3("
+        errors = [
+            "HTTP 500: \x00\x00 nul bytes \x00",
+            "lone \ud800 surrogate \udfff",
+            raw.decode("utf-8", "replace"),
+            raw.decode("utf-8", "surrogateescape"),
+            "x" * 1_000_000,
+        ]
+        self.enqueue(url, *[("t", None)] * len(errors))
+        claimed = await self.claim(store)
+        result = await self.settle(
+            store,
+            claimed,
+            failed=[
+                Failure(m.stored_seq, e, 30.0, False) for m, e in zip(claimed, errors, strict=True)
+            ],
+        )
+        assert result.failed == len(errors)
+        rows = self.rows(url)
+        assert [(r["status"], r["attempts"]) for r in rows] == [("FAILED", 1)] * len(errors)
+        for row, error in zip(rows, errors, strict=True):
+            stored = row["last_error"]
+            assert stored == storable_error(error)
+            assert "\x00" not in stored and len(stored) <= MAX_ERROR_LENGTH
+            stored.encode("utf-8")  # valid UTF-8: no lone surrogate left
+        assert rows[0]["last_error"] == "HTTP 500: \ufffd\ufffd nul bytes \ufffd"
+        assert rows[-1]["last_error"].endswith("[cut: 1000000 characters in all]")
+
+    async def test_a_settle_the_database_refuses_raises_store_data_error(
+        self, url: str, store: Any
+    ) -> None:
+        """Refused values are no outage: the relay must learn it cannot retry them as they are."""
+        from outboxer.stores import Failure, StoreDataError
+
+        self.execute(url, self.refuse_sql("stuck"))
+        self.enqueue(url, ("stuck", None), ("t", None))
+        claim = await self.claim(store)
+        stuck, fine = claim
+        with pytest.raises(StoreDataError):
+            await self.settle(store, claim, [stuck.stored_seq, fine.stored_seq])
+        with pytest.raises(StoreDataError):
+            await self.settle(
+                store, claim, failed=[Failure(fine.stored_seq, "forbidden text", 1.0, False)]
+            )
+        assert [r["status"] for r in self.rows(url)] == ["PROCESSING"] * 2, "nothing half-written"
+        result = await self.settle(store, claim, [fine.stored_seq])
+        assert result.published == 1, "only those values were refused: the store goes on"
+
     async def test_release_returns_rows_without_counting_an_attempt(
         self, url: str, store: Any
     ) -> None:
         self.enqueue(url, ("t", "a"))
-        [message] = await self.claim(store)
-        result = await store.settle("default", "relay-a", [], [], [message.stored_seq], 5)
+        claim = await self.claim(store)
+        [message] = claim
+        result = await self.settle(store, claim, released=[message.stored_seq])
         assert result.released == 1
         [row] = self.rows(url)
         assert (row["status"], row["attempts"], row["locked_by"]) == ("PENDING", 0, None)
         assert [m.id for m in await self.claim(store, "relay-b")] == [message.id]
 
-    async def test_expired_lock_is_taken_over_and_counted(self, url: str, store: Any) -> None:
-        self.enqueue(url, ("t", "a"), ("t", "a"))
-        first = await self.claim(store, "relay-dead", lock=30)
-        assert len(first) == 2
+    async def test_expired_lease_is_taken_over_alone_and_counted(
+        self, url: str, store: Any
+    ) -> None:
+        """The rows of a relay that died are taken over one a claim, in seq order: a message
+        that kills its relay dies alone. A late settle of the dead holder changes nothing."""
+        first, second, other = self.enqueue(url, ("t", "a"), ("t", "a"), ("t", None))
+        dead = await self.claim(store, "relay-dead", lock=30)
+        assert len(dead) == 3 and not dead.recovered
         assert await self.claim(store, "relay-b") == []
         self.execute(url, self.shift_sql("locked_until", 31))
         taken = await self.claim(store, "relay-b")
-        assert [m.id for m in taken] == [m.id for m in first]
+        assert [m.id for m in taken] == [first.id] and taken.recovered
+        assert taken[0].attempts == 1
+        again = await self.claim(store, "relay-c")
+        assert [m.id for m in again] == [other.id], "a's second row waits for its first"
+        await self.settle(store, taken, [taken[0].stored_seq])
+        last = await self.claim(store, "relay-c")
+        assert [m.id for m in last] == [second.id] and last.recovered, "a's first is done"
+        late = await self.settle(store, dead, [m.stored_seq for m in dead])
+        assert late.lost == 3 and late.published == 0, "the dead holder's late settle"
         rows = self.rows(url)
-        assert {r["locked_by"] for r in rows} == {"relay-b"}
-        assert all(r["attempts"] == 1 and "relay-dead" in r["last_error"] for r in rows)
-        late = await store.settle("default", "relay-dead", [m.stored_seq for m in first], [], [], 5)
-        assert late.lost == 2, "the dead relay's late settle must not touch the new owner's rows"
+        assert [r["status"] for r in rows] == ["PUBLISHED", "PROCESSING", "PROCESSING"]
+        assert [r["attempts"] for r in rows] == [1, 1, 1]
+        assert "relay relay-dead died or stalled while publishing" in rows[1]["last_error"]
+        assert [r["locked_by"] for r in rows] == [None, "relay-c", "relay-c"]
+
+    async def test_a_claim_that_may_not_recover_takes_nothing_and_says_a_row_waits(
+        self, url: str, store: Any
+    ) -> None:
+        """A relay holding other rows may not take over an expired lease (they would die with
+        it): its claim takes nothing at all, and says why, so the relay drains first."""
+        expired, _ = self.enqueue(url, ("t", "a"), ("t", "b"))
+        await self.claim(store, "relay-dead", lock=30, limit=1)
+        self.execute(url, self.shift_sql("locked_until", 31))
+        busy = await store.claim("default", "relay-b", 100, 60.0, False, recover=False)
+        assert busy == [] and busy.recovery_waiting and not busy.recovered
+        idle = await store.claim("default", "relay-b", 100, 60.0, False, recover=True)
+        assert [m.id for m in idle] == [expired.id] and idle.recovered
+        assert not idle.recovery_waiting
+        ordinary = await store.claim("default", "relay-b", 100, 60.0, False, recover=False)
+        assert len(ordinary) == 1 and not ordinary.recovery_waiting, "nothing else expired"
+
+    async def test_a_takeover_at_max_attempts_abandons(self, url: str, store: Any) -> None:
+        """A message whose relay died on its last attempt is abandoned, not taken over again;
+        the rest of its key follows abandoned_blocks."""
+        poison, follower = self.enqueue(url, ("t", "k"), ("t", "k"))
+        self.execute(url, f"UPDATE {self.table} SET attempts = 2")
+        await self.claim(store, "relay-dead", lock=30)
+        self.execute(url, self.shift_sql("locked_until", 31))
+        held_back = await self.claim(store, "relay-b", max_attempts=3, abandoned_blocks=True)
+        assert held_back == [] and [a.id for a in held_back.abandoned] == [poison.id, follower.id]
+        abandoned = held_back.abandoned[0]
+        assert abandoned.attempts == 3
+        assert "abandoned after 3 attempts: relay relay-dead died or stalled" in abandoned.error
+        rows = self.rows(url)
+        assert [(r["status"], r["attempts"]) for r in rows] == [("ABANDONED", 3)] * 2
+        assert rows[0]["last_error"] == abandoned.error and rows[0]["locked_by"] is None
+
+    async def test_after_a_takeover_abandons_the_key_follows_abandoned_blocks(
+        self, url: str, store: Any
+    ) -> None:
+        poison, follower = self.enqueue(url, ("t", "k"), ("t", "k"))
+        claim = await self.claim(store, "relay-dead", lock=30, limit=1)
+        assert [m.id for m in claim] == [poison.id]
+        self.execute(url, self.shift_sql("locked_until", 31))
+        held_back = await self.claim(store, "relay-b", max_attempts=1, abandoned_blocks=True)
+        assert held_back == [] and [a.id for a in held_back.abandoned] == [poison.id]
+        assert await self.claim(store, "relay-b", max_attempts=1, abandoned_blocks=True) == []
+        claimed = await self.claim(store, "relay-b", max_attempts=1)
+        assert [m.id for m in claimed] == [follower.id], "abandoned_blocks false: k goes on"
+
+    async def test_renewal_extends_the_lease_and_a_stale_lease_changes_nothing(
+        self, url: str, store: Any
+    ) -> None:
+        """Renewal keeps a slow batch from being taken over; a holder whose lease was taken
+        over, even by another claim of the same relay (same relay_id), can neither renew nor
+        settle those rows."""
+        self.enqueue(url, ("t", "k"), ("t", None))
+        slow = await self.claim(store, "relay-a", lock=30)
+        seqs = [m.stored_seq for m in slow]
+        self.execute(url, self.shift_sql("locked_until", 29))  # one second of the lease left
+        assert await store.renew("default", slow.lease, seqs, 30) == 2
+        self.execute(url, self.shift_sql("locked_until", 2))
+        assert await self.claim(store, "relay-a") == [], "renewed: not taken over"
+        self.execute(url, self.shift_sql("locked_until", 31))
+        taken = await self.claim(store, "relay-a")  # another loop of the same relay
+        assert taken.recovered and [m.stored_seq for m in taken] == seqs[:1]
+        assert await store.renew("default", slow.lease, seqs, 30) == 1, "only the row not taken"
+        late = await self.settle(store, slow, published=seqs)
+        assert late.published == 1 and late.lost == 1
+        [row] = [r for r in self.rows(url) if r["status"] == "PROCESSING"]
+        assert row["seq"] == seqs[0] and row["attempts"] == 1, "the new holder's row, untouched"
+        assert await store.renew("default", taken.lease, seqs[:1], 30) == 1
+        assert (await self.settle(store, taken, released=seqs[:1])).released == 1
 
     async def test_key_waits_for_its_head(self, url: str, store: Any) -> None:
         from outboxer.stores import Failure
@@ -504,9 +668,7 @@ class StoreContract(ABC):
         assert [m.key for m in rest] == ["other", None], (
             "k's second row waits while its head is in flight"
         )
-        await store.settle(
-            "default", "relay-a", [], [Failure(head[0].stored_seq, "down", 60.0, False)], [], 5
-        )
+        await self.settle(store, head, failed=[Failure(head[0].stored_seq, "down", 60.0, False)])
         assert await self.claim(store, "relay-c") == [], "k waits while its head backs off"
         self.execute(url, self.shift_sql("next_attempt_at", 61))
         again = await self.claim(store, "relay-c")
@@ -535,10 +697,9 @@ class StoreContract(ABC):
         from outboxer.stores import Failure
 
         self.enqueue(url, ("t", "k"), ("t", "k"))
-        [head] = await self.claim(store, limit=1)
-        await store.settle(
-            "default", "relay-a", [], [Failure(head.stored_seq, "rejected", 0.0, True)], [], 5
-        )
+        claim = await self.claim(store, limit=1)
+        [head] = claim
+        await self.settle(store, claim, failed=[Failure(head.stored_seq, "rejected", 0.0, True)])
         assert await self.claim(store, abandoned_blocks=True) == []
         [follower] = await self.claim(store, abandoned_blocks=False)
         assert follower.stored_seq > head.stored_seq
@@ -550,13 +711,11 @@ class StoreContract(ABC):
 
         self.enqueue(url, *[("t", None)] * 5)
         claimed = await self.claim(store)
-        await store.settle(
-            "default",
-            "relay-a",
+        await self.settle(
+            store,
+            claimed,
             [m.stored_seq for m in claimed[:4]],
             [Failure(claimed[4].stored_seq, "x", 0.0, True)],
-            [],
-            5,
         )
         assert await store.cleanup("PUBLISHED", 3600, 10) == 0, "too young"
         self.execute(url, self.shift_sql("updated_at", 7200))
@@ -571,13 +730,11 @@ class StoreContract(ABC):
 
         sent = self.enqueue(url, ("t", "a"), ("t", "b"), ("t", "c"))
         claimed = await self.claim(store, limit=2)
-        await store.settle(
-            "default",
-            "relay-a",
+        await self.settle(
+            store,
+            claimed,
             [claimed[0].stored_seq],
             [Failure(claimed[1].stored_seq, "no", 0.0, True)],
-            [],
-            5,
         )
         [report] = await store.status()
         assert report.counts == {"PUBLISHED": 1, "ABANDONED": 1, "PENDING": 1}

@@ -172,7 +172,8 @@ async def test_metrics_endpoint_counts_per_group(
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(30) == 0
-    assert f'outboxer_consumer_applied_total{{group="{group}"}} 5' in text
-    assert f'outboxer_consumer_acked_total{{group="{group}"}} 5' in text
-    assert f'outboxer_consumer_dead_lettered_total{{group="{group}"}} 0' in text
+    assert f'outboxer_consumer_applied_total{{group="{group}"}} 5.0' in text
+    assert f'outboxer_consumer_acked_total{{group="{group}"}} 5.0' in text
+    assert f'outboxer_consumer_dead_lettered_total{{group="{group}"}} 0.0' in text
+    assert f'outboxer_consumer_in_flight{{group="{group}"}} 0.0' in text
     assert "outboxer_consumer_handler_seconds_total" in text

@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -187,3 +188,24 @@ def test_a_port_in_use_is_a_clear_error(sqlite_url: str) -> None:
     assert (
         f"cannot listen on 127.0.0.1:{port}" in result.stderr and "Traceback" not in result.stderr
     )
+
+
+def test_without_the_http_extra_serve_says_what_to_install(sqlite_url: str) -> None:
+    blocker = (
+        "import sys\n"
+        "class Blocker:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.partition('.')[0] in ('starlette', 'uvicorn'):\n"
+        "            raise ImportError(name)\n"
+        "sys.meta_path.insert(0, Blocker())\n"
+        "from outboxer.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", blocker, "serve", "--db", sqlite_url, "--http", "127.0.0.1:0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "pip install 'outboxer[http]'" in result.stderr and "Traceback" not in result.stderr

@@ -66,7 +66,7 @@ async def abandon(store: Store, count: int) -> None:
     claimed = await store.claim("default", "relay-test", count, 60.0, False)
     await store.settle(
         "default",
-        "relay-test",
+        claimed.lease,
         [],
         [Failure(m.stored_seq, "rejected", 0.0, True) for m in claimed],
         [],
@@ -265,6 +265,46 @@ async def test_metrics_reuse_the_status_query_for_a_few_seconds(sqlite_url: str)
     assert not any(name.startswith("outboxer_messages_published_total") for name in fresh), (
         "no relay counters without a relay"
     )
+
+
+async def test_metrics_in_openmetrics_when_the_scraper_asks(sqlite_url: str) -> None:
+    enqueue(sqlite_url, 1)
+    async with serving(sqlite_url, status_cache_seconds=0) as client:
+        response = await client.get(
+            "/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"}
+        )
+    assert response.headers["content-type"].startswith("application/openmetrics-text")
+    assert response.text.endswith("# EOF\n")
+    assert 'outboxer_messages{destination="default",status="PENDING"} 1.0' in response.text
+
+
+async def test_the_dashboard_page_its_assets_and_its_series(db_url: str) -> None:
+    enqueue(db_url, 2)
+    async with serving(db_url, status_cache_seconds=0, sample_seconds=0.05) as client:
+        await eventually(
+            lambda: _true(len(client.server.api.history.samples) >= 2)  # type: ignore[attr-defined]
+        )
+        page = await client.get("/")
+        script = await client.get("/dashboard.js")
+        style = await client.get("/dashboard.css")
+        series = (await client.get("/dashboard/series")).json()
+    assert page.status_code == 200 and page.headers["content-type"] == "text/html; charset=utf-8"
+    assert "script-src 'self'" in page.headers["content-security-policy"]
+    assert 'data-status="PENDING">2</td>' in page.text
+    assert script.headers["content-type"] == "text/javascript; charset=utf-8"
+    assert "function drawChart" in script.text and "sessionStorage" in script.text
+    assert style.headers["content-type"] == "text/css; charset=utf-8"
+    assert series["points"][-1]["destinations"] == {"default": {"rate": 0.0, "latency": None}}
+
+
+async def test_a_requeue_through_the_api_refreshes_the_cached_gauges(sqlite_url: str) -> None:
+    async with abandoned(sqlite_url, 2), serving(sqlite_url, status_cache_seconds=60) as client:
+        before = samples((await client.get("/metrics")).text)
+        assert (await client.post("/messages/requeue", json={})).json() == {"requeued": 2}
+        after = samples((await client.get("/metrics")).text)
+    assert before['outboxer_messages{destination="default",status="ABANDONED"}'] == 2
+    assert after['outboxer_messages{destination="default",status="ABANDONED"}'] == 0
+    assert after['outboxer_messages{destination="default",status="PENDING"}'] == 2
 
 
 # ----- status and messages -----------------------------------------------------------------
@@ -556,8 +596,11 @@ async def raw_exchange(port: int, data: bytes) -> bytes:
     [
         (b"garbage\r\n\r\n", b"400 Bad Request"),
         (b"GET /health HTTP/2.0\r\n\r\n", b"505 HTTP Version Not Supported"),
+        # HTTP/1.1 requests carry Host (RFC 9112, 3.2): without it the answer is 400.
+        (b"GET /health HTTP/1.1\r\n\r\n", b"400 Bad Request"),
         (
-            b"POST /messages/requeue HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+            b"POST /messages/requeue HTTP/1.1\r\nHost: localhost\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
             b"411 Length Required",
         ),
         (b"GET /health HTTP/1.1\r\nContent-Length: 1, 2\r\n\r\n", b"400 Bad Request"),
@@ -565,10 +608,19 @@ async def raw_exchange(port: int, data: bytes) -> bytes:
         # Each of these was a traceback in the log and a connection closed without an answer.
         (b"GET /health HTTP/1.1\r\nContent-Length: \xb2\r\n\r\n", b"400 Bad Request"),
         (
-            b"GET /health HTTP/1.1\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n",
+            b"GET /health HTTP/1.1\r\nHost: localhost\r\nContent-Length: "
+            + b"9" * 5000
+            + b"\r\n\r\n",
+            b"400 Bad Request",  # h11 refuses a length of more digits than int() reads
+        ),
+        (
+            b"POST /messages/requeue HTTP/1.1\r\nHost: localhost\r\nContent-Length: 70000\r\n"
+            b"Content-Type: application/json\r\n\r\n" + b" " * 70000,
             b"413 Request Entity Too Large",
         ),
-        (b"GET //[x HTTP/1.1\r\n\r\n", b"404 Not Found"),
+        (b"GET //[x HTTP/1.1\r\nHost: localhost\r\n\r\n", b"404 Not Found"),
+        (b"GET * HTTP/1.1\r\nHost: localhost\r\n\r\n", b"400 Bad Request"),
+        (b"GET /" + b"a" * 17000 + b" HTTP/1.1\r\n\r\n", b"431 Request Header Fields Too Large"),
     ],
 )
 async def test_raw_requests(
@@ -581,6 +633,44 @@ async def test_raw_requests(
     assert answer.startswith(b"HTTP/1.1 " + status + b"\r\n"), answer
     assert b"Connection: close\r\n" in answer
     assert [r.getMessage() for r in caplog.records if r.exc_info] == [], "no traceback"
+
+
+@pytest.mark.parametrize(
+    ("head", "status", "fragment"),
+    [
+        (b"GET /health\r\n\r\n", 400, "malformed HTTP/1.1 request"),
+        (b"GET  /health HTTP/1.1\r\nHost: x\r\n\r\n", 400, "malformed"),
+        (b"G(T /health HTTP/1.1\r\nHost: x\r\n\r\n", 400, "malformed"),
+        (b"GET /health HTTP/1\r\nHost: x\r\n\r\n", 400, "malformed"),
+        (b"GET /health http/1.1\r\nHost: x\r\n\r\n", 400, "malformed"),
+        (b"GET /health HTTP/2.0\r\nHost: x\r\n\r\n", 505, "HTTP/2.0 is not supported"),
+        (b"GET http://x/health HTTP/1.1\r\nHost: x\r\n\r\n", 400, "starting with '/'"),
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nNo colon here\r\n\r\n", 400, "malformed"),
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nBad Name: x\r\n\r\n", 400, "malformed"),
+        # (A folded field line is not refused: h11 unfolds it, as RFC 9112, 5.2, allows.)
+        (
+            b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"A: 1\r\n" * 101 + b"\r\n",
+            431,
+            "more than 100 header fields",
+        ),
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nX: a\x00b\r\n\r\n", 400, "malformed"),
+        (b"GET /he\x00alth HTTP/1.1\r\nHost: x\r\n\r\n", 400, "malformed"),
+        (b"GET /health HTTP/\xb9.1\r\nHost: x\r\n\r\n", 400, "malformed"),
+        (
+            b"GET /health HTTP/1.1\r\nHost: x\r\nX: " + b"a" * 17000 + b"\r\n\r\n",
+            431,
+            "exceed 16384 bytes",
+        ),
+    ],
+)
+async def test_malformed_heads_are_refused_by_the_server(
+    sqlite_url: str, head: bytes, status: int, fragment: str
+) -> None:
+    async with serving(sqlite_url) as client:
+        answer = await raw_exchange(client.server.port, head)  # type: ignore[attr-defined]
+    response_head, _, body = answer.partition(b"\r\n\r\n")
+    assert response_head.split(b" ")[1] == str(status).encode(), answer
+    assert fragment in json.loads(body)["error"]
 
 
 async def test_unexpected_errors_are_a_500_with_the_traceback_in_the_log(
@@ -623,6 +713,24 @@ async def test_a_slow_client_times_out_and_blocks_neither_the_api_nor_the_relay(
         answer = await asyncio.wait_for(reader.read(), 10)
         writer.close()
     assert answer.startswith(b"HTTP/1.1 408 Request Timeout"), answer
+    assert 0.9 <= time.monotonic() - started < 5
+
+
+async def test_a_body_that_stops_short_times_out_with_408(sqlite_url: str) -> None:
+    async with abandoned(sqlite_url, 1) as store, serving(sqlite_url, read_timeout=1.0) as client:
+        port = client.server.port  # type: ignore[attr-defined]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"POST /messages/requeue HTTP/1.1\r\nHost: localhost\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 20\r\n\r\n{}"
+        )  # ... and never the other 18 bytes
+        await writer.drain()
+        started = time.monotonic()
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        assert await statuses(store) == {"ABANDONED": 1}, "nothing was requeued"
+    assert answer.startswith(b"HTTP/1.1 408 Request Timeout"), answer
+    assert b"did not arrive within 1s" in answer
     assert 0.9 <= time.monotonic() - started < 5
 
 

@@ -27,6 +27,12 @@ class TestPostgresStore(StoreContract):
     def shift_sql(self, column: str, seconds: float) -> str:
         return f"UPDATE {self.table} SET {column} = {column} - make_interval(secs => {seconds})"
 
+    def refuse_sql(self, topic: str) -> str:
+        return (
+            f"ALTER TABLE {self.table} ADD CONSTRAINT refuse CHECK ("
+            f"(status <> 'PUBLISHED' OR topic <> '{topic}') AND last_error NOT LIKE '%forbidden text%')"
+        )
+
 
 class TestSqliteStore(StoreContract):
     @pytest.fixture
@@ -38,6 +44,14 @@ class TestSqliteStore(StoreContract):
 
     def shift_sql(self, column: str, seconds: float) -> str:
         return f"UPDATE {self.table} SET {column} = {column} - {seconds}"
+
+    def refuse_sql(self, topic: str) -> str:
+        # SQLite adds no constraint to a table: a trigger refuses instead (a constraint error).
+        return (
+            f"CREATE TRIGGER refuse BEFORE UPDATE ON {self.table} "
+            f"WHEN (NEW.status = 'PUBLISHED' AND NEW.topic = '{topic}') "
+            f"OR NEW.last_error LIKE '%forbidden text%' BEGIN SELECT RAISE(ABORT, 'refused'); END"
+        )
 
     def hold_row(self, url: str, message: Any) -> Any:
         pytest.skip(
@@ -55,6 +69,12 @@ class TestMySQLStore(StoreContract):
 
     def shift_sql(self, column: str, seconds: float) -> str:
         return f"UPDATE {self.table} SET {column} = {column} - INTERVAL {seconds} SECOND"
+
+    def refuse_sql(self, topic: str) -> str:
+        return (
+            f"ALTER TABLE {self.table} ADD CONSTRAINT refuse CHECK ("
+            f"(status <> 'PUBLISHED' OR topic <> '{topic}') AND last_error NOT LIKE '%forbidden text%')"
+        )
 
     def rows(self, url: str) -> list[dict[str, Any]]:
         # As the contract's, with `key` quoted: KEY is a reserved word in MySQL.

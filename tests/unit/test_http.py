@@ -1,9 +1,10 @@
-"""The HTTP API's request parser, response encoding and Prometheus rendering, without sockets."""
+"""The HTTP API's request checks, token and exposure rules, without sockets.
+
+uvicorn (h11) parses requests; tests/integration/test_http_api.py and
+tests/chaos/test_fuzz_http.py send it raw bytes through the real server."""
 
 from __future__ import annotations
 
-import asyncio
-import math
 from pathlib import Path
 
 import pytest
@@ -12,67 +13,28 @@ from outboxer import ConfigError, load_settings
 from outboxer.config import is_loopback, parse_http_address
 from outboxer.http import (
     MAX_BODY_BYTES,
-    MAX_HEAD_BYTES,
     BadRequest,
     Forbidden,
-    HeadersTooLarge,
     HttpApi,
     HttpError,
     HttpServer,
     LengthRequired,
-    Metric,
     MisdirectedRequest,
     PayloadTooLarge,
     Request,
-    Response,
     UnsupportedMediaType,
-    VersionNotSupported,
-    _ClientGone,
     body_length,
     check_exposure,
     check_host,
     check_origin,
     check_token,
-    encode_response,
-    escape_label_value,
     host_name,
     parse_ascii_int,
-    parse_head,
-    read_request,
-    relay_metrics,
-    render_metrics,
     require_json,
-    store_metrics,
 )
-from outboxer.relay import RelayStats
-from outboxer.stores import DestinationStatus, create_store
+from outboxer.stores import create_store
 
-# ----- the request parser ------------------------------------------------------------------
-
-
-def test_parses_request_line_query_and_headers() -> None:
-    request = parse_head(
-        b"GET /messages?status=FAILED&status=ABANDONED&limit=5 HTTP/1.1\r\n"
-        b"Host: x\r\nX-Thing:  a \r\nx-thing: b\r\n\r\n"
-    )
-    assert (request.method, request.path) == ("GET", "/messages")
-    assert request.query == {"status": ["FAILED", "ABANDONED"], "limit": ["5"]}
-    assert request.headers == {"host": "x", "x-thing": "a, b"}, "names lower-cased, repeats joined"
-
-
-def test_path_is_percent_decoded_and_blank_query_values_kept() -> None:
-    request = parse_head(b"GET /messages%2Frequeue?limit= HTTP/1.0\r\n\r\n")
-    assert request.path == "/messages/requeue"
-    assert request.query == {"limit": [""]}
-
-
-def test_a_target_is_a_path_never_a_network_location() -> None:
-    # urlsplit read "//[x" as a network location and raised ValueError (a traceback).
-    assert parse_head(b"GET //[x?limit=1 HTTP/1.1\r\n\r\n").path == "//[x"
-    assert parse_head(b"GET //evil.example/health HTTP/1.1\r\n\r\n").path == (
-        "//evil.example/health"
-    )
-    assert parse_head(b"GET /health#frag?x=1 HTTP/1.1\r\n\r\n").query == {}
+# ----- request checks ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -97,41 +59,6 @@ def test_a_target_is_a_path_never_a_network_location() -> None:
 )
 def test_numbers_are_ascii_digits_only(text: str, number: int | None) -> None:
     assert parse_ascii_int(text) == number
-
-
-@pytest.mark.parametrize(
-    ("head", "error", "fragment"),
-    [
-        (b"GET /health\r\n\r\n", BadRequest, "request line"),
-        (b"GET  /health HTTP/1.1\r\n\r\n", BadRequest, "request line"),
-        (b"G(T /health HTTP/1.1\r\n\r\n", BadRequest, "method"),
-        (b"GET /health HTTP/1\r\n\r\n", BadRequest, "version"),
-        (b"GET /health http/1.1\r\n\r\n", BadRequest, "version"),
-        (b"GET /health HTTP/2.0\r\n\r\n", VersionNotSupported, "HTTP/2.0"),
-        (b"GET http://example/health HTTP/1.1\r\n\r\n", BadRequest, "starting with '/'"),
-        (b"GET /health HTTP/1.1\r\nNo colon here\r\n\r\n", BadRequest, "header line"),
-        (b"GET /health HTTP/1.1\r\nBad Name: x\r\n\r\n", BadRequest, "header line"),
-        (b"GET /health HTTP/1.1\r\nA: 1\r\n  folded\r\n\r\n", BadRequest, "folded"),
-        (
-            b"GET /health HTTP/1.1\r\n" + b"A: 1\r\n" * 101 + b"\r\n",
-            HeadersTooLarge,
-            "header fields",
-        ),
-        (b"\r\n\r\n", BadRequest, "empty"),
-        # "$" in a pattern also matches before a final newline; these must not pass.
-        (b"GET /health HTTP/1.1\n\r\n\r\n", BadRequest, "version"),
-        (b"GET\n /health HTTP/1.1\r\n\r\n", BadRequest, "method"),
-        (b"GET /health HTTP/1.1\r\nHost\n: x\r\n\r\n", BadRequest, "header line"),
-        (b"GET /health HTTP/\xb9.1\r\n\r\n", BadRequest, "version"),  # superscript one
-        (b"GET /health HTTP/1.1\r\nX: a\x00b\r\n\r\n", BadRequest, "header line"),
-        (b"GET /health HTTP/1.1\r\nX: a\nb\r\n\r\n", BadRequest, "header line"),
-        (b"GET /he\x00alth HTTP/1.1\r\n\r\n", BadRequest, "starting with '/'"),
-    ],
-)
-def test_malformed_heads_are_refused(head: bytes, error: type[HttpError], fragment: str) -> None:
-    with pytest.raises(error, match=fragment.replace("(", r"\(")) as raised:
-        parse_head(head)
-    assert raised.value.status in (400, 431, 505)
 
 
 @pytest.mark.parametrize(
@@ -167,47 +94,6 @@ def test_bodies_that_cannot_or_must_not_be_read(
 ) -> None:
     with pytest.raises(error):
         body_length(headers)
-
-
-def _reader(data: bytes, *, eof: bool = True) -> asyncio.StreamReader:
-    reader = asyncio.StreamReader(limit=MAX_HEAD_BYTES)
-    reader.feed_data(data)
-    if eof:
-        reader.feed_eof()
-    return reader
-
-
-async def test_reads_a_request_with_its_body_and_no_further() -> None:
-    reader = _reader(
-        b"POST /messages/requeue HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}trailing", eof=False
-    )
-    request = await read_request(reader)
-    assert (request.method, request.body) == ("POST", b"{}")
-
-
-async def test_read_request_refusals() -> None:
-    with pytest.raises(_ClientGone):
-        await read_request(_reader(b""))
-    with pytest.raises(BadRequest, match="inside the request headers"):
-        await read_request(_reader(b"GET /health HTTP/1.1\r\nHost"))
-    with pytest.raises(BadRequest, match="Content-Length of 10"):
-        await read_request(_reader(b"POST /x HTTP/1.1\r\nContent-Length: 10\r\n\r\nshort"))
-    with pytest.raises(HeadersTooLarge):
-        await read_request(_reader(b"GET /" + b"a" * MAX_HEAD_BYTES + b" HTTP/1.1\r\n\r\n"))
-
-
-def test_response_encoding_closes_the_connection() -> None:
-    raw = encode_response(Response(405, b'{"x": 1}', headers={"Allow": "POST"}))
-    head, _, body = raw.partition(b"\r\n\r\n")
-    lines = head.decode().split("\r\n")
-    assert lines[0] == "HTTP/1.1 405 Method Not Allowed"
-    assert {
-        "Content-Type: application/json",
-        "Content-Length: 8",
-        "Connection: close",
-        "Allow: POST",
-    } <= set(lines)
-    assert body == b'{"x": 1}'
 
 
 # ----- requests from browsers --------------------------------------------------------------
@@ -356,126 +242,6 @@ def test_library_users_get_the_same_token_and_exposure_rules(tmp_path: Path) -> 
         HttpServer(open_api, "0.0.0.0", 0)
     HttpServer(HttpApi(create_store(url), settings, token="x" * 16), "0.0.0.0", 0)
     HttpServer(open_api, "127.0.0.1", 0)
-
-
-# ----- Prometheus rendering ----------------------------------------------------------------
-
-
-def test_help_type_and_samples() -> None:
-    text = render_metrics(
-        [
-            Metric("outboxer_things_total", "counter", "Things.", [({}, 3)]),
-            Metric(
-                "outboxer_messages",
-                "gauge",
-                "Rows.",
-                [({"destination": "a", "status": "PENDING"}, 2)],
-            ),
-        ]
-    )
-    assert text == (
-        "# HELP outboxer_things_total Things.\n"
-        "# TYPE outboxer_things_total counter\n"
-        "outboxer_things_total 3\n"
-        "# HELP outboxer_messages Rows.\n"
-        "# TYPE outboxer_messages gauge\n"
-        'outboxer_messages{destination="a",status="PENDING"} 2\n'
-    )
-
-
-def test_label_values_and_help_are_escaped() -> None:
-    awkward = 'a\\b"c\nd'
-    assert escape_label_value(awkward) == 'a\\\\b\\"c\\nd'
-    text = render_metrics(
-        [Metric("m", "gauge", 'line one\nback\\slash "quoted"', [({"d": awkward}, 1)])]
-    )
-    assert text.splitlines() == [
-        '# HELP m line one\\nback\\\\slash "quoted"',  # HELP escapes backslash and newline only
-        "# TYPE m gauge",
-        'm{d="a\\\\b\\"c\\nd"} 1',
-    ]
-
-
-@pytest.mark.parametrize(
-    ("value", "text"),
-    [
-        (7, "7"),
-        (0.25, "0.25"),
-        (1e-7, "1e-07"),
-        (math.nan, "NaN"),
-        (math.inf, "+Inf"),
-        (-math.inf, "-Inf"),
-    ],
-)
-def test_values(value: float, text: str) -> None:
-    assert (
-        render_metrics([Metric("m", "gauge", "h", [({}, value)])]).splitlines()[-1] == f"m {text}"
-    )
-
-
-@pytest.mark.parametrize(
-    "metric",
-    [
-        Metric("bad-name", "gauge", "h", []),
-        Metric("m", "histogram", "h", []),
-        Metric("m", "gauge", "h", [({"bad-label": "x"}, 1)]),
-        Metric("m", "gauge", "h", [({"__reserved": "x"}, 1)]),
-    ],
-)
-def test_invalid_names_are_programming_errors(metric: Metric) -> None:
-    with pytest.raises(ValueError, match="invalid"):
-        render_metrics([metric])
-
-
-def test_relay_counters_and_uptime() -> None:
-    stats = RelayStats(
-        published=5, failed=2, abandoned_now=1, batches=3, claim_seconds=0.5, started_at=100.0
-    )
-    metrics = {m.name: m for m in relay_metrics(stats, healthy=True, now=160.0)}
-    counters = [m for m in metrics.values() if m.kind == "counter"]
-    assert counters and all(m.name.endswith("_total") for m in counters)
-    assert metrics["outboxer_messages_published_total"].samples == [({}, 5)]
-    assert metrics["outboxer_messages_failed_total"].samples == [({}, 2)]
-    assert metrics["outboxer_messages_abandoned_total"].samples == [({}, 1)]
-    assert metrics["outboxer_batches_total"].samples == [({}, 3)]
-    assert metrics["outboxer_claim_seconds_total"].samples == [({}, 0.5)]
-    assert metrics["outboxer_relay_uptime_seconds"].samples == [({}, 60.0)]
-    assert metrics["outboxer_relay_healthy"].samples == [({}, 1)]
-    render_metrics(metrics.values())  # every name is valid
-
-
-def test_relay_counters_per_destination() -> None:
-    totals = RelayStats(published=5, store_errors=2, cleaned=4)
-    per = {
-        "webhooks": RelayStats(published=2),
-        "default": RelayStats(published=3, broker_reconnects=1),
-    }
-    metrics = {m.name: m for m in relay_metrics(totals, healthy=False, now=0.0, destinations=per)}
-    assert metrics["outboxer_messages_published_total"].samples == [
-        ({"destination": "default"}, 3),
-        ({"destination": "webhooks"}, 2),
-    ]
-    assert metrics["outboxer_broker_connects_total"].samples == [
-        ({"destination": "default"}, 1),
-        ({"destination": "webhooks"}, 0),
-    ]
-    # What no destination owns stays one series.
-    assert metrics["outboxer_store_errors_total"].samples == [({}, 2)]
-    assert metrics["outboxer_messages_cleaned_total"].samples == [({}, 4)]
-    assert 'outboxer_messages_published_total{destination="webhooks"} 2\n' in render_metrics(
-        metrics.values()
-    )
-
-
-def test_store_gauges_list_every_status_and_say_when_the_query_failed() -> None:
-    entry = DestinationStatus("partner", {"PENDING": 4, "ABANDONED": 1}, oldest_pending_age=12.5)
-    text = render_metrics(store_metrics([entry, DestinationStatus("idle", {"PUBLISHED": 3})]))
-    assert "outboxer_store_up 1" in text
-    assert 'outboxer_messages{destination="partner",status="PENDING"} 4' in text
-    assert 'outboxer_messages{destination="partner",status="FAILED"} 0' in text
-    assert 'outboxer_oldest_pending_age_seconds{destination="partner"} 12.5' in text
-    assert 'outboxer_oldest_pending_age_seconds{destination="idle"} 0.0' in text
-    assert render_metrics(store_metrics(None)).splitlines()[-1] == "outboxer_store_up 0"
 
 
 # ----- settings ----------------------------------------------------------------------------

@@ -187,8 +187,8 @@ async def test_after_a_partial_batch_a_gathering_store_waits_before_claiming_aga
     calls: list[str] = []
     claim, wait = relay.store.claim, relay.store.wait_for_wakeup
 
-    async def logged_claim(*args: Any) -> list[outboxer.Message]:
-        batch = await claim(*args)
+    async def logged_claim(*args: Any, **kwargs: Any) -> list[outboxer.Message]:
+        batch = await claim(*args, **kwargs)
         calls.append(f"claim {len(batch)}")
         return batch
 
@@ -208,3 +208,40 @@ async def test_after_a_partial_batch_a_gathering_store_waits_before_claiming_aga
     assert len(broker.messages) == 3
     expected = ["claim 3", "wait", "claim 0"] if gathers else ["claim 3", "claim 0", "wait"]
     assert calls[:3] == expected
+
+
+async def test_a_batch_whose_rows_were_taken_over_stops_publishing_at_the_next_renewal(
+    sqlite_url: str, broker: MemoryBroker
+) -> None:
+    """As if this relay had stalled past its lease: another claim takes the batch's first
+    row over. The next renewal finds it gone and the publish stops there; the rows still
+    held go back to the queue, behind the row the new holder has."""
+    enqueue(sqlite_url, *["k"] * 20)
+    broker.latency = 0.1  # one wave per message of the key: 2 s for the batch
+    relay = make_relay(sqlite_url, broker, lock_timeout="0.9", concurrency=1)
+    task = asyncio.create_task(relay.run())
+    try:
+        for _ in range(200):
+            if len(broker.messages) >= 3:
+                break
+            await asyncio.sleep(0.01)
+        conn = sqlite3.connect(sqlite_path(sqlite_url))
+        with conn:
+            conn.execute("UPDATE outbox SET locked_until = locked_until - 60")
+        conn.close()
+        async with outboxer.create_store(sqlite_url) as thief:
+            taken = await thief.claim("default", "relay-thief", 100, 60.0, False)
+        assert taken.recovered and len(taken) == 1
+        for _ in range(200):
+            if relay.stats.leases_lost:
+                break
+            await asyncio.sleep(0.01)
+        stopped_at = len(broker.messages)
+        await asyncio.sleep(0.5)
+        assert len(broker.messages) == stopped_at, "no wave after the lease was lost"
+    finally:
+        relay.stop()
+        await asyncio.wait_for(task, 10)
+    assert relay.stats.leases_lost == 1 and relay.stats.lost == 1 and relay.stats.released == 19
+    assert stopped_at < 20, "stopped before the end of the batch"
+    assert statuses(sqlite_url) == [("PROCESSING", 1)] + [("PENDING", 0)] * 19

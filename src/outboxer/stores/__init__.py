@@ -9,7 +9,17 @@ from urllib.parse import urlsplit
 from outboxer.config import check_url
 from outboxer.errors import ConfigError
 from outboxer.redact import redact_url
-from outboxer.stores.base import DestinationStatus, Failure, SettleResult, Store
+from outboxer.stores.base import (
+    AbandonedRow,
+    Claim,
+    DestinationStatus,
+    Failure,
+    Lease,
+    SettleResult,
+    Store,
+    StoreDataError,
+    storable_error,
+)
 
 #: URL scheme -> (module, class).
 REGISTRY: dict[str, tuple[str, str]] = {
@@ -41,4 +51,16 @@ def create_store(url: str, **options: Any) -> Store:
     return cls(url, **options)
 
 
-__all__ = ["REGISTRY", "DestinationStatus", "Failure", "SettleResult", "Store", "create_store"]
+__all__ = [
+    "REGISTRY",
+    "AbandonedRow",
+    "Claim",
+    "DestinationStatus",
+    "Failure",
+    "Lease",
+    "SettleResult",
+    "Store",
+    "StoreDataError",
+    "create_store",
+    "storable_error",
+]

@@ -4,28 +4,113 @@ from __future__ import annotations
 
 import asyncio
 import re
+import uuid
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from outboxer.errors import ConfigError, SchemaError
+from outboxer.config import Settings
+from outboxer.errors import ConfigError, SchemaError, StoreError
 from outboxer.message import Message
 from outboxer.redact import register_url_secrets
 from outboxer.stores.sqlfiles import migrations, quote_ident, render
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,40}$")
 
+#: The most characters of an error a row keeps in ``last_error``; the rest is cut, with a
+#: marker. A broker's error can quote a whole response body (megabytes from a webhook).
+MAX_ERROR_LENGTH = 2000
+#: NUL (PostgreSQL's text refuses it) and lone surrogates (not encodable as UTF-8: every
+#: driver refuses them); each becomes U+FFFD, the replacement character.
+_UNSTORABLE = re.compile(r"[\x00\ud800-\udfff]")
+
+
+def storable_error(text: str) -> str:
+    """``text`` as every supported database stores it: no NUL, valid UTF-8 (no lone
+    surrogates), at most ``MAX_ERROR_LENGTH`` characters, the cut marked. Idempotent."""
+    if len(text) > MAX_ERROR_LENGTH:
+        marker = f" … [cut: {len(text)} characters in all]"
+        text = text[: MAX_ERROR_LENGTH - len(marker)] + marker
+    return _UNSTORABLE.sub("\ufffd", text)
+
+
+class StoreDataError(StoreError):
+    """The database refused the values of a statement (a data error or a constraint, not an
+    outage): the same statement would fail again, so retrying it cannot help."""
+
 
 @dataclass(frozen=True)
 class Failure:
-    """One failed publish to record: seq, error text, backoff delay, permanent or not."""
+    """One failed publish to record: seq, error text, backoff delay, permanent or not.
+
+    ``error`` is made storable on construction (see ``storable_error``): a broker's error
+    text, whatever it holds, can always be recorded.
+    """
 
     seq: int
     error: str
     delay: float
     permanent: bool
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "error", storable_error(self.error))
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Who holds the rows of one claim: the relay that claimed them, and the claim's own token.
+
+    Every claim writes a fresh token on its rows; a settle or a renewal changes a row only
+    while the row still holds that token (a fencing token). A holder whose lease expired
+    and was taken over, by another relay or by another loop of the same relay (both share
+    ``relay_id``), changes nothing.
+    """
+
+    relay_id: str
+    token: str
+
+    @classmethod
+    def new(cls, relay_id: str) -> Lease:
+        return cls(relay_id, str(uuid.uuid4()))
+
+
+@dataclass(frozen=True)
+class AbandonedRow:
+    """A row a claim gave up: its relay died (or stalled) while publishing it, and that
+    attempt was its last (``max_attempts``)."""
+
+    id: uuid.UUID
+    seq: int
+    topic: str
+    key: str | None
+    attempts: int
+    error: str
+
+
+class Claim(list[Message]):
+    """The messages one claim took, in publish order, with the claim's lease.
+
+    ``recovered``: the claim took over one row from an expired lease, alone (its relay
+    died or stalled while publishing it). ``recovery_waiting``: it was not to recover, found
+    such a row, and took nothing. ``abandoned``: the rows it gave up (see ``Store.claim``).
+    """
+
+    def __init__(
+        self,
+        messages: Iterable[Message] = (),
+        *,
+        lease: Lease,
+        recovered: bool = False,
+        recovery_waiting: bool = False,
+        abandoned: Iterable[AbandonedRow] = (),
+    ) -> None:
+        super().__init__(messages)
+        self.lease = lease
+        self.recovered = recovered
+        self.recovery_waiting = recovery_waiting
+        self.abandoned = list(abandoned)
 
 
 @dataclass
@@ -33,7 +118,7 @@ class SettleResult:
     published: int = 0
     failed: int = 0
     released: int = 0
-    #: Rows this relay no longer owned (its lock expired and another relay took them).
+    #: Rows the lease no longer held (it expired and another claim took them over).
     lost: int = 0
 
 
@@ -173,20 +258,42 @@ class Store(ABC):
         limit: int,
         lock_seconds: float,
         abandoned_blocks: bool,
-    ) -> list[Message]:
-        """Lock up to ``limit`` due rows for ``relay_id``, in publish order."""
+        *,
+        max_attempts: int = Settings.max_attempts,
+        recover: bool = True,
+    ) -> Claim:
+        """Take due rows under a new lease lasting ``lock_seconds``, in publish order.
+
+        In one transaction, under the destination's lock: rows whose lease expired (their
+        relay died or stalled while publishing them) with their attempts used up, counting
+        the one that died, become ABANDONED (``Claim.abandoned``). Then, if a row whose
+        lease expired heads its key, the claim takes that row alone, the earliest one, and
+        counts the attempt that died (``Claim.recovered``): a message that kills its relay
+        dies alone, and its batch-mates are recovered one a claim. Unless ``recover`` is
+        false (the caller holds other rows, which would die with it): then it takes nothing
+        and says so (``Claim.recovery_waiting``). Otherwise it takes up to ``limit`` due
+        PENDING and FAILED rows that no earlier row of their key holds back.
+        """
+
+    @abstractmethod
+    async def renew(
+        self, destination: str, lease: Lease, seqs: Sequence[int], lock_seconds: float
+    ) -> int:
+        """Extend the lease on ``seqs`` to ``lock_seconds`` from now, in one statement, on the
+        rows that still hold it; return how many did (fewer: the others were taken over)."""
 
     @abstractmethod
     async def settle(
         self,
         destination: str,
-        relay_id: str,
+        lease: Lease,
         published: Sequence[int],
         failed: Sequence[Failure],
         released: Sequence[int],
         max_attempts: int,
     ) -> SettleResult:
-        """Record a batch's outcomes in one transaction, one statement per outcome."""
+        """Record a batch's outcomes in one transaction, one statement per outcome, on the
+        rows that still hold ``lease``."""
 
     @abstractmethod
     async def cleanup(self, status: str, retention: float, limit: int) -> int:

@@ -31,10 +31,21 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+from outboxer.config import Settings
 from outboxer.errors import ConfigError, MissingDependencyError, StoreError
 from outboxer.message import Message
 from outboxer.redact import get_logger, redact_url
-from outboxer.stores.base import DestinationStatus, Failure, SettleResult, Store, fold_counts
+from outboxer.stores.base import (
+    AbandonedRow,
+    Claim,
+    DestinationStatus,
+    Failure,
+    Lease,
+    SettleResult,
+    Store,
+    StoreDataError,
+    fold_counts,
+)
 from outboxer.stores.sqlfiles import (
     migrations,
     queries,
@@ -68,6 +79,9 @@ _SCHEMA_LOCK_WAIT = 60
 #: MySQL error numbers.
 ER_DUP_ENTRY = 1062
 ER_ACCESS_DENIED = (1227, 1142)
+#: A CHECK constraint refused a row: MySQL's number and MariaDB's (PyMySQL knows neither,
+#: so it raises them as OperationalError, its class for every number it does not map).
+ER_CHECK_CONSTRAINT = (3819, 4025)
 
 _SCHEMES = (
     "mysql",
@@ -240,7 +254,9 @@ class MySQLStore(Store):
         """A cursor in one transaction: committed when the block ends, rolled back if it raises.
 
         A connection interrupted mid-statement (cancelled, or the server went away) is
-        closed rather than given back to the pool.
+        closed rather than given back to the pool. Values the server refuses (a data error,
+        a constraint) or text the driver cannot encode raise StoreDataError: no outage, and
+        the same statement would fail again.
         """
         await self.connect()
         aiomysql = _aiomysql()
@@ -250,13 +266,15 @@ class MySQLStore(Store):
                     async with conn.cursor(aiomysql.DictCursor) as cursor:
                         yield cursor
                     await conn.commit()
-                except aiomysql.Error:
+                except (aiomysql.Error, UnicodeError):
                     await _rollback_or_close(conn)
                     raise
                 except BaseException:
                     conn.close()
                     raise
-        except (aiomysql.Error, OSError) as exc:
+        except (aiomysql.Error, OSError, UnicodeError) as exc:
+            if _refused_values(exc):
+                raise StoreDataError(f"MySQL refused the values: {exc}") from exc
             raise StoreError(f"MySQL: {exc}") from exc
 
     async def _execute(
@@ -333,37 +351,51 @@ class MySQLStore(Store):
         limit: int,
         lock_seconds: float,
         abandoned_blocks: bool,
-    ) -> list[Message]:
+        *,
+        max_attempts: int = Settings.max_attempts,
+        recover: bool = True,
+    ) -> Claim:
+        lease = Lease.new(relay_id)
+        abandoned: list[AbandonedRow] = []
+        recovered = False
         async with self._transaction() as cursor:
             await self._lock_destination(cursor, destination, exclusive=True)
             await self._execute(
                 cursor,
-                "claim",
+                "claim_expired",
                 {"destination": destination, "limit": limit, "abandoned_blocks": abandoned_blocks},
             )
-            rows = await cursor.fetchall()
-            if any(row["key"] is not None for row in rows):
+            expired = await cursor.fetchall()
+            exhausted = [row["seq"] for row in expired if row["attempts"] + 1 >= max_attempts]
+            if exhausted:
                 await self._execute(
-                    cursor,
-                    "claim_earlier",
-                    {"destination": destination, "last_seq": max(row["seq"] for row in rows)},
+                    cursor, "abandon_expired", {"seqs": exhausted, "destination": destination}
                 )
-                rows = without_overtaking(rows, await cursor.fetchall())
-            if not rows:
-                return []
-            updated = await self._execute(
-                cursor,
-                "claim_update",
-                {
-                    "seqs": [row["seq"] for row in rows],
-                    "destination": destination,
-                    "relay_id": relay_id,
-                    "lock_seconds": float(lock_seconds),
-                },
-            )
-            if updated != len(rows):  # cannot happen under the locks; never hand out a row we lack
-                raise StoreError(f"claim locked {len(rows)} rows but updated {updated}")
-        return [
+                abandoned = await self._abandoned(cursor, exhausted)
+            heads = [row for row in expired if row["seq"] not in exhausted and row["heads_key"]]
+            if heads and not recover:
+                return Claim(lease=lease, recovery_waiting=True, abandoned=abandoned)
+            if heads:
+                rows, recovered = heads[:1], True
+            else:
+                rows = await self._due(cursor, destination, limit, abandoned_blocks)
+            if rows:
+                updated = await self._execute(
+                    cursor,
+                    "claim_update",
+                    {
+                        "seqs": [row["seq"] for row in rows],
+                        "destination": destination,
+                        "relay_id": relay_id,
+                        "lease": lease.token,
+                        "lock_seconds": float(lock_seconds),
+                    },
+                )
+                if updated != len(
+                    rows
+                ):  # cannot happen under the locks; never hand out a row we lack
+                    raise StoreError(f"claim locked {len(rows)} rows but updated {updated}")
+        messages = (
             Message(
                 id=uuid.UUID(row["id"]),
                 topic=row["topic"],
@@ -373,36 +405,87 @@ class MySQLStore(Store):
                 content_type=row["content_type"],
                 destination=row["destination"],
                 created_at=_utc(row["created_at"]),
-                # As claim_update counted it: taking over an expired lock counts the attempt.
+                # As claim_update counted it: taking over an expired lease counts the attempt.
                 attempts=row["attempts"] + (1 if row["status"] == "PROCESSING" else 0),
                 seq=row["seq"],
             )
             for row in rows
+        )
+        return Claim(messages, lease=lease, recovered=recovered, abandoned=abandoned)
+
+    async def _due(
+        self, cursor: Any, destination: str, limit: int, abandoned_blocks: bool
+    ) -> list[Mapping[str, Any]]:
+        """The due rows a claim takes (queries.sql: claim), locked, in seq order."""
+        await self._execute(
+            cursor,
+            "claim",
+            {"destination": destination, "limit": limit, "abandoned_blocks": abandoned_blocks},
+        )
+        rows: list[Mapping[str, Any]] = await cursor.fetchall()
+        if any(row["key"] is not None for row in rows):
+            await self._execute(
+                cursor,
+                "claim_earlier",
+                {"destination": destination, "last_seq": max(row["seq"] for row in rows)},
+            )
+            rows = without_overtaking(rows, await cursor.fetchall())
+        return rows
+
+    async def _abandoned(self, cursor: Any, seqs: Sequence[int]) -> list[AbandonedRow]:
+        """The rows abandon_expired just abandoned, as they are now."""
+        await self._execute(cursor, "abandoned_rows", {"seqs": list(seqs)})
+        return [
+            AbandonedRow(
+                uuid.UUID(row["id"]),
+                row["seq"],
+                row["topic"],
+                row["key"],
+                row["attempts"],
+                row["last_error"],
+            )
+            for row in await cursor.fetchall()
         ]
+
+    async def renew(
+        self, destination: str, lease: Lease, seqs: Sequence[int], lock_seconds: float
+    ) -> int:
+        async with self._transaction() as cursor:
+            return await self._execute(
+                cursor,
+                "renew",
+                {
+                    "seqs": list(seqs),
+                    "destination": destination,
+                    "lease": lease.token,
+                    "relay_id": lease.relay_id,
+                    "lock_seconds": float(lock_seconds),
+                },
+            )
 
     async def settle(
         self,
         destination: str,
-        relay_id: str,
+        lease: Lease,
         published: Sequence[int],
         failed: Sequence[Failure],
         released: Sequence[int],
         max_attempts: int,
     ) -> SettleResult:
         result = SettleResult()
-        owner = {"destination": destination, "relay_id": relay_id}
+        holder = {"destination": destination, "relay_id": lease.relay_id, "lease": lease.token}
         async with self._transaction() as cursor:
             await self._lock_destination(cursor, destination, exclusive=False)
             if published:
                 result.published = await self._execute(
-                    cursor, "settle_published", {**owner, "seqs": list(published)}
+                    cursor, "settle_published", {**holder, "seqs": list(published)}
                 )
             if failed:
                 result.failed = await cursor.executemany(
                     self._sql["settle_failed"],
                     [
                         {
-                            **owner,
+                            **holder,
                             "seq": f.seq,
                             "error": f.error,
                             "delay": float(f.delay),
@@ -414,7 +497,7 @@ class MySQLStore(Store):
                 )
             if released:
                 result.released = await self._execute(
-                    cursor, "release", {**owner, "seqs": list(released)}
+                    cursor, "release", {**holder, "seqs": list(released)}
                 )
         expected = len(published) + len(failed) + len(released)
         result.lost = expected - result.published - result.failed - result.released
@@ -549,6 +632,15 @@ class MySQLStore(Store):
             if remaining <= 0:
                 return False
             await asyncio.sleep(min(WAKE_PROBE_INTERVAL, remaining))
+
+
+def _refused_values(exc: BaseException) -> bool:
+    """Whether the server refused a statement's values (a data error, a constraint) or the
+    driver could not encode them: no outage, and the same statement would fail again."""
+    aiomysql = _aiomysql()
+    if isinstance(exc, aiomysql.DataError | aiomysql.IntegrityError | UnicodeError):
+        return True
+    return isinstance(exc, aiomysql.Error) and bool(exc.args) and exc.args[0] in ER_CHECK_CONSTRAINT
 
 
 async def _rollback_or_close(conn: Any) -> None:

@@ -7,32 +7,37 @@ The write path (``outboxer.enqueue``) does not use this class: it runs the same
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import functools
 import json
-import math
 import os
 import socket
-import time
 import uuid
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Sequence
+from typing import Any, TypeVar
 
+from outboxer.config import Settings
 from outboxer.errors import MissingDependencyError, StoreError
 from outboxer.message import Message
 from outboxer.redact import get_logger
-from outboxer.stores.base import DestinationStatus, Failure, SettleResult, Store, fold_counts
+from outboxer.stores.base import (
+    AbandonedRow,
+    Claim,
+    DestinationStatus,
+    Failure,
+    Lease,
+    SettleResult,
+    Store,
+    StoreDataError,
+    fold_counts,
+)
 from outboxer.stores.sqlfiles import migrations, queries, render, to_numbered
+from outboxer.stores.wakeups import WakeUps
 
 logger = get_logger("outboxer.store")
 
-#: Seconds a listener registration outlives the poll it was made for.
-_REGISTRATION_MARGIN = 2.0
-#: For this long after a claim found work, an idle relay looks again every _CHASE_POLL
-#: seconds instead of registering for NOTIFYs (see wait_for_wakeup).
-_CHASE_SECONDS = 0.05
-_CHASE_POLL = 0.005
+T = TypeVar("T")
+
 
 _MIGRATIONS_TABLE = """
 CREATE SCHEMA IF NOT EXISTS {schema};
@@ -77,7 +82,7 @@ def asyncpg_dsn(url: str) -> str:
 
 class PostgresStore(Store):
     dialect = "postgres"
-    gathers_batches = True  # busy, wait_for_wakeup polls every _CHASE_POLL seconds
+    gathers_batches = True  # busy, wait_for_wakeup polls every wakeups.CHASE_POLL seconds
     migrations_table_sql = _MIGRATIONS_TABLE
 
     def __init__(
@@ -87,18 +92,12 @@ class PostgresStore(Store):
         self.pool_size = pool_size
         self._pool: Any = None
         self._listener: Any = None
-        #: Per destination: loops waiting for a wake-up (each wakes one), and whether a
-        #: wake-up came that nobody waited for yet (a key for every destination seen).
-        self._waiters: dict[str, collections.deque[asyncio.Future[None]]] = {}
-        self._pending_wakeup: dict[str, bool] = {}
-        #: This store's name among the idle listeners, and until when it is registered.
+        #: When the relay's waiting loops wake (nudges, the chase, the registration's timing).
+        self._wakeups = WakeUps()
+        #: This store's name among the idle listeners.
         self._listener_name = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._registered_until = 0.0
+        #: The relay's loops share one listening connection: one query on it at a time.
         self._listener_lock = asyncio.Lock()
-        #: When a claim (of any destination) last found work; the destinations one of whose
-        #: loops is polling for more (see _chase).
-        self._worked_at = -math.inf
-        self._chasing: set[str] = set()
         self._unregistering: asyncio.Task[None] | None = None
         tokens = self.tokens()
         self._sql: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -189,45 +188,85 @@ class PostgresStore(Store):
         limit: int,
         lock_seconds: float,
         abandoned_blocks: bool,
-    ) -> list[Message]:
+        *,
+        max_attempts: int = Settings.max_attempts,
+        recover: bool = True,
+    ) -> Claim:
+        lease = Lease.new(relay_id)
         sql, args = self._args(
             "claim",
             {
                 "destination": destination,
                 "relay_id": relay_id,
+                "lease": lease.token,
                 "limit": limit,
                 "lock_seconds": float(lock_seconds),
                 "abandoned_blocks": abandoned_blocks,
+                "max_attempts": max_attempts,
+                "recover": recover,
                 "lock_key": self.lock_key(destination),
             },
         )
         async with self._pool.acquire() as conn:
             rows = await conn.fetch(sql, *args)
-        if rows:
-            self._worked_at = time.monotonic()
-            if self._registered_until > self._worked_at:
+        kinds = {row["taken"] for row in rows}
+        taken = sorted((row for row in rows if row["taken"] in _TAKEN), key=_by_seq)
+        if taken:
+            self._wakeups.worked()
+            if self._wakeups.registered:
                 self._stop_listening()
-        rows = sorted(rows, key=lambda row: row["seq"])
-        return [
-            Message(
-                id=row["id"],
-                topic=row["topic"],
-                payload=bytes(row["payload"]),
-                key=row["key"],
-                headers=_headers(row["headers"]),
-                content_type=row["content_type"],
-                destination=row["destination"],
-                created_at=row["created_at"],
-                attempts=row["attempts"],
-                seq=row["seq"],
-            )
-            for row in rows
-        ]
+        return Claim(
+            (
+                Message(
+                    id=row["id"],
+                    topic=row["topic"],
+                    payload=bytes(row["payload"]),
+                    key=row["key"],
+                    headers=_headers(row["headers"]),
+                    content_type=row["content_type"],
+                    destination=row["destination"],
+                    created_at=row["created_at"],
+                    attempts=row["attempts"],
+                    seq=row["seq"],
+                )
+                for row in taken
+            ),
+            lease=lease,
+            recovered="recovered" in kinds,
+            recovery_waiting="recovery_waiting" in kinds,
+            abandoned=[
+                AbandonedRow(
+                    row["id"],
+                    row["seq"],
+                    row["topic"],
+                    row["key"],
+                    row["attempts"],
+                    row["last_error"],
+                )
+                for row in sorted((row for row in rows if row["taken"] == "abandoned"), key=_by_seq)
+            ],
+        )
+
+    async def renew(
+        self, destination: str, lease: Lease, seqs: Sequence[int], lock_seconds: float
+    ) -> int:
+        sql, args = self._args(
+            "renew",
+            {
+                "destination": destination,
+                "relay_id": lease.relay_id,
+                "lease": lease.token,
+                "seqs": list(seqs),
+                "lock_seconds": float(lock_seconds),
+            },
+        )
+        async with self._pool.acquire() as conn:
+            return int(await _refusing_data(conn.fetchval(sql, *args)))
 
     async def settle(
         self,
         destination: str,
-        relay_id: str,
+        lease: Lease,
         published: Sequence[int],
         failed: Sequence[Failure],
         released: Sequence[int],
@@ -237,7 +276,8 @@ class PostgresStore(Store):
             "settle",
             {
                 "destination": destination,
-                "relay_id": relay_id,
+                "relay_id": lease.relay_id,
+                "lease": lease.token,
                 "lock_key": self.lock_key(destination),
                 "max_attempts": max_attempts,
                 "published": list(published),
@@ -249,7 +289,7 @@ class PostgresStore(Store):
             },
         )
         async with self._pool.acquire() as conn:
-            row = await conn.fetchrow(sql, *args)
+            row = await _refusing_data(conn.fetchrow(sql, *args))
         result = SettleResult(
             published=row["n_published"], failed=row["n_failed"], released=row["n_released"]
         )
@@ -315,22 +355,11 @@ class PostgresStore(Store):
 
     def reset_wakeup(self, destination: str) -> None:
         # The claim that follows sees everything committed before this point.
-        self._pending_wakeup[destination] = False
+        self._wakeups.reset(destination)
 
     def nudge(self, destination: str) -> None:
         """Wake one of the destination's waiting loops (a loop that found a full batch)."""
-        waiters = self._waiters.get(destination)
-        while waiters:
-            waiter = waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
-        self._pending_wakeup[destination] = True
-
-    def _nudge_every_destination(self) -> None:
-        # A NOTIFY does not say which destinations the commit wrote rows for.
-        for destination in list(self._pending_wakeup):
-            self.nudge(destination)
+        self._wakeups.nudge(destination)
 
     async def _ensure_listener(self) -> None:
         if self._listener is not None and not self._listener.is_closed():
@@ -341,7 +370,7 @@ class PostgresStore(Store):
         )
         await self._listener.add_listener(self.channel, self._on_notify)
         # Anything committed before LISTEN took effect was not announced: look once.
-        self._nudge_every_destination()
+        self._wakeups.nudge_all()
 
     async def _drop_listener(self) -> None:
         listener, self._listener = self._listener, None
@@ -349,77 +378,52 @@ class PostgresStore(Store):
             listener.terminate()  # it may be broken: do not wait for a goodbye
 
     def _on_notify(self, *_: object) -> None:
-        self._nudge_every_destination()
+        # A NOTIFY does not say which destinations the commit wrote rows for.
+        self._wakeups.nudge_all()
 
     async def wait_for_wakeup(self, destination: str, timeout: float) -> bool:
         """Wait for work: by polling while the relay is busy, else for a NOTIFY (or the timeout).
 
         A NOTIFY holds a cluster-wide lock through the writer's commit, WAL flush included,
         so writers that notify commit one at a time. Writers notify only while a relay is
-        registered as idle (migration 0003), and a relay registers only after a quiet spell:
-        for _CHASE_SECONDS after a claim (of any destination) found work, one loop of each
-        destination looks again every _CHASE_POLL seconds, and a claim that finds work
-        withdraws the registration. Under a steady stream of writes nobody notifies; a
-        trickle is still announced, and a NOTIFY wakes a loop of every destination.
+        registered as idle (migration 0003), and a relay registers only after a quiet spell
+        (see stores.wakeups): while busy, one loop of each destination polls, and a claim
+        that finds work withdraws the registration. Under a steady stream of writes nobody
+        notifies; a trickle is still announced, and a NOTIFY wakes a loop of every
+        destination.
 
         Right after a fresh registration this returns at once, so the relay looks for work
         once more: a writer that committed just before the registration did not notify.
         """
-        self._pending_wakeup.setdefault(destination, False)
-        if time.monotonic() - self._worked_at < _CHASE_SECONDS:
-            return await self._chase(destination, timeout)
+        wakeups = self._wakeups
+        wakeups.seen(destination)
+        if wakeups.busy:
+            return await wakeups.chase(destination, timeout)
         try:
-            # The relay's loops share one listening connection: one query on it at a time.
             async with self._listener_lock:
                 await self._ensure_listener()
-                registered_before = time.monotonic() < self._registered_until
-                if time.monotonic() > self._registered_until - timeout:  # renew before it lapses
+                registered_before = wakeups.registered
+                if wakeups.registration_due(timeout):  # renew before it lapses
                     sql, args = self._args(
                         "register_listener",
-                        {"relay": self._listener_name, "seconds": timeout + _REGISTRATION_MARGIN},
+                        {
+                            "relay": self._listener_name,
+                            "seconds": wakeups.registration_seconds(timeout),
+                        },
                     )
                     await self._listener.execute(sql, *args)
-                    self._registered_until = time.monotonic() + timeout + _REGISTRATION_MARGIN / 2
+                    wakeups.registered_for(timeout)
             if not registered_before:
                 return True
         except Exception as exc:  # noqa: BLE001 -- asyncpg's errors too: poll instead, never stop the relay
-            self._registered_until = 0.0
+            wakeups.withdraw()
             await self._drop_listener()
             logger.warning("cannot LISTEN for wake-ups, polling instead: %s", exc, exc_info=False)
-        return await self._wait(destination, timeout)
-
-    async def _chase(self, destination: str, timeout: float) -> bool:
-        """One loop of the destination looks again shortly; its others wait to be nudged,
-        as for a NOTIFY."""
-        if destination in self._chasing:
-            return await self._wait(destination, min(timeout, _CHASE_SECONDS))
-        self._chasing.add(destination)
-        try:
-            await self._wait(destination, min(timeout, _CHASE_POLL))
-        finally:
-            self._chasing.discard(destination)
-        return True
-
-    async def _wait(self, destination: str, timeout: float) -> bool:
-        """Wait for a nudge of the destination (True) or the timeout (False)."""
-        if self._pending_wakeup.get(destination):
-            self._pending_wakeup[destination] = False
-            return True
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        waiters = self._waiters.setdefault(destination, collections.deque())
-        waiters.append(waiter)
-        try:
-            await asyncio.wait_for(waiter, timeout)
-        except TimeoutError:
-            return False
-        finally:
-            if waiter in waiters:
-                waiters.remove(waiter)
-        return True
+        return await wakeups.wait(destination, timeout)
 
     def _stop_listening(self) -> None:
         """Withdraw this relay's idle registration (it is busy), in the background."""
-        self._registered_until = 0.0
+        self._wakeups.withdraw()
         if self._unregistering is None or self._unregistering.done():
             self._unregistering = asyncio.get_running_loop().create_task(self._unregister())
 
@@ -427,21 +431,36 @@ class PostgresStore(Store):
         try:
             async with self._listener_lock:
                 listener = self._listener
-                if (
-                    listener is None
-                    or listener.is_closed()
-                    or time.monotonic() < self._registered_until
-                ):  # registered again since
-                    return
+                if listener is None or listener.is_closed() or self._wakeups.registered:
+                    return  # no listener, or registered again since
                 sql, args = self._args("unregister_listener", {"relay": self._listener_name})
                 await listener.execute(sql, *args)
         except Exception as exc:  # noqa: BLE001 -- asyncpg's errors too; the registration lapses anyway
             logger.info("could not withdraw the idle registration (it lapses by itself): %s", exc)
 
 
+async def _refusing_data(statement: Awaitable[T]) -> T:
+    """Await ``statement``; a data error or a violated constraint (SQLSTATE classes 22 and
+    23, or an argument asyncpg cannot encode) becomes StoreDataError: no outage, and the
+    same statement would fail again."""
+    asyncpg = _asyncpg()
+    try:
+        return await statement
+    except (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError) as exc:
+        raise StoreDataError(f"PostgreSQL refused the values: {exc}") from exc
+
+
 async def _durably(conn: Any) -> None:
     """This transaction's commit waits for the WAL flush (the pool's default does not)."""
     await conn.execute("SET LOCAL synchronous_commit = on")
+
+
+#: What the claim function says it did with the rows it returns that it took.
+_TAKEN = ("claimed", "recovered")
+
+
+def _by_seq(row: Any) -> int:
+    return int(row["seq"])
 
 
 def _headers(text: str) -> dict[str, str]:

@@ -18,10 +18,20 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
+from outboxer.config import Settings
 from outboxer.errors import ConfigError, StoreError
 from outboxer.message import Message
 from outboxer.redact import redact_url
-from outboxer.stores.base import DestinationStatus, Failure, SettleResult, Store
+from outboxer.stores.base import (
+    AbandonedRow,
+    Claim,
+    DestinationStatus,
+    Failure,
+    Lease,
+    SettleResult,
+    Store,
+    StoreDataError,
+)
 from outboxer.stores.sqlfiles import migrations, queries, quote_ident, render, statements
 
 T = TypeVar("T")
@@ -109,9 +119,13 @@ class SqliteStore(Store):
             with self._lock:
                 try:
                     return work(conn)
-                except sqlite3.Error as exc:
+                except (sqlite3.Error, UnicodeError) as exc:
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
+                    if isinstance(exc, sqlite3.DataError | sqlite3.IntegrityError | UnicodeError):
+                        # Refused values (or text sqlite3 cannot encode): no outage, and the
+                        # same statement would fail again.
+                        raise StoreDataError(f"SQLite refused the values: {exc}") from exc
                     raise StoreError(f"SQLite: {exc}") from exc
 
         return await asyncio.to_thread(locked)
@@ -162,24 +176,37 @@ class SqliteStore(Store):
         limit: int,
         lock_seconds: float,
         abandoned_blocks: bool,
-    ) -> list[Message]:
+        *,
+        max_attempts: int = Settings.max_attempts,
+        recover: bool = True,
+    ) -> Claim:
+        lease = Lease.new(relay_id)
         params = {
             "destination": destination,
             "relay_id": relay_id,
+            "lease": lease.token,
             "limit": limit,
             "lock_seconds": lock_seconds,
             "abandoned_blocks": abandoned_blocks,
+            "max_attempts": max_attempts,
             "now": time.time(),
         }
 
-        def work(conn: sqlite3.Connection) -> list[Any]:
+        def work(conn: sqlite3.Connection) -> tuple[list[Any], list[Any], bool]:
             conn.execute("BEGIN IMMEDIATE")
-            rows = conn.execute(self._sql["claim"], params).fetchall()
+            abandoned = conn.execute(self._sql["abandon_expired"], params).fetchall()
+            head = conn.execute(self._sql["expired_head"], params).fetchone()
+            if head is not None and recover:
+                rows = conn.execute(self._sql["recover"], {**params, "seq": head[0]}).fetchall()
+            elif head is None:
+                rows = conn.execute(self._sql["claim"], params).fetchall()
+            else:
+                rows = []  # a row waits to be recovered, and the caller may not: say so
             conn.execute("COMMIT")
-            return rows
+            return abandoned, rows, head is not None
 
-        rows = sorted(await self._run(work), key=lambda row: row[0])
-        return [
+        abandoned, rows, expired = await self._run(work)
+        messages = (
             Message(
                 id=uuid.UUID(row[1]),
                 destination=row[2],
@@ -192,47 +219,67 @@ class SqliteStore(Store):
                 created_at=_timestamp(row[9]),
                 seq=row[0],
             )
-            for row in rows
-        ]
+            for row in sorted(rows, key=lambda row: row[0])
+        )
+        return Claim(
+            messages,
+            lease=lease,
+            recovered=expired and recover,
+            recovery_waiting=expired and not recover,
+            abandoned=[
+                AbandonedRow(uuid.UUID(row[1]), row[0], row[2], row[3], row[4], row[5])
+                for row in sorted(abandoned, key=lambda row: row[0])
+            ],
+        )
+
+    async def renew(
+        self, destination: str, lease: Lease, seqs: Sequence[int], lock_seconds: float
+    ) -> int:
+        params = {
+            "seqs": json.dumps(list(seqs)),
+            "lease": lease.token,
+            "relay_id": lease.relay_id,
+            "lock_seconds": lock_seconds,
+            "now": time.time(),
+        }
+        return await self._run(lambda conn: conn.execute(self._sql["renew"], params).rowcount)
 
     async def settle(
         self,
         destination: str,
-        relay_id: str,
+        lease: Lease,
         published: Sequence[int],
         failed: Sequence[Failure],
         released: Sequence[int],
         max_attempts: int,
     ) -> SettleResult:
         now = time.time()
+        holder = {"relay_id": lease.relay_id, "lease": lease.token, "now": now}
 
         def work(conn: sqlite3.Connection) -> SettleResult:
             result = SettleResult()
             conn.execute("BEGIN IMMEDIATE")
             cursor = conn.executemany(
-                self._sql["settle_published"],
-                [{"seq": seq, "relay_id": relay_id, "now": now} for seq in published],
+                self._sql["settle_published"], [{**holder, "seq": seq} for seq in published]
             )
             result.published = max(cursor.rowcount, 0)
             cursor = conn.executemany(
                 self._sql["settle_failed"],
                 [
                     {
+                        **holder,
                         "seq": f.seq,
                         "error": f.error,
                         "delay": f.delay,
                         "permanent": f.permanent,
                         "max_attempts": max_attempts,
-                        "relay_id": relay_id,
-                        "now": now,
                     }
                     for f in failed
                 ],
             )
             result.failed = max(cursor.rowcount, 0)
             cursor = conn.executemany(
-                self._sql["release"],
-                [{"seq": seq, "relay_id": relay_id, "now": now} for seq in released],
+                self._sql["release"], [{**holder, "seq": seq} for seq in released]
             )
             result.released = max(cursor.rowcount, 0)
             conn.execute("COMMIT")

@@ -44,14 +44,62 @@ SELECT destination FROM {destinations} WHERE destination = :destination LOCK IN 
 INSERT INTO {destinations} (destination) VALUES (:destination)
 ON DUPLICATE KEY UPDATE destination = destination
 
+-- name: claim_expired
+-- A claim's first look, in its transaction, under the exclusive destination lock: rows in
+-- flight whose lease expired (their relay died or stalled while publishing them), locked for
+-- this transaction. The store abandons those whose attempts are used up (abandon_expired),
+-- else takes the first one that heads its key, alone (claim_update), else claims as usual.
+-- heads_key: no earlier row of its key is in flight or failed (due or not: it goes first),
+-- nor abandoned when abandoned rows block; taken in seq order, a key's recovered rows keep
+-- their order. No PENDING row of a key comes before a row in flight (see the PostgreSQL
+-- migration 0006), so blocking_idx answers the probe. A row abandoned by this claim still
+-- counts here: its key's next row heads the key from the next claim on. lease_idx serves
+-- the range.
+SELECT o.seq, o.id, o.destination, o.topic, o.`key`, o.payload, o.content_type, o.headers,
+       o.attempts, o.status, o.created_at,
+       (o.`key` IS NULL OR NOT EXISTS (
+            SELECT 1 FROM {outbox} AS b
+            WHERE b.destination = o.destination
+              AND b.blocker = 1
+              AND b.`key` = o.`key`
+              AND b.seq < o.seq
+              AND (b.status <> 'ABANDONED' OR :abandoned_blocks))) AS heads_key
+FROM {outbox} AS o
+WHERE o.destination = :destination
+  AND o.locked_until < UTC_TIMESTAMP(6)
+  AND o.status = 'PROCESSING'
+ORDER BY o.seq
+LIMIT :limit
+FOR UPDATE SKIP LOCKED
+
+-- name: abandon_expired
+-- PROCESSING, lease expired, attempts used up -> ABANDONED: the attempt that died counts,
+-- and with it max_attempts attempts were made (the store checked), so the row is given up
+-- as a failed publish at its last attempt is, instead of being taken over for ever. The rest
+-- of its key follows abandoned_blocks. Rows claim_expired locked, same transaction.
+UPDATE {outbox}
+SET last_error = CONCAT('abandoned after ', attempts + 1, ' attempts: relay ',
+                        COALESCE(locked_by, '?'),
+                        ' died or stalled while publishing this message (its lease expired)'),
+    attempts = attempts + 1,
+    status = 'ABANDONED',
+    locked_by = NULL, locked_until = NULL, lease = NULL, updated_at = UTC_TIMESTAMP(6)
+WHERE seq IN (:seqs) AND destination = :destination AND status = 'PROCESSING'
+
+-- name: abandoned_rows
+-- What abandon_expired recorded, for the relay's log.
+SELECT seq, id, topic, `key`, attempts, last_error FROM {outbox} WHERE seq IN (:seqs)
+
 -- name: claim
--- PENDING | FAILED (due) | PROCESSING (lock expired): locked for this transaction, which
--- holds the exclusive destination lock and goes on with claim_update, then commits.
+-- Due PENDING | FAILED rows: locked for this transaction, which holds the exclusive
+-- destination lock and goes on with claim_update, then commits.
 -- Invariants kept by the WHERE clause:
---  * a row is due: its next attempt has come, or its relay's lock expired (that relay died);
---  * a keyed row is claimed only when no earlier row of its key blocks it: in flight
---    elsewhere, backing off, or abandoned when abandoned rows block. Earlier rows that are
---    due themselves come first in seq order, so they are in this same batch, ahead of it;
+--  * a row is due: its next attempt has come. A row in flight is never taken here, even
+--    once its lease expired: claim_expired takes such a row, alone;
+--  * a keyed row is claimed only when no earlier row of its key blocks it: in flight (even
+--    with its lease expired: it is recovered first), backing off, or abandoned when
+--    abandoned rows block. Earlier rows that are due themselves come first in seq order,
+--    so they are in this same batch, ahead of it;
 --  * no uncommitted row of the key can have a smaller seq than a committed one: the writer
 --    holds the key's lock until commit before it takes its seq (key_lock). So a row
 --    committed late can never be overtaken: it sorts after everything visible here.
@@ -65,15 +113,15 @@ SELECT o.seq, o.id, o.destination, o.topic, o.`key`, o.payload, o.content_type, 
 FROM {outbox} AS o
 WHERE o.destination = :destination
   AND o.unfinished = 1
-  AND CASE o.status WHEN 'PROCESSING' THEN o.locked_until < UTC_TIMESTAMP(6)
-                    ELSE o.next_attempt_at <= UTC_TIMESTAMP(6) END
+  AND o.status <> 'PROCESSING'
+  AND o.next_attempt_at <= UTC_TIMESTAMP(6)
   AND (o.`key` IS NULL OR NOT EXISTS (
         SELECT 1 FROM {outbox} AS b
         WHERE b.destination = o.destination
           AND b.blocker = 1
           AND b.`key` = o.`key`
           AND b.seq < o.seq
-          AND CASE b.status WHEN 'PROCESSING' THEN b.locked_until >= UTC_TIMESTAMP(6)
+          AND CASE b.status WHEN 'PROCESSING' THEN 1
                             WHEN 'FAILED' THEN b.next_attempt_at > UTC_TIMESTAMP(6)
                             ELSE :abandoned_blocks END))
 ORDER BY o.seq
@@ -90,56 +138,77 @@ SELECT seq, `key` FROM {outbox}
 WHERE destination = :destination AND unfinished = 1 AND seq < :last_seq AND `key` IS NOT NULL
 
 -- name: claim_update
--- The rows claim locked -> PROCESSING, locked by this relay until :lock_seconds from now;
--- same transaction, so they cannot have changed since. Taking over an expired lock: the
--- previous attempt died with its relay, so it counts (attempts and last_error read status
--- and locked_by before those change). The caller checks that every row was updated.
+-- The rows claim (or claim_expired) locked -> PROCESSING under this claim's new lease,
+-- locked by this relay until :lock_seconds from now; same transaction, so they cannot have
+-- changed since. Taking over an expired lease: the attempt that died counts, and last_error
+-- names the relay that held the row (attempts and last_error read status and locked_by
+-- before those change). The caller checks that every row was updated.
 UPDATE {outbox}
 SET attempts = attempts + IF(status = 'PROCESSING', 1, 0),
     last_error = IF(status = 'PROCESSING',
-                    CONCAT('lock expired: relay ', COALESCE(locked_by, '?'), ' died or stalled'),
+                    CONCAT('relay ', COALESCE(locked_by, '?'),
+                           ' died or stalled while publishing this message (its lease expired)'),
                     last_error),
     status = 'PROCESSING',
     locked_by = :relay_id,
+    lease = :lease,
     locked_until = UTC_TIMESTAMP(6) + INTERVAL :lock_seconds SECOND,
     updated_at = UTC_TIMESTAMP(6)
 WHERE seq IN (:seqs) AND destination = :destination
   AND status IN ('PENDING', 'FAILED', 'PROCESSING')
 
+-- name: renew
+-- PROCESSING under this lease -> locked until :lock_seconds from now: one statement for the
+-- batch, while the relay still publishes it. Invariants:
+--  * only the lease holder extends a row (lease, and locked_by against relays that write no
+--    lease): a stale holder never takes back a row another claim holds. A holder whose
+--    lease ran out but that nobody took over yet may extend it: nobody published it since;
+--  * no destination lock: a renewal changes no status and lets no key's row overtake
+--    another. A claim that reads the row before the renewal commits either skips it (the
+--    renewal holds it) and claim_earlier then holds back its key, or locks it first and
+--    changes the lease, which the renewal then no longer matches.
+UPDATE {outbox}
+SET locked_until = UTC_TIMESTAMP(6) + INTERVAL :lock_seconds SECOND
+WHERE seq IN (:seqs) AND destination = :destination
+  AND status = 'PROCESSING' AND lease = :lease AND locked_by = :relay_id
+
 -- name: settle_published
--- PROCESSING -> PUBLISHED, only by the relay holding the lock: a relay whose expired lock
--- was taken over changes nothing (its copy was a duplicate; the new owner decides).
--- Settles run in one transaction under the shared destination lock.
+-- PROCESSING -> PUBLISHED, only by the holder of the rows' lease (lease, and locked_by
+-- against relays that write no lease): a holder whose lease expired and was taken over
+-- changes nothing (its copy was a duplicate; the new holder decides). Settles run in one
+-- transaction under the shared destination lock. A settled row holds no lease.
 UPDATE {outbox}
 SET status = 'PUBLISHED', published_at = UTC_TIMESTAMP(6), updated_at = UTC_TIMESTAMP(6),
-    locked_by = NULL, locked_until = NULL
+    locked_by = NULL, locked_until = NULL, lease = NULL
 WHERE seq IN (:seqs) AND destination = :destination
-  AND status = 'PROCESSING' AND locked_by = :relay_id
+  AND status = 'PROCESSING' AND lease = :lease AND locked_by = :relay_id
 
 -- name: settle_failed
 -- PROCESSING -> FAILED (attempts + 1, due again after its backoff), or -> ABANDONED when the
--- failure is permanent or the attempts are used up. Only by the relay holding the lock.
--- One execution per failed row (each has its own error and delay), in the settle's
--- transaction; status reads attempts before attempts changes.
+-- failure is permanent or the attempts are used up. Only by the lease holder. One execution
+-- per failed row (each has its own error and delay), in the settle's transaction; status
+-- reads attempts before attempts changes. The error is storable already (bounded, valid
+-- UTF-8: stores.base.storable_error).
 UPDATE {outbox}
 SET status = CASE WHEN :permanent OR attempts + 1 >= :max_attempts
                   THEN 'ABANDONED' ELSE 'FAILED' END,
     attempts = attempts + 1,
-    last_error = LEFT(:error, 16000),
+    last_error = :error,
     next_attempt_at = UTC_TIMESTAMP(6) + INTERVAL :delay SECOND,
-    locked_by = NULL, locked_until = NULL, updated_at = UTC_TIMESTAMP(6)
+    locked_by = NULL, locked_until = NULL, lease = NULL, updated_at = UTC_TIMESTAMP(6)
 WHERE seq = :seq AND destination = :destination
-  AND status = 'PROCESSING' AND locked_by = :relay_id
+  AND status = 'PROCESSING' AND lease = :lease AND locked_by = :relay_id
 
 -- name: release
--- PROCESSING -> claimable again without counting an attempt (never tried: shutdown, or an
--- earlier message of its key failed). Only by the relay holding the lock.
+-- PROCESSING -> claimable again without counting an attempt (not tried, or its lease ran
+-- out mid-publish: shutdown, an earlier message of its key failed, the database
+-- unreachable). Only by the lease holder.
 UPDATE {outbox}
 SET status = IF(attempts > 0, 'FAILED', 'PENDING'),
-    next_attempt_at = UTC_TIMESTAMP(6), locked_by = NULL, locked_until = NULL,
+    next_attempt_at = UTC_TIMESTAMP(6), locked_by = NULL, locked_until = NULL, lease = NULL,
     updated_at = UTC_TIMESTAMP(6)
 WHERE seq IN (:seqs) AND destination = :destination
-  AND status = 'PROCESSING' AND locked_by = :relay_id
+  AND status = 'PROCESSING' AND lease = :lease AND locked_by = :relay_id
 
 -- name: cleanup
 -- PUBLISHED | ABANDONED -> deleted once older than the retention; at most :limit rows a

@@ -42,22 +42,32 @@ ORDER BY m.position
 SELECT pg_advisory_xact_lock_shared(CAST(:lock_key AS bigint))
 
 -- name: claim
--- PENDING | FAILED (due) | PROCESSING (lock expired) -> PROCESSING, locked by this relay:
--- one call, one round trip; the SQL and its invariants are in migration 0004.
-SELECT seq, id, destination, topic, key, payload, content_type, headers, attempts, created_at
-FROM {schema}.{table_raw}_claim(:destination, :relay_id, :limit,
+-- Expired leases with their attempts used up -> ABANDONED; else the earliest expired lease
+-- that heads its key -> PROCESSING alone (if :recover); else due PENDING | FAILED ->
+-- PROCESSING; all under this claim's new lease. One call, one round trip; the SQL and its
+-- invariants are in migration 0006.
+SELECT seq, id, destination, topic, key, payload, content_type, headers, attempts,
+       created_at, taken, last_error
+FROM {schema}.{table_raw}_claim(:destination, :relay_id, CAST(:lease AS uuid), :limit,
                                 CAST(:lock_seconds AS float8), :abandoned_blocks,
-                                CAST(:lock_key AS bigint))
+                                :max_attempts, :recover, CAST(:lock_key AS bigint))
 
 -- name: settle
--- PROCESSING -> PUBLISHED | FAILED | ABANDONED | PENDING (released), by the relay holding
--- the rows' lock, in one transaction; the SQL and its invariants are in migration 0004.
+-- PROCESSING -> PUBLISHED | FAILED | ABANDONED | PENDING (released), by the holder of the
+-- rows' lease, in one transaction; the SQL and its invariants are in migration 0006.
 SELECT n_published, n_failed, n_released
-FROM {schema}.{table_raw}_settle(:destination, :relay_id, CAST(:lock_key AS bigint),
-                                 :max_attempts, CAST(:published AS bigint[]),
-                                 CAST(:failed AS bigint[]), CAST(:errors AS text[]),
-                                 CAST(:delays AS float8[]), CAST(:permanent AS boolean[]),
-                                 CAST(:released AS bigint[]))
+FROM {schema}.{table_raw}_settle(:destination, :relay_id, CAST(:lease AS uuid),
+                                 CAST(:lock_key AS bigint), :max_attempts,
+                                 CAST(:published AS bigint[]), CAST(:failed AS bigint[]),
+                                 CAST(:errors AS text[]), CAST(:delays AS float8[]),
+                                 CAST(:permanent AS boolean[]), CAST(:released AS bigint[]))
+
+-- name: renew
+-- PROCESSING under this lease -> locked until :lock_seconds from now, one statement for the
+-- batch, durably; the SQL and its invariants are in migration 0006.
+SELECT n_renewed
+FROM {schema}.{table_raw}_renew(:destination, :relay_id, CAST(:lease AS uuid),
+                                CAST(:seqs AS bigint[]), CAST(:lock_seconds AS float8))
 
 -- name: cleanup
 -- PUBLISHED | ABANDONED -> deleted once older than the retention; at most :limit rows a

@@ -1,36 +1,85 @@
 -- SQLite queries, one named block each (see the PostgreSQL file for the invariants; they
 -- are the same, without the transaction horizon: one writer at a time means seq order is
--- commit order). :now is passed in so one statement uses one clock reading.
+-- commit order). :now is passed in so one statement uses one clock reading. A lease (the
+-- claim's token) fences settles and renewals: see the PostgreSQL migration 0006.
 
 -- name: insert
 INSERT INTO {outbox} (id, destination, topic, key, payload, content_type, headers)
 VALUES (:id, :destination, :topic, :key, :payload, :content_type, :headers)
 
+-- A claim is three statements inside one BEGIN IMMEDIATE, so no other writer interleaves;
+-- each sees what the ones before it changed. See the PostgreSQL migration 0006 for the
+-- invariants of each step.
+
+-- name: abandon_expired
+-- 1. PROCESSING, lease expired, attempts used up (counting the one that died) -> ABANDONED.
+UPDATE {outbox}
+SET status = 'ABANDONED',
+    attempts = attempts + 1,
+    last_error = 'abandoned after ' || (attempts + 1) || ' attempts: relay '
+                 || coalesce(locked_by, '?')
+                 || ' died or stalled while publishing this message (its lease expired)',
+    locked_by = NULL, locked_until = NULL, lease = NULL, updated_at = :now
+WHERE destination = :destination
+  AND status = 'PROCESSING'
+  AND locked_until < :now
+  AND attempts + 1 >= :max_attempts
+RETURNING seq, id, topic, key, attempts, last_error
+
+-- name: expired_head
+-- 2. The earliest row whose lease expired and that heads its key (no earlier row of its key
+-- in flight or failed, nor abandoned when abandoned rows block; no PENDING row of a key
+-- comes before a row in flight): recovered alone, below.
+SELECT o.seq FROM {outbox} AS o
+WHERE o.destination = :destination
+  AND o.status = 'PROCESSING'
+  AND o.locked_until < :now
+  AND (o.key IS NULL OR NOT EXISTS (
+        SELECT 1 FROM {outbox} AS b
+        WHERE b.destination = o.destination
+          AND b.key = o.key
+          AND b.status IN ('PROCESSING', 'FAILED', 'ABANDONED')
+          AND b.seq < o.seq
+          AND (b.status <> 'ABANDONED' OR :abandoned_blocks)))
+ORDER BY o.seq
+LIMIT 1
+
+-- name: recover
+-- 2. That row -> PROCESSING under this claim's lease, alone; the attempt that died counts.
+UPDATE {outbox}
+SET locked_by = :relay_id,
+    lease = :lease,
+    locked_until = :now + :lock_seconds,
+    attempts = attempts + 1,
+    last_error = 'relay ' || coalesce(locked_by, '?')
+                 || ' died or stalled while publishing this message (its lease expired)',
+    updated_at = :now
+WHERE seq = :seq AND status = 'PROCESSING'
+RETURNING seq, id, destination, topic, key, payload, content_type, headers,
+          attempts, created_at
+
 -- name: claim
--- PENDING | FAILED (due) | PROCESSING (lock expired) -> PROCESSING, locked by this relay.
--- Runs inside BEGIN IMMEDIATE, so no other writer interleaves.
+-- 3. PENDING | FAILED (due) -> PROCESSING under this claim's lease. A row in flight is
+-- never taken here (step 2 recovers it, alone) and holds back its key's later rows even
+-- once its lease expired.
 UPDATE {outbox}
 SET status = 'PROCESSING',
     locked_by = :relay_id,
+    lease = :lease,
     locked_until = :now + :lock_seconds,
-    attempts = attempts + CASE WHEN status = 'PROCESSING' THEN 1 ELSE 0 END,
-    last_error = CASE WHEN status = 'PROCESSING'
-                      THEN 'lock expired: relay ' || coalesce(locked_by, '?') || ' died or stalled'
-                      ELSE last_error END,
     updated_at = :now
 WHERE seq IN (
     SELECT o.seq FROM {outbox} AS o
     WHERE o.destination = :destination
-      AND o.status IN ('PENDING', 'FAILED', 'PROCESSING')
-      AND CASE o.status WHEN 'PROCESSING' THEN o.locked_until < :now
-                        ELSE o.next_attempt_at <= :now END
+      AND o.status IN ('PENDING', 'FAILED')
+      AND o.next_attempt_at <= :now
       AND (o.key IS NULL OR NOT EXISTS (
             SELECT 1 FROM {outbox} AS b
             WHERE b.destination = o.destination
               AND b.key = o.key
               AND b.status IN ('PROCESSING', 'FAILED', 'ABANDONED')
               AND b.seq < o.seq
-              AND CASE b.status WHEN 'PROCESSING' THEN b.locked_until >= :now
+              AND CASE b.status WHEN 'PROCESSING' THEN 1
                                 WHEN 'FAILED' THEN b.next_attempt_at > :now
                                 ELSE :abandoned_blocks END))
     ORDER BY o.seq
@@ -38,12 +87,20 @@ WHERE seq IN (
 RETURNING seq, id, destination, topic, key, payload, content_type, headers,
           attempts, created_at
 
+-- name: renew
+-- PROCESSING under this lease -> locked until :lock_seconds from now: one statement, by the
+-- lease holder only (a stale holder never takes back a row another claim holds).
+UPDATE {outbox}
+SET locked_until = :now + :lock_seconds
+WHERE seq IN (SELECT value FROM json_each(:seqs))
+  AND status = 'PROCESSING' AND lease = :lease AND locked_by = :relay_id
+
 -- name: settle_published
--- PROCESSING -> PUBLISHED, only by the relay holding the lock.
+-- PROCESSING -> PUBLISHED, only by the holder of the row's lease.
 UPDATE {outbox}
 SET status = 'PUBLISHED', published_at = :now, updated_at = :now,
-    locked_by = NULL, locked_until = NULL
-WHERE seq = :seq AND status = 'PROCESSING' AND locked_by = :relay_id
+    locked_by = NULL, locked_until = NULL, lease = NULL
+WHERE seq = :seq AND status = 'PROCESSING' AND lease = :lease AND locked_by = :relay_id
 
 -- name: settle_failed
 -- PROCESSING -> FAILED with backoff, or ABANDONED (permanent, or attempts used up).
@@ -52,15 +109,15 @@ SET attempts = attempts + 1,
     last_error = :error,
     status = CASE WHEN :permanent OR attempts + 1 >= :max_attempts THEN 'ABANDONED' ELSE 'FAILED' END,
     next_attempt_at = :now + :delay,
-    locked_by = NULL, locked_until = NULL, updated_at = :now
-WHERE seq = :seq AND status = 'PROCESSING' AND locked_by = :relay_id
+    locked_by = NULL, locked_until = NULL, lease = NULL, updated_at = :now
+WHERE seq = :seq AND status = 'PROCESSING' AND lease = :lease AND locked_by = :relay_id
 
 -- name: release
 -- PROCESSING -> claimable again without counting an attempt.
 UPDATE {outbox}
 SET status = CASE WHEN attempts > 0 THEN 'FAILED' ELSE 'PENDING' END,
-    next_attempt_at = :now, locked_by = NULL, locked_until = NULL, updated_at = :now
-WHERE seq = :seq AND status = 'PROCESSING' AND locked_by = :relay_id
+    next_attempt_at = :now, locked_by = NULL, locked_until = NULL, lease = NULL, updated_at = :now
+WHERE seq = :seq AND status = 'PROCESSING' AND lease = :lease AND locked_by = :relay_id
 
 -- name: cleanup
 -- PUBLISHED | ABANDONED -> deleted once older than the retention, :limit rows a statement.

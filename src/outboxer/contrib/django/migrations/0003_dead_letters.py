@@ -6,6 +6,6 @@ from outboxer.contrib.django.schema import ApplyOutboxerSchema
 
 
 class Migration(migrations.Migration):
-    dependencies = [("outboxer", "0001_initial")]
+    dependencies = [("outboxer", "0002_leases")]
 
     operations = [ApplyOutboxerSchema(postgres=7, mysql=3, sqlite=4)]

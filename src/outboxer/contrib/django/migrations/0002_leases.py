@@ -1,0 +1,12 @@
+"""outboxer's lease migrations: fencing tokens and isolated recovery (PostgreSQL 6, MySQL 2,
+SQLite 3)."""
+
+from django.db import migrations
+
+from outboxer.contrib.django.schema import ApplyOutboxerSchema
+
+
+class Migration(migrations.Migration):
+    dependencies = [("outboxer", "0001_initial")]
+
+    operations = [ApplyOutboxerSchema(postgres=6, mysql=2, sqlite=3)]

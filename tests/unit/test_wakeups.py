@@ -1,0 +1,94 @@
+"""WakeUps: the decisions behind PostgreSQL's wait_for_wakeup, without a database."""
+
+from __future__ import annotations
+
+import asyncio
+
+from outboxer.stores.wakeups import CHASE_SECONDS, REGISTRATION_MARGIN, WakeUps
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_nudge_wakes_one_waiting_loop_of_its_destination_only() -> None:
+    wakeups = WakeUps()
+    first, second = (asyncio.create_task(wakeups.wait("a", 5)) for _ in range(2))
+    other = asyncio.create_task(wakeups.wait("b", 0.2))
+    await asyncio.sleep(0.01)
+    wakeups.nudge("a")
+    await asyncio.sleep(0.01)
+    assert [first.done(), second.done()] == [True, False], "one nudge, one loop"
+    wakeups.nudge("a")
+    assert await first is True and await second is True
+    assert await other is False, "destination b was not nudged"
+
+
+async def test_a_nudge_nobody_waited_for_wakes_the_next_wait_until_a_reset() -> None:
+    wakeups = WakeUps()
+    wakeups.nudge("a")
+    assert await wakeups.wait("a", 0.01) is True, "kept for the next loop"
+    assert await wakeups.wait("a", 0.01) is False, "consumed"
+    wakeups.nudge("a")
+    wakeups.reset("a")  # a claim now sees what the nudge announced
+    assert await wakeups.wait("a", 0.01) is False
+
+
+async def test_a_notify_nudges_every_destination_seen() -> None:
+    wakeups = WakeUps()
+    wakeups.seen("a")
+    wakeups.seen("b")
+    waiting = asyncio.create_task(wakeups.wait("a", 5))
+    await asyncio.sleep(0.01)
+    wakeups.nudge_all()
+    assert await waiting is True
+    assert await wakeups.wait("b", 0.01) is True, "b's loop hears of it at its next wait"
+    assert await wakeups.wait("c", 0.01) is False, "never seen, never nudged"
+
+
+async def test_after_work_one_loop_per_destination_chases_the_others_wait_for_a_nudge() -> None:
+    clock = Clock()
+    wakeups = WakeUps(clock)
+    assert not wakeups.busy
+    wakeups.worked()
+    assert wakeups.busy
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+
+    async def timed(destination: str) -> tuple[bool, float]:
+        woken = await wakeups.chase(destination, 30)
+        return woken, loop.time() - started
+
+    chaser, other, elsewhere = await asyncio.gather(timed("a"), timed("a"), timed("b"))
+    assert chaser[0] is True, "no nudge, yet it looks again (after CHASE_POLL)"
+    assert elsewhere[0] is True, "each destination has its own chaser"
+    assert other[0] is False and other[1] >= CHASE_SECONDS * 0.9, "waited for a nudge"
+    nudged = asyncio.create_task(wakeups.chase("a", 30))
+    second = asyncio.create_task(wakeups.chase("a", 30))
+    await asyncio.sleep(0)
+    wakeups.nudge("a")  # each nudge wakes one waiting loop, the first to wait first
+    wakeups.nudge("a")
+    assert await nudged is True and await second is True
+    clock.now += CHASE_SECONDS + 0.001
+    assert not wakeups.busy, "quiet: register and wait for a NOTIFY"
+
+
+def test_the_registration_is_renewed_before_it_lapses_and_withdrawn_when_busy() -> None:
+    clock = Clock()
+    wakeups = WakeUps(clock)
+    assert not wakeups.registered and wakeups.registration_due(1.0)
+    assert wakeups.registration_seconds(1.0) == 1.0 + REGISTRATION_MARGIN
+    wakeups.registered_for(1.0)
+    assert wakeups.registered
+    assert not wakeups.registration_due(1.0), "it outlasts the next wait"
+    clock.now += REGISTRATION_MARGIN / 2 + 0.01
+    assert wakeups.registered and wakeups.registration_due(1.0), "it would lapse in the wait"
+    clock.now += 1.0
+    assert not wakeups.registered
+    wakeups.registered_for(1.0)
+    wakeups.withdraw()
+    assert not wakeups.registered and wakeups.registration_due(1.0)
