@@ -41,6 +41,19 @@ rabbitmq_start() { rabbitmq-server -detached; }
 mosquitto_start() { mosquitto -d -c /etc/mosquitto/mosquitto.conf; }
 
 ensure postgresql 5432 30 pg_ctlcluster pg_start
+# The WAL outbox and the Debezium layout need wal_level=logical, which takes a restart.
+# Opt-in (OUTBOXER_SET_WAL_LEVEL=1): restarting the shared server under other running tests
+# breaks them. Their own tests do not need it (tests/pgmodes starts a private server).
+pg_wal_level_logical() {
+  local level cluster
+  level=$(runuser -u postgres -- psql -h 127.0.0.1 -p 5432 -U postgres -tAc "SHOW wal_level" 2>/dev/null) || return 0
+  [ "$level" = logical ] && { echo "services: postgresql wal_level is logical"; return 0; }
+  echo "services: postgresql wal_level is '$level': setting it to logical and restarting"
+  runuser -u postgres -- psql -h 127.0.0.1 -p 5432 -U postgres -qc "ALTER SYSTEM SET wal_level = logical" || return 1
+  cluster=$(ls /etc/postgresql | head -n1)
+  pg_ctlcluster --skip-systemctl-redirect "$cluster" main restart && wait_port postgresql 5432 30
+}
+if [ "${OUTBOXER_SET_WAL_LEVEL:-0}" = 1 ] && port_open 5432; then pg_wal_level_logical; fi
 ensure redis 6379 15 redis-server redis_start
 ensure rabbitmq 5672 90 rabbitmq-server rabbitmq_start
 ensure mosquitto 1883 15 mosquitto mosquitto_start

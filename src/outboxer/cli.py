@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, NoReturn
 
-from outboxer import __version__, consume_cli
+from outboxer import __version__, consume_cli, payload_admin
 from outboxer.config import (
     ENV_PREFIX,
     Settings,
@@ -178,6 +178,49 @@ def build_parser() -> argparse.ArgumentParser:
     enqueue.add_argument("--text", action="store_true")
     enqueue.add_argument("--header", action="append", default=[], metavar="NAME=VALUE")
     enqueue.add_argument("--destination", action="append")
+    enqueue.add_argument(
+        "--subject", help="encrypt under this subject's own key (needs encryption keys)"
+    )
+
+    keys = commands.add_parser("keys", help="encryption keys: generate, rotate, shred")
+    keys_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
+    generate = _add_command(
+        keys_commands,
+        "generate",
+        _keys_generate,
+        "print a new random AES-256 key (base64)",
+        settings_of="keys generate",
+    )
+    generate.add_argument(
+        "--id", metavar="KEY_ID", help="print KEY_ID=key, an entry of OUTBOXER_ENCRYPTION_KEYS"
+    )
+    _add_command(
+        keys_commands,
+        "rotate",
+        _keys_rotate,
+        "re-encrypt unfinished messages under the current key, in bounded batches",
+        settings_of="keys rotate",
+    )
+    shred = _add_command(
+        keys_commands,
+        "shred",
+        _keys_shred,
+        "delete a subject's key: its messages can never be decrypted again",
+        settings_of="keys shred",
+    )
+    shred.add_argument("subject", metavar="SUBJECT")
+
+    claim_check = commands.add_parser("claim-check", help="the claim-check object store")
+    claim_check_commands = claim_check.add_subparsers(
+        dest="claim_check_command", required=True, metavar="COMMAND"
+    )
+    _add_command(
+        claim_check_commands,
+        "sweep",
+        _claim_check_sweep,
+        "delete objects no row refers to (from rolled-back enqueues), older than the grace",
+        settings_of="claim-check sweep",
+    )
 
     demo = commands.add_parser(
         "demo", help="the pattern end to end on SQLite and a JSON-lines file"
@@ -334,8 +377,6 @@ def _usage(parse: Callable[[object, str], Any], value: object, name: str) -> Any
 
 
 def _enqueue(args: argparse.Namespace) -> int:
-    from outboxer.enqueue import Outbox
-
     payload: object = args.payload
     if not args.text:
         try:
@@ -351,33 +392,87 @@ def _enqueue(args: argparse.Namespace) -> int:
             raise UsageError(f"--header needs NAME=VALUE, got {item!r}")
         headers[name] = value
     settings = _settings(args)
-    db = settings.require_db()
-    outbox = Outbox(schema=settings.schema, table=settings.table)
-    dialect = _store(settings).dialect
-    if dialect == "sqlite":
-        import sqlite3
-
-        from outboxer.stores.sqlite import sqlite_path
-
-        conn: Any = sqlite3.connect(sqlite_path(db))
-    elif dialect == "mysql":
-        import pymysql
-
-        from outboxer.stores.mysql import mysql_connect_args
-
-        conn = pymysql.connect(**mysql_connect_args(db))
-    else:
-        import psycopg
-
-        conn = psycopg.connect(db)
+    outbox = payload_admin.outbox(settings)
+    conn = payload_admin.connect(settings.require_db())
     try:  # the CLI owns this transaction: it commits on success
         message = outbox.enqueue(
-            conn, args.topic, payload, key=args.key, headers=headers, destinations=args.destination
+            conn,
+            args.topic,
+            payload,
+            key=args.key,
+            headers=headers,
+            destinations=args.destination,
+            subject=args.subject,
         )
         conn.commit()
     finally:
         conn.close()
     print(message.id)
+    return EXIT_OK
+
+
+def _keys_generate(args: argparse.Namespace) -> int:
+    from outboxer.crypto import check_key_id, generate_key
+
+    key = generate_key()
+    if args.id is None:
+        print(key)
+        return EXIT_OK
+    print(f"{_usage(lambda value, _: check_key_id(value), args.id, '--id')}={key}")
+    return EXIT_OK
+
+
+def _keys_rotate(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    ring = payload_admin.require_keyring(settings)
+    claim_check = payload_admin.claim_check(settings)
+
+    def progress(done: payload_admin.RotationResult) -> None:
+        logger.info("re-encrypted %d message(s) so far", done.rotated)
+
+    try:
+        with payload_admin.payload_table(
+            settings.require_db(), schema=settings.schema, table=settings.table
+        ) as table:
+            result = table.rotate(
+                ring, batch=settings.rotation_batch, claim_check=claim_check, progress=progress
+            )
+    finally:
+        if claim_check is not None:
+            claim_check.store.close()
+    print(f"re-encrypted {result.rotated} message(s) under key {ring.current_key_id}")
+    if result.skipped:
+        print(f"{result.skipped} message(s) were claimed or re-keyed meanwhile: run it again")
+    if result.shredded:
+        print(f"{result.shredded} message(s) of shredded subjects stay unreadable")
+    for failure in result.failed:
+        _fail(f"outboxer keys rotate: cannot re-encrypt message {failure}")
+    return EXIT_ERROR if result.failed else EXIT_OK
+
+
+def _keys_shred(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from outboxer.crypto import FileSubjectKeys, check_subject
+
+    settings = _settings(args)
+    subject = check_subject(args.subject)
+    if not settings.subject_keys:
+        raise ConfigError("keys shred needs subject_keys (OUTBOXER_SUBJECT_KEYS): the directory")
+    if not Path(settings.subject_keys).is_dir():
+        raise ConfigError(f"subject_keys {settings.subject_keys!r} is not a directory")
+    if FileSubjectKeys(settings.subject_keys).delete(subject):
+        print(f"shredded subject {subject!r}: its messages can never be decrypted again")
+    else:
+        print(f"subject {subject!r} has no key (never made, or shredded before)")
+    return EXIT_OK
+
+
+def _claim_check_sweep(args: argparse.Namespace) -> int:
+    deleted = payload_admin.sweep_claim_checks(_settings(args))
+    if deleted is None:
+        raise ConfigError("claim-check sweep needs claim_check_store (OUTBOXER_CLAIM_CHECK_STORE)")
+    print(f"deleted {deleted} orphaned claim-check object(s)")
     return EXIT_OK
 
 

@@ -47,7 +47,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from outboxer.errors import ConfigError
@@ -650,8 +650,22 @@ TABLE_COMMANDS = (
     "dead-letters list",
     "dead-letters replay",
     "dead-letters purge",
+    "keys rotate",
+    "claim-check sweep",
 )
 RELAY = ("relay",)
+#: The commands that encrypt or decrypt payloads, and those that reach the claim-check store.
+#: `consume` and `dead-letters replay` undo what these protect before the handler.
+ENCRYPTING = ("enqueue", "keys rotate", "relay", "consume", "dead-letters replay")
+CLAIM_CHECKING = (
+    "enqueue",
+    "keys rotate",
+    "claim-check sweep",
+    "cleanup",
+    "relay",
+    "consume",
+    "dead-letters replay",
+)
 RETENTION = ("relay", "cleanup")
 HTTP = ("relay", "serve", "consume")
 #: The relay's settings that `outboxer consume` shares (outboxer.consume_cli has its own).
@@ -692,6 +706,9 @@ class DestinationSettings:
     envelope: str = "full"
     routes: Mapping[str, str] = field(default_factory=dict)
     options: Mapping[str, Any] = field(default_factory=dict)
+    #: Encrypted rows: ``decrypt`` publishes the plaintext, ``forward`` the ciphertext
+    #: (outboxer.payload_relay).
+    payload: Literal["decrypt", "forward"] = "decrypt"
 
     def __repr__(self) -> str:
         options = {
@@ -699,7 +716,8 @@ class DestinationSettings:
         }
         return (
             f"DestinationSettings(name={self.name!r}, broker={redact_url(self.broker)!r}, "
-            f"envelope={self.envelope!r}, routes={dict(self.routes)!r}, options={options!r})"
+            f"envelope={self.envelope!r}, routes={dict(self.routes)!r}, options={options!r}, "
+            f"payload={self.payload!r})"
         )
 
     def __post_init__(self) -> None:
@@ -709,6 +727,11 @@ class DestinationSettings:
                 register_secret(value)
         if self.envelope not in ("full", "stripped"):
             raise ConfigError(f"destination {self.name!r}: envelope must be 'full' or 'stripped'")
+        if self.payload not in ("decrypt", "forward"):
+            raise ConfigError(
+                f"destination {self.name!r}: payload must be 'decrypt' or 'forward'; "
+                f"got {self.payload!r}"
+            )
         if "://" not in self.broker:
             raise ConfigError(
                 f"destination {self.name!r}: broker must be a URL such as amqp://host/; "
@@ -831,6 +854,55 @@ class Settings:
         commands=HTTP,
         secret=True,
     )
+    # ----- payload protection (outboxer.crypto, outboxer.claimcheck) -----
+    encryption_keys: str | None = setting(
+        kind=Secret(16),
+        help="encryption keys as id=base64key,id=base64key (`outboxer keys generate` makes "
+        "one); no flag: keys shown in `ps` are no secret",
+        commands=(),
+        secret=True,
+    )
+    encryption_key_file: str | None = setting(
+        kind=Text(4096),
+        help="TOML file of encryption keys ([keys] id = base64key, optional current = id), "
+        "instead of encryption_keys",
+        commands=ENCRYPTING,
+    )
+    encryption_current_key: str | None = setting(
+        kind=Text(64),
+        help="id of the key new encryptions use; default the last key listed",
+        commands=ENCRYPTING,
+    )
+    subject_keys: str | None = setting(
+        kind=Text(4096),
+        help="directory of the per-subject secrets (crypto-shredding); shared by every "
+        "writer and reader",
+        commands=(*ENCRYPTING, "keys shred"),
+    )
+    claim_check_store: str | None = setting(
+        kind=Url("file:///var/lib/outboxer/claims or s3://bucket/prefix?region=eu-west-1"),
+        help="object store for payloads over claim_check_threshold",
+        commands=CLAIM_CHECKING,
+    )
+    claim_check_threshold: int = setting(
+        256 * 1024,
+        kind=Whole(0, 2**31),
+        help="payloads larger than this many bytes (after encryption) go to the claim-check store",
+        commands=("enqueue",),
+    )
+    claim_check_sweep_grace: float = setting(
+        3600.0,
+        kind=Duration(LONGEST_RETENTION),
+        help="the sweep deletes unreferenced objects older than this: longer than any "
+        "transaction that enqueues",
+        commands=("claim-check sweep", "cleanup", "relay"),
+    )
+    rotation_batch: int = setting(
+        500,
+        kind=Whole(1, 100_000),
+        help="rows re-encrypted per transaction by `keys rotate`",
+        commands=("keys rotate",),
+    )
 
     def __post_init__(self) -> None:
         # Settings built in Python pass the same checks as flags, variables and files.
@@ -839,7 +911,9 @@ class Settings:
             if value is not None:
                 object.__setattr__(self, declared.name, declared.kind.parse(value, declared.name))
         register_url_secrets(self.db)
+        register_url_secrets(self.claim_check_store)
         register_secret(self.http_token)
+        register_secret(self.encryption_keys)
         if self.broker is not None:
             destinations = dict(self.destinations)
             base = destinations.get(DEFAULT_DESTINATION)
@@ -858,7 +932,7 @@ class Settings:
             if not item.repr:
                 continue
             value = getattr(self, item.name)
-            if item.name in ("db", "broker") and value is not None:
+            if item.name in ("db", "broker", "claim_check_store") and value is not None:
                 value = redact_url(value)
             shown.append(f"{item.name}={value!r}")
         return f"Settings({', '.join(shown)})"
@@ -958,9 +1032,10 @@ def _destinations(raw: object, origin: str | None) -> dict[str, DestinationSetti
             raise ConfigError(f"{where} must be a table with a broker URL, not {toml_type(spec)}")
         if "broker" not in spec:
             raise ConfigError(f"{where} needs a broker URL")
-        if unknown := sorted(set(spec) - {"broker", "envelope", "routes", "options"}):
+        if unknown := sorted(set(spec) - {"broker", "envelope", "routes", "options", "payload"}):
             raise ConfigError(
-                f"{where} has unknown keys {unknown}; known: broker, envelope, routes, options"
+                f"{where} has unknown keys {unknown}; "
+                "known: broker, envelope, routes, options, payload"
             )
         broker, envelope = spec["broker"], spec.get("envelope", "full")
         routes, options = spec.get("routes", {}), spec.get("options", {})
@@ -972,7 +1047,10 @@ def _destinations(raw: object, origin: str | None) -> dict[str, DestinationSetti
             raise ConfigError(f"{where}: routes must map topics to names (strings)")
         if not isinstance(options, Mapping):
             raise ConfigError(f"{where}: options must be a table, not {toml_type(options)}")
-        result[name] = DestinationSettings(name, broker, envelope, dict(routes), dict(options))
+        payload = spec.get("payload", "decrypt")
+        result[name] = DestinationSettings(
+            name, broker, envelope, dict(routes), dict(options), payload
+        )
     return result
 
 

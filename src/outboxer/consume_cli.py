@@ -243,6 +243,7 @@ def _importable_here() -> None:
 
 
 def _consumer(settings: Settings, own: ConsumerSettings, **overrides: Any) -> Any:
+    from outboxer import payload_admin
     from outboxer.consumer import Consumer
 
     destination = settings.destinations.get("default")
@@ -267,6 +268,9 @@ def _consumer(settings: Settings, own: ConsumerSettings, **overrides: Any) -> An
         "broker_options": options,
         "async_driver": own.async_driver,
         "exit_when_idle": settings.exit_when_idle,
+        # Payload protection undone before the handler, with the relay's settings.
+        "keyring": payload_admin.keyring(settings),
+        "object_store": payload_admin.object_store(settings),
     }
     arguments.update(overrides)
     if arguments["broker"] is None and "broker" not in overrides:

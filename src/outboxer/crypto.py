@@ -50,7 +50,6 @@ import threading
 import tomllib
 import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -372,18 +371,34 @@ class KeyRing:
         """Keys from ``id=base64,id=base64`` in ``var``; the current one named by
         ``current_var``, else the last listed (add a new key at the end to rotate)."""
         env = os.environ if environ is None else environ
-        text = env.get(var, "").strip()
-        if not text:
-            raise ConfigError(f"{var} is empty: set it to id=base64key[,id=base64key…]")
+        return cls.from_text(
+            env.get(var, ""), env.get(current_var) or None, origin=var, subjects=subjects
+        )
+
+    @classmethod
+    def from_text(
+        cls,
+        text: str,
+        current: str | None = None,
+        *,
+        origin: str = "encryption keys",
+        subjects: SubjectKeyStore | None = None,
+    ) -> KeyRing:
+        """Keys from ``id=base64,id=base64`` (``origin`` names the source in errors, which
+        never quote a key); the current one is ``current``, else the last listed."""
+        if not text.strip():
+            raise ConfigError(f"{origin} is empty: set it to id=base64key[,id=base64key…]")
         keys: dict[str, str] = {}
-        for item in text.split(","):
+        for item in text.strip().split(","):
             key_id, sep, material = item.strip().partition("=")
             if not sep or not key_id.strip():
-                raise ConfigError(f"{var}: each entry must be id=base64key (entry {len(keys) + 1})")
+                raise ConfigError(
+                    f"{origin}: each entry must be id=base64key (entry {len(keys) + 1})"
+                )
             if key_id.strip() in keys:
-                raise ConfigError(f"{var}: key id {key_id.strip()!r} is listed twice")
+                raise ConfigError(f"{origin}: key id {key_id.strip()!r} is listed twice")
             keys[key_id.strip()] = material
-        return cls(keys, env.get(current_var) or None, subjects=subjects)
+        return cls(keys, current, subjects=subjects)
 
     @classmethod
     def from_file(
@@ -575,11 +590,12 @@ def associated_data(
 ) -> bytes:
     """What the ciphertext is bound to (module docstring): id, destination, encryption headers."""
     bound = sorted([name, value] for name, value in headers.items() if name in ENCRYPTION_HEADERS)
-    return json.dumps(
-        [_AAD_VERSION, str(message_id), destination, bound],
-        separators=(",", ":"),
-        ensure_ascii=False,
-    ).encode("utf-8")
+    return _AAD_JSON.encode([_AAD_VERSION, str(message_id), destination, bound]).encode("utf-8")
+
+
+#: ``json.dumps(…, separators=(",", ":"), ensure_ascii=False)`` without rebuilding an encoder
+#: for every message (the relay decrypts on its hot path): the same bytes.
+_AAD_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
 
 def _unpack_sealed(plaintext: bytes, message_id: object) -> tuple[bytes, dict[str, str]]:
@@ -635,7 +651,7 @@ def encrypt_message(
         content_type=message.content_type,
         sealed_headers=sealed,
     )
-    return replace(message, payload=stored, content_type=BINARY, headers={**kept, **added})
+    return _with_payload(message, stored, BINARY, {**kept, **added})
 
 
 def decrypt(message: Message, keyring: KeyRing, *, destination: str | None = None) -> Message:
@@ -657,7 +673,25 @@ def decrypt(message: Message, keyring: KeyRing, *, destination: str | None = Non
     }
     headers.update(sealed)
     content_type = message.headers.get(HEADER_ENCRYPTED_CONTENT_TYPE, BINARY)
-    return replace(message, payload=payload, content_type=content_type, headers=headers)
+    return _with_payload(message, payload, content_type, headers)
+
+
+def _with_payload(
+    message: Message, payload: bytes, content_type: str, headers: Mapping[str, str]
+) -> Message:
+    """``dataclasses.replace`` of these three fields, at a third of its cost per message."""
+    return Message(
+        id=message.id,
+        topic=message.topic,
+        payload=payload,
+        key=message.key,
+        headers=headers,
+        content_type=content_type,
+        destination=message.destination,
+        created_at=message.created_at,
+        attempts=message.attempts,
+        seq=message.seq,
+    )
 
 
 def reencrypt(message: Message, keyring: KeyRing) -> Message | None:

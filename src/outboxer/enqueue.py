@@ -7,11 +7,12 @@ type picks the SQL dialect and the driver's parameter style.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from outboxer.errors import ConfigError, DuplicateMessageError, PayloadError
 from outboxer.message import (
@@ -23,7 +24,9 @@ from outboxer.message import (
     encode_payload,
     validate_envelope,
 )
+from outboxer.stores import pgmodes
 from outboxer.stores.base import check_identifier
+from outboxer.stores.pgmodes import check_mode
 from outboxer.stores.sqlfiles import (
     queries,
     render,
@@ -33,6 +36,10 @@ from outboxer.stores.sqlfiles import (
     to_pyformat,
 )
 from outboxer.tracing import inject_trace_context
+
+if TYPE_CHECKING:
+    from outboxer.claimcheck import ClaimCheck
+    from outboxer.crypto import KeyRing
 
 SUPPORTED = (
     "sync: psycopg.Connection, psycopg2 connection, sqlite3.Connection, pymysql.Connection, "
@@ -82,11 +89,23 @@ class Outbox:
     #: Refuse (PayloadError, nothing written) a payload larger than this once encoded;
     #: None accepts any size the database takes.
     max_payload_bytes: int | None = None
+    #: "table" (the default outbox), or a PostgreSQL mode: "log", "wal", "debezium"
+    #: (outboxer.stores.pgmodes).
+    mode: str = "table"
+    #: Encrypt each destination's copy under this ring's current key before the INSERT
+    #: (outboxer.crypto); the database then holds ciphertext only.
+    encryption: KeyRing | None = None
+    #: With ``encryption``: user headers moved inside the ciphertext (True: all of them).
+    seal_headers: bool | tuple[str, ...] = False
+    #: Offload payloads over its threshold (after encryption) to its object store before
+    #: the INSERT (outboxer.claimcheck); the row then carries a reference.
+    claim_check: ClaimCheck | None = None
     _cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         check_identifier("schema", self.schema)
         check_identifier("table", self.table)
+        check_mode(self.mode)
         # Frozen: set through object's own setattr (a list given here becomes the tuple).
         object.__setattr__(self, "destinations", _destination_names(self.destinations))
         limit = self.max_payload_bytes
@@ -96,6 +115,26 @@ class Outbox:
             raise ConfigError(
                 f"max_payload_bytes must be None or a whole number of bytes >= 1; got {limit!r}"
             )
+        self._check_protection()
+
+    def _check_protection(self) -> None:
+        from outboxer.claimcheck import ClaimCheck
+        from outboxer.crypto import KeyRing
+
+        if self.encryption is not None and not isinstance(self.encryption, KeyRing):
+            raise ConfigError(f"encryption must be a KeyRing or None; got {self.encryption!r:.100}")
+        if self.claim_check is not None and not isinstance(self.claim_check, ClaimCheck):
+            raise ConfigError(
+                f"claim_check must be a ClaimCheck or None; got {self.claim_check!r:.100}"
+            )
+        sealed = self.seal_headers
+        if not isinstance(sealed, bool):
+            names = (sealed,) if isinstance(sealed, str) else tuple(sealed)
+            if not all(isinstance(name, str) and name for name in names):
+                raise ConfigError("seal_headers must be True, False or a list of header names")
+            object.__setattr__(self, "seal_headers", names)
+        if sealed and self.encryption is None:
+            raise ConfigError("seal_headers needs encryption= (a KeyRing)")
 
     # ----- building rows ------------------------------------------------------------------
 
@@ -109,8 +148,16 @@ class Outbox:
         message_id: object = None,
         content_type: str | None = None,
         destinations: Sequence[str] | None = None,
+        subject: str | None = None,
     ) -> list[Message]:
-        """Validate and encode one message, one copy per destination. Raises PayloadError."""
+        """Validate and encode one message, one copy per destination (in plaintext: see
+        :meth:`protect`). Raises PayloadError; ``max_payload_bytes`` counts the plaintext."""
+        if subject is not None:
+            from outboxer.crypto import check_subject
+
+            if self.encryption is None:
+                raise PayloadError("subject= needs an outbox with encryption= (a KeyRing)")
+            check_subject(subject)
         # Every enqueue variant builds here: the active span's context rides in the headers.
         headers = inject_trace_context(headers)
         topic, key, clean_headers = validate_envelope(topic, key, headers)
@@ -129,6 +176,23 @@ class Outbox:
             )
             for destination in targets
         ]
+
+    def protect(self, copies: Sequence[Message], subject: str | None = None) -> list[Message]:
+        """The copies as stored: each encrypted for its own destination when the outbox
+        encrypts (so one destination's ciphertext never authenticates as another's)."""
+        if self.encryption is None:
+            return list(copies)
+        from outboxer.crypto import encrypt_message
+
+        return [
+            encrypt_message(m, self.encryption, subject=subject, seal_headers=self.seal_headers)
+            for m in copies
+        ]
+
+    def _stored(self, item: Mapping[str, Any]) -> tuple[Message, list[Message]]:
+        """One message's plaintext (returned to the caller) and its copies as stored."""
+        copies = self.build(**item)
+        return copies[0], self.protect(copies, item.get("subject"))
 
     # ----- SQL per dialect and driver -----------------------------------------------------
 
@@ -158,25 +222,36 @@ class Outbox:
         message_id: object = None,
         content_type: str | None = None,
         destinations: Sequence[str] | None = None,
+        subject: str | None = None,
     ) -> Message:
-        """Add one message in the caller's transaction; return it (with its id)."""
-        messages = self.build(
-            topic,
-            payload,
-            key=key,
-            headers=headers,
-            message_id=message_id,
-            content_type=content_type,
-            destinations=destinations,
+        """Add one message in the caller's transaction; return it (with its id), as given:
+        in plaintext, for the first destination.
+
+        ``subject`` (with ``encryption``) encrypts under the subject's own key, which
+        ``outboxer keys shred SUBJECT`` deletes. Claim-checked payloads are put in the
+        object store before the INSERT: if the transaction rolls back, the object is an
+        orphan that ``outboxer claim-check sweep`` deletes.
+        """
+        plain, stored = self._stored(
+            {
+                "topic": topic,
+                "payload": payload,
+                "key": key,
+                "headers": headers,
+                "message_id": message_id,
+                "content_type": content_type,
+                "destinations": destinations,
+                "subject": subject,
+            }
         )
-        self._write(conn, messages)
-        return messages[0]
+        self._write(conn, stored)
+        return plain
 
     def enqueue_many(self, conn: Any, items: Iterable[Mapping[str, Any]]) -> list[Message]:
         """Add several messages (each a mapping of ``enqueue``'s arguments) in one round trip."""
-        built = [self.build(**dict(item)) for item in items]
-        self._write(conn, [m for copies in built for m in copies])
-        return [copies[0] for copies in built]
+        built = [self._stored(dict(item)) for item in items]
+        self._write(conn, [m for _, stored in built for m in stored])
+        return [plain for plain, _ in built]
 
     def _write(self, conn: Any, messages: Sequence[Message]) -> None:
         driver = detect(conn)
@@ -184,8 +259,13 @@ class Outbox:
             raise TypeError(f"{driver.name} is an async connection: use `await enqueue_async(...)`")
         if not messages:
             return
+        if self.claim_check is not None:  # the objects are durable before the row exists
+            messages = [self.claim_check.offload(m) for m in messages]
         try:
-            driver.write(self, conn, messages)
+            if self.mode == "table":
+                driver.write(self, conn, messages)
+            else:
+                pgmodes.write(driver, self.mode, self.schema, self.table, conn, messages)
         except Exception as exc:
             _raise_duplicate(exc, messages)
             raise
@@ -203,25 +283,29 @@ class Outbox:
         message_id: object = None,
         content_type: str | None = None,
         destinations: Sequence[str] | None = None,
+        subject: str | None = None,
     ) -> Message:
-        messages = self.build(
-            topic,
-            payload,
-            key=key,
-            headers=headers,
-            message_id=message_id,
-            content_type=content_type,
-            destinations=destinations,
+        plain, stored = self._stored(
+            {
+                "topic": topic,
+                "payload": payload,
+                "key": key,
+                "headers": headers,
+                "message_id": message_id,
+                "content_type": content_type,
+                "destinations": destinations,
+                "subject": subject,
+            }
         )
-        await self._write_async(conn, messages)
-        return messages[0]
+        await self._write_async(conn, stored)
+        return plain
 
     async def enqueue_many_async(
         self, conn: Any, items: Iterable[Mapping[str, Any]]
     ) -> list[Message]:
-        built = [self.build(**dict(item)) for item in items]
-        await self._write_async(conn, [m for copies in built for m in copies])
-        return [copies[0] for copies in built]
+        built = [self._stored(dict(item)) for item in items]
+        await self._write_async(conn, [m for _, stored in built for m in stored])
+        return [plain for plain, _ in built]
 
     async def _write_async(self, conn: Any, messages: Sequence[Message]) -> None:
         driver = detect(conn)
@@ -229,8 +313,16 @@ class Outbox:
             raise TypeError(f"{driver.name} is a sync connection: use `enqueue(...)`")
         if not messages:
             return
+        if self.claim_check is not None:
+            offload = self.claim_check.offload_async
+            messages = list(await asyncio.gather(*(offload(m) for m in messages)))
         try:
-            await driver.write_async(self, conn, messages)
+            if self.mode == "table":
+                await driver.write_async(self, conn, messages)
+            else:
+                await pgmodes.write_async(
+                    driver, self.mode, self.schema, self.table, conn, messages
+                )
         except Exception as exc:
             _raise_duplicate(exc, messages)
             raise
@@ -681,15 +773,23 @@ def configure(
     table: str = "outbox",
     destinations: Sequence[str] = (DEFAULT_DESTINATION,),
     max_payload_bytes: int | None = None,
+    mode: str = "table",
+    encryption: KeyRing | None = None,
+    seal_headers: bool | tuple[str, ...] = False,
+    claim_check: ClaimCheck | None = None,
 ) -> Outbox:
-    """Set the names, destinations and payload limit that the module-level ``enqueue``
-    functions use."""
+    """Set the names, destinations, payload limit and payload protection that the
+    module-level ``enqueue`` functions use."""
     global DEFAULT_OUTBOX
     DEFAULT_OUTBOX = Outbox(
         schema=schema,
         table=table,
         destinations=tuple(destinations),
         max_payload_bytes=max_payload_bytes,
+        mode=mode,
+        encryption=encryption,
+        seal_headers=seal_headers,
+        claim_check=claim_check,
     )
     return DEFAULT_OUTBOX
 
@@ -704,6 +804,7 @@ def enqueue(
     message_id: object = None,
     content_type: str | None = None,
     destinations: Sequence[str] | None = None,
+    subject: str | None = None,
 ) -> Message:
     """Add a message to the default outbox in the caller's transaction (never commits)."""
     return DEFAULT_OUTBOX.enqueue(
@@ -715,6 +816,7 @@ def enqueue(
         message_id=message_id,
         content_type=content_type,
         destinations=destinations,
+        subject=subject,
     )
 
 
@@ -728,6 +830,7 @@ async def enqueue_async(
     message_id: object = None,
     content_type: str | None = None,
     destinations: Sequence[str] | None = None,
+    subject: str | None = None,
 ) -> Message:
     """Async twin of :func:`enqueue` for asyncpg, psycopg async and SQLAlchemy async."""
     return await DEFAULT_OUTBOX.enqueue_async(
@@ -739,6 +842,7 @@ async def enqueue_async(
         message_id=message_id,
         content_type=content_type,
         destinations=destinations,
+        subject=subject,
     )
 
 

@@ -18,13 +18,13 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from outboxer import logjson, tracing
+from outboxer import logjson, payload_admin, tracing
 from outboxer.brokers import Publisher, create_publisher
 from outboxer.brokers.base import Outcome, OutcomeKind
 from outboxer.config import Settings
-from outboxer.envelope import strip_envelope
 from outboxer.errors import ConfigError, PublishError, SchemaError
 from outboxer.message import Message
+from outboxer.payload_relay import PayloadHandling
 from outboxer.redact import get_logger, redact_text
 from outboxer.retry import Backoff
 
@@ -342,6 +342,7 @@ class Relay:
         settings: Settings | None = None,
         *,
         envelopes: Mapping[str, str] | None = None,
+        payloads: Mapping[str, PayloadHandling] | None = None,
         metrics: Metrics | None = None,
         messaging_systems: Mapping[str, str] | None = None,
     ) -> None:
@@ -351,6 +352,12 @@ class Relay:
         self.publishers = dict(publishers)
         self.settings = settings or Settings()
         self.envelopes = dict(envelopes or {})
+        #: Per destination: decrypt or forward encrypted rows, then the envelope.
+        self.payloads = {
+            name: (payloads or {}).get(name)
+            or PayloadHandling(name, envelope=self.envelopes.get(name, "full"))
+            for name in self.publishers
+        }
         self.backoff = self.settings.backoff
         self.stats = RelayStats()
         #: The same counters per destination; ``stats`` holds their sums plus what no
@@ -389,6 +396,11 @@ class Relay:
             for name, dest in settings.destinations.items()
         }
         envelopes = {name: dest.envelope for name, dest in settings.destinations.items()}
+        keyring = payload_admin.keyring(settings)
+        payloads = {
+            name: PayloadHandling(name, dest.payload, keyring, dest.envelope)
+            for name, dest in settings.destinations.items()
+        }
         systems = {
             name: tracing.messaging_system(dest.broker)
             for name, dest in settings.destinations.items()
@@ -398,6 +410,7 @@ class Relay:
             publishers,
             settings,
             envelopes=envelopes,
+            payloads=payloads,
             metrics=_metrics_if_installed(publishers),
             messaging_systems=systems,
         )
@@ -662,16 +675,13 @@ class Relay:
         for stats in self._stats(destination):
             stats.claimed += len(batch)
             stats.batches += 1
-        outgoing: Sequence[Message] = batch
-        if self.envelopes.get(destination) == "stripped":
-            outgoing = [strip_envelope(message) for message in batch]
+        # Decryption and the stripped envelope come later, per message (PayloadHandling).
         spans = tracing.start_publish_spans(
-            outgoing,
+            batch,
             system=self._systems.get(destination, "unknown"),
             destination_name=lambda message: message.topic,
         )
-        outgoing = spans.messages
-        publish = asyncio.create_task(self._publish(destination, batch.recovered, outgoing))
+        publish = asyncio.create_task(self._publish(destination, batch.recovered, spans.messages))
         lease = LeaseKeeper(self, destination, batch, claimed_at, publish)
         keeper = asyncio.create_task(lease.keep())
         try:
@@ -716,7 +726,9 @@ class Relay:
         if recovered:
             await self._gate.alone()
         started = time.perf_counter()
-        outcomes = await self.publishers[destination].publish_batch(outgoing)
+        # Decrypted (or forwarded) and enveloped per destination; a key error fails its
+        # message, never the batch.
+        outcomes = await self.payloads[destination].publish(self.publishers[destination], outgoing)
         for stats in self._stats(destination):
             stats.publish_seconds += time.perf_counter() - started
         return outcomes
@@ -963,6 +975,10 @@ async def cleanup(store: Store, settings: Settings, max_batches: int = 100) -> i
             await asyncio.sleep(0)  # let the relay's loops run between batches
     if deleted:
         logger.info("cleanup deleted %d finished message(s)", deleted)
+    # The claim-check objects no row refers to any more: those of the rows just deleted.
+    objects = await asyncio.to_thread(payload_admin.sweep_claim_checks, settings)
+    if objects:
+        logger.info("cleanup deleted %d claim-check object(s)", objects)
     return deleted
 
 

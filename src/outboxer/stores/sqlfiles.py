@@ -18,7 +18,7 @@ _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 
 @functools.cache
 def queries(dialect: str, file: str = "queries.sql") -> dict[str, str]:
-    """All named blocks of ``sql/<dialect>/<file>`` (``queries.sql`` unless named)."""
+    """All named blocks of ``sql/<dialect>/queries.sql`` (or of another file there)."""
     text = resources.files("outboxer.stores").joinpath("sql", dialect, file).read_text("utf-8")
     parts = _BLOCK.split(text)
     return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}

@@ -1,5 +1,4 @@
-"""outboxer's lease migrations: fencing tokens and isolated recovery (PostgreSQL 6, MySQL 2,
-SQLite 3)."""
+"""outboxer's leases (PostgreSQL migration 6, MySQL 2, SQLite 3): renewed, fenced claims."""
 
 from django.db import migrations
 

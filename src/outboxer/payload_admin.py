@@ -1,0 +1,354 @@
+"""Payload protection on the outbox table: key rotation and the claim-check orphan sweep.
+
+Both work on a synchronous connection of their own (psycopg, PyMySQL or sqlite3), apart
+from the relay: ``outboxer keys rotate`` and ``outboxer claim-check sweep`` are operator
+commands. Their SQL is in ``stores/sql/<dialect>/payload.sql``.
+
+**Rotation** re-encrypts the unfinished rows (PENDING, FAILED) under the ring's current key,
+in batches of bounded size, one transaction each, so a relay never waits long on a row
+lock. A row a relay has claimed (PROCESSING) is left as it is (the relay may be publishing
+its bytes), as is a row whose key changed since it was read; a later run takes them. A
+claim-checked row gets a new object holding the new ciphertext; the old object is deleted
+once the row's new reference has committed (a crash in between leaves an orphan for the
+sweep, never a row without its object).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from outboxer.claimcheck import (
+    HEADER_CLAIM_CHECK,
+    ClaimCheck,
+    ObjectName,
+    ObjectStore,
+    create_object_store,
+    fetch_payload,
+    is_claim_checked,
+    sweep_orphans,
+)
+from outboxer.crypto import (
+    HEADER_KEY_ID,
+    FileSubjectKeys,
+    KeyRing,
+    KeyRingUnavailableError,
+    SubjectKeyDeletedError,
+    reencrypt,
+)
+from outboxer.enqueue import Outbox
+from outboxer.errors import ConfigError, OutboxerError
+from outboxer.message import Message
+from outboxer.stores.sqlfiles import queries, render, table_name, to_pyformat
+
+if TYPE_CHECKING:
+    from outboxer.config import Settings
+
+
+def dialect_of(url: str) -> str:
+    """``postgres``, ``mysql`` or ``sqlite`` for a database URL (the stores' own choice)."""
+    from outboxer.stores import create_store
+
+    return create_store(url).dialect
+
+
+def connect(url: str) -> Any:
+    """A synchronous DB-API connection to the database at ``url``, no transaction open."""
+    dialect = dialect_of(url)
+    if dialect == "sqlite":
+        import sqlite3
+
+        from outboxer.stores.sqlite import sqlite_path
+
+        # sqlite3's default: a transaction opens before the first write (as enqueue needs).
+        return sqlite3.connect(sqlite_path(url), timeout=30)
+    if dialect == "mysql":
+        import pymysql
+
+        from outboxer.stores.mysql import mysql_connect_args
+
+        return pymysql.connect(**mysql_connect_args(url))
+    import psycopg
+
+    return psycopg.connect(url)
+
+
+# ----- from the settings ------------------------------------------------------------------
+
+
+def subject_keys(settings: Settings) -> FileSubjectKeys | None:
+    return FileSubjectKeys(settings.subject_keys) if settings.subject_keys else None
+
+
+def keyring(settings: Settings) -> KeyRing | None:
+    """The key ring the settings describe (``encryption_keys`` or ``encryption_key_file``),
+    or None when they name no keys. ConfigError for a ring that cannot be built."""
+    keys, key_file, current = (
+        settings.encryption_keys,
+        settings.encryption_key_file,
+        settings.encryption_current_key,
+    )
+    if keys and key_file:
+        raise ConfigError("set encryption_keys or encryption_key_file, not both")
+    if keys:
+        return KeyRing.from_text(
+            keys, current, origin="encryption_keys", subjects=subject_keys(settings)
+        )
+    if key_file:
+        ring = KeyRing.from_file(key_file, subjects=subject_keys(settings))
+        if current is None:
+            return ring
+        # The setting names the current key over the file's own choice.
+        return KeyRing(
+            {key_id: ring.key(key_id) for key_id in ring.key_ids}, current, subjects=ring.subjects
+        )
+    if current is not None:
+        raise ConfigError("encryption_current_key is set, but no encryption_keys or key file")
+    return None
+
+
+def require_keyring(settings: Settings) -> KeyRing:
+    ring = keyring(settings)
+    if ring is None:
+        raise ConfigError("no encryption keys: set OUTBOXER_ENCRYPTION_KEYS or encryption_key_file")
+    return ring
+
+
+def object_store(settings: Settings) -> ObjectStore | None:
+    url = settings.claim_check_store
+    return create_object_store(url) if url else None
+
+
+def claim_check(settings: Settings) -> ClaimCheck | None:
+    store = object_store(settings)
+    return ClaimCheck(store, settings.claim_check_threshold) if store is not None else None
+
+
+def outbox(settings: Settings) -> Outbox:
+    """The outbox ``outboxer enqueue`` writes to: names and payload protection as set."""
+    return Outbox(
+        schema=settings.schema,
+        table=settings.table,
+        encryption=keyring(settings),
+        claim_check=claim_check(settings),
+    )
+
+
+def sweep_claim_checks(settings: Settings) -> int | None:
+    """Delete the claim-check objects no row refers to, older than the grace: those of
+    rolled-back enqueues, and those whose rows retention deleted. None without a store."""
+    store = object_store(settings)
+    if store is None:
+        return None
+    try:
+        with payload_table(
+            settings.require_db(), schema=settings.schema, table=settings.table
+        ) as table:
+            return table.sweep(store, grace=settings.claim_check_sweep_grace)
+    finally:
+        store.close()
+
+
+@dataclass
+class RotationResult:
+    #: Rows now encrypted under the current key.
+    rotated: int = 0
+    #: Rows whose subject was shredded: unreadable for good, nothing to rotate.
+    shredded: int = 0
+    #: Rows claimed or re-keyed by someone else between the read and the update.
+    skipped: int = 0
+    #: Rows that could not be re-encrypted, as "id (destination): error".
+    failed: list[str] = field(default_factory=list)
+
+
+class PayloadTable:
+    """The outbox table of ``conn`` (a connection from :func:`connect`) for these commands."""
+
+    def __init__(
+        self, conn: Any, dialect: str, *, schema: str = "outboxer", table: str = "outbox"
+    ) -> None:
+        self.conn = conn
+        self.dialect = dialect
+        tokens = {"outbox": table_name(dialect, schema, table)}
+        self._sql = {
+            name: render(sql, tokens) for name, sql in queries(dialect, "payload.sql").items()
+        }
+
+    # ----- statements ------------------------------------------------------------------------
+
+    def _run(self, name: str, params: dict[str, Any]) -> Any:
+        sql = self._sql[name]
+        cursor = self.conn.cursor()
+        if self.dialect == "sqlite":
+            cursor.execute(sql, params)
+            return cursor
+        sql = to_pyformat(sql)
+        if self.dialect == "mysql":
+            from outboxer.stores.mysql import expand_lists
+
+            sql, params = expand_lists(sql, params)
+        cursor.execute(sql, params)
+        return cursor
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """One transaction: committed on success, rolled back on any error."""
+        if self.dialect == "sqlite":
+            # IMMEDIATE: the write lock from the first read, so no relay writes in between.
+            self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self.conn.rollback()
+            raise
+        self.conn.commit()
+
+    # ----- the claim-check sweep -------------------------------------------------------------
+
+    def referenced(self, names: Sequence[ObjectName]) -> list[str]:
+        """Which of these objects some row refers to (``sweep_orphans``' question)."""
+        if not names:
+            return []
+        plain = [parsed.name for parsed in names]
+        value: Any = json.dumps(plain) if self.dialect == "sqlite" else plain
+        with self._transaction():
+            rows = self._run("referenced", {"names": value}).fetchall()
+        return [str(row[0]) for row in rows]
+
+    def sweep(self, store: ObjectStore, *, grace: float) -> int:
+        """Delete the objects older than ``grace`` seconds that no row refers to."""
+        return sweep_orphans(store, self.referenced, grace=grace)
+
+    # ----- key rotation ----------------------------------------------------------------------
+
+    def rotate(
+        self,
+        keyring: KeyRing,
+        *,
+        batch: int = 500,
+        claim_check: ClaimCheck | None = None,
+        progress: Callable[[RotationResult], None] | None = None,
+    ) -> RotationResult:
+        """Re-encrypt unfinished rows under ``keyring``'s current key (module docstring).
+
+        A KMS that fails (KeyRingUnavailableError) stops the rotation: what committed
+        stays, a new run goes on from there.
+        """
+        result = RotationResult()
+        after = 0
+        while True:
+            with self._transaction():
+                rows = self._run(
+                    "rotation_batch",
+                    {"after": after, "current": keyring.current_key_id, "batch": batch},
+                ).fetchall()
+                if not rows:
+                    return result
+                after = int(rows[-1][0])
+                replaced = self._rotate_rows(rows, keyring, claim_check, result)
+            # Committed: the rows refer to the new objects only.
+            if claim_check is not None and replaced:
+                claim_check.store.delete_many(replaced)
+            if progress is not None:
+                progress(result)
+
+    def _rotate_rows(
+        self,
+        rows: Sequence[Sequence[Any]],
+        keyring: KeyRing,
+        claim_check: ClaimCheck | None,
+        result: RotationResult,
+    ) -> list[str]:
+        """Update the batch's rows; return the objects they no longer refer to."""
+        put: list[str] = []
+        replaced: list[str] = []
+        try:
+            for row in rows:
+                message = _message(row)
+                try:
+                    rotated = self._reencrypt(message, keyring, claim_check)
+                except SubjectKeyDeletedError:
+                    result.shredded += 1
+                    continue
+                except KeyRingUnavailableError:
+                    raise
+                except OutboxerError as exc:
+                    result.failed.append(f"{message.id} ({message.destination}): {exc}")
+                    continue
+                if rotated is None:
+                    continue
+                new_object = rotated.headers.get(HEADER_CLAIM_CHECK)
+                if new_object is not None:
+                    put.append(new_object)
+                updated = self._run(
+                    "rotation_update",
+                    {
+                        "seq": message.stored_seq,
+                        "payload": rotated.payload,
+                        "content_type": rotated.content_type,
+                        "headers": json.dumps(
+                            dict(rotated.headers), separators=(",", ":"), ensure_ascii=False
+                        ),
+                        "old_key_id": message.headers[HEADER_KEY_ID],
+                    },
+                ).rowcount
+                if updated:
+                    result.rotated += 1
+                    if is_claim_checked(message):
+                        replaced.append(message.headers[HEADER_CLAIM_CHECK])
+                else:
+                    result.skipped += 1
+                    if new_object is not None:  # no row will ever refer to it
+                        claim_check.store.delete(new_object)  # type: ignore[union-attr]
+        except BaseException:
+            if claim_check is not None and put:  # the transaction rolls back: unreferenced
+                claim_check.store.delete_many(put)
+            raise
+        return replaced
+
+    @staticmethod
+    def _reencrypt(
+        message: Message, keyring: KeyRing, claim_check: ClaimCheck | None
+    ) -> Message | None:
+        if not is_claim_checked(message):
+            return reencrypt(message, keyring)
+        if claim_check is None:
+            raise ConfigError("the row is claim-checked: configure claim_check_store to rotate it")
+        rotated = reencrypt(fetch_payload(message, claim_check.store), keyring)
+        if rotated is None:
+            return None
+        # Always back to the store: the row was sized for a reference, not a payload.
+        return ClaimCheck(claim_check.store, threshold=0).offload(rotated)
+
+
+def _message(row: Sequence[Any]) -> Message:
+    seq, identifier, destination, topic, key, payload, content_type, headers = row
+    return Message(
+        id=identifier if isinstance(identifier, uuid.UUID) else uuid.UUID(str(identifier)),
+        topic=topic,
+        payload=bytes(payload),
+        key=key,
+        headers=json.loads(headers),
+        content_type=content_type,
+        destination=destination,
+        seq=int(seq),
+    )
+
+
+@contextmanager
+def payload_table(
+    url: str, *, schema: str = "outboxer", table: str = "outbox"
+) -> Iterator[PayloadTable]:
+    """A :class:`PayloadTable` on a new connection to ``url``, closed afterwards."""
+    conn = connect(url)
+    try:
+        yield PayloadTable(conn, dialect_of(url), schema=schema, table=table)
+    finally:
+        conn.close()
+
+
+__all__ = ["PayloadTable", "RotationResult", "connect", "payload_table"]

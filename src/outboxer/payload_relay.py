@@ -1,0 +1,112 @@
+"""What the relay does with protected payloads, per destination, before publishing.
+
+``decrypt`` (the default): an encrypted row is published in plaintext: payload, content type
+and sealed headers restored, the encryption headers gone. ``forward``: the ciphertext is
+published as stored, with its encryption headers and ``outboxer-destination`` (the
+destination it is bound to, which a consumer needs for ``outboxer.decrypt``).
+
+Claim-checked rows are published as references in both modes (the message carries the
+reference, the object stays where it is; consumers use ``outboxer.fetch_payload``, then
+``outboxer.decrypt`` when the outbox encrypts): the relay never moves large payloads, and
+never writes a plaintext object. Claim-check a destination only when its consumers reach
+the object store (and, if encrypted, hold the keys).
+
+A message that cannot be decrypted fails alone, never the relay: a missing or wrong key, a
+shredded subject or an altered ciphertext is a permanent failure (the row is ABANDONED at
+once, readable again only once the key is back and the row requeued); a key source (KMS)
+that does not answer is a retryable one. The later messages of its key in the batch are
+skipped, so a retry is never overtaken by its successor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from outboxer.brokers.base import SKIPPED, Outcome, OutcomeKind, Publisher
+from outboxer.claimcheck import is_claim_checked
+from outboxer.crypto import (
+    HEADER_DESTINATION,
+    HEADER_KEY_ID,
+    DecryptionError,
+    KeyRing,
+    KeyRingUnavailableError,
+    decrypt,
+    is_encrypted,
+)
+from outboxer.envelope import strip_envelope
+from outboxer.message import Message
+from outboxer.redact import get_logger
+
+logger = get_logger("outboxer.payload")
+
+PayloadMode = Literal["decrypt", "forward"]
+
+
+@dataclass(frozen=True)
+class PayloadHandling:
+    """One destination's handling: its mode and the key ring (None: this relay has none)."""
+
+    destination: str
+    mode: PayloadMode = "decrypt"
+    keyring: KeyRing | None = None
+    #: ``stripped``: internal headers are dropped after decryption, so a sealed internal
+    #: header never leaves with the plaintext (outboxer.envelope).
+    envelope: str = "full"
+
+    async def prepare(self, message: Message) -> Message:
+        """``message`` as it is published; raises DecryptionError (permanent) or
+        KeyRingUnavailableError (retryable)."""
+        if not is_encrypted(message):
+            return message
+        if self.mode == "forward" or is_claim_checked(message):
+            headers = {**message.headers, HEADER_DESTINATION: message.destination}
+            return dataclasses.replace(message, headers=headers)
+        if self.keyring is None:
+            raise DecryptionError(
+                f"message {message.id} is encrypted and this relay has no encryption keys: "
+                f"set OUTBOXER_ENCRYPTION_KEYS (or encryption_key_file), or payload = "
+                f"'forward' for destination {self.destination!r}"
+            )
+        key_id = message.headers.get(HEADER_KEY_ID)
+        if key_id and key_id not in self.keyring.key_ids:
+            # A callable ring fetches from a KMS: off the event loop, once per key.
+            await asyncio.to_thread(self.keyring.key, key_id)
+        return decrypt(message, self.keyring)
+
+    async def publish(self, publisher: Publisher, batch: Sequence[Message]) -> list[Outcome]:
+        """Prepare each message, publish those prepared; one Outcome per message, in order."""
+        outcomes: list[Outcome | None] = [None] * len(batch)
+        ready: list[tuple[int, Message]] = []
+        failed_keys: set[str] = set()
+        for index, message in enumerate(batch):
+            if message.key is not None and message.key in failed_keys:
+                outcomes[index] = SKIPPED
+                continue
+            try:
+                prepared = await self.prepare(message)
+                ready.append(
+                    (index, strip_envelope(prepared) if self.envelope == "stripped" else prepared)
+                )
+                continue
+            except KeyRingUnavailableError as exc:
+                outcomes[index] = Outcome(OutcomeKind.FAILED, str(exc), retryable=True)
+            except DecryptionError as exc:
+                outcomes[index] = Outcome(OutcomeKind.FAILED, str(exc), retryable=False)
+            except Exception as exc:  # noqa: BLE001 -- a subject store's disk error: retry
+                outcomes[index] = Outcome(
+                    OutcomeKind.FAILED, f"{type(exc).__name__}: {exc}", retryable=True
+                )
+            if message.key is not None:
+                failed_keys.add(message.key)
+        if ready:
+            published = await publisher.publish_batch([message for _, message in ready])
+            for (index, _), outcome in zip(ready, published, strict=True):
+                outcomes[index] = outcome
+        return [outcome if outcome is not None else SKIPPED for outcome in outcomes]
+
+
+__all__ = ["PayloadHandling", "PayloadMode"]

@@ -1,0 +1,279 @@
+"""PostgreSQL log mode: an append-only outbox read by offset.
+
+Writers append with ``Outbox(mode="log").enqueue(conn, ...)``: one row per message,
+never updated. Each reader (one per destination) stores its own offset, the last
+``(order_xid, position)`` its broker confirmed, and reads the rows after it that no
+running transaction can still precede (migrations/0001_log.sql has the invariant).
+Retention drops whole daily partitions: no DELETE, no dead rows, no vacuum of the log.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from outboxer.errors import ConfigError, StoreError
+from outboxer.message import Message
+from outboxer.redact import get_logger
+from outboxer.stores.pgmodes import ModeSchema, open_connection
+from outboxer.stores.sqlfiles import quote_ident, to_numbered
+from outboxer.streamrelay import Entry
+
+logger = get_logger("outboxer.pglog")
+
+_PARTITION_DAY = re.compile(r"_p(\d{8})$")
+
+
+@dataclass(frozen=True, order=True, slots=True)
+class LogOffset:
+    """A reader's place in the log: reading resumes after this row."""
+
+    order_xid: int
+    position: int
+
+    def params(self) -> dict[str, Any]:
+        return {"order_xid": self.order_xid, "position": self.position}
+
+
+BEGINNING = LogOffset(0, 0)
+
+
+class PgLog(ModeSchema):
+    """The log of one outbox (``<schema>.<table>_log``), its readers' offsets and partitions."""
+
+    folder = "pglog"
+
+    async def apply_schema(self, days_ahead: int = 7) -> list[str]:
+        applied = await super().apply_schema()
+        await self.ensure_partitions(days_ahead)
+        return applied
+
+    async def _fetch(self, name: str, params: dict[str, Any]) -> list[Any]:
+        sql, names = to_numbered(self.sql(name))
+        return list(await self.conn.fetch(sql, *(params[n] for n in names)))
+
+    async def _execute(self, name: str, params: dict[str, Any]) -> str:
+        sql, names = to_numbered(self.sql(name))
+        return str(await self.conn.execute(sql, *(params[n] for n in names)))
+
+    # ----- partitions ----------------------------------------------------------------------
+
+    def partition_name(self, day: dt.date) -> str:
+        return f"{self.table}_log_p{day:%Y%m%d}"
+
+    async def ensure_partitions(
+        self, days_ahead: int = 7, *, today: dt.date | None = None
+    ) -> list[str]:
+        """Create the daily partitions (UTC days) from today to ``days_ahead`` days on."""
+        start = today or dt.datetime.now(dt.UTC).date()
+        existing = {
+            row["name"] for row in await self._fetch("partitions", {"log": self.names["log"]})
+        }
+        created = []
+        for offset in range(days_ahead + 1):
+            day = start + dt.timedelta(days=offset)
+            name = self.partition_name(day)
+            if name in existing:
+                continue
+            upper = day + dt.timedelta(days=1)
+            try:
+                await self.conn.execute(
+                    f"CREATE TABLE {quote_ident(self.schema)}.{quote_ident(name)} "
+                    f"PARTITION OF {self.names['log']} "
+                    f"FOR VALUES FROM ('{day.isoformat()} 00:00+00') TO ('{upper.isoformat()} 00:00+00')"
+                )
+            except Exception as exc:  # asyncpg errors: the day's rows already sit in the default
+                if "default partition" not in str(exc):
+                    raise
+                logger.warning("log partition %s not created: %s", name, exc)
+                continue
+            created.append(name)
+        return created
+
+    async def partitions(self) -> list[tuple[str, dt.date]]:
+        """The daily partitions, oldest first (the default partition is not listed)."""
+        found = []
+        for row in await self._fetch("partitions", {"log": self.names["log"]}):
+            match = _PARTITION_DAY.search(row["name"])
+            if match:
+                found.append((row["name"], dt.datetime.strptime(match.group(1), "%Y%m%d").date()))
+        return sorted(found, key=lambda item: item[1])
+
+    async def drop_partitions(self, before: dt.date, *, force: bool = False) -> list[str]:
+        """Drop the partitions of days before ``before``: retention without DELETE.
+
+        A partition still holding rows that some reader has not confirmed is kept (and
+        logged) unless ``force``: retention must not lose what a destination never got.
+        """
+        slowest = await self.slowest_offset()
+        dropped = []
+        for name, day in await self.partitions():
+            if day >= before:
+                continue
+            table = f"{quote_ident(self.schema)}.{quote_ident(name)}"
+            if slowest is not None and not force:
+                unread = await self.conn.fetchval(
+                    f"SELECT EXISTS (SELECT 1 FROM {table} "
+                    "WHERE (order_xid, position) > (CAST($1 AS xid8), $2))",
+                    slowest.order_xid,
+                    slowest.position,
+                )
+                if unread:
+                    logger.warning("log partition %s kept: a reader has not read all of it", name)
+                    continue
+            await self.conn.execute(f"DROP TABLE {table}")
+            dropped.append(name)
+        return dropped
+
+    # ----- offsets -------------------------------------------------------------------------
+
+    async def offset(self, reader: str) -> LogOffset | None:
+        rows = await self._fetch("get_offset", {"reader": reader})
+        return _offset(rows[0]) if rows else None
+
+    async def slowest_offset(self) -> LogOffset | None:
+        rows = await self._fetch("slowest_offset", {})
+        return _offset(rows[0]) if rows else None
+
+    async def seek(
+        self, reader: str, *, offset: LogOffset | None = None, since: dt.datetime | None = None
+    ) -> LogOffset:
+        """Move ``reader`` (replay or skip): to just after ``offset``, or to just before the
+        first row (in reading order) written at or after ``since``; with neither, to the
+        beginning. Returns the stored offset."""
+        if offset is not None and since is not None:
+            raise ConfigError("seek takes an offset or a time, not both")
+        target = offset or BEGINNING
+        if since is not None:
+            if since.tzinfo is None:
+                raise ConfigError("seek: the time must carry its time zone")
+            rows = await self._fetch("first_since", {"since": since})
+            if rows:
+                first = _offset(rows[0])
+                target = LogOffset(first.order_xid, first.position - 1)
+            else:  # nothing written since: the reader goes to the end of the log
+                rows = await self.conn.fetch(
+                    f"SELECT CAST(order_xid AS text) AS order_xid, position FROM {self.names['log']} "
+                    "ORDER BY order_xid DESC, position DESC LIMIT 1"
+                )
+                target = _offset(rows[0]) if rows else BEGINNING
+        await self._execute("set_offset", {"reader": reader, **target.params()})
+        return target
+
+    def reader(
+        self,
+        name: str,
+        *,
+        destination: str | None = None,
+        retention_days: int | None = None,
+        maintenance_seconds: float = 3600.0,
+    ) -> LogReader:
+        """A stream source for the relay: reader ``name`` (its messages carry
+        ``destination``, the reader's name unless given). While idle, at most every
+        ``maintenance_seconds``, it creates the coming days' partitions and, with
+        ``retention_days``, drops the partitions of days older than that (see
+        drop_partitions: never one a reader has not finished)."""
+        if retention_days is not None and retention_days < 0:
+            raise ConfigError(f"retention_days must be >= 0; got {retention_days}")
+        return LogReader(self, name, destination or name, retention_days, maintenance_seconds)
+
+
+class LogReader:
+    """One reader of the log, holding its reader lock on a connection of its own: two relays
+    reading for one destination would publish everything twice, so the second one fails."""
+
+    def __init__(
+        self,
+        log: PgLog,
+        name: str,
+        destination: str,
+        retention_days: int | None = None,
+        maintenance_seconds: float = 3600.0,
+    ) -> None:
+        if not name:
+            raise ConfigError("a log reader needs a name")
+        self.log = log
+        self.name = f"log reader {name!r} of {log.schema}.{log.table}_log"
+        self.reader = name
+        self.destination = destination
+        self._offset = BEGINNING
+        self._read_sql = to_numbered(log.sql("read"))
+        self._commit_sql = to_numbered(log.sql("commit_offset"))
+        self._lock_conn: Any = None
+        self.retention_days = retention_days
+        self.maintenance_seconds = maintenance_seconds
+        self._maintained_at = -math.inf
+
+    async def connect(self) -> None:
+        await self.log.connect()
+        self._lock_conn = await open_connection(self.log.url)
+        held = await self._lock_conn.fetchval(
+            "SELECT pg_try_advisory_lock(hashtextextended($1, 0))",
+            f"outboxer-log-reader:{self.log.schema}.{self.log.table}:{self.reader}",
+        )
+        if not held:
+            await self.close()
+            raise StoreError(f"{self.name} is already being read by another relay")
+        await self.log._execute("register_reader", {"reader": self.reader})
+        self._offset = await self.log.offset(self.reader) or BEGINNING
+
+    async def close(self) -> None:
+        if self._lock_conn is not None:
+            conn, self._lock_conn = self._lock_conn, None
+            await conn.close()  # ends the session, and with it the reader lock
+        await self.log.close()
+
+    async def read(self, limit: int) -> list[Entry]:
+        sql, names = self._read_sql
+        params = {
+            "limit": limit,
+            "after_xid": self._offset.order_xid,
+            "after_position": self._offset.position,
+        }
+        rows = await self.log.conn.fetch(sql, *(params[n] for n in names))
+        return [
+            Entry(
+                Message(
+                    id=row["id"],
+                    topic=row["topic"],
+                    payload=row["payload"],
+                    key=row["key"],
+                    headers={} if row["headers"] == "{}" else dict(json.loads(row["headers"])),
+                    content_type=row["content_type"],
+                    destination=self.destination,
+                    created_at=row["created_at"],
+                    seq=row["position"],
+                ),
+                _offset(row),
+            )
+            for row in rows
+        ]
+
+    async def commit(self, checkpoint: object) -> None:
+        if not isinstance(checkpoint, LogOffset):
+            raise TypeError(f"a log reader commits LogOffsets, not {checkpoint!r}")
+        sql, names = self._commit_sql
+        params = {"reader": self.reader, **checkpoint.params()}
+        await self.log.conn.execute(sql, *(params[n] for n in names))
+        self._offset = max(self._offset, checkpoint)
+
+    async def idle(self) -> None:
+        """Partition upkeep while there is nothing to read: without it, rows of days past
+        the partitions made at schema apply would fill the default partition, which
+        retention never drops."""
+        if time.monotonic() - self._maintained_at < self.maintenance_seconds:
+            return
+        self._maintained_at = time.monotonic()
+        await self.log.ensure_partitions()
+        if self.retention_days is not None:
+            today = dt.datetime.now(dt.UTC).date()
+            await self.log.drop_partitions(today - dt.timedelta(days=self.retention_days))
+
+
+def _offset(row: Any) -> LogOffset:
+    return LogOffset(int(row["order_xid"]), int(row["position"]))

@@ -1,0 +1,275 @@
+"""PostgreSQL outbox modes beside the default table: what they share.
+
+* ``log``: an append-only table read by offset (``outboxer.stores.pglog``);
+* ``wal``: no table, messages written to the WAL (``outboxer.stores.pgwal``);
+* ``debezium``: a table in the layout Debezium's outbox event router reads
+  (``outboxer.stores.pgdebezium``).
+
+``Outbox(mode=...)`` (``outboxer.enqueue``) calls ``write`` here; the readers use
+``ModeSchema`` for their connection and their migrations, kept apart from the default
+table's (an applied migration of one mode never touches another's).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from outboxer.errors import ConfigError, PayloadError, StoreError
+from outboxer.message import JSON, Message
+from outboxer.redact import register_url_secrets
+from outboxer.stores.base import check_identifier
+from outboxer.stores.sqlfiles import migrations, queries, quote_ident, render
+
+if TYPE_CHECKING:
+    from outboxer.enqueue import _Driver
+
+#: Outbox modes: the default table and the PostgreSQL-only modes.
+MODES = ("table", "log", "wal", "debezium")
+
+#: The prefix of the WAL outbox's logical decoding messages, followed by schema.table.
+WAL_PREFIX = "outboxer:"
+
+
+def check_mode(mode: object) -> str:
+    if mode not in MODES:
+        raise ConfigError(f"mode must be one of {', '.join(MODES)}; got {mode!r:.60}")
+    return str(mode)
+
+
+def tokens(schema: str, table: str) -> dict[str, str]:
+    """Quoted names of every mode's objects for one outbox (schema, table)."""
+    check_identifier("schema", schema)
+    check_identifier("table", table)
+
+    def name(suffix: str) -> str:
+        return f"{quote_ident(schema)}.{quote_ident(table + suffix)}"
+
+    return {
+        "schema": quote_ident(schema),
+        "log": name("_log"),
+        "log_raw": table + "_log",
+        "default_partition": name("_log_default"),
+        "keys": name("_log_keys"),
+        "offsets": name("_log_offsets"),
+        "debezium": name("_debezium"),
+        "debezium_raw": table + "_debezium",
+    }
+
+
+def wal_prefix(schema: str, table: str) -> str:
+    return f"{WAL_PREFIX}{schema}.{table}"
+
+
+def wal_content(message: Message, destinations: Sequence[str]) -> bytes:
+    """A WAL message's content: one JSON line of envelope, then the payload's bytes."""
+    envelope = {
+        "id": str(message.id),
+        "topic": message.topic,
+        "key": message.key,
+        "content_type": message.content_type,
+        "headers": dict(message.headers),
+        "destinations": list(destinations),
+    }
+    head = json.dumps(envelope, separators=(",", ":"), ensure_ascii=False).encode()
+    return head + b"\n" + message.payload
+
+
+def debezium_row(message: Message) -> dict[str, Any]:
+    """Debezium's outbox columns for a message: aggregatetype = topic (the router's topic),
+    aggregateid = key (the Kafka key; the message id when keyless), type = the ``type``
+    header or the topic, payload = the JSON payload."""
+    if message.content_type != JSON:
+        raise PayloadError(
+            "the debezium mode stores JSON payloads only (its payload column is jsonb); "
+            f"got content type {message.content_type!r}"
+        )
+    return {
+        "id": str(message.id),
+        "aggregatetype": message.topic,
+        "aggregateid": message.key if message.key is not None else str(message.id),
+        "type": message.headers.get("type", message.topic),
+        "payload": message.payload.decode("utf-8"),
+        "headers": json.dumps(dict(message.headers), separators=(",", ":"), ensure_ascii=False),
+    }
+
+
+def _log_row(message: Message) -> dict[str, Any]:
+    return {
+        "id": str(message.id),
+        "topic": message.topic,
+        "key": message.key,
+        "payload": message.payload,
+        "content_type": message.content_type,
+        "headers": json.dumps(dict(message.headers), separators=(",", ":"), ensure_ascii=False),
+    }
+
+
+def statements(
+    mode: str, schema: str, table: str, messages: Sequence[Message]
+) -> list[tuple[str, list[dict[str, Any]]]]:
+    """The statements that write ``messages`` in ``mode``, each with its rows of parameters.
+
+    ``messages`` holds one copy per destination (``Outbox.build``); the log, WAL and
+    Debezium modes write each message once: their readers, not the rows, are per
+    destination.
+    """
+    firsts: dict[uuid.UUID, Message] = {}
+    destinations: dict[uuid.UUID, list[str]] = {}
+    for message in messages:
+        firsts.setdefault(message.id, message)
+        destinations.setdefault(message.id, []).append(message.destination)
+    unique = list(firsts.values())
+    names = tokens(schema, table)
+    if mode == "log":
+        sql = queries("pglog")
+        keys = sorted({m.key for m in unique if m.key is not None})
+        locks = [(render(sql["lock_keys"], names), [{"keys": keys}])] if len(keys) > 1 else []
+        return [*locks, (render(sql["insert"], names), [_log_row(m) for m in unique])]
+    if mode == "wal":
+        prefix = wal_prefix(schema, table)
+        return [
+            (
+                queries("pgwal")["emit"],
+                [{"prefix": prefix, "content": wal_content(m, destinations[m.id])} for m in unique],
+            )
+        ]
+    if mode == "debezium":
+        return [(render(queries("pgdebezium")["insert"], names), [debezium_row(m) for m in unique])]
+    raise ConfigError(f"mode {mode!r} has no statements here")
+
+
+def check_dialect(mode: str, dialect: str, driver_name: str) -> None:
+    if dialect != "postgres":
+        raise TypeError(f"the {mode} outbox mode needs PostgreSQL; {driver_name} is {dialect}")
+
+
+def write(
+    driver: _Driver, mode: str, schema: str, table: str, conn: Any, messages: Sequence[Message]
+) -> None:
+    check_dialect(mode, driver.dialect(conn), driver.name)
+    _run(driver.execute, driver.execute_many, statements(mode, schema, table, messages), conn)
+
+
+async def write_async(
+    driver: _Driver, mode: str, schema: str, table: str, conn: Any, messages: Sequence[Message]
+) -> None:
+    check_dialect(mode, driver.dialect(conn), driver.name)
+    for sql, rows in statements(mode, schema, table, messages):
+        if len(rows) == 1:
+            await driver.execute_async(conn, sql, rows[0])
+        else:
+            await driver.execute_many_async(conn, sql, rows)
+
+
+def _run(
+    execute: Callable[[Any, str, dict[str, Any]], int],
+    execute_many: Callable[[Any, str, Sequence[dict[str, Any]]], None],
+    plan: list[tuple[str, list[dict[str, Any]]]],
+    conn: Any,
+) -> None:
+    for sql, rows in plan:
+        if len(rows) == 1:
+            execute(conn, sql, rows[0])
+        else:
+            execute_many(conn, sql, rows)
+
+
+class ModeSchema:
+    """An asyncpg connection to one database and the migrations of one mode.
+
+    ``folder`` names the SQL folder (``sql/<folder>/migrations``); the mode records its
+    applied versions in a table of its own, ``<table>_<folder>_migrations``.
+    """
+
+    folder = ""
+
+    def __init__(self, url: str, *, schema: str = "outboxer", table: str = "outbox") -> None:
+        register_url_secrets(url)
+        self.url = url
+        self.schema = check_identifier("schema", schema)
+        self.table = check_identifier("table", table)
+        self.names = tokens(schema, table)
+        self.names["migrations"] = (
+            f"{quote_ident(schema)}.{quote_ident(f'{table}_{self.folder}_migrations')}"
+        )
+        self._conn: Any = None
+
+    def sql(self, name: str) -> str:
+        return render(queries(self.folder)[name], self.names)
+
+    async def connect(self) -> None:
+        if self._conn is None:
+            self._conn = await open_connection(self.url)
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            conn, self._conn = self._conn, None
+            await conn.close()
+
+    @property
+    def conn(self) -> Any:
+        if self._conn is None:
+            raise StoreError(f"{type(self).__name__} is not connected: call connect() first")
+        return self._conn
+
+    async def __aenter__(self) -> ModeSchema:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def schema_sql(self) -> str:
+        """The mode's whole DDL, for teams that run their own migrations."""
+        return (
+            "\n\n".join(render(m.sql, self.names).strip() for m in migrations(self.folder)) + "\n"
+        )
+
+    async def apply_schema(self) -> list[str]:
+        """Create or upgrade the mode's objects; return the migrations applied now."""
+        await self.connect()
+        applied: list[str] = []
+        conn = self.conn
+        async with conn.transaction():
+            await conn.execute("SET LOCAL synchronous_commit = on")
+            await conn.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
+                f"outboxer-schema:{self.schema}.{self.table}",
+            )
+            await conn.execute(f"CREATE SCHEMA IF NOT EXISTS {self.names['schema']}")
+            await conn.execute(
+                f"CREATE TABLE IF NOT EXISTS {self.names['migrations']} "
+                "(version integer PRIMARY KEY, name text NOT NULL, "
+                "applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            done = {
+                r["version"]
+                for r in await conn.fetch(f"SELECT version FROM {self.names['migrations']}")
+            }
+            for migration in migrations(self.folder):
+                if migration.version in done:
+                    continue
+                await conn.execute(render(migration.sql, self.names))
+                await conn.execute(
+                    f"INSERT INTO {self.names['migrations']} (version, name) VALUES ($1, $2)",
+                    migration.version,
+                    migration.name,
+                )
+                applied.append(migration.name)
+        return applied
+
+
+async def open_connection(url: str) -> Any:
+    """One asyncpg connection (StoreError if the database does not answer)."""
+    from outboxer.stores.postgres import _asyncpg, asyncpg_dsn
+
+    asyncpg = _asyncpg()
+    try:
+        return await asyncpg.connect(
+            asyncpg_dsn(url), server_settings={"application_name": "outboxer-relay"}
+        )
+    except (OSError, asyncpg.PostgresError) as exc:
+        raise StoreError(f"cannot connect to PostgreSQL: {exc}") from exc

@@ -1,0 +1,31 @@
+-- Payload protection (outboxer.payload_admin): claim-check references and key rotation.
+-- These run on a connection of their own, outside the relay; tokens in braces are names.
+
+-- name: referenced
+-- Which of these claim-check objects some row, whatever its status, still refers to: the
+-- orphan sweep deletes only the others.
+SELECT JSON_UNQUOTE(JSON_EXTRACT(headers, '$."outboxer-claim-check"')) AS name
+FROM {outbox}
+WHERE JSON_UNQUOTE(JSON_EXTRACT(headers, '$."outboxer-claim-check"')) IN (:names)
+
+-- name: rotation_batch
+-- The next rows to re-encrypt: unfinished, not claimed by a relay (PROCESSING), encrypted
+-- under another key than the current one; in seq order after the previous batch.
+SELECT seq, id, destination, topic, `key`, payload, content_type, headers
+FROM {outbox}
+WHERE status IN ('PENDING', 'FAILED')
+  AND seq > :after
+  AND JSON_UNQUOTE(JSON_EXTRACT(headers, '$."outboxer-key-id"')) <> :current
+ORDER BY seq
+LIMIT :batch
+
+-- name: rotation_update
+-- Invariant: a row is rewritten only while it is unfinished, unclaimed and still under the
+-- key it was read under (an UPDATE reads the latest committed row, whatever the isolation
+-- level). A relay that claimed it meanwhile keeps the bytes it read, and a concurrent
+-- rotation never overwrites a newer ciphertext.
+UPDATE {outbox}
+SET payload = :payload, content_type = :content_type, headers = :headers
+WHERE seq = :seq
+  AND status IN ('PENDING', 'FAILED')
+  AND JSON_UNQUOTE(JSON_EXTRACT(headers, '$."outboxer-key-id"')) = :old_key_id
