@@ -11,8 +11,10 @@ puller meanwhile. At shutdown, messages held but not started are handed back (``
 
 JetStream redelivers what a crashed consumer held once ``ack_wait`` has passed, and a
 puller meanwhile gets newer messages. So that a key's messages stay in order across a
-crash, a receiver that finds messages of its consumer unacknowledged when it starts waits
-``ack_wait`` before its first pull: JetStream then hands out those redeliveries first.
+crash, a receiver that finds messages of its consumer unacknowledged, or pull requests
+still open (a killed process's last pull can still be handed messages, at most
+``_LONGEST_PULL`` seconds), when it starts waits ``ack_wait`` plus that before its first
+pull: JetStream then hands out those redeliveries first.
 
 The URL is the relay's: servers, TLS and credentials are read by :class:`NatsPublisher`
 (with ``create_stream``, the stream is created as the relay would create it).
@@ -43,6 +45,8 @@ from outboxer.receivers.base import Incoming, Receiver, decode
 #: Headers the publisher adds for JetStream, not the user's.
 _JETSTREAM_HEADERS = (MSG_ID_HEADER, "Nats-Expected-Stream")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+#: Seconds a pull request stays open at most (its ``expires``).
+_LONGEST_PULL = 1.0
 
 
 def durable_name(group: str, topic: str, several: bool) -> str:
@@ -110,7 +114,7 @@ class NatsReceiver(Receiver):
         js = nc.jetstream(timeout=self.connect_timeout)
         if self._nats.create_stream:
             await self._nats.ensure_stream(js)
-        unacked = 0
+        busy = 0
         for topic, durable in self.durables.items():
             subject = self._nats.subject_prefix + topic
             stream = self._nats.stream or await js.find_stream_name_by_subject(subject)
@@ -129,12 +133,14 @@ class NatsReceiver(Receiver):
                     f"JetStream consumer {durable!r} on stream {stream!r} exists with other "
                     f"settings ({exc.description}): delete it or set ack_wait to match"
                 ) from exc
-            unacked += info.num_ack_pending or 0
+            # Messages delivered and not acked, and pull requests still open (a killed
+            # process's last pull may yet be handed messages nobody will ack).
+            busy += (info.num_ack_pending or 0) + (info.num_waiting or 0)
             self._subscriptions.append(await js.pull_subscribe_bind(durable, stream))
         # Redeliveries of a crashed holder come before newer messages only once ack_wait is
         # over: pulling earlier would apply a key's newer messages first.
         loop = asyncio.get_running_loop()
-        self._pull_after = loop.time() + self.ack_wait if unacked else 0.0
+        self._pull_after = loop.time() + self.ack_wait + _LONGEST_PULL if busy else 0.0
 
     def idle(self) -> bool:
         return self._pulled_nothing
@@ -159,7 +165,9 @@ class NatsReceiver(Receiver):
         subscription = self._subscriptions[self._turn % len(self._subscriptions)]
         self._turn += 1
         try:
-            messages = await subscription.fetch(limit, timeout / len(self._subscriptions))
+            messages = await subscription.fetch(
+                limit, min(timeout / len(self._subscriptions), _LONGEST_PULL)
+            )
         except (TimeoutError, nats.errors.TimeoutError):
             self._pulled_nothing = True  # a real pull found nothing (not the startup wait)
             return []
