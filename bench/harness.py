@@ -163,15 +163,20 @@ def backlog_items(
 
 def prefill(url: str, count: int, keys: int, chunk: int = 1000) -> float:
     """Insert ``count`` real outbox rows through ``enqueue_many`` (the insert_many SQL); seconds."""
+    with psycopg.connect(url) as conn:
+        return write_backlog(conn, count, keys, chunk)
+
+
+def write_backlog(conn: Any, count: int, keys: int, chunk: int = 1000) -> float:
+    """``prefill`` on any connection ``enqueue_many`` takes (PostgreSQL, MySQL, SQLite)."""
     started = time.perf_counter()
     items = backlog_items(count, keys)
-    with psycopg.connect(url) as conn:
-        while True:
-            part = [item for _, item in zip(range(chunk), items, strict=False)]
-            if not part:
-                break
-            outboxer.enqueue_many(conn, part)
-            conn.commit()
+    while True:
+        part = [item for _, item in zip(range(chunk), items, strict=False)]
+        if not part:
+            break
+        outboxer.enqueue_many(conn, part)
+        conn.commit()
     return time.perf_counter() - started
 
 
@@ -323,6 +328,8 @@ _SERVICES = {
     "inet_gethost": "rabbitmq",
     "epmd": "rabbitmq",
     "redis-server": "redis",
+    "mariadbd": "mariadb",
+    "mysqld": "mariadb",
 }
 
 

@@ -61,10 +61,12 @@ from harness import (
     wait_listening,
 )
 from outboxer.message import Message
-from outboxer.stores.postgres import PostgresStore
+from outboxer.stores import create_store
 from simple_relay import simple_relay
+from stores import DIALECTS, StoreDatabases
+from stores import drain as store_drain
 
-SECTIONS = ("throughput", "simple", "write", "latency", "scaling")
+SECTIONS = ("throughput", "simple", "write", "latency", "scaling", "stores", "sweep")
 SETTINGS = outboxer.Settings()
 BATCH, CONCURRENCY = SETTINGS.batch_size, SETTINGS.concurrency
 WRITERS = (1, 8)
@@ -72,9 +74,25 @@ BATCH_SIZES = (1, 10, 100, 500)
 RELAY_COUNTS = (1, 2, 4)
 #: Batch sizes are scaled on RabbitMQ and on memory:// (no broker limit: the relay and database).
 SCALING_BROKERS = ("rabbitmq", "memory")
-SERVICES = {"postgresql": 5432, "rabbitmq": 5672, "redis": 6379}
+SERVICES = {"postgresql": 5432, "rabbitmq": 5672, "redis": 6379, "mariadb": 3306}
 #: At half load the writers commit at most this many transactions/s in all.
 HALF_LOAD_TRANSACTIONS = 250
+#: The latency sweep's loads: commits/s (one message each) from SWEEP_WRITERS writers.
+SWEEP_RATES = (100, 200, 500, 1000, 2000)
+SWEEP_WRITERS = 4
+#: What the sweep measures per load (figure sweep.<rate>.<what>).
+SWEEP_FIGURES = (
+    ("rate", "msg/s"),
+    ("consumer_p50_ms", "ms"),
+    ("consumer_p99_ms", "ms"),
+    ("p50_ms", "ms"),
+    ("p99_ms", "ms"),
+    ("broker_p50_ms", "ms"),
+    ("broker_p99_ms", "ms"),
+    ("relay_cpu_us_per_msg", "CPU us/msg"),
+    ("box_busy", "cores"),
+    ("broker_box_busy", "cores"),
+)
 
 
 @dataclass(frozen=True)
@@ -93,6 +111,10 @@ class Sizes:
     broker_max_messages: int = 8_000
     #: The "half" latency load in msg/s, instead of half of section 1's relay rate (--half-rate).
     half_rate: float | None = None
+    #: Messages prefilled for the MariaDB and SQLite drains (over as many keys per message).
+    store_backlog: int = 20_000
+    #: Seconds of each load of the latency sweep.
+    sweep_seconds: float = 4.0
 
 
 FULL = Sizes(
@@ -116,6 +138,8 @@ QUICK = Sizes(
     scaling_seconds=0.6,
     half_rate_cap=500.0,
     broker_max_messages=500,
+    store_backlog=1_000,
+    sweep_seconds=0.8,
 )
 
 
@@ -215,6 +239,23 @@ FIGURES: dict[str, list[tuple[str, str]]] = {
         ("scaling.rabbitmq.batch500_over_batch1_bound", "x"),
         *[(f"scaling.rabbitmq.relays.{n}", "msg/s") for n in RELAY_COUNTS],
     ],
+    "stores": [
+        ("stores.broker_ceiling.rabbitmq", "msg/s"),
+        *[
+            (f"stores.{dialect}.{what}", unit)
+            for dialect in DIALECTS
+            for what, unit in (
+                ("relay", "msg/s"),
+                ("db_ceiling", "msg/s"),
+                ("vs_ceiling", "x"),
+                ("relay_cpu_us_per_msg", "CPU us/msg"),
+                ("box_busy", "cores"),
+            )
+        ],
+    ],
+    "sweep": [
+        (f"sweep.{rate}.{what}", unit) for rate in SWEEP_RATES for what, unit in SWEEP_FIGURES
+    ],
 }
 
 #: The goals written in bench/README.md.
@@ -245,9 +286,26 @@ TARGETS = [
     Target(
         "scaling.memory.batch500_over_batch1", ">=", 20.0, "batch 500 >= 20 x batch 1, memory://"
     ),
+    *[
+        Target(
+            f"stores.{dialect}.vs_ceiling",
+            ">=",
+            0.6,
+            f"{dialect}: relay >= 0.6 x min(ceilings), RabbitMQ",
+        )
+        for dialect in DIALECTS
+    ],
+    Target("sweep.200.consumer_p50_ms", "<=", 3.0, "commit -> consumer p50 <= 3 ms at 200/s"),
+    Target("sweep.200.consumer_p99_ms", "<=", 10.0, "commit -> consumer p99 <= 10 ms at 200/s"),
+    Target("sweep.1000.consumer_p50_ms", "<=", 5.0, "commit -> consumer p50 <= 5 ms at 1,000/s"),
+    Target(
+        "sweep.1000.relay_cpu_us_per_msg", "<=", 100.0, "relay CPU <= 100 us/msg at 1,000 msg/s"
+    ),
 ]
 
 T = TypeVar("T")
+#: A latency load: name, transactions/s, writers, messages per transaction, seconds.
+Load = tuple[str, float, int, int, float]
 #: Relay log words that mean a service went away during the run.
 _OUTAGE = (
     "unreachable",
@@ -540,6 +598,93 @@ class Bench:
             f"{self.sizes.broker_max_messages:,} messages each; best per run: {best}"
         )
 
+    # ----- 7. MariaDB and SQLite ------------------------------------------------------------
+
+    def stores(self) -> None:
+        """The relay's drain to RabbitMQ on MariaDB and SQLite, against their ceilings."""
+        report, sizes = self.report, self.sizes
+        count = sizes.store_backlog
+        keys = max(1, sizes.keys * count // sizes.backlog)  # as many messages per key
+        dbs = StoreDatabases(self.dbs.run_id)
+        try:
+            templates = {}
+            for dialect in DIALECTS:
+                log(f"stores: prefilling {count:,} messages over {keys:,} keys into {dialect}")
+                templates[dialect], seconds = dbs.template(dialect, count, keys)
+                report.meta.setdefault("store_prefill_seconds", {})[dialect] = round(seconds, 2)
+            messages = load_messages(self.template, count)  # the same rows (same seed)
+            for run in range(1, self.runs + 1):
+                ceiling = attempt(
+                    "ceiling rabbitmq",
+                    functools.partial(
+                        self.ceiling, adapter_ceiling, "rabbitmq", messages, BATCH, CONCURRENCY
+                    ),
+                )
+                report.add("stores.broker_ceiling.rabbitmq", "msg/s", ceiling.rate)
+                log(f"stores run {run}: broker ceiling rabbitmq {ceiling.rate:,.0f} msg/s")
+                for dialect in DIALECTS:
+                    drained = attempt(
+                        f"relay {dialect}",
+                        functools.partial(self.store_drain, dbs, templates[dialect], count),
+                    )
+                    rate, box = attempt(
+                        f"db ceiling {dialect}",
+                        functools.partial(self.store_ceiling, dbs, templates[dialect]),
+                    )
+                    report.add(f"stores.{dialect}.relay", "msg/s", drained.rate)
+                    report.add(
+                        f"stores.{dialect}.relay_cpu_us_per_msg",
+                        "CPU us/msg",
+                        1000.0 * drained.cpu_per_1000,
+                    )
+                    report.add(f"stores.{dialect}.box_busy", "cores", drained.box["busy"])
+                    report.add(f"stores.{dialect}.db_ceiling", "msg/s", rate)
+                    log(
+                        f"  {dialect}: relay {drained.rate:,.0f} msg/s "
+                        f"({1000 * drained.cpu_per_1000:.0f} CPU us/msg, box "
+                        f"{_cores(drained.box)}), db ceiling {rate:,.0f} msg/s ({_cores(box)})"
+                    )
+        finally:
+            dbs.drop_all()
+        broker = report.figures["stores.broker_ceiling.rabbitmq"].median
+        for dialect in DIALECTS:
+            bound = min(broker, report.figures[f"stores.{dialect}.db_ceiling"].median)
+            ratio = report.figure(
+                f"stores.{dialect}.vs_ceiling",
+                "x",
+                note=f"relay / min(broker rabbitmq, {dialect}) = relay / {bound:,.0f}",
+            )
+            ratio.runs = [r / bound for r in report.figures[f"stores.{dialect}.relay"].runs]
+
+    def store_drain(self, dbs: StoreDatabases, template: str, count: int) -> RelayRun:
+        db = dbs.clone(template)
+        try:
+
+            async def go() -> tuple[RelayRun, int | None]:
+                target = await sink("rabbitmq").open()
+                try:
+                    run = await asyncio.to_thread(store_drain, db, target.url)
+                    return run, await target.count()
+                finally:
+                    await target.close()
+
+            run, arrived = asyncio.run(go())
+        finally:
+            dbs.drop(db)
+        if run.warnings:
+            raise RuntimeError("relay logged: " + " | ".join(run.warnings[:3]))
+        if run.counts != {"PUBLISHED": count} or arrived != count:
+            raise RuntimeError(f"drain left {run.counts}, {arrived} arrived")
+        return quiet(run, run.box)
+
+    def store_ceiling(self, dbs: StoreDatabases, template: str) -> tuple[float, dict[str, float]]:
+        db = dbs.clone(template)
+        try:
+            rate, box = asyncio.run(_db_ceiling(db, BATCH, CONCURRENCY))
+        finally:
+            dbs.drop(db)
+        return quiet((rate, box), box)
+
     # ----- 2. the simple relay ---------------------------------------------------------------
 
     def simple_once(self) -> float:
@@ -740,7 +885,11 @@ class Bench:
                 f"latency run {run}: 10 msg/s for {self.sizes.trickle_seconds} s, "
                 f"{half:,.0f} msg/s for {self.sizes.half_seconds} s ({per_txn}/txn)"
             )
-            loads = attempt("latency", functools.partial(self.latency_once, half, per_txn))
+            plan = [
+                ("trickle", 10.0, 1, 1, self.sizes.trickle_seconds),
+                ("half", half / per_txn, 4, per_txn, self.sizes.half_seconds),
+            ]
+            loads = attempt("latency", functools.partial(self.latency_once, plan))
             for load, got in loads.items():
                 values = got["latencies"]
                 self.report.add(f"latency.{load}.rate", "msg/s", got["rate"])
@@ -773,17 +922,18 @@ class Bench:
                     f"p99 {percentile(control, 99):.2f} ms, box {_cores(got['broker_box'])}"
                 )
 
-    def latency_once(self, half: float, per_txn: int) -> dict[str, dict[str, Any]]:
+    def latency_once(self, plan: Sequence[Load]) -> dict[str, dict[str, Any]]:
         db = self.dbs.empty("latency")
         try:
             writers.create_business_table(db)
-            return asyncio.run(self._latency_run(db, half, per_txn))
+            return asyncio.run(self._latency_run(db, plan))
         finally:
             self.dbs.drop(db)
 
-    async def _latency_run(self, db: str, half: float, per_txn: int) -> dict[str, dict[str, Any]]:
+    async def _latency_run(self, db: str, plan: Sequence[Load]) -> dict[str, dict[str, Any]]:
         """One relay (CLI, defaults) to a fresh exchange and queue, which a consumer drains;
-        latencies to the confirm and to the consumer. Then the control, without the relay:
+        for each load of ``plan`` (name, transactions/s, writers, messages per transaction,
+        seconds) in turn, latencies to the confirm and to the consumer. Then the control, without the relay:
         the writers commit the same events into a plain table at the same rate while one
         process publishes the same waves (one per transaction) straight to the same exchange
         through outboxer's publisher: what RabbitMQ, the consumer and the writers' database
@@ -890,13 +1040,46 @@ class Bench:
 
             await paced(20, 1, 1, 1.0)  # warm up: relay awake, connections in use
             return {
-                "trickle": await paced(10, 1, 1, self.sizes.trickle_seconds),
-                "half": await paced(half / per_txn, 4, per_txn, self.sizes.half_seconds),
+                name: await paced(rate, count, messages, seconds)
+                for name, rate, count, messages, seconds in plan
             }
         finally:
             if relay is not None:
                 relay.close()
             await target.close()
+
+    # ----- 8. latency sweep -----------------------------------------------------------------
+
+    def sweep(self) -> None:
+        """Commit -> consumer (and -> confirm) latency at each of SWEEP_RATES, one relay."""
+        plan = [
+            (str(rate), float(rate), SWEEP_WRITERS, 1, self.sizes.sweep_seconds)
+            for rate in SWEEP_RATES
+        ]
+        for run in range(1, self.runs + 1):
+            log(f"sweep run {run}: {', '.join(map(str, SWEEP_RATES))} commits/s")
+            loads = attempt("sweep", functools.partial(self.latency_once, plan))
+            for load, got in loads.items():
+                figures = {
+                    "rate": got["rate"],
+                    "consumer_p50_ms": percentile(got["consumer"], 50),
+                    "consumer_p99_ms": percentile(got["consumer"], 99),
+                    "p50_ms": percentile(got["latencies"], 50),
+                    "p99_ms": percentile(got["latencies"], 99),
+                    "broker_p50_ms": percentile(got["broker"], 50),
+                    "broker_p99_ms": percentile(got["broker"], 99),
+                    "relay_cpu_us_per_msg": got["relay_cpu_us_per_msg"],
+                    "box_busy": got["box"]["busy"],
+                    "broker_box_busy": got["broker_box"]["busy"],
+                }
+                for what, unit in SWEEP_FIGURES:
+                    self.report.add(f"sweep.{load}.{what}", unit, figures[what])
+                log(
+                    f"  {load}/s: consumer p50 {figures['consumer_p50_ms']:.2f} ms, p99 "
+                    f"{figures['consumer_p99_ms']:.2f} ms; confirm p50 {figures['p50_ms']:.2f} ms; "
+                    f"broker alone p50 {figures['broker_p50_ms']:.2f} ms; relay "
+                    f"{figures['relay_cpu_us_per_msg']:.0f} CPU us/msg; box {_cores(got['box'])}"
+                )
 
     # ----- 5. scaling ------------------------------------------------------------------------
 
@@ -950,7 +1133,7 @@ def _cores(box: dict[str, float]) -> str:
 
 async def _db_ceiling(url: str, batch: int, concurrency: int) -> tuple[float, dict[str, float]]:
     """The relay's claim and settle statements with no broker: everything counts as published."""
-    store = PostgresStore(url)
+    store = create_store(url)
     await store.connect()
     relay_id = f"bench-db-ceiling-{os.getpid()}"
     total = 0
@@ -1013,6 +1196,68 @@ def table(report: Report, sections: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def sweep_table(report: Report) -> str:
+    """The latency sweep, one row per load: medians of the runs."""
+    columns = [what for what, _ in SWEEP_FIGURES]
+    lines = ["commits/s  " + "  ".join(f"{c:>20}" for c in columns)]
+    for rate in SWEEP_RATES:
+        cells = []
+        for what, unit in SWEEP_FIGURES:
+            figure = report.figures.get(f"sweep.{rate}.{what}")
+            cells.append(_fmt(figure.median, unit) if figure and figure.runs else "-")
+        lines.append(f"{rate:>9,}  " + "  ".join(f"{cell:>20}" for cell in cells))
+    return "\n".join(lines)
+
+
+def sweep_plot(report: Report, path: Path) -> None:
+    """The sweep as a PNG: commit -> consumer and commit -> confirm, p50 and p99, beside the
+    control (the same waves straight to RabbitMQ, no relay), against the load."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise SystemExit(
+            "--plot needs matplotlib: .venv/bin/pip install matplotlib (the dev group)"
+        ) from exc
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    series = (
+        ("consumer_p50_ms", "commit -> consumer p50", "C0", "-"),
+        ("consumer_p99_ms", "commit -> consumer p99", "C0", "--"),
+        ("p50_ms", "commit -> confirm p50", "C1", "-"),
+        ("p99_ms", "commit -> confirm p99", "C1", "--"),
+        ("broker_p50_ms", "control (no relay) p50", "C7", "-"),
+        ("broker_p99_ms", "control (no relay) p99", "C7", "--"),
+    )
+    for what, label, color, style in series:
+        points = [
+            (rate, report.figures[f"sweep.{rate}.{what}"].median)
+            for rate in SWEEP_RATES
+            if f"sweep.{rate}.{what}" in report.figures
+        ]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, style, color=color, marker="o", label=label)
+    for target in TARGETS:
+        if target.figure.startswith("sweep.") and target.figure.endswith("_ms"):
+            rate = int(target.figure.split(".")[1])
+            ax.plot([rate], [target.bound], "x", color="C3", markersize=9)
+    ax.plot([], [], "x", color="C3", label="targets")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks(list(SWEEP_RATES), [f"{r:,}" for r in SWEEP_RATES])
+    ax.set_xlabel("commits/s (one message each, 4 writers)")
+    ax.set_ylabel("ms (median of runs)")
+    load = report.meta.get("loadavg_start", [math.nan])[0]
+    ax.set_title(f"outboxer latency sweep ({report.meta.get('git', '')}, load avg {load:.1f})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def _clean(value: Any) -> Any:
     if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
         return None
@@ -1072,6 +1317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="MSG_PER_S",
         help="the latency section's 'half' load, instead of half the relay's rate",
     )
+    parser.add_argument("--plot", metavar="PNG", help="draw the latency sweep here")
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
     if args.runs:
@@ -1115,6 +1361,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     report.meta["noisy"] = NOISY
     report.meta["loadavg_end"] = os.getloadavg()
     print(table(report, sections))
+    if "sweep" in sections:
+        print("\nlatency sweep (medians)\n" + sweep_table(report))
+        if args.plot:
+            sweep_plot(report, Path(args.plot))
+            log(f"wrote {args.plot}")
     print(
         f"\n{len(report.figures)} figures; whole run {report.meta['seconds']:.0f} s; "
         f"load average at start {report.meta['loadavg_start'][0]:.2f}"

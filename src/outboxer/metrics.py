@@ -98,6 +98,31 @@ DESTINATION_COUNTERS: tuple[tuple[str, str, str], ...] = (
         "broker_reconnects",
         "Successful broker connections: the first one of each destination and every reconnect.",
     ),
+    (
+        "outboxer_lease_renewals_total",
+        "renewals",
+        "Lease renewals of batches still being published.",
+    ),
+    (
+        "outboxer_leases_lost_total",
+        "leases_lost",
+        "Batches whose publishing stopped because their lease was lost (relay stalled or cut off).",
+    ),
+    (
+        "outboxer_messages_recovered_total",
+        "recovered",
+        "Messages taken over, each alone, from a relay whose lease expired (it died or stalled).",
+    ),
+    (
+        "outboxer_settles_refused_total",
+        "settles_refused",
+        "Settles the database refused for their values (retried with a generic error, then row by row).",
+    ),
+    (
+        "outboxer_outcomes_unrecorded_total",
+        "unrecorded",
+        "Outcomes not recorded even row by row: their rows wait for their lease to expire.",
+    ),
 )
 #: Counters of the relay as a whole (no label).
 RELAY_COUNTERS: tuple[tuple[str, str, str], ...] = (

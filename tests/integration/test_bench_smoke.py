@@ -20,7 +20,7 @@ from types import ModuleType
 import psycopg
 import pytest
 
-from tests.conftest import PG_ADMIN
+from tests.conftest import MYSQL_ADMIN, PG_ADMIN, mysql_connect
 from tests.services import require
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,9 +41,9 @@ def _bench_run_module() -> ModuleType:
         sys.path.remove(str(BENCH))
 
 
-@pytest.mark.timeout(280)
+@pytest.mark.timeout(420)
 def test_quick_bench_runs_end_to_end_and_emits_every_figure(tmp_path: Path) -> None:
-    for service in ("postgresql", "rabbitmq", "redis"):
+    for service in ("postgresql", "rabbitmq", "redis", "mariadb"):
         require(service)
     out = tmp_path / "bench.json"
     proc = subprocess.run(
@@ -51,9 +51,9 @@ def test_quick_bench_runs_end_to_end_and_emits_every_figure(tmp_path: Path) -> N
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=260,
+        timeout=400,
         check=False,
-        env={**os.environ, "OUTBOXER_BENCH_PG": PG_ADMIN},
+        env={**os.environ, "OUTBOXER_BENCH_PG": PG_ADMIN, "OUTBOXER_BENCH_MYSQL": MYSQL_ADMIN},
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = json.loads(out.read_text())
@@ -83,3 +83,8 @@ def test_quick_bench_runs_end_to_end_and_emits_every_figure(tmp_path: Path) -> N
             "SELECT datname FROM pg_database WHERE datname LIKE %s", (f"outboxer_bench_{run_id}_%",)
         ).fetchall()
     assert left == [], f"the bench left databases behind: {left}"
+    with mysql_connect(MYSQL_ADMIN, autocommit=True) as conn:
+        cursor = conn.cursor()
+        cursor.execute("SHOW DATABASES LIKE %s", (f"outboxer_bench_{run_id}_%",))
+        left = cursor.fetchall()
+    assert not left, f"the bench left MariaDB databases behind: {left}"

@@ -27,6 +27,11 @@ COUNTERS_PER_DESTINATION = (
     "outboxer_publish_seconds_total",
     "outboxer_settle_seconds_total",
     "outboxer_broker_connects_total",
+    "outboxer_lease_renewals_total",
+    "outboxer_leases_lost_total",
+    "outboxer_messages_recovered_total",
+    "outboxer_settles_refused_total",
+    "outboxer_outcomes_unrecorded_total",
 )
 
 
@@ -59,7 +64,9 @@ def test_the_relay_counters_keep_their_names_labels_and_values() -> None:
         stats=RelayStats(published=7, cleaned=4, store_errors=2, started_at=0.0),
         destination_stats={
             "internal": RelayStats(published=5, failed=1, claim_seconds=0.25, broker_reconnects=1),
-            "partner": RelayStats(published=2, abandoned_now=3, lost=1),
+            "partner": RelayStats(
+                published=2, abandoned_now=3, lost=1, renewals=6, leases_lost=1, recovered=2
+            ),
         },
     )
     metrics = Metrics(["internal", "partner"])
@@ -75,6 +82,9 @@ def test_the_relay_counters_keep_their_names_labels_and_values() -> None:
     assert scraped["outboxer_messages_lost_total", labels(destination="partner")] == 1
     assert scraped["outboxer_claim_seconds_total", labels(destination="internal")] == 0.25
     assert scraped["outboxer_broker_connects_total", labels(destination="internal")] == 1
+    assert scraped["outboxer_lease_renewals_total", labels(destination="partner")] == 6
+    assert scraped["outboxer_leases_lost_total", labels(destination="partner")] == 1
+    assert scraped["outboxer_messages_recovered_total", labels(destination="partner")] == 2
     assert scraped["outboxer_messages_cleaned_total", labels()] == 4
     assert scraped["outboxer_store_errors_total", labels()] == 2
     assert scraped["outboxer_relay_uptime_seconds", labels()] > 1e9  # started at the epoch
