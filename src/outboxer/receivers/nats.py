@@ -14,7 +14,10 @@ puller meanwhile gets newer messages. So that a key's messages stay in order acr
 crash, a receiver that finds messages of its consumer unacknowledged, or pull requests
 still open (a killed process's last pull can still be handed messages, at most
 ``_LONGEST_PULL`` seconds), when it starts waits ``ack_wait`` plus that before its first
-pull: JetStream then hands out those redeliveries first.
+pull: JetStream then hands out those redeliveries first. It hands them out in the order
+their ``ack_wait`` ran out, not the stream's, so the receiver gathers them all (until a
+pull brings a message delivered for the first time, or nothing) and passes them on
+sorted by stream sequence.
 
 The URL is the relay's: servers, TLS and credentials are read by :class:`NatsPublisher`
 (with ``create_stream``, the stream is created as the relay would create it).
@@ -26,6 +29,7 @@ import asyncio
 import contextlib
 import hashlib
 import re
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,6 +51,9 @@ _JETSTREAM_HEADERS = (MSG_ID_HEADER, "Nats-Expected-Stream")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 #: Seconds a pull request stays open at most (its ``expires``).
 _LONGEST_PULL = 1.0
+#: Messages per pull, and its expiry, while gathering a crashed holder's redeliveries.
+_RECOVERY_BATCH = 500
+_RECOVERY_PULL = 0.2
 
 
 def durable_name(group: str, topic: str, several: bool) -> str:
@@ -85,6 +92,10 @@ class NatsReceiver(Receiver):
         self._lost = asyncio.Event()
         self._pull_after = 0.0
         self._pulled_nothing = False
+        #: After a crash: gather the redeliveries first (``_recover``), then hand them out
+        #: from here in stream order.
+        self._recovering = False
+        self._sorted: deque[Incoming] = deque()
 
     @property
     def _nats(self) -> NatsPublisher:
@@ -141,6 +152,8 @@ class NatsReceiver(Receiver):
         # over: pulling earlier would apply a key's newer messages first.
         loop = asyncio.get_running_loop()
         self._pull_after = loop.time() + self.ack_wait + _LONGEST_PULL if busy else 0.0
+        self._recovering = bool(busy)
+        self._sorted = deque()
 
     def idle(self) -> bool:
         return self._pulled_nothing
@@ -162,30 +175,61 @@ class NatsReceiver(Receiver):
         if wait > 0:
             await asyncio.sleep(min(wait, timeout))
             return []
+        if self._recovering:
+            await self._recover()
+        if self._sorted:
+            return [self._sorted.popleft() for _ in range(min(limit, len(self._sorted)))]
+        messages = await self._pull(limit, timeout)
+        if not messages:
+            self._pulled_nothing = True  # a real pull found nothing (not the startup wait)
+        return [self._incoming(message) for message in messages]
+
+    async def _pull(self, limit: int, timeout: float) -> list[Msg]:
         subscription = self._subscriptions[self._turn % len(self._subscriptions)]
         self._turn += 1
         try:
-            messages = await subscription.fetch(
+            messages: list[Msg] = await subscription.fetch(
                 limit, min(timeout / len(self._subscriptions), _LONGEST_PULL)
             )
         except (TimeoutError, nats.errors.TimeoutError):
-            self._pulled_nothing = True  # a real pull found nothing (not the startup wait)
             return []
-        received = []
-        for message in messages:
-            headers = {
-                name: value
-                for name, value in (message.headers or {}).items()
-                if name not in _JETSTREAM_HEADERS
-            }
-            incoming = decode(headers, message.data, fallback_topic=message.subject)
-            incoming.token = message
-            received.append(incoming)
-        return received
+        return messages
+
+    async def _recover(self) -> None:
+        """Take every redelivery of a crashed holder before anything new, and hand them out
+        in stream order: JetStream redelivers in the order their ack_wait ran out, which is
+        not the stream's (a key's messages could come swapped)."""
+        redelivered: list[Msg] = []
+        newer: list[Msg] = []
+        quiet = 0
+        while quiet < len(self._subscriptions):
+            messages = await self._pull(_RECOVERY_BATCH, _RECOVERY_PULL)
+            quiet = 0 if messages else quiet + 1
+            for message in messages:
+                (redelivered if message.metadata.num_delivered > 1 else newer).append(message)
+            if newer:  # JetStream hands out redeliveries first: none is left due
+                break
+            if redelivered:
+                await self._each_message(redelivered, "in_progress")  # while we gather
+        redelivered.sort(key=lambda m: (m.metadata.stream or "", m.metadata.sequence.stream))
+        self._sorted.extend(self._incoming(message) for message in [*redelivered, *newer])
+        self._recovering = False
+
+    def _incoming(self, message: Msg) -> Incoming:
+        headers = {
+            name: value
+            for name, value in (message.headers or {}).items()
+            if name not in _JETSTREAM_HEADERS
+        }
+        incoming = decode(headers, message.data, fallback_topic=message.subject)
+        incoming.token = message
+        return incoming
 
     async def _each(self, incomings: Sequence[Incoming], action: str) -> None:
-        for incoming in incomings:
-            message: Msg = incoming.token
+        await self._each_message([incoming.token for incoming in incomings], action)
+
+    async def _each_message(self, messages: Sequence[Msg], action: str) -> None:
+        for message in messages:
             await getattr(message, action)()
         if self._nc is not None:
             await self._nc.flush(timeout=10)  # sent, not just written to the buffer
@@ -194,10 +238,12 @@ class NatsReceiver(Receiver):
         await self._each(incomings, "ack")
 
     async def _extend(self, incomings: Sequence[Incoming]) -> None:
-        await self._each(incomings, "in_progress")
+        # Also the redeliveries gathered and not yet handed to the runner.
+        await self._each([*incomings, *self._sorted], "in_progress")
 
     async def _release(self, incomings: Sequence[Incoming]) -> None:
-        await self._each(incomings, "nak")
+        await self._each([*incomings, *self._sorted], "nak")
+        self._sorted.clear()
 
 
 __all__ = ["NatsReceiver", "durable_name"]
