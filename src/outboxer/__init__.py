@@ -4,6 +4,8 @@ Write your rows and ``enqueue`` a message in one transaction; ``outboxer relay``
 publishes it to your broker, at least once and in order per key.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from outboxer.brokers import Publisher, create_publisher
 from outboxer.brokers.base import Outcome, OutcomeKind
 from outboxer.claimcheck import (
@@ -54,6 +56,21 @@ from outboxer.relay import Relay, RelayStats
 from outboxer.retry import Backoff
 from outboxer.stores import Store, create_store
 
+if TYPE_CHECKING:
+    from outboxer.consumer import Consumer, ConsumerStats, Delivery
+
+#: Loaded on first use, so that the relay and the CLI do not import the consumer runner.
+_LAZY = {"Consumer", "ConsumerStats", "Delivery"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from outboxer import consumer
+
+        return getattr(consumer, name)
+    raise AttributeError(f"module 'outboxer' has no attribute {name!r}")
+
+
 __version__ = "0.1.0.dev0"
 
 __all__ = [
@@ -62,7 +79,10 @@ __all__ = [
     "ClaimCheck",
     "ClaimCheckError",
     "ConfigError",
+    "Consumer",
+    "ConsumerStats",
     "DecryptionError",
+    "Delivery",
     "DestinationSettings",
     "DuplicateMessageError",
     "EncryptionError",

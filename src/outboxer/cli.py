@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, NoReturn
 
-from outboxer import __version__, payload_admin
+from outboxer import __version__, consume_cli, payload_admin
 from outboxer.config import (
     ENV_PREFIX,
     Settings,
@@ -228,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dir", default="outboxer-demo", help="where the demo writes its files")
     demo.add_argument("--log-level", default="WARNING", choices=LOG_LEVELS)
     demo.set_defaults(func=_demo)
+    consume_cli.add_commands(commands, _add_command)  # consume, dead-letters
     return parser
 
 

@@ -646,24 +646,39 @@ TABLE_COMMANDS = (
     "messages",
     "requeue",
     "enqueue",
+    "consume",
+    "dead-letters list",
+    "dead-letters replay",
+    "dead-letters purge",
     "keys rotate",
     "claim-check sweep",
 )
 RELAY = ("relay",)
 #: The commands that encrypt or decrypt payloads, and those that reach the claim-check store.
-ENCRYPTING = ("enqueue", "keys rotate", "relay")
-CLAIM_CHECKING = ("enqueue", "keys rotate", "claim-check sweep", "cleanup", "relay")
+#: `consume` and `dead-letters replay` undo what these protect before the handler.
+ENCRYPTING = ("enqueue", "keys rotate", "relay", "consume", "dead-letters replay")
+CLAIM_CHECKING = (
+    "enqueue",
+    "keys rotate",
+    "claim-check sweep",
+    "cleanup",
+    "relay",
+    "consume",
+    "dead-letters replay",
+)
 RETENTION = ("relay", "cleanup")
-HTTP = ("relay", "serve")
+HTTP = ("relay", "serve", "consume")
+#: The relay's settings that `outboxer consume` shares (outboxer.consume_cli has its own).
+RELAY_AND_CONSUMER = ("relay", "consume")
 
 
 def default_relay_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
-def _interval(help: str, default: float) -> Any:
+def _interval(help: str, default: float, commands: Sequence[str] = RELAY) -> Any:
     return setting(
-        default, kind=Duration(LONGEST_INTERVAL, positive=True), help=help, commands=RELAY
+        default, kind=Duration(LONGEST_INTERVAL, positive=True), help=help, commands=commands
     )
 
 
@@ -672,7 +687,8 @@ def _retention(help: str, default: float) -> Any:
 
 
 #: Tables of the settings file that other commands read with :func:`file_table`
-#: (``outboxer consume``'s ``[consumer]``); ``load_settings`` lets them pass.
+#: (``outboxer consume``'s ``[consumer]``, declared in outboxer.consume_cli);
+#: ``load_settings`` lets them pass.
 OTHER_COMMANDS_TABLES = frozenset({"consumer"})
 
 #: Publisher keywords the relay passes itself: a destination's ``routes`` and the
@@ -741,8 +757,8 @@ class Settings:
     #: The ``default`` destination's broker; it joins ``destinations`` as ``default``.
     broker: str | None = setting(
         kind=Url("amqp://host/"),
-        help="broker URL of the `default` destination",
-        commands=RELAY,
+        help="broker URL of the `default` destination (`consume`: the broker to consume from)",
+        commands=RELAY_AND_CONSUMER,
     )
     schema: str = setting(
         "outboxer",
@@ -763,21 +779,31 @@ class Settings:
         60.0,
     )
     max_attempts: int = setting(
-        10, kind=Whole(1, 1_000_000), help="attempts before ABANDONED", commands=RELAY
+        10,
+        kind=Whole(1, 1_000_000),
+        help="attempts before ABANDONED (`consume`: before a dead letter)",
+        commands=RELAY_AND_CONSUMER,
     )
     poll_interval: float = _interval(
         "fallback poll when no NOTIFY comes; a NOTIFY wakes the relay at once", 1.0
     )
-    backoff_base: float = _interval("delay after the first failure", 1.0)
+    backoff_base: float = _interval("delay after the first failure", 1.0, RELAY_AND_CONSUMER)
     backoff_multiplier: float = setting(
-        2.0, kind=Number(1.0, 1000.0), help="growth of the delay per failure", commands=RELAY
+        2.0,
+        kind=Number(1.0, 1000.0),
+        help="growth of the delay per failure",
+        commands=RELAY_AND_CONSUMER,
     )
     backoff_max: float = _interval(
         "cap of the delay: jitter never exceeds it, and it caps a webhook's `Retry-After` too",
         300.0,
+        RELAY_AND_CONSUMER,
     )
     backoff_jitter: float = setting(
-        0.25, kind=Number(0.0, 0.99), help="± fraction of random spread", commands=RELAY
+        0.25,
+        kind=Number(0.0, 0.99),
+        help="± fraction of random spread",
+        commands=RELAY_AND_CONSUMER,
     )
     published_retention: float = _retention("keep PUBLISHED rows this long", 7 * DAY)
     abandoned_retention: float = _retention("keep ABANDONED rows this long", 30 * DAY)
@@ -798,14 +824,15 @@ class Settings:
     abandoned_blocks_key: bool = setting(
         False,
         kind=Boolean(),
-        help="whether an ABANDONED message holds back the later messages of its key",
-        commands=RELAY,
+        help="whether an ABANDONED message (`consume`: a dead letter) holds back the later "
+        "messages of its key",
+        commands=(*RELAY_AND_CONSUMER, "dead-letters replay"),
     )
     exit_when_idle: bool = setting(
         False,
         kind=Boolean(),
-        help="publish what is due, then exit",
-        commands=RELAY,
+        help="publish what is due (`consume`: apply what the broker holds), then exit",
+        commands=RELAY_AND_CONSUMER,
         switch=True,
     )
     relay_id: str = setting(

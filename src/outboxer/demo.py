@@ -2,8 +2,9 @@
 
 An order service writes orders to SQLite and enqueues an event in the same
 transaction; one order fails half-way and rolls back. The relay then publishes
-to a JSON-lines file (the "broker"), and a shipping consumer applies each event
-once through the inbox, although one event is delivered twice.
+to a JSON-lines file (the "broker"), and the shipping consumer (``outboxer.Consumer``
+with the ``file://`` receiver) applies each event once through the inbox, although
+one event is delivered twice.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import sqlite3
 from pathlib import Path
 
 from outboxer.config import Settings, load_settings
+from outboxer.consumer import Consumer, Delivery
 from outboxer.enqueue import enqueue
-from outboxer.inbox import Inbox
 from outboxer.relay import Relay
 
 
@@ -45,7 +46,8 @@ def run_demo(directory: str) -> int:
     folder = Path(directory).resolve()
     folder.mkdir(parents=True, exist_ok=True)
     db_path, events_path = folder / "demo.db", folder / "events.jsonl"
-    for stale in (db_path, events_path, folder / "demo.db-wal", folder / "demo.db-shm"):
+    offsets = folder / "events.jsonl.shipping.offset"
+    for stale in (db_path, events_path, offsets, folder / "demo.db-wal", folder / "demo.db-shm"):
         stale.unlink(missing_ok=True)
     db_url, broker_url = f"sqlite:///{db_path}", f"file://{events_path}"
 
@@ -73,21 +75,27 @@ def run_demo(directory: str) -> int:
     stats = asyncio.run(Relay.from_settings(settings).drain())
     _say(f"   published {stats.published}, failed {stats.failed}\n")
 
-    _say("3. A consumer applies each event once through the inbox (alice's in order):")
-    inbox = Inbox()
-    lines = events_path.read_text("utf-8").splitlines()
-    for line in lines + lines[:1]:  # the first event arrives twice: delivery is at least once
-        event = json.loads(line)
-        with conn:  # the consumer's own transaction: its writes and the inbox record together
-            if not inbox.claim(conn, "shipping", event["id"]):
-                _say(f"   {event['id']}  duplicate delivery, already applied: skipped")
-                continue
-            conn.execute(
-                "INSERT INTO shipments (order_id) VALUES (?)", (event["payload"]["order_id"],)
-            )
-        _say(
-            f"   {event['id']}  {event['topic']}  key={event['key']}  {json.dumps(event['payload'])}"
+    _say("3. The shipping consumer applies each event once (outboxer.Consumer: inbox + handler")
+    _say("   in one transaction, ack after commit; alice's in order):")
+    with events_path.open("a", encoding="utf-8") as broker:  # at least once: a redelivery
+        broker.write(events_path.read_text("utf-8").splitlines(keepends=True)[0])
+
+    def ship(event: Delivery, shipping_db: sqlite3.Connection) -> None:
+        shipping_db.execute(
+            "INSERT INTO shipments (order_id) VALUES (?)", (event.payload["order_id"],)
         )
+        _say(f"   {event.id}  {event.topic}  key={event.key}  {json.dumps(event.payload)}")
+
+    consumer = Consumer(
+        db=db_url,
+        broker=broker_url,
+        group="shipping",
+        handler=ship,
+        concurrency=1,
+        exit_when_idle=True,
+    )
+    consumed = asyncio.run(consumer.run_async())
+    _say(f"   the first event came twice: {consumed.duplicates} duplicate skipped by the inbox")
     shipments = conn.execute("SELECT count(*) FROM shipments").fetchone()[0]
     _say(f"   shipments created: {shipments} (one per order, despite the duplicate)")
 

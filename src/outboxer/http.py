@@ -29,7 +29,7 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
@@ -381,6 +381,7 @@ class HttpApi:
         status_cache_seconds: float = STATUS_CACHE_SECONDS,
         store_timeout: float = STORE_TIMEOUT,
         sample_seconds: float = dashboard.SAMPLE_SECONDS,
+        collectors: Iterable[Any] = (),
     ) -> None:
         check_token(token)
         self.store = store
@@ -399,6 +400,9 @@ class HttpApi:
             self.prometheus = Metrics(process_metrics=False)
             if relay is not None:
                 self.prometheus.watch_relay(relay)
+        # More of the process's metrics (``outboxer consume``'s: outboxer.consumer).
+        for collector in collectors:
+            self.prometheus.registry.register(collector)
         self.sample_seconds = sample_seconds
         self.history = dashboard.History(sample_seconds)
         self._connect_lock = asyncio.Lock()
@@ -1024,7 +1028,9 @@ def check_exposure(host: str, token: str | None) -> None:
         )
 
 
-async def start_http_api(settings: Settings, relay: Relay | None = None) -> HttpServer:
+async def start_http_api(
+    settings: Settings, relay: Relay | None = None, *, collectors: Iterable[Any] = ()
+) -> HttpServer:
     """Check the settings, then listen on ``settings.http``; ConfigError if it cannot."""
     if not settings.http:
         raise ConfigError("no HTTP address: pass --http HOST:PORT or set OUTBOXER_HTTP")
@@ -1032,7 +1038,7 @@ async def start_http_api(settings: Settings, relay: Relay | None = None) -> Http
     for module in _HTTP_EXTRA:  # checked before the store or a socket is opened
         _require(module)
     store = create_store(settings.require_db(), schema=settings.schema, table=settings.table)
-    api = HttpApi(store, settings, relay, token=settings.http_token)
+    api = HttpApi(store, settings, relay, token=settings.http_token, collectors=collectors)
     return await HttpServer(api, host, port).start()
 
 

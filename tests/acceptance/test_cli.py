@@ -251,3 +251,15 @@ def test_sigterm_under_load_finishes_in_flight_and_exits_zero(pg_url: str, tmp_p
     assert 1000 <= published < 20000, counts
     lines = out.read_text().splitlines()
     assert len({json.loads(line)["id"] for line in lines}) == published == len(lines)
+
+
+def test_demo_runs_the_pattern_end_to_end(tmp_path: Path) -> None:
+    result = cli("demo", "--dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "published 3, failed 0" in out
+    assert "the first event came twice: 1 duplicate skipped by the inbox" in out
+    assert "shipments created: 3 (one per order, despite the duplicate)" in out
+    assert "second relay run published 0." in out
+    alice = [line for line in out.splitlines() if "key=alice" in line]
+    assert ['"order_id": 1' in alice[0], '"order_id": 3' in alice[1]] == [True, True]

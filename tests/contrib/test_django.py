@@ -106,6 +106,7 @@ OUTBOXER_MYSQL_TABLES = (
     "outbox_destinations",
     "outbox_keys",
     "inbox",
+    "dead_letters",
 )
 
 
@@ -146,7 +147,10 @@ def drop_outboxer(dialect: str, url: str) -> None:
     statements = {
         "postgres": ["DROP SCHEMA outboxer CASCADE"],
         "mysql": [f"DROP TABLE `{table}`" for table in OUTBOXER_MYSQL_TABLES],
-        "sqlite": [f"DROP TABLE {table}" for table in ("outbox", "outbox_migrations", "inbox")],
+        "sqlite": [
+            f"DROP TABLE {table}"
+            for table in ("outbox", "outbox_migrations", "inbox", "dead_letters")
+        ],
     }[dialect] + ["DELETE FROM django_migrations WHERE app = 'outboxer'"]
     if dialect == "postgres":
         with psycopg.connect(url) as conn:

@@ -39,7 +39,14 @@ def publisher_class(url: str) -> type[Publisher]:
         raise ConfigError(
             f"unknown broker URL scheme {scheme!r} in {redact_url(url)!r}; known: {known}"
         )
-    module_name, class_name, extra, requirement = REGISTRY[scheme]
+    cls: type[Publisher] = adapter_class(REGISTRY[scheme], f"{scheme}:// publisher")
+    return cls
+
+
+def adapter_class(entry: tuple[str, str, str | None, str | None], what: str) -> Any:
+    """The class a registry entry names, importing its driver first (a missing one names
+    the extra to install); the receivers' registry (outboxer.receivers) uses it too."""
+    module_name, class_name, extra, requirement = entry
     if requirement is not None:
         try:
             importlib.import_module(requirement)
@@ -48,9 +55,8 @@ def publisher_class(url: str) -> type[Publisher]:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        raise ConfigError(f"the {scheme}:// publisher is not available in this version") from exc
-    cls: type[Publisher] = getattr(module, class_name)
-    return cls
+        raise ConfigError(f"the {what} is not available in this version") from exc
+    return getattr(module, class_name)
 
 
 def publisher_options(cls: type[Publisher]) -> frozenset[str] | None:

@@ -116,6 +116,18 @@ class _Client(aiomqtt.Client):
         return self._disconnected
 
 
+async def disconnect(client: _Client) -> None:
+    """Disconnect ``client`` (also the consumer side's, outboxer.receivers.mqtt)."""
+    for future in client.acks.values():
+        future.cancel()
+    client.acks.clear()
+    # A broken connection has nothing left to disconnect gracefully.
+    with contextlib.suppress(aiomqtt.MqttError, OSError, asyncio.TimeoutError):
+        await client.__aexit__(None, None, None)
+    if client.disconnected.done() and not client.disconnected.cancelled():
+        client.disconnected.exception()  # retrieved: a lost connection was already reported
+
+
 def publish_properties(message: Message) -> Properties:
     """MQTT v5 PUBLISH properties carrying ``message``'s envelope."""
     properties = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
@@ -186,16 +198,8 @@ class MqttPublisher(AckedPublisher[ReasonCode]):
 
     async def _close(self) -> None:
         client, self._client = self._client, None
-        if client is None:
-            return
-        for future in client.acks.values():
-            future.cancel()
-        client.acks.clear()
-        # A broken connection has nothing left to disconnect gracefully.
-        with contextlib.suppress(aiomqtt.MqttError, OSError, asyncio.TimeoutError):
-            await client.__aexit__(None, None, None)
-        if client.disconnected.done() and not client.disconnected.cancelled():
-            client.disconnected.exception()  # retrieved: a lost connection was already reported
+        if client is not None:
+            await disconnect(client)
 
     def _refusal(self, topic: str, reason: ReasonCode) -> PublishError:
         return PublishError(

@@ -178,43 +178,49 @@ class NatsPublisher(AckedPublisher[Msg]):
         async def on_error(error: Exception) -> None:
             logger.warning("nats: %s: %s", type(error).__name__, error)
 
-        options: dict[str, Any] = {}
-        if self.tls:
-            options["tls"] = ssl.create_default_context()
-        if self.creds:
-            options["user_credentials"] = self.creds
         nc = await nats.connect(
-            servers=self.servers,
-            name="outboxer",
-            allow_reconnect=False,
-            max_reconnect_attempts=1,
-            reconnect_time_wait=0.5,
-            connect_timeout=max(1, round(self.connect_timeout)),
+            **self.connection_options(),
             error_cb=on_error,
             disconnected_cb=on_disconnect,
             closed_cb=on_disconnect,
-            **options,
         )
         self._nc, self._js = nc, nc.jetstream(timeout=self.publish_timeout)
         self._inbox = nc.new_inbox()
         await nc.subscribe(f"{self._inbox}.*", cb=self._on_reply)
         if self.create_stream:
             try:
-                await self._ensure_stream()
+                await self.ensure_stream(self._js)
             except BaseException:
                 await self._close()
                 raise
 
-    async def _ensure_stream(self) -> None:
+    def connection_options(self) -> dict[str, Any]:
+        """``nats.connect`` arguments from the URL (servers, TLS, credentials, timeouts);
+        the consumer side (outboxer.receivers.nats) connects with them too."""
+        options: dict[str, Any] = {
+            "servers": self.servers,
+            "name": "outboxer",
+            "allow_reconnect": False,
+            "max_reconnect_attempts": 1,
+            "reconnect_time_wait": 0.5,
+            "connect_timeout": max(1, round(self.connect_timeout)),
+        }
+        if self.tls:
+            options["tls"] = ssl.create_default_context()
+        if self.creds:
+            options["user_credentials"] = self.creds
+        return options
+
+    async def ensure_stream(self, js: JetStreamContext) -> None:
         """Create the stream unless it exists (an existing stream is never changed)."""
-        assert self._js is not None and self.stream is not None
+        assert self.stream is not None
         try:
-            await self._js.stream_info(self.stream)
+            await js.stream_info(self.stream)
             return
         except nats.js.errors.NotFoundError:
             pass
         try:
-            await self._js.add_stream(
+            await js.add_stream(
                 name=self.stream, subjects=self.subjects, duplicate_window=self.duplicate_window
             )
         except nats.js.errors.BadRequestError as exc:

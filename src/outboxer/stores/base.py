@@ -193,6 +193,7 @@ class Store(ABC):
             "outbox": f"{quote_ident(self.schema)}.{quote_ident(self.table)}",
             "migrations": f"{quote_ident(self.schema)}.{quote_ident(self.table + '_migrations')}",
             "inbox": f"{quote_ident(self.schema)}.{quote_ident('inbox')}",
+            "dead_letters": f"{quote_ident(self.schema)}.{quote_ident('dead_letters')}",
             "listeners": f"{quote_ident(self.schema)}.{quote_ident(self.table + '_listeners')}",
             "channel_literal": "'" + self.channel + "'",
         }

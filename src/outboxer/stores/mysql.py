@@ -214,6 +214,7 @@ class MySQLStore(Store):
             "destinations": quote_mysql(self.table + "_destinations"),
             "keys": quote_mysql(self.table + "_keys"),
             "inbox": quote_mysql("inbox"),
+            "dead_letters": quote_mysql("dead_letters"),
         }
 
     def record_migration_sql(self, table: str, version: int, name: str) -> str:

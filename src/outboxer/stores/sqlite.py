@@ -89,6 +89,7 @@ class SqliteStore(Store):
             "outbox": quote_ident(self.table),
             "migrations": quote_ident(self.table + "_migrations"),
             "inbox": quote_ident("inbox"),
+            "dead_letters": quote_ident("dead_letters"),
         }
 
     async def connect(self) -> None:

@@ -1,0 +1,375 @@
+"""``outboxer consume`` and ``outboxer dead-letters``: the consumer runner from the command line.
+
+Settings come, strongest first, from flags, ``OUTBOXER_*`` environment variables and the
+settings file, declared once like the relay's (:mod:`outboxer.config`). The relay's settings
+the consumer shares (``db``, ``broker``, ``schema``, ``table``, ``max_attempts``,
+``backoff_*``, ``abandoned_blocks_key``, ``exit_when_idle``, ``http``, ``http_token``) keep
+their names and places; the consumer's own (:class:`ConsumerSettings`) live in the file's
+``[consumer]`` table::
+
+    db = "postgresql://localhost/shipping"
+    broker = "amqp://guest:guest@localhost/"
+
+    [consumer]
+    group = "shipping"
+    topics = ["order.*"]
+    handler = "shipping.events:apply"
+    options = { queue_type = "quorum" }
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from outboxer.config import (
+    LONGEST_INTERVAL,
+    Duration,
+    Pairs,
+    Settings,
+    Text,
+    TextList,
+    Whole,
+    add_flags,
+    declared_values,
+    file_table,
+    flags_from_args,
+    load_settings,
+    read_config_file,
+    setting,
+)
+from outboxer.errors import ConfigError
+
+CONSUME = ("consume",)
+#: Every command that names a group.
+GROUPS = ("consume", "dead-letters list", "dead-letters replay", "dead-letters purge")
+
+
+@dataclass(frozen=True)
+class ConsumerSettings:
+    """The settings of ``outboxer consume`` (and ``dead-letters``) of their own; the file's
+    ``[consumer]`` table holds them."""
+
+    group: str | None = setting(
+        kind=Text(200),
+        help="consumer group: the inbox's name, the queue, the durable, the Kafka group id",
+        commands=GROUPS,
+    )
+    topics: tuple[str, ...] | None = setting(
+        kind=TextList(),
+        help="topic (pattern) to consume; repeatable",
+        commands=CONSUME,
+        repeatable=True,
+        flag="--topic",
+        default_text="all the broker can name",
+    )
+    handler: str | None = setting(
+        kind=Text(300),
+        help="module:function called for each message (or the command's argument)",
+        commands=("consume", "dead-letters replay"),
+    )
+    concurrency: int = setting(
+        4,
+        kind=Whole(1, 256),
+        help="transactions applied in parallel, each on a database connection of its own",
+        commands=CONSUME,
+        env="OUTBOXER_CONSUMER_CONCURRENCY",
+    )
+    batch: int = setting(
+        100,
+        kind=Whole(1, 10_000),
+        help="messages of different keys applied in one transaction, at most",
+        commands=CONSUME,
+        env="OUTBOXER_CONSUMER_BATCH",
+    )
+    prefetch: int | None = setting(
+        kind=Whole(1, 1_000_000),
+        help="messages received and not yet acked, at most (the broker's prefetch)",
+        commands=CONSUME,
+        default_text="2 x concurrency x batch, at least 100",
+    )
+    shutdown_timeout: float = setting(
+        30.0,
+        kind=Duration(LONGEST_INTERVAL, positive=True),
+        help="how long handlers in flight get to finish on SIGTERM before they roll back",
+        commands=CONSUME,
+    )
+    name: str | None = setting(
+        kind=Text(100),
+        help="this process's stable name in its group (Redis consumer, MQTT client id)",
+        commands=CONSUME,
+        env="OUTBOXER_CONSUMER_NAME",
+        default_text="host name",
+    )
+    async_driver: str | None = setting(
+        kind=Text(20),
+        help="driver of an async handler's connection: asyncpg or psycopg",
+        commands=CONSUME,
+        default_text="asyncpg",
+    )
+    options: Mapping[str, Any] | None = setting(
+        kind=Pairs(),
+        help="receiver option (queue_type, claim_idle, ack_wait …); repeatable",
+        commands=CONSUME,
+        repeatable=True,
+        flag="--option",
+        env="OUTBOXER_CONSUMER_OPTIONS",
+    )
+
+    def require(self, name: str) -> Any:
+        value = getattr(self, name)
+        if value is None:
+            where = "the handler argument" if name == "handler" else f"--{name}"
+            raise ConfigError(
+                f"no {name}: pass {where}, set OUTBOXER_{name.upper()} or [consumer] {name}"
+            )
+        return value
+
+
+def load_consume_settings(
+    flags: Mapping[str, object],
+    consumer_flags: Mapping[str, object],
+    *,
+    environ: Mapping[str, str] | None = None,
+    config_file: str | None = None,
+) -> tuple[Settings, ConsumerSettings]:
+    """The shared settings (``load_settings``) and the consumer's own (``[consumer]``)."""
+    environ = os.environ if environ is None else environ
+    settings = load_settings(flags, environ=environ, config_file=config_file)
+    file_values, origin = read_config_file(config_file, environ)
+    values = declared_values(
+        ConsumerSettings,
+        consumer_flags,
+        environ,
+        file_table(file_values, "consumer", origin),
+        f"{origin} [consumer]",
+    )
+    return settings, ConsumerSettings(**values)
+
+
+# ----- argparse ------------------------------------------------------------------------------
+
+AddCommand = Callable[..., argparse.ArgumentParser]
+
+
+def add_commands(commands: Any, add_command: AddCommand) -> None:
+    """Register ``consume`` and ``dead-letters`` on the ``outboxer`` command's subparsers;
+    ``add_command`` is the CLI's (``--config``, ``--log-level``, the shared settings' flags)."""
+    consume = add_command(
+        commands,
+        "consume",
+        _run(_consume),
+        "apply a consumer group's messages to your database, once each",
+    )
+    _consumer_flags(consume, "consume")
+
+    letters = commands.add_parser("dead-letters", help="list, replay or purge dead letters")
+    actions = letters.add_subparsers(dest="dead_letters_command", required=True)
+    listing = add_command(
+        actions,
+        "list",
+        _run(_list),
+        "the dead letters, oldest first",
+        settings_of="dead-letters list",
+    )
+    _consumer_flags(listing, "dead-letters list")
+    listing.add_argument("--limit", type=int, default=100, help="the most to list (default 100)")
+    listing.add_argument("--json", action="store_true", help="machine-readable output")
+    replay = add_command(
+        actions,
+        "replay",
+        _run(_replay),
+        "apply dead letters again through the handler, in order",
+        settings_of="dead-letters replay",
+    )
+    _consumer_flags(replay, "dead-letters replay")
+    replay.add_argument("--id", action="append", dest="ids", help="message id (repeatable)")
+    purge = add_command(
+        actions,
+        "purge",
+        _run(_purge),
+        "delete dead letters for good",
+        settings_of="dead-letters purge",
+    )
+    _consumer_flags(purge, "dead-letters purge")
+    purge.add_argument("--id", action="append", dest="ids", help="message id (repeatable)")
+    purge.add_argument("--all", action="store_true", help="every dead letter of the group")
+
+
+def _consumer_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    add_flags(parser, ConsumerSettings, command)
+    if command in ("consume", "dead-letters replay"):
+        parser.add_argument(
+            "handler_argument",
+            nargs="?",
+            metavar="module:function",
+            help="the handler (or --handler, OUTBOXER_HANDLER, [consumer] handler)",
+        )
+
+
+def _run(command: Callable[[argparse.Namespace], Any]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        result: int = asyncio.run(command(args))
+        return result
+
+    return run
+
+
+def _load(args: argparse.Namespace) -> tuple[Settings, ConsumerSettings]:
+    consumer_flags = flags_from_args(args, ConsumerSettings)
+    positional = getattr(args, "handler_argument", None)
+    if positional is not None:
+        if "handler" in consumer_flags:
+            raise ConfigError("give the handler once: as the argument or as --handler")
+        consumer_flags["handler"] = positional
+    return load_consume_settings(
+        flags_from_args(args, Settings), consumer_flags, config_file=args.config
+    )
+
+
+def _importable_here() -> None:
+    """Handlers are imported as ``python -m`` would: from the current directory too (the
+    ``outboxer`` script's own directory is what Python puts first on the path)."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
+def _consumer(settings: Settings, own: ConsumerSettings, **overrides: Any) -> Any:
+    from outboxer import payload_admin
+    from outboxer.consumer import Consumer
+
+    destination = settings.destinations.get("default")
+    options: dict[str, Any] = dict(destination.options) if destination is not None else {}
+    options.update(own.options or {})
+    arguments: dict[str, Any] = {
+        "db": settings.require_db(),
+        "broker": destination.broker if destination is not None else None,
+        "group": own.require("group"),
+        "handler": own.require("handler"),
+        "topics": list(own.topics) if own.topics else None,
+        "concurrency": own.concurrency,
+        "batch": own.batch,
+        "prefetch": own.prefetch,
+        "max_attempts": settings.max_attempts,
+        "backoff": settings.backoff,
+        "abandoned_blocks_key": settings.abandoned_blocks_key,
+        "schema": settings.schema,
+        "table": settings.table,
+        "shutdown_timeout": own.shutdown_timeout,
+        "name": own.name,
+        "broker_options": options,
+        "async_driver": own.async_driver,
+        "exit_when_idle": settings.exit_when_idle,
+        # Payload protection undone before the handler, with the relay's settings.
+        "keyring": payload_admin.keyring(settings),
+        "object_store": payload_admin.object_store(settings),
+    }
+    arguments.update(overrides)
+    if arguments["broker"] is None and "broker" not in overrides:
+        raise ConfigError("no broker: pass --broker URL or set OUTBOXER_BROKER")
+    return Consumer(**arguments)
+
+
+async def _consume(args: argparse.Namespace) -> int:
+    _importable_here()
+    settings, own = _load(args)
+    consumer = _consumer(settings, own)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, consumer.stop)
+    server = None
+    if settings.http:
+        from outboxer.consumer import ConsumerCollector
+        from outboxer.http import start_http_api
+
+        server = await start_http_api(settings, collectors=[ConsumerCollector([consumer])])
+    try:
+        await consumer.run_async()
+    finally:
+        if server is not None:
+            await server.close()
+    return 0
+
+
+async def _replay(args: argparse.Namespace) -> int:
+    _importable_here()
+    settings, own = _load(args)
+    consumer = _consumer(settings, own, broker=None)  # replaying needs no broker
+    counts = await consumer.replay_dead_letters(args.ids)
+    print(", ".join(f"{name} {count}" for name, count in counts.items()))
+    return 0 if counts["failed"] == 0 else 1
+
+
+async def _list(args: argparse.Namespace) -> int:
+    settings, own = _load(args)
+    if args.limit < 1:
+        raise ConfigError(f"--limit must be at least 1, not {args.limit}")
+    async with _session(settings) as session:
+        letters = await session.dead_letters(own.group, args.limit)
+    _print_letters([letter.as_dict() for letter in letters], as_json=args.json)
+    return 0
+
+
+async def _purge(args: argparse.Namespace) -> int:
+    from outboxer.consumer import parse_message_id
+
+    settings, own = _load(args)
+    group = own.require("group")
+    if args.all == bool(args.ids):
+        raise ConfigError("purge needs --id ID (repeatable) or --all, not both")
+    ids = [parse_message_id(value) for value in args.ids or []]
+    async with _session(settings) as session:
+        if args.all:
+            deleted = await session.run("purge_consumer", {"consumer": group})
+        else:
+            deleted = 0
+            for message_id in ids:
+                deleted += await session.run("delete", session.id_params(group, message_id))
+    print(f"purged {deleted} dead letter(s)")
+    return 0
+
+
+class _session:
+    """A sync connection of the consumer's database, for ``list`` and ``purge``."""
+
+    def __init__(self, settings: Settings) -> None:
+        from outboxer.consumer_db import session_factory
+
+        self._executor = ThreadPoolExecutor(1)
+        make = session_factory(
+            settings.require_db(), settings.schema, is_async=False, async_driver=None
+        )
+        self.session = make(self._executor)
+
+    async def __aenter__(self) -> Any:
+        await self.session.open()
+        return self.session
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.session.close()
+        self._executor.shutdown(wait=False)
+
+
+def _print_letters(rows: Sequence[dict[str, Any]], *, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        print("no dead letters")
+    for row in rows:
+        state = "held" if row["held"] else f"attempts={row['attempts']}"
+        print(
+            f"{row['message_id']}  {row['consumer']:<16} {row['topic']:<24} key={row['key']} "
+            f"{state} at {row['failed_at']} error={row['error']}"
+        )
+
+
+__all__ = ["ConsumerSettings", "add_commands", "load_consume_settings"]

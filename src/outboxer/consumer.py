@@ -1,0 +1,862 @@
+"""The consumer runner: receive -> one transaction (inbox claim + handler) -> commit -> ack.
+
+``Consumer(db=URL, broker=URL, group=NAME, handler=fn)`` applies each message a broker
+delivers to the consumer's database once in effect: the handler's writes and the inbox
+record of the message id commit together, and the broker hears of the message (ack) only
+after that commit. A redelivery finds the inbox record and is acked without calling the
+handler; a crash before the commit leaves nothing behind and the broker delivers again.
+
+DESIGN
+
+Lanes. Each key has a lane: its messages in delivery order, applied one at a time (a
+keyless message is a lane of its own). Lanes whose head may be applied wait in the ready
+queue; ``concurrency`` workers, each with a connection of its own, take up to ``batch``
+ready lanes and apply their heads in one transaction (``consumer_db``). So one key's
+messages are applied in the order the broker delivered them and different keys in
+parallel; at most ``prefetch`` messages are held at a time (the broker's flow control
+where it has one: RabbitMQ's prefetch, MQTT's Receive Maximum).
+
+Failures. A handler's exception rolls the batch back; the others are applied again at once
+(no attempt counted), the culprit waits ``backoff.delay(n)`` after its ``n``-th failure
+(the relay's Backoff), its lane holding back the later messages of its key meanwhile. After
+``max_attempts`` failures it is written to the dead-letter table and acked. The messages of
+its key that follow are applied as usual, or, with ``abandoned_blocks_key``, recorded as
+dead letters too, *held* behind it, until ``outboxer dead-letters replay`` applies them in
+order. A message that cannot be read (no outboxer id, a JSON payload that does not parse)
+is dead-lettered at once. Database outages are not the message's fault: the worker opens a
+new connection with the relay's outage backoff and applies the batch again, no attempt
+counted.
+
+Shutdown (SIGTERM, ``stop()``): stop fetching; batches in flight commit and are acked
+(given ``shutdown_timeout``, after which they are cancelled and roll back); messages held
+but not started, or waiting for a retry, are handed back unacknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib
+import inspect
+import logging
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from outboxer.brokers.base import describe
+from outboxer.consumer_db import BatchFailed, Result, Session, session_factory
+from outboxer.errors import BrokerUnavailableError, ConfigError, PayloadError, SchemaError
+from outboxer.receivers import create_receiver
+from outboxer.receivers.base import Delivery, Incoming, MalformedMessage, Receiver, decode_payload
+from outboxer.relay import OUTAGE_BACKOFF
+from outboxer.retry import Backoff
+from outboxer.stores import create_store
+
+if TYPE_CHECKING:
+    from outboxer.claimcheck import ObjectStore
+    from outboxer.crypto import KeyRing
+
+logger = logging.getLogger("outboxer.consumer")
+
+Handler = Callable[[Delivery, Any], Any]
+
+#: Seconds a fetch waits for the broker before looking at the stop flag again.
+FETCH_WAIT = 0.5
+
+
+@dataclass
+class ConsumerStats:
+    """Counters of one consumer group in this process."""
+
+    received: int = 0
+    applied: int = 0
+    #: Acked without calling the handler: the inbox had the message (a redelivery).
+    duplicates: int = 0
+    #: Handler attempts that raised (each is rolled back).
+    failed: int = 0
+    #: Messages written to the dead-letter table (held back ones included), then acked.
+    dead_lettered: int = 0
+    #: Dead-lettered without an attempt, behind a dead letter of their key.
+    held: int = 0
+    #: Dead-lettered at once because they could not be read.
+    malformed: int = 0
+    transactions: int = 0
+    handler_seconds: float = 0.0
+    database_errors: int = 0
+    broker_errors: int = 0
+    started_at: float = field(default_factory=time.time)
+
+    def as_dict(self) -> dict[str, float | int]:
+        return dict(self.__dict__)
+
+
+@dataclass(eq=False)
+class _Lane:
+    """A key's messages in delivery order (or one keyless message); the head is next."""
+
+    key: str | None
+    queue: deque[Incoming] = field(default_factory=deque)
+    #: Failed attempts of the head message.
+    failures: int = 0
+    #: The head is waiting for its retry (a timer puts the lane back in the ready queue).
+    retry: asyncio.TimerHandle | None = None
+
+    @property
+    def head(self) -> Incoming:
+        return self.queue[0]
+
+
+def load_handler(spec: str) -> Handler:
+    """``package.module:function`` -> the function; ConfigError if it cannot be found."""
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ConfigError(
+            f"handler must be module:function, such as app.events:apply; got {spec!r}"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"cannot import handler module {module_name!r}: {exc}") from exc
+    target: Any = module
+    for part in attribute.split("."):
+        target = getattr(target, part, None)
+        if target is None:
+            raise ConfigError(f"module {module_name!r} has no {attribute!r}")
+    if not callable(target):
+        raise ConfigError(f"handler {spec!r} is not callable")
+    handler: Handler = target
+    return handler
+
+
+class Consumer:
+    """Applies one consumer group's messages from a broker to a database, once in effect."""
+
+    def __init__(
+        self,
+        *,
+        db: str,
+        broker: str | Receiver | None,
+        group: str,
+        handler: Handler | str,
+        topics: Sequence[str] | None = None,
+        concurrency: int = 4,
+        batch: int = 100,
+        prefetch: int | None = None,
+        max_attempts: int = 10,
+        backoff: Backoff | None = None,
+        abandoned_blocks_key: bool = False,
+        schema: str = "outboxer",
+        table: str = "outbox",
+        shutdown_timeout: float = 30.0,
+        name: str | None = None,
+        broker_options: Mapping[str, Any] | None = None,
+        async_driver: str | None = None,
+        exit_when_idle: bool = False,
+        keyring: KeyRing | None = None,
+        object_store: ObjectStore | None = None,
+    ) -> None:
+        if not 1 <= concurrency <= 256:
+            raise ConfigError("concurrency must be between 1 and 256")
+        if not 1 <= batch <= 10_000:
+            raise ConfigError("batch must be between 1 and 10000")
+        if max_attempts < 1:
+            raise ConfigError("max_attempts must be at least 1")
+        if shutdown_timeout <= 0:
+            raise ConfigError("shutdown_timeout must be positive")
+        self.handler: Handler = load_handler(handler) if isinstance(handler, str) else handler
+        if not callable(self.handler):
+            raise ConfigError("handler must be a function taking (message, connection)")
+        self.is_async = inspect.iscoroutinefunction(self.handler)
+        self.db = db
+        self.group = group
+        self.concurrency = concurrency
+        self.batch = batch
+        self.prefetch = prefetch or max(100, 2 * concurrency * batch)
+        self.max_attempts = max_attempts
+        self.backoff = backoff or Backoff()
+        self.abandoned_blocks_key = abandoned_blocks_key
+        self.schema = schema
+        self.table = table
+        self.shutdown_timeout = shutdown_timeout
+        self.exit_when_idle = exit_when_idle
+        #: Payload protection undone before the handler: claim-checked payloads are fetched
+        #: from ``object_store``, encrypted ones decrypted with ``keyring``.
+        self.keyring = keyring
+        self.object_store = object_store
+        self._receiver: Receiver | None
+        if broker is None or isinstance(broker, Receiver):
+            self._receiver = broker  # None: only for replaying dead letters
+        else:
+            self._receiver = create_receiver(
+                broker,
+                group=group,
+                topics=topics,
+                prefetch=self.prefetch,
+                name=name or socket.gethostname(),
+                **dict(broker_options or {}),
+            )
+        self._make_session = session_factory(
+            db, schema, is_async=self.is_async, async_driver=async_driver
+        )
+        self.stats = ConsumerStats()
+        self._stats_lock = threading.Lock()
+        self._stopping = asyncio.Event()
+        self._fatal: BaseException | None = None
+        self._ready: asyncio.Queue[_Lane] = asyncio.Queue()
+        #: Lanes by key; keyless lanes are only in ``_lanes_all``.
+        self._lanes: dict[str, _Lane] = {}
+        self._lanes_all: set[_Lane] = set()
+        self._held = 0  # messages received and not yet acked or handed back
+        self._room = asyncio.Event()
+        self._timed_handler = self._timed(self.handler)
+
+    # ----- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    @property
+    def receiver(self) -> Receiver:
+        if self._receiver is None:
+            raise ConfigError("this consumer has no broker: pass broker=URL to run it")
+        return self._receiver
+
+    @property
+    def in_flight(self) -> int:
+        """Messages received and not yet acked or handed back."""
+        return self._held
+
+    def stop(self) -> None:
+        """Stop fetching; what is in flight commits and is acked, then ``run_async`` returns."""
+        if not self._stopping.is_set():
+            logger.info("consumer %s stopping: finishing the batches in flight", self.group)
+        self._stopping.set()
+        self._room.set()
+
+    def run(self) -> ConsumerStats:
+        """Run until SIGTERM or SIGINT (or, with ``exit_when_idle``, until nothing comes)."""
+
+        async def main() -> ConsumerStats:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.stop)
+            return await self.run_async()
+
+        return asyncio.run(main())
+
+    async def run_async(self) -> ConsumerStats:
+        """Run until ``stop()``; returns the counters."""
+        receiver = self.receiver  # ConfigError now if there is no broker
+        self._stopping.clear()
+        self._fatal = None
+        # Nothing carries over from an earlier run: its unacked messages come again.
+        self._ready, self._lanes, self._lanes_all, self._held = asyncio.Queue(), {}, set(), 0
+        executor = self._threads()
+        sessions: list[Session] = []
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            if not await self._check_schema():
+                return self.stats
+            sessions = [self._make_session(executor) for _ in range(self.concurrency)]
+            for session in sessions:
+                if not await self._open(session):
+                    return self.stats
+            logger.info(
+                "consumer %s started: broker %s, topics %s, concurrency %d, batch %d, prefetch %d",
+                self.group,
+                receiver.safe_url,
+                ", ".join(receiver.topics),
+                self.concurrency,
+                self.batch,
+                self.prefetch,
+            )
+            workers = [asyncio.create_task(self._work(session)) for session in sessions]
+            fetcher = asyncio.create_task(self._fetch())
+            tasks = [fetcher, *workers]
+            if receiver.extend_interval:
+                tasks.append(asyncio.create_task(self._extend(receiver.extend_interval)))
+            await self._stopping.wait()
+            await self._shutdown(fetcher, workers)
+        finally:
+            self._stopping.set()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._release_all()
+            await self._quietly(receiver.close(), "closing the broker connection")
+            for session in sessions:
+                await self._quietly(session.close(), "closing a database connection")
+            executor.shutdown(wait=False)
+            logger.info("consumer %s stopped: %s", self.group, self.stats.as_dict())
+        if self._fatal is not None:
+            raise self._fatal
+        return self.stats
+
+    def _threads(self) -> ThreadPoolExecutor:
+        """Threads for sync handlers' transactions, one per worker."""
+        return ThreadPoolExecutor(self.concurrency, thread_name_prefix=f"outboxer-{self.group}")
+
+    async def _shutdown(
+        self, fetcher: asyncio.Task[None], workers: list[asyncio.Task[None]]
+    ) -> None:
+        fetcher.cancel()
+        await asyncio.gather(fetcher, return_exceptions=True)
+        for lane in self._lanes_all:
+            if lane.retry is not None:
+                lane.retry.cancel()
+        if not workers:
+            return
+        _, late = await asyncio.wait(workers, timeout=self.shutdown_timeout)
+        if late:
+            logger.warning(
+                "consumer %s: %d batch(es) still running after %.0fs: rolled back, their "
+                "messages are delivered again",
+                self.group,
+                len(late),
+                self.shutdown_timeout,
+            )
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+
+    async def _release_all(self) -> None:
+        unacked = [incoming for lane in self._lanes_all for incoming in lane.queue]
+        if unacked and self.receiver.connected:
+            await self.receiver.release(unacked)
+
+    @staticmethod
+    async def _quietly(closing: Any, what: str) -> None:
+        try:
+            await closing
+        except Exception as exc:  # noqa: BLE001 -- shutting down: nothing is lost, say so
+            logger.warning("%s failed: %s", what, describe(exc))
+
+    async def _sleep(self, seconds: float) -> bool:
+        """Sleep, or return early (True) once stopping."""
+        try:
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+        except TimeoutError:
+            return False
+        return True
+
+    async def _check_schema(self) -> bool:
+        """The consumer's database must have the inbox and dead-letter tables of this version."""
+        store = create_store(self.db, schema=self.schema, table=self.table)
+        failures = 0
+        try:
+            while True:
+                try:
+                    await store.connect()
+                    await store.check_schema()
+                    return True
+                except SchemaError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 -- the database may be starting
+                    failures += 1
+                    self.stats.database_errors += 1
+                    delay = OUTAGE_BACKOFF.delay(failures)
+                    logger.warning("database unreachable (%s); retrying in %.1fs", exc, delay)
+                    if await self._sleep(delay):
+                        return False
+        finally:
+            await store.close()
+
+    async def _open(self, session: Session) -> bool:
+        """(Re)open a worker's connection, backing off while the database is down."""
+        failures = 0
+        while not self.stopping:
+            try:
+                await session.close()
+            except Exception as exc:  # noqa: BLE001 -- the old connection is broken anyway
+                logger.debug("closing a broken connection: %s", exc)
+            try:
+                await session.open()
+                return True
+            except Exception as exc:  # noqa: BLE001 -- database outage: back off, try again
+                failures += 1
+                self.stats.database_errors += 1
+                delay = OUTAGE_BACKOFF.delay(failures)
+                logger.warning("database unreachable (%s); retrying in %.1fs", exc, delay)
+                await self._sleep(delay)
+        return False
+
+    # ----- fetching ---------------------------------------------------------------------------
+
+    async def _fetch(self) -> None:
+        failures = 0
+        while not self.stopping:
+            if not self.receiver.connected:
+                try:
+                    await self.receiver.connect()
+                    logger.info(
+                        "consumer %s: receiving from %s", self.group, self.receiver.safe_url
+                    )
+                    failures = 0
+                except ConfigError as exc:
+                    self._fatal = exc
+                    self.stop()
+                    return
+                except BrokerUnavailableError as exc:
+                    failures += 1
+                    self.stats.broker_errors += 1
+                    delay = OUTAGE_BACKOFF.delay(failures)
+                    logger.warning("%s; retrying in %.1fs", exc, delay)
+                    await self._sleep(delay)
+                    continue
+            room = self.prefetch - self._held
+            if room <= 0:
+                self._room.clear()
+                await self._room.wait()
+                continue
+            try:
+                received = await self.receiver.receive(room, FETCH_WAIT)
+            except BrokerUnavailableError as exc:
+                self.stats.broker_errors += 1
+                logger.warning("%s; reconnecting", exc)
+                continue
+            if not received:
+                if self.exit_when_idle and self._held == 0 and self.receiver.idle():
+                    self.stop()
+                continue
+            for incoming in received:
+                self._dispatch(incoming)
+
+    def _dispatch(self, incoming: Incoming) -> None:
+        self.stats.received += 1
+        self._held += 1
+        key = None if incoming.malformed else incoming.delivery.key
+        lane = self._lanes.get(key) if key is not None else None
+        if lane is not None:
+            lane.queue.append(incoming)  # it becomes the head once those before it are done
+            return
+        lane = _Lane(key, deque([incoming]))
+        if key is not None:
+            self._lanes[key] = lane
+        self._lanes_all.add(lane)
+        self._ready.put_nowait(lane)
+
+    async def _extend(self, interval: float) -> None:
+        while not await self._sleep(interval):
+            held = [incoming for lane in self._lanes_all for incoming in lane.queue]
+            if held:
+                await self.receiver.extend(held)
+
+    # ----- applying --------------------------------------------------------------------------
+
+    async def _work(self, session: Session) -> None:
+        while True:
+            lanes = await self._take()
+            if not lanes:
+                return
+            await self._apply(session, lanes)
+
+    async def _take(self) -> list[_Lane]:
+        """Up to ``batch`` ready lanes (waiting for the first); empty once stopping."""
+        getter = asyncio.ensure_future(self._ready.get())
+        stopper = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait((getter, stopper), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+            if not getter.done():
+                getter.cancel()
+        if not getter.done() or getter.cancelled():
+            return []
+        lanes = [getter.result()]
+        if self.stopping:
+            return []  # the lane stays held: handed back at shutdown
+        while len(lanes) < self.batch and not self._ready.empty():
+            lanes.append(self._ready.get_nowait())
+        return lanes
+
+    async def _apply(self, session: Session, lanes: list[_Lane], *, alone: bool = False) -> None:
+        """Apply the heads of ``lanes`` in one transaction, then ack them (see DESIGN)."""
+        todo: list[_Lane] = []
+        for lane in lanes:
+            if lane.head.malformed is None and (self.keyring or self.object_store):
+                try:
+                    lane.head.delivery = await self.unwrap(lane.head.delivery)
+                except Unreadable as exc:
+                    lane.head.malformed = str(exc)
+                except Exception as exc:  # noqa: BLE001 -- the object store may be back later
+                    await self._failed(session, lane, exc)
+                    continue
+            if lane.head.malformed is not None:
+                await self._dead_letter(session, lane, lane.head.malformed, 0, malformed=True)
+            else:
+                todo.append(lane)
+        todo.sort(key=lambda lane: lane.head.delivery.id)  # one lock order for every consumer
+        troubles = 0
+        while todo and not self.stopping:
+            deliveries = [
+                dataclasses.replace(lane.head.delivery, attempt=lane.failures + 1)
+                if lane.failures
+                else lane.head.delivery  # attempt 1 already
+                for lane in todo
+            ]
+            try:
+                results = await session.apply(
+                    self.group, deliveries, self._timed_handler, hold_keys=self.abandoned_blocks_key
+                )
+            except BatchFailed as failure:
+                if session.lost(failure.cause):  # an outage, wherever it struck: no attempt
+                    self.stats.database_errors += 1
+                    logger.warning("database connection lost (%s); reconnecting", failure)
+                    if not await self._open(session):
+                        return
+                    continue
+                if failure.index is not None:  # its handler raised
+                    await self._failed(session, todo.pop(failure.index), failure.cause)
+                    continue  # the others again at once: not their fault
+                self.stats.database_errors += 1
+                if len(todo) > 1 and not alone:
+                    # A statement or the commit failed with no handler raising (a deadlock,
+                    # a deferred constraint): alone, each message's own failure shows.
+                    for lane in todo:
+                        await self._apply(session, [lane], alone=True)
+                    return
+                if failure.stage == "commit":  # alone, its commit failed: the message's doing
+                    await self._failed(session, todo.pop(), failure.cause)
+                    continue
+                troubles += 1
+                delay = OUTAGE_BACKOFF.delay(troubles)
+                logger.warning("consumer statement failed (%s); retrying in %.1fs", failure, delay)
+                await self._sleep(delay)
+                continue
+            self.stats.transactions += 1
+            for result in results:
+                if result is Result.APPLIED:
+                    self.stats.applied += 1
+                elif result is Result.DUPLICATE:
+                    self.stats.duplicates += 1
+                else:
+                    self.stats.held += 1
+                    self.stats.dead_lettered += 1
+            await self._done(todo)
+            return
+
+    async def unwrap(self, delivery: Delivery) -> Delivery:
+        """``delivery`` with its claim-checked payload fetched and its encryption undone
+        (unchanged when it has neither). Unreadable for what no retry will fix (a ciphertext
+        that does not authenticate, an object that does not match)."""
+        from outboxer.message import Message
+
+        message = Message(
+            id=delivery.id,
+            topic=delivery.topic,
+            payload=delivery.body,
+            key=delivery.key,
+            headers=delivery.headers,
+            content_type=delivery.content_type,
+            created_at=delivery.created_at,
+        )
+        try:
+            if self.object_store is not None:
+                from outboxer.claimcheck import fetch_payload_async
+
+                message = await fetch_payload_async(message, self.object_store)
+            if self.keyring is not None:
+                from outboxer.crypto import decrypt
+
+                message = decrypt(message, self.keyring)
+        except Exception as exc:
+            if _permanent(exc):
+                raise Unreadable(describe(exc)) from exc
+            raise
+        if message.payload is delivery.body and message.headers is delivery.headers:
+            return delivery
+        try:
+            payload = decode_payload(message.payload, message.content_type)
+        except MalformedMessage as exc:
+            raise Unreadable(str(exc)) from exc
+        return dataclasses.replace(
+            delivery,
+            headers=message.headers,
+            payload=payload,
+            body=message.payload,
+            content_type=message.content_type,
+        )
+
+    def _timed(self, handler: Handler) -> Handler:
+        stats, lock = self.stats, self._stats_lock
+
+        def add(started: float) -> None:
+            with lock:  # sync handlers run in several threads
+                stats.handler_seconds += time.perf_counter() - started
+
+        if self.is_async:
+
+            async def timed_async(delivery: Delivery, conn: Any) -> Any:
+                started = time.perf_counter()
+                try:
+                    return await handler(delivery, conn)
+                finally:
+                    add(started)
+
+            return timed_async
+
+        def timed(delivery: Delivery, conn: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return handler(delivery, conn)
+            finally:
+                add(started)
+
+        return timed
+
+    async def _failed(self, session: Session, lane: _Lane, cause: BaseException) -> None:
+        lane.failures += 1
+        self.stats.failed += 1
+        delivery = lane.head.delivery
+        error = describe(cause)
+        if lane.failures >= self.max_attempts:
+            await self._dead_letter(session, lane, error, lane.failures)
+            return
+        delay = self.backoff.delay(lane.failures)
+        logger.warning(
+            "consumer %s: message %s (topic %s, key %s) failed attempt %d of %d, retrying in "
+            "%.1fs: %s",
+            self.group,
+            delivery.id,
+            delivery.topic,
+            delivery.key,
+            lane.failures,
+            self.max_attempts,
+            delay,
+            error,
+        )
+        lane.retry = asyncio.get_running_loop().call_later(delay, self._retry_due, lane)
+
+    def _retry_due(self, lane: _Lane) -> None:
+        lane.retry = None
+        if not self.stopping:
+            self._ready.put_nowait(lane)
+
+    async def _dead_letter(
+        self, session: Session, lane: _Lane, error: str, attempts: int, *, malformed: bool = False
+    ) -> None:
+        delivery = lane.head.delivery
+        failures = 0
+        while True:
+            try:
+                await session.record_dead_letter(self.group, delivery, error, attempts)
+                break
+            except Exception as exc:  # noqa: BLE001 -- database trouble: the message waits
+                failures += 1
+                self.stats.database_errors += 1
+                if session.lost(exc) and not await self._open(session):
+                    return  # stopping: not acked, delivered again later
+                delay = OUTAGE_BACKOFF.delay(failures)
+                logger.warning("recording a dead letter failed (%s); retrying in %.1fs", exc, delay)
+                if await self._sleep(delay):
+                    return
+        self.stats.dead_lettered += 1
+        self.stats.malformed += malformed
+        logger.error(
+            "consumer %s: message %s (topic %s, key %s) is a dead letter after %d attempt(s): %s",
+            self.group,
+            delivery.id,
+            delivery.topic,
+            delivery.key,
+            attempts,
+            error,
+        )
+        await self._done([lane])
+
+    async def _done(self, lanes: Sequence[_Lane]) -> None:
+        """The heads of ``lanes`` are committed: ack them, then their lanes go on."""
+        await self.receiver.ack([lane.head for lane in lanes])
+        for lane in lanes:
+            lane.queue.popleft()
+            lane.failures = 0
+            self._held -= 1
+            if lane.queue:
+                self._ready.put_nowait(lane)
+            else:
+                self._lanes_all.discard(lane)
+                if lane.key is not None and self._lanes.get(lane.key) is lane:
+                    del self._lanes[lane.key]
+        self._room.set()
+
+    # ----- dead letters -----------------------------------------------------------------------
+
+    async def replay_dead_letters(self, ids: Sequence[str] | None = None) -> dict[str, int]:
+        """Apply this group's dead letters again, in the order they came (only ``ids`` if given).
+
+        Each goes through the usual transaction (inbox claim + handler) and leaves the table in
+        it; one already applied (the inbox has it) just leaves. One that fails again stays,
+        with one more attempt and its new error; with ``abandoned_blocks_key`` the later dead
+        letters of its key stay too (so do those behind a dead letter that was not chosen).
+        Returns counts: replayed, duplicates, failed, skipped.
+        """
+        wanted = None if ids is None else {parse_message_id(value) for value in ids}
+        counts = dict.fromkeys(("replayed", "duplicates", "failed", "skipped"), 0)
+        executor = self._threads()
+        session = self._make_session(executor)
+        await session.open()
+        try:
+            blocked: set[str] = set()
+            for letter in await session.dead_letters(self.group, limit=10_000_000):
+                delivery = letter.delivery
+                chosen = wanted is None or delivery.id in wanted
+                if delivery.key is not None and delivery.key in blocked:
+                    counts["skipped"] += chosen
+                    continue
+                if not chosen:
+                    if delivery.key is not None and self.abandoned_blocks_key:
+                        blocked.add(delivery.key)
+                    continue
+                retry = dataclasses.replace(delivery, attempt=letter.attempts + 1)
+                try:
+                    retry = await self.unwrap(retry)
+                    [result] = await session.apply(
+                        self.group, [retry], self._timed_handler, hold_keys=False, replaying=True
+                    )
+                    counts["replayed" if result is Result.APPLIED else "duplicates"] += 1
+                    continue
+                except BatchFailed as failure:
+                    if session.lost(failure.cause):
+                        raise failure.cause from failure
+                    cause: BaseException = failure.cause
+                except Exception as exc:  # noqa: BLE001 -- unwrapping failed: recorded below
+                    cause = exc
+                error = {"error": describe(cause)[:4000]}
+                await session.run(
+                    "failed_again", {**session.id_params(self.group, delivery.id), **error}
+                )
+                counts["failed"] += 1
+                logger.warning("dead letter %s failed again: %s", delivery.id, error["error"])
+                if delivery.key is not None and self.abandoned_blocks_key:
+                    blocked.add(delivery.key)
+        finally:
+            await session.close()
+            executor.shutdown(wait=False)
+        return counts
+
+
+class Unreadable(Exception):
+    """A payload no retry will make readable: the message is dead-lettered at once."""
+
+
+def _permanent(exc: BaseException) -> bool:
+    """Decryption and claim-check failures that the same message meets again."""
+    from outboxer.claimcheck import ClaimCheckError, ObjectNotFoundError
+    from outboxer.crypto import DecryptionError, KeyRingUnavailableError
+
+    if isinstance(exc, KeyRingUnavailableError | ObjectNotFoundError):
+        return False  # a KMS or an object store that may answer later
+    return isinstance(exc, DecryptionError | ClaimCheckError)
+
+
+def parse_message_id(value: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(str(value))
+    except ValueError:
+        raise PayloadError(f"not a message id (a UUID): {value!r}") from None
+
+
+#: (metric, ConsumerStats attribute, help), one series per group (label ``group``).
+_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("outboxer_consumer_received_total", "received", "Messages received from the broker."),
+    (
+        "outboxer_consumer_applied_total",
+        "applied",
+        "Messages applied: the handler ran and its transaction committed.",
+    ),
+    (
+        "outboxer_consumer_duplicates_total",
+        "duplicates",
+        "Redeliveries the inbox recognised: acked without calling the handler.",
+    ),
+    (
+        "outboxer_consumer_failed_total",
+        "failed",
+        "Handler attempts that raised (rolled back, retried or dead-lettered).",
+    ),
+    (
+        "outboxer_consumer_dead_lettered_total",
+        "dead_lettered",
+        "Messages written to the dead-letter table and acked (held back ones included).",
+    ),
+    (
+        "outboxer_consumer_held_total",
+        "held",
+        "Messages dead-lettered without an attempt, behind a dead letter of their key.",
+    ),
+    (
+        "outboxer_consumer_handler_seconds_total",
+        "handler_seconds",
+        "Seconds spent in the handler.",
+    ),
+    (
+        "outboxer_consumer_transactions_total",
+        "transactions",
+        "Transactions committed (each applies a batch of messages of different keys).",
+    ),
+    (
+        "outboxer_consumer_database_errors_total",
+        "database_errors",
+        "Database connections or statements that failed outside the handler.",
+    ),
+    (
+        "outboxer_consumer_broker_errors_total",
+        "broker_errors",
+        "Broker connections that failed or were lost (the consumer reconnects).",
+    ),
+)
+
+
+class ConsumerCollector:
+    """The counters of these consumers, one series per group, for ``GET /metrics``: a
+    ``prometheus_client`` collector (``outboxer consume --http`` registers it), read at
+    each scrape."""
+
+    def __init__(self, consumers: Sequence[Consumer]) -> None:
+        self.consumers = list(consumers)
+
+    def collect(self) -> Iterator[Any]:
+        import importlib
+
+        core = importlib.import_module("prometheus_client.core")
+        for name, attribute, text in _COUNTERS:
+            family = core.CounterMetricFamily(name, text, labels=["group"])
+            for consumer in self.consumers:
+                family.add_metric([consumer.group], getattr(consumer.stats, attribute))
+            yield family
+        acked = core.CounterMetricFamily(
+            "outboxer_consumer_acked_total",
+            "Messages acknowledged to the broker after their transaction committed.",
+            labels=["group"],
+        )
+        held = core.GaugeMetricFamily(
+            "outboxer_consumer_in_flight",
+            "Messages received and not yet acked (being applied, waiting for their key or a "
+            "retry).",
+            labels=["group"],
+        )
+        for consumer in self.consumers:
+            if consumer._receiver is not None:
+                acked.add_metric([consumer.group], consumer._receiver.stats.acked)
+            held.add_metric([consumer.group], consumer.in_flight)
+        yield acked
+        yield held
+
+
+__all__ = [
+    "Consumer",
+    "ConsumerCollector",
+    "ConsumerStats",
+    "Delivery",
+    "Handler",
+    "Unreadable",
+    "load_handler",
+    "parse_message_id",
+]

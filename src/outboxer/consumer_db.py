@@ -1,0 +1,755 @@
+"""The consumer's database: a connection per worker of the runner, the transaction that
+applies a batch of messages (the inbox claim, then each message's handler), and the
+dead-letter table.
+
+Which connection a handler gets follows the handler: a plain function gets a sync
+connection (psycopg for PostgreSQL, sqlite3, PyMySQL for MySQL/MariaDB), run in a thread of
+the consumer's own pool; a coroutine function gets an async one (asyncpg, or psycopg's
+``AsyncConnection`` with ``async_driver="psycopg"``) on the event loop. Either way the
+handler writes on that connection and never commits: the runner does, once per batch.
+
+One transaction, several messages. A batch holds messages of different keys (never two of
+one key), sorted by message id so that two consumers claiming the same redelivered messages
+lock inbox rows in one order and cannot deadlock on them. On PostgreSQL one statement
+claims the whole batch (``inbox_claim_many``); elsewhere one per message. A handler's exception rolls the
+whole batch back (``BatchFailed`` names the culprit); the runner applies the others again
+at once, without counting an attempt for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+from outboxer.enqueue import _numbered, _pyformat  # the same conversions, cached once
+from outboxer.errors import ConfigError, MissingDependencyError
+from outboxer.inbox import Inbox
+from outboxer.receivers.base import Delivery, decode_payload
+from outboxer.stores.sqlfiles import queries, render, table_name
+
+logger = logging.getLogger("outboxer.consumer")
+T = TypeVar("T")
+SyncHandler = Callable[[Delivery, Any], object]
+AsyncHandler = Callable[[Delivery, Any], Awaitable[object]]
+
+
+class Result(StrEnum):
+    APPLIED = "applied"
+    #: The inbox already had it: applied earlier (a redelivery), the handler did not run.
+    DUPLICATE = "duplicate"
+    #: Not applied: an earlier message of its key is a dead letter (abandoned_blocks_key).
+    HELD = "held"
+
+
+class BatchFailed(Exception):
+    """A batch's transaction failed and was rolled back.
+
+    ``stage`` says where: ``handler`` (message ``index``'s handler raised: its own failure),
+    ``statement`` (one of the consumer's statements before the handlers: the inbox claim,
+    the dead-letter check) or ``commit`` (which no single message can be blamed for when
+    the batch holds several).
+    """
+
+    def __init__(self, stage: str, cause: BaseException, index: int | None = None) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.stage = stage
+        self.cause = cause
+        self.index = index
+
+
+@functools.cache
+def _sql(dialect: str, schema: str, name: str) -> str:
+    tokens = {
+        "dead_letters": table_name(dialect, schema, "dead_letters"),
+        "inbox": table_name(dialect, schema, "inbox"),
+    }
+    return render(queries(dialect, "consumer.sql")[name], tokens)
+
+
+def _claimable(
+    deliveries: Sequence[Delivery], held: Sequence[bool]
+) -> tuple[list[int], list[Result | None]]:
+    """Indexes of the messages to claim (not held), and the results so far."""
+    results: list[Result | None] = [Result.HELD if h else None for h in held]
+    return [i for i, h in enumerate(held) if not h], results
+
+
+def _finish(results: list[Result | None]) -> list[Result]:
+    return [result or Result.APPLIED for result in results]
+
+
+def held_query(group: str, delivery: Delivery) -> dict[str, Any]:
+    return {"consumer": group, "key": delivery.key}
+
+
+class Session(ABC):
+    """One connection of the consumer's database, used by one worker at a time."""
+
+    dialect: str
+    is_async: bool
+
+    def __init__(self, url: str, schema: str) -> None:
+        self.url = url
+        self.schema = schema
+        self.inbox = Inbox(schema=schema)
+        self.conn: Any = None
+
+    # ----- what each driver provides -----------------------------------------------------
+
+    @abstractmethod
+    async def open(self) -> None: ...
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+    @abstractmethod
+    def broken(self) -> bool:
+        """Whether the connection is gone (the runner opens a new one)."""
+
+    def lost(self, exc: BaseException) -> bool:
+        """Whether ``exc`` means the connection is gone (an outage, not the message's fault:
+        no attempt is counted), whatever statement it interrupted, the handler's included."""
+        return self.broken() or isinstance(exc, ConnectionError | OSError)
+
+    @abstractmethod
+    async def apply(
+        self,
+        group: str,
+        deliveries: Sequence[Delivery],
+        handler: Callable[..., Any],
+        *,
+        hold_keys: bool,
+        replaying: bool = False,
+    ) -> list[Result]:
+        """Apply ``deliveries`` in one transaction and commit; BatchFailed (rolled back) if not.
+
+        With ``hold_keys``, a keyed message whose key has a dead letter is recorded as held
+        instead. With ``replaying``, each message applied leaves the dead-letter table in
+        the same transaction.
+        """
+
+    @abstractmethod
+    async def run(self, name: str, params: Mapping[str, Any]) -> int:
+        """One dead-letter statement in a transaction of its own; the rows it changed."""
+
+    @abstractmethod
+    async def fetch(self, name: str, params: Mapping[str, Any]) -> list[dict[str, Any]]: ...
+
+    # ----- shared ------------------------------------------------------------------------
+
+    def sql(self, name: str) -> str:
+        return _sql(self.dialect, self.schema, name)
+
+    def dead_letter_params(
+        self, group: str, delivery: Delivery, error: str, attempts: int, held: bool = False
+    ) -> dict[str, Any]:
+        created: Any = delivery.created_at
+        if created is not None and self.dialect == "sqlite":
+            created = created.timestamp()
+        elif created is not None and self.dialect == "mysql":
+            created = created.astimezone(UTC).replace(tzinfo=None) if created.tzinfo else created
+        return {
+            "consumer": group,
+            "message_id": delivery.id if self.dialect == "postgres" else str(delivery.id),
+            "topic": delivery.topic[:255],
+            "key": delivery.key,
+            "headers": json.dumps(dict(delivery.headers), ensure_ascii=False),
+            "content_type": delivery.content_type[:255],
+            "payload": delivery.body,
+            "created_at": created,
+            "error": error[:4000],
+            "attempts": attempts,
+            "held": held,
+        }
+
+    def held_params(self, group: str, delivery: Delivery) -> dict[str, Any]:
+        error = f"held back: an earlier message of key {delivery.key!r} is a dead letter"
+        return self.dead_letter_params(group, delivery, error, 0, held=True)
+
+    def id_params(self, group: str, message_id: uuid.UUID) -> dict[str, Any]:
+        return {
+            "consumer": group,
+            "message_id": message_id if self.dialect == "postgres" else str(message_id),
+        }
+
+    async def record_dead_letter(
+        self, group: str, delivery: Delivery, error: str, attempts: int
+    ) -> None:
+        await self.run("insert", self.dead_letter_params(group, delivery, error, attempts))
+
+    async def dead_letters(self, group: str | None, limit: int) -> list[DeadLetter]:
+        rows = await self.fetch("list", {"consumer": group, "limit": limit})
+        return [DeadLetter(row) for row in rows]
+
+
+class DeadLetter:
+    """A row of the dead-letter table, and the delivery a replay hands the handler."""
+
+    def __init__(self, row: Mapping[str, Any]) -> None:
+        self.seq = int(row["seq"])
+        self.consumer = str(row["consumer"])
+        self.error = str(row["error"])
+        self.attempts = int(row["attempts"])
+        self.held = bool(row["held"])
+        self.failed_at = _time(row["failed_at"])
+        headers = row["headers"]
+        content_type = str(row["content_type"])
+        body = bytes(row["payload"])
+        try:
+            payload = decode_payload(body, content_type)
+        except ValueError:
+            payload = body  # a malformed message: the handler would have to read the bytes
+        self.delivery = Delivery(
+            id=uuid.UUID(str(row["message_id"])),
+            topic=str(row["topic"]),
+            key=row["key"],
+            headers=json.loads(headers) if isinstance(headers, str | bytes) else dict(headers),
+            payload=payload,
+            body=body,
+            content_type=content_type,
+            created_at=_time(row["created_at"]),
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        d = self.delivery
+        return {
+            "seq": self.seq,
+            "consumer": self.consumer,
+            "message_id": str(d.id),
+            "topic": d.topic,
+            "key": d.key,
+            "headers": dict(d.headers),
+            "content_type": d.content_type,
+            "payload": d.body.decode("utf-8", "replace")
+            if not isinstance(d.payload, bytes)
+            else d.body.hex(),
+            "created_at": d.created_at.isoformat() if d.created_at else None,
+            "error": self.error,
+            "attempts": self.attempts,
+            "held": self.held,
+            "failed_at": self.failed_at.isoformat() if self.failed_at else None,
+        }
+
+
+def _time(value: Any) -> datetime | None:
+    """A timestamp column as an aware UTC datetime (SQLite stores Unix seconds, MySQL naive UTC)."""
+    if value is None:
+        return None
+    if isinstance(value, int | float):
+        return datetime.fromtimestamp(value, UTC)
+    if isinstance(value, datetime):
+        return value if value.tzinfo else value.replace(tzinfo=UTC)
+    return None
+
+
+# ----- sync connections, run in the consumer's threads --------------------------------------
+
+
+class SyncSession(Session):
+    """A DB-API connection; every call runs in a thread of ``executor``, one call a batch."""
+
+    is_async = False
+
+    def __init__(self, url: str, schema: str, executor: ThreadPoolExecutor) -> None:
+        super().__init__(url, schema)
+        self.executor = executor
+
+    async def _call(self, work: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, work, *args)
+
+    @abstractmethod
+    def _connect(self) -> Any: ...
+
+    def _begin(self) -> None:
+        return None  # psycopg and PyMySQL begin with the first statement
+
+    def _commit(self) -> None:
+        self.conn.commit()
+
+    def _rollback(self) -> None:
+        self.conn.rollback()
+
+    @abstractmethod
+    def _cursor_sql(self, sql: str) -> str:
+        """The driver's form of ``:name`` parameters."""
+
+    def _execute(self, name: str, params: Mapping[str, Any]) -> int:
+        cursor = self.conn.cursor()
+        try:
+            cursor.execute(self._cursor_sql(self.sql(name)), dict(params))
+            return int(cursor.rowcount)
+        finally:
+            cursor.close()
+
+    def _fetch(self, name: str, params: Mapping[str, Any]) -> list[dict[str, Any]]:
+        cursor = self.conn.cursor()
+        try:
+            cursor.execute(self._cursor_sql(self.sql(name)), dict(params))
+            names = [column[0] for column in cursor.description]
+            return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+        finally:
+            cursor.close()
+
+    def _hold(self, group: str, delivery: Delivery) -> bool:
+        """Record a keyed message as held if its key has a dead letter; whether it did."""
+        if delivery.key is None or not self._fetch("key_blocked", held_query(group, delivery)):
+            return False
+        self._execute("insert", self.held_params(group, delivery))
+        return True
+
+    async def open(self) -> None:
+        self.conn = await self._call(self._connect)
+
+    async def close(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            await self._call(_close_quietly, conn)
+
+    def _transaction(self, work: Callable[[], T]) -> T:
+        self._begin()
+        try:
+            result = work()
+            self._commit()
+            return result
+        except BaseException:
+            if not self.broken():
+                self._rollback()
+            raise
+
+    def _claim(self, group: str, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
+        """The ids of ``ids`` claimed now (first deliveries); one statement a message here."""
+        return {i for i in ids if self.inbox.claim(self.conn, group, i)}
+
+    def _apply(
+        self,
+        group: str,
+        deliveries: Sequence[Delivery],
+        handler: SyncHandler,
+        hold_keys: bool,
+        replaying: bool,
+    ) -> list[Result]:
+        def work() -> list[Result]:
+            try:
+                held = [hold_keys and self._hold(group, d) for d in deliveries]
+                todo, results = _claimable(deliveries, held)
+                claimed = self._claim(group, [deliveries[i].id for i in todo])
+                for i in todo if replaying else ():
+                    self._execute("delete", self.id_params(group, deliveries[i].id))
+            except Exception as exc:
+                raise BatchFailed("statement", exc) from exc
+            for index in todo:
+                if deliveries[index].id not in claimed:
+                    results[index] = Result.DUPLICATE
+                    continue
+                try:
+                    handler(deliveries[index], self.conn)
+                except Exception as exc:
+                    raise BatchFailed("handler", exc, index) from exc
+            return _finish(results)
+
+        try:
+            return self._transaction(work)
+        except BatchFailed:
+            raise
+        except Exception as exc:  # the commit (or the rollback) failed
+            raise BatchFailed("commit", exc) from exc
+
+    async def apply(
+        self,
+        group: str,
+        deliveries: Sequence[Delivery],
+        handler: Callable[..., Any],
+        *,
+        hold_keys: bool,
+        replaying: bool = False,
+    ) -> list[Result]:
+        return await self._call(self._apply, group, deliveries, handler, hold_keys, replaying)
+
+    async def run(self, name: str, params: Mapping[str, Any]) -> int:
+        return await self._call(self._transaction, functools.partial(self._execute, name, params))
+
+    async def fetch(self, name: str, params: Mapping[str, Any]) -> list[dict[str, Any]]:
+        return await self._call(self._transaction, functools.partial(self._fetch, name, params))
+
+
+def _close_quietly(conn: Any) -> None:
+    try:
+        conn.close()
+    except Exception as exc:  # noqa: BLE001 -- a broken connection has nothing left to close
+        logger.debug("closing a consumer connection failed: %s", exc)
+
+
+def _refuse_aborted(conn: Any) -> None:
+    """psycopg commits an aborted transaction without a word (PostgreSQL rolls it back)."""
+    from psycopg.pq import TransactionStatus
+
+    if conn.info.transaction_status == TransactionStatus.INERROR:
+        raise AbortedTransaction
+
+
+class PsycopgSession(SyncSession):
+    dialect = "postgres"
+
+    def _connect(self) -> Any:
+        psycopg = _require("psycopg", "psycopg")
+        return psycopg.connect(_libpq_url(self.url))
+
+    def _commit(self) -> None:
+        _refuse_aborted(self.conn)
+        self.conn.commit()
+
+    def _claim(self, group: str, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
+        if not ids:
+            return set()
+        return {row["message_id"] for row in self._fetch("inbox_claim_many", _many(group, ids))}
+
+    def _cursor_sql(self, sql: str) -> str:
+        return _pyformat(sql)
+
+    def broken(self) -> bool:
+        return self.conn is None or bool(self.conn.closed) or bool(self.conn.broken)
+
+
+class SqliteSession(SyncSession):
+    dialect = "sqlite"
+
+    def _connect(self) -> Any:
+        from outboxer.stores.sqlite import open_connection, sqlite_path
+
+        return open_connection(sqlite_path(self.url))
+
+    def _begin(self) -> None:
+        # IMMEDIATE: the write lock now, not half-way through the batch (where waiting for
+        # it could fail with "database is locked" instead of waiting busy_timeout).
+        self.conn.execute("BEGIN IMMEDIATE")
+
+    def _commit(self) -> None:
+        self.conn.execute("COMMIT")
+
+    def _rollback(self) -> None:
+        if self.conn.in_transaction:
+            self.conn.execute("ROLLBACK")
+
+    def _cursor_sql(self, sql: str) -> str:
+        return sql  # sqlite3 binds :name itself
+
+    def broken(self) -> bool:
+        return self.conn is None
+
+
+class PyMySQLSession(SyncSession):
+    dialect = "mysql"
+
+    def _connect(self) -> Any:
+        pymysql = _require("pymysql", "mysql")
+        from outboxer.stores.mysql import mysql_connect_args
+
+        return pymysql.connect(**mysql_connect_args(self.url))
+
+    def _begin(self) -> None:
+        self.conn.begin()
+
+    def _cursor_sql(self, sql: str) -> str:
+        return _pyformat(sql)
+
+    def broken(self) -> bool:
+        return self.conn is None or not self.conn.open
+
+
+# ----- async connections, on the event loop -------------------------------------------------
+
+
+class AsyncSession(Session):
+    is_async = True
+
+    @abstractmethod
+    async def _begin(self) -> Any: ...
+
+    @abstractmethod
+    async def _execute(self, name: str, params: Mapping[str, Any]) -> int: ...
+
+    @abstractmethod
+    async def _fetch(self, name: str, params: Mapping[str, Any]) -> list[dict[str, Any]]: ...
+
+    async def _hold(self, group: str, delivery: Delivery) -> bool:
+        """Record a keyed message as held if its key has a dead letter; whether it did."""
+        if delivery.key is None or not await self._fetch(
+            "key_blocked", held_query(group, delivery)
+        ):
+            return False
+        await self._execute("insert", self.held_params(group, delivery))
+        return True
+
+    async def _transaction(self, work: Callable[[], Awaitable[T]]) -> T:
+        transaction = await self._begin()
+        try:
+            result = await work()
+            await transaction.commit()
+            return result
+        except BaseException:
+            if not self.broken():
+                await transaction.rollback()
+            raise
+
+    async def _claim(self, group: str, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
+        """The ids of ``ids`` claimed now (first deliveries)."""
+        return {i for i in ids if await self.inbox.claim_async(self.conn, group, i)}
+
+    async def apply(
+        self,
+        group: str,
+        deliveries: Sequence[Delivery],
+        handler: Callable[..., Any],
+        *,
+        hold_keys: bool,
+        replaying: bool = False,
+    ) -> list[Result]:
+        async def work() -> list[Result]:
+            try:
+                held = [hold_keys and await self._hold(group, d) for d in deliveries]
+                todo, results = _claimable(deliveries, held)
+                claimed = await self._claim(group, [deliveries[i].id for i in todo])
+                for i in todo if replaying else ():
+                    await self._execute("delete", self.id_params(group, deliveries[i].id))
+            except Exception as exc:
+                raise BatchFailed("statement", exc) from exc
+            for index in todo:
+                if deliveries[index].id not in claimed:
+                    results[index] = Result.DUPLICATE
+                    continue
+                try:
+                    await handler(deliveries[index], self.conn)
+                except Exception as exc:
+                    raise BatchFailed("handler", exc, index) from exc
+            return _finish(results)
+
+        try:
+            return await self._transaction(work)
+        except BatchFailed:
+            raise
+        except Exception as exc:  # the commit (or the rollback) failed
+            raise BatchFailed("commit", exc) from exc
+
+    async def run(self, name: str, params: Mapping[str, Any]) -> int:
+        return await self._transaction(functools.partial(self._execute, name, params))
+
+    async def fetch(self, name: str, params: Mapping[str, Any]) -> list[dict[str, Any]]:
+        return await self._transaction(functools.partial(self._fetch, name, params))
+
+
+class AbortedTransaction(RuntimeError):
+    """COMMIT of a transaction an earlier statement aborted: PostgreSQL rolls it back."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "the transaction was aborted by a failed statement (did the handler catch a "
+            "database error and go on?); it was rolled back"
+        )
+
+
+class _AsyncpgTransaction:
+    """BEGIN ... COMMIT by hand, to see COMMIT's answer: PostgreSQL answers ROLLBACK for a
+    transaction a failed statement aborted, and asyncpg's own Transaction does not look."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    async def commit(self) -> None:
+        if await self.conn.execute("COMMIT") != "COMMIT":
+            raise AbortedTransaction
+
+    async def rollback(self) -> None:
+        await self.conn.execute("ROLLBACK")
+
+
+class AsyncpgSession(AsyncSession):
+    dialect = "postgres"
+
+    async def open(self) -> None:
+        asyncpg = _require("asyncpg", "postgres")
+        from outboxer.stores.postgres import asyncpg_dsn
+
+        self.conn = await asyncpg.connect(asyncpg_dsn(self.url))
+
+    async def close(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None and not conn.is_closed():
+            try:
+                await conn.close(timeout=5)
+            except Exception as exc:  # noqa: BLE001 -- mid-operation when the server went away
+                logger.debug("closing an asyncpg connection failed (%s): terminated", exc)
+                conn.terminate()
+
+    def broken(self) -> bool:
+        return self.conn is None or bool(self.conn.is_closed())
+
+    def lost(self, exc: BaseException) -> bool:
+        from asyncpg import exceptions as pg
+
+        # After the server ended it mid-statement, asyncpg may report a confused protocol
+        # state (InternalClientError) before it marks the connection closed.
+        gone = (
+            pg.PostgresConnectionError,
+            pg.InterfaceError,
+            pg.InternalClientError,
+            pg.AdminShutdownError,
+            pg.CrashShutdownError,
+            pg.CannotConnectNowError,
+        )
+        return super().lost(exc) or isinstance(exc, gone)
+
+    async def _begin(self) -> Any:
+        await self.conn.execute("BEGIN")
+        return _AsyncpgTransaction(self.conn)
+
+    async def _execute(self, name: str, params: Mapping[str, Any]) -> int:
+        sql, names = _numbered(self.sql(name))
+        tag = await self.conn.execute(sql, *(params[n] for n in names))
+        return int(str(tag).rsplit(" ", 1)[-1])
+
+    async def _fetch(self, name: str, params: Mapping[str, Any]) -> list[dict[str, Any]]:
+        sql, names = _numbered(self.sql(name))
+        return [dict(row) for row in await self.conn.fetch(sql, *(params[n] for n in names))]
+
+    async def _claim(self, group: str, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
+        if not ids:
+            return set()
+        return {
+            row["message_id"] for row in await self._fetch("inbox_claim_many", _many(group, ids))
+        }
+
+
+class _PsycopgTransaction:
+    """psycopg's async connection begins with its first statement: commit or roll back."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    async def commit(self) -> None:
+        _refuse_aborted(self.conn)
+        await self.conn.commit()
+
+    async def rollback(self) -> None:
+        await self.conn.rollback()
+
+
+class PsycopgAsyncSession(AsyncSession):
+    dialect = "postgres"
+
+    async def open(self) -> None:
+        psycopg = _require("psycopg", "psycopg")
+        self.conn = await psycopg.AsyncConnection.connect(_libpq_url(self.url))
+
+    async def close(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            await conn.close()
+
+    def broken(self) -> bool:
+        return self.conn is None or bool(self.conn.closed) or bool(self.conn.broken)
+
+    async def _begin(self) -> Any:
+        return _PsycopgTransaction(self.conn)
+
+    async def _execute(self, name: str, params: Mapping[str, Any]) -> int:
+        cursor = await self.conn.execute(_pyformat(self.sql(name)), dict(params))
+        return int(cursor.rowcount)
+
+    async def _fetch(self, name: str, params: Mapping[str, Any]) -> list[dict[str, Any]]:
+        cursor = await self.conn.execute(_pyformat(self.sql(name)), dict(params))
+        names = [column.name for column in cursor.description]
+        return [dict(zip(names, row, strict=True)) for row in await cursor.fetchall()]
+
+    async def _claim(self, group: str, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
+        if not ids:
+            return set()
+        return {
+            row["message_id"] for row in await self._fetch("inbox_claim_many", _many(group, ids))
+        }
+
+
+# ----- choosing one -------------------------------------------------------------------------
+
+
+def dialect_of(url: str) -> str:
+    scheme = urlsplit(url).scheme.lower()
+    if scheme.startswith(("postgresql", "postgres")):
+        return "postgres"
+    if scheme.startswith("sqlite"):
+        return "sqlite"
+    if scheme.startswith(("mysql", "mariadb")):
+        return "mysql"
+    raise ConfigError(
+        f"unknown database URL scheme {scheme!r} in {url!r}; the consumer supports "
+        "postgresql://, sqlite:/// and mysql://"
+    )
+
+
+def session_factory(
+    url: str, schema: str, *, is_async: bool, async_driver: str | None
+) -> Callable[[ThreadPoolExecutor], Session]:
+    """What makes a worker's session (sync ones run in the executor given), for the
+    handler's kind; ConfigError if none fits."""
+    dialect = dialect_of(url)
+    if not is_async:
+        kinds: dict[str, type[SyncSession]] = {
+            "postgres": PsycopgSession,
+            "sqlite": SqliteSession,
+            "mysql": PyMySQLSession,
+        }
+        return functools.partial(kinds[dialect], url, schema)
+    if dialect != "postgres":
+        raise ConfigError(
+            f"async handlers run on PostgreSQL (asyncpg or psycopg); for {dialect} write a "
+            "plain (sync) handler: it gets a sqlite3 or PyMySQL connection"
+        )
+    driver = async_driver or "asyncpg"
+    if driver not in ("asyncpg", "psycopg"):
+        raise ConfigError(f"async_driver must be asyncpg or psycopg, not {driver!r}")
+    session = AsyncpgSession if driver == "asyncpg" else PsycopgAsyncSession
+
+    def make(executor: ThreadPoolExecutor) -> Session:
+        return session(url, schema)  # on the event loop: no threads
+
+    return make
+
+
+def _many(group: str, ids: Sequence[uuid.UUID]) -> dict[str, Any]:
+    """PostgreSQL's batch claim: the ids sorted (one lock order for every consumer)."""
+    return {"consumer": group, "message_ids": sorted(ids)}
+
+
+def _require(module: str, extra: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingDependencyError(module, extra) from exc
+
+
+def _libpq_url(url: str) -> str:
+    from outboxer.stores.postgres import asyncpg_dsn
+
+    return asyncpg_dsn(url)  # plain postgresql://, which libpq takes as well
+
+
+__all__ = [
+    "AsyncSession",
+    "BatchFailed",
+    "DeadLetter",
+    "Result",
+    "Session",
+    "SyncSession",
+    "session_factory",
+]

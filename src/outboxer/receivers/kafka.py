@@ -1,0 +1,270 @@
+"""``kafka://host:9092``: a Kafka consumer group (``group.id`` = the group), offsets committed
+only after the database commit.
+
+The relay gives a message's key to Kafka, so each key lives on one partition and the
+partition's order is the key's order; the runner applies a key's messages in that order
+and different keys in parallel. Partitions are shared among the group's processes by Kafka
+(a rebalance moves them); a topic (or a ``^regex``) is given per ``--topic``.
+
+Offsets. An offset is committed only once every message of its partition up to it has
+been applied (or dead-lettered) and committed to the database: messages finish out of
+order across keys, so each partition keeps the offsets received and commits up to the
+first one not done. Auto-commit is off. After a crash the group reads again from the last
+committed offset; what was applied since is recognised by the inbox. Before a rebalance
+takes a partition away, what is done of it is committed; acks of messages from a
+partition this process no longer owns are dropped (its new owner gets them again).
+
+librdkafka wants its consumer polled continuously (``max.poll.interval.ms``), also while
+the runner is busy, so a thread of the receiver's own polls it, pausing the partitions
+while ``prefetch`` messages wait for the runner, and runs every call on the consumer
+(commits included), one at a time.
+
+The URL is the relay's (bootstrap servers, SASL user, librdkafka options), read by
+:class:`KafkaPublisher`; its producer-only settings are left out. Options of the receiver:
+``offset_reset`` (``earliest``, the default: a new group reads each partition from its
+start, or ``latest``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+
+from outboxer.brokers.kafka import ENFORCED, KafkaPublisher
+from outboxer.errors import ConfigError
+from outboxer.receivers.base import Incoming, Receiver, decode, take
+
+logger = logging.getLogger("outboxer.kafka")
+
+#: Producer settings the publisher adds that a consumer has no use for.
+_PRODUCER_ONLY = (*ENFORCED, "message.timeout.ms", "logger")
+_POLL = 0.1
+#: Seconds without a message after which an assigned member counts as idle (a partition's
+#: first fetch after an assignment takes a round trip or two).
+_QUIET = 2.0
+
+
+@dataclass
+class _Partition:
+    """A partition this process owns: offsets received in order, and which are done."""
+
+    epoch: int
+    received: deque[int] = field(default_factory=deque)
+    done: set[int] = field(default_factory=set)
+
+    def complete(self, offset: int) -> int | None:
+        """Mark ``offset`` done; the offset to commit now (next to read), if it moved."""
+        self.done.add(offset)
+        last = None
+        while self.received and self.received[0] in self.done:
+            last = self.received.popleft()
+            self.done.discard(last)
+        return None if last is None else last + 1
+
+
+class KafkaReceiver(Receiver):
+    """A consumer group member; commits a partition's offsets only past applied messages."""
+
+    schemes = ("kafka",)
+    options = ("offset_reset",)
+
+    def __init__(self, url: str, **options: Any) -> None:
+        super().__init__(url, **options)
+        reset = str(self.settings.get("offset_reset", "earliest"))
+        if reset not in ("earliest", "latest"):
+            raise ConfigError(
+                f"kafka option offset_reset must be earliest or latest, not {reset!r}"
+            )
+        settings = {k: v for k, v in self._kafka.config.items() if k not in _PRODUCER_ONLY}
+        self.config: dict[str, Any] = {
+            **settings,
+            "group.id": self.group,
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": reset,
+            "logger": logger,
+        }
+        self._consumer: Consumer | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        #: Offsets to commit (next to read, per partition), taken by the polling thread.
+        self._to_commit: dict[tuple[str, int], int] = {}
+        self._arrived: asyncio.Queue[Incoming] = asyncio.Queue()
+        self._lost = asyncio.Event()
+        self._lock = threading.Lock()
+        self._partitions: dict[tuple[str, int], _Partition] = {}
+        self._epoch = 0
+        #: Messages handed to the event loop and not yet taken by the runner.
+        self._waiting = 0
+        #: When an assignment or a message last came (``idle``).
+        self._last_news = 0.0
+
+    @property
+    def _kafka(self) -> KafkaPublisher:
+        assert isinstance(self.publisher, KafkaPublisher)
+        return self.publisher
+
+    def parse(self, url: str) -> KafkaPublisher:
+        return KafkaPublisher(url)
+
+    # ----- the polling thread ----------------------------------------------------------------
+
+    async def _connect(self) -> None:
+        await self._close()
+        consumer = Consumer(self.config)
+        try:
+            await asyncio.to_thread(consumer.list_topics, None, self.connect_timeout)
+        except KafkaException as exc:
+            await asyncio.to_thread(consumer.close)
+            raise ConnectionError(f"no Kafka broker answered: {exc}") from exc
+        consumer.subscribe(self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke)
+        self._consumer = consumer
+        self._arrived = asyncio.Queue()
+        self._waiting = 0
+        self._lost = asyncio.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._poll,
+            args=(consumer, asyncio.get_running_loop()),
+            name="outboxer-kafka-consume",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _poll(self, consumer: Consumer, loop: asyncio.AbstractEventLoop) -> None:
+        paused = False
+        try:
+            while not self._stop.is_set():
+                self._commit(consumer)
+                full = self._waiting >= self.prefetch
+                if full:  # also partitions a rebalance just gave us
+                    consumer.pause(consumer.assignment())
+                elif paused:
+                    consumer.resume(consumer.assignment())
+                paused = full
+                messages = consumer.consume(max(1, self.prefetch - self._waiting), _POLL)
+                received = [self._incoming(m) for m in messages if self._usable(m)]
+                if received:
+                    with self._lock:
+                        self._waiting += len(received)
+                        self._last_news = time.monotonic()
+                    loop.call_soon_threadsafe(self._deliver, received)
+            self._commit(consumer)  # the last acks
+        except Exception as exc:  # noqa: BLE001 -- reported to the runner, which reconnects
+            logger.warning("kafka consumer failed: %s", exc)
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
+                loop.call_soon_threadsafe(self._lost.set)
+
+    def _commit(self, consumer: Consumer) -> None:
+        """Commit the offsets acks moved (in the polling thread, which owns the consumer)."""
+        with self._lock:
+            due, self._to_commit = self._to_commit, {}
+        if not due:
+            return
+        offsets = [TopicPartition(topic, part, offset) for (topic, part), offset in due.items()]
+        try:
+            consumer.commit(offsets=offsets, asynchronous=False)
+        except KafkaException as exc:
+            # A rebalance raced the commit: the new owner reads from the last committed
+            # offset, and the inbox recognises what this process applied since.
+            logger.info("kafka commit of %s failed: %s", offsets, exc)
+
+    def _usable(self, message: Any) -> bool:
+        error: KafkaError | None = message.error()
+        if error is None:
+            return True
+        if error.fatal():
+            raise KafkaException(error)
+        if error.code() != KafkaError._PARTITION_EOF:
+            logger.info("kafka: %s", error)
+        return False
+
+    def _deliver(self, received: list[Incoming]) -> None:
+        for incoming in received:
+            self._arrived.put_nowait(incoming)
+
+    def _incoming(self, message: Any) -> Incoming:
+        headers = {
+            name: (value or b"").decode("utf-8", "replace")
+            for name, value in message.headers() or []
+        }
+        key = message.key()
+        incoming = decode(
+            headers,
+            message.value() or b"",
+            key=key.decode("utf-8", "replace") if key is not None else None,
+            fallback_topic=message.topic(),
+        )
+        where = (message.topic(), message.partition())
+        with self._lock:
+            partition = self._partitions.get(where)
+            if partition is None:  # assigned before on_assign ran (it runs in this thread)
+                partition = self._partitions[where] = _Partition(self._epoch)
+            partition.received.append(message.offset())
+            incoming.token = (where, message.offset(), partition.epoch)
+        return incoming
+
+    def _on_assign(self, consumer: Consumer, assigned: list[TopicPartition]) -> None:
+        with self._lock:
+            self._last_news = time.monotonic()
+            self._epoch += 1
+            for tp in assigned:
+                self._partitions[(tp.topic, tp.partition)] = _Partition(self._epoch)
+
+    def idle(self) -> bool:
+        """Idle once the group gave this member partitions and nothing came for a while since
+        (an empty poll before that, or right after, says nothing about the topics)."""
+        with self._lock:
+            return bool(self._partitions) and time.monotonic() - self._last_news > _QUIET
+
+    def _on_revoke(self, consumer: Consumer, revoked: list[TopicPartition]) -> None:
+        """Before the partitions go: what is done is committed, the rest is the new owner's."""
+        with self._lock:
+            for tp in revoked:
+                self._partitions.pop((tp.topic, tp.partition), None)
+        self._commit(consumer)
+
+    # ----- what the runner calls ---------------------------------------------------------------
+
+    async def _close(self) -> None:
+        consumer, thread = self._consumer, self._thread
+        self._consumer = self._thread = None
+        if consumer is None:
+            return
+        self._stop.set()
+        if thread is not None:
+            await asyncio.to_thread(thread.join)
+        with contextlib.suppress(KafkaException, RuntimeError):  # a broken consumer: nothing left
+            await asyncio.to_thread(consumer.close)  # leaves the group: a rebalance at once
+
+    async def _receive(self, limit: int, timeout: float) -> list[Incoming]:
+        if self._thread is not None and not self._thread.is_alive():
+            self._lost.set()
+        received = await take(self._arrived, self._lost, limit, timeout, "Kafka")
+        with self._lock:
+            self._waiting -= len(received)
+        return received
+
+    async def _ack(self, incomings: Sequence[Incoming]) -> None:
+        """Record the offsets done; the polling thread commits them before its next poll."""
+        with self._lock:
+            for incoming in incomings:
+                where, offset, epoch = incoming.token
+                partition = self._partitions.get(where)
+                if partition is None or partition.epoch != epoch:
+                    continue  # revoked meanwhile: its new owner reads it again
+                moved = partition.complete(offset)
+                if moved is not None:
+                    self._to_commit[where] = moved
+
+
+__all__ = ["KafkaReceiver"]

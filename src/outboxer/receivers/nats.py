@@ -1,0 +1,249 @@
+"""``nats://``: a durable JetStream pull consumer per topic, acked after commit.
+
+Each topic (a subject or a subject pattern with ``*`` and ``>``, before ``subject_prefix``)
+gets a durable pull consumer on the stream that captures it (``stream``, or the one
+JetStream names for the subject): named after the group (``durable``), explicit acks,
+every message from the stream's start. Every consumer process of the group pulls from it.
+A message is acked (``+ACK``) once the transaction that applied it committed; while a
+handler or its retries take long the receiver sends in-progress acks (``+WPI``) every
+third of ``ack_wait`` (default 30 s), so JetStream does not hand the message to another
+puller meanwhile. At shutdown, messages held but not started are handed back (``-NAK``).
+
+JetStream redelivers what a crashed consumer held once ``ack_wait`` has passed, and a
+puller meanwhile gets newer messages. So that a key's messages stay in order across a
+crash, a receiver that finds messages of its consumer unacknowledged, or pull requests
+still open (a killed process's last pull can still be handed messages, at most
+``_LONGEST_PULL`` seconds), when it starts waits ``ack_wait`` plus that before its first
+pull: JetStream then hands out those redeliveries first. It hands them out in the order
+their ``ack_wait`` ran out, not the stream's, so the receiver gathers them all (until a
+pull brings a message delivered for the first time, or nothing) and passes them on
+sorted by stream sequence.
+
+The URL is the relay's: servers, TLS and credentials are read by :class:`NatsPublisher`
+(with ``create_stream``, the stream is created as the relay would create it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import re
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from outboxer.brokers.nats import MSG_ID_HEADER, NatsPublisher
+from outboxer.config import float_option
+from outboxer.errors import ConfigError
+from outboxer.receivers.base import Incoming, Receiver, decode
+
+#: Headers the publisher adds for JetStream, not the user's.
+_JETSTREAM_HEADERS = (MSG_ID_HEADER, "Nats-Expected-Stream")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+#: Seconds a pull request stays open at most (its ``expires``).
+_LONGEST_PULL = 1.0
+#: Messages per pull, and its expiry, while gathering a crashed holder's redeliveries.
+_RECOVERY_BATCH = 500
+_RECOVERY_PULL = 0.2
+
+
+def durable_name(group: str, topic: str, several: bool) -> str:
+    """A valid consumer name for the group (and the topic, if the group has several)."""
+    name = _UNSAFE.sub("_", group)
+    if several:
+        digest = hashlib.sha1(topic.encode()).hexdigest()[:8]
+        name = f"{name}-{_UNSAFE.sub('_', topic)[:40]}-{digest}"
+    return name
+
+
+class NatsReceiver(Receiver):
+    """Pulls the group's messages from a durable JetStream consumer per topic."""
+
+    schemes = ("nats",)
+    options = ("ack_wait", "durable")
+    all_topics = ">"
+
+    def __init__(self, url: str, **options: Any) -> None:
+        super().__init__(url, **options)
+        self.ack_wait = float_option(
+            self.settings.get("ack_wait", 30), "nats option ack_wait", 0.5, 86_400
+        )
+        self.extend_interval = self.ack_wait / 3
+        several = len(self.topics) > 1
+        durable = self.settings.get("durable")
+        if durable and several:
+            raise ConfigError("nats option durable names one consumer: give one topic with it")
+        self.durables = {
+            topic: str(durable) if durable else durable_name(self.group, topic, several)
+            for topic in self.topics
+        }
+        self._nc: Client | None = None
+        self._subscriptions: list[JetStreamContext.PullSubscription] = []
+        self._turn = 0
+        self._lost = asyncio.Event()
+        self._pull_after = 0.0
+        self._pulled_nothing = False
+        #: After a crash: gather the redeliveries first (``_recover``), then hand them out
+        #: from here in stream order.
+        self._recovering = False
+        self._sorted: deque[Incoming] = deque()
+
+    @property
+    def _nats(self) -> NatsPublisher:
+        assert isinstance(self.publisher, NatsPublisher)
+        return self.publisher
+
+    def parse(self, url: str) -> NatsPublisher:
+        return NatsPublisher(url)
+
+    async def _connect(self) -> None:
+        await self._close()
+        lost = self._lost = asyncio.Event()
+
+        async def on_disconnect() -> None:
+            lost.set()
+
+        async def on_error(error: Exception) -> None:
+            lost.set()
+
+        nc = await nats.connect(
+            **self._nats.connection_options(),
+            error_cb=on_error,
+            disconnected_cb=on_disconnect,
+            closed_cb=on_disconnect,
+        )
+        self._nc = nc
+        js = nc.jetstream(timeout=self.connect_timeout)
+        if self._nats.create_stream:
+            await self._nats.ensure_stream(js)
+        busy = 0
+        for topic, durable in self.durables.items():
+            subject = self._nats.subject_prefix + topic
+            stream = self._nats.stream or await js.find_stream_name_by_subject(subject)
+            config = ConsumerConfig(
+                durable_name=durable,
+                ack_policy=AckPolicy.EXPLICIT,
+                deliver_policy=DeliverPolicy.ALL,
+                filter_subject=subject,
+                ack_wait=self.ack_wait,
+                max_deliver=-1,
+            )
+            try:
+                info = await js.add_consumer(stream, config)
+            except nats.js.errors.BadRequestError as exc:
+                raise ConfigError(
+                    f"JetStream consumer {durable!r} on stream {stream!r} exists with other "
+                    f"settings ({exc.description}): delete it or set ack_wait to match"
+                ) from exc
+            # Messages delivered and not acked, and pull requests still open (a killed
+            # process's last pull may yet be handed messages nobody will ack).
+            busy += (info.num_ack_pending or 0) + (info.num_waiting or 0)
+            self._subscriptions.append(await js.pull_subscribe_bind(durable, stream))
+        # Redeliveries of a crashed holder come before newer messages only once ack_wait is
+        # over: pulling earlier would apply a key's newer messages first.
+        loop = asyncio.get_running_loop()
+        self._pull_after = loop.time() + self.ack_wait + _LONGEST_PULL if busy else 0.0
+        self._recovering = bool(busy)
+        self._sorted = deque()
+
+    def idle(self) -> bool:
+        return self._pulled_nothing
+
+    async def _close(self) -> None:
+        nc, self._nc = self._nc, None
+        self._subscriptions = []
+        if nc is not None and not nc.is_closed:
+            # Closing flushes acks written and not yet sent; a broken connection has none.
+            with contextlib.suppress(nats.errors.Error, OSError, asyncio.TimeoutError):
+                await nc.close()
+
+    async def _receive(self, limit: int, timeout: float) -> list[Incoming]:
+        if self._nc is None or self._nc.is_closed or self._lost.is_set():
+            raise ConnectionError("the connection to NATS is closed")
+        loop = asyncio.get_running_loop()
+        wait = self._pull_after - loop.time()
+        self._pulled_nothing = False
+        if wait > 0:
+            await asyncio.sleep(min(wait, timeout))
+            return []
+        if self._recovering:
+            await self._recover()
+        if self._sorted:
+            return [self._sorted.popleft() for _ in range(min(limit, len(self._sorted)))]
+        messages = await self._pull(limit, timeout)
+        if not messages:
+            self._pulled_nothing = True  # a real pull found nothing (not the startup wait)
+        return [self._incoming(message) for message in messages]
+
+    async def _pull(self, limit: int, timeout: float) -> list[Msg]:
+        subscription = self._subscriptions[self._turn % len(self._subscriptions)]
+        self._turn += 1
+        try:
+            messages: list[Msg] = await subscription.fetch(
+                limit, min(timeout / len(self._subscriptions), _LONGEST_PULL)
+            )
+        except (TimeoutError, nats.errors.TimeoutError):
+            return []
+        return messages
+
+    async def _recover(self) -> None:
+        """Take every redelivery of a crashed holder before anything new, and hand them out
+        in stream order: JetStream redelivers in the order their ack_wait ran out, which is
+        not the stream's (a key's messages could come swapped)."""
+        redelivered: list[Msg] = []
+        newer: list[Msg] = []
+        quiet = 0
+        while quiet < len(self._subscriptions):
+            messages = await self._pull(_RECOVERY_BATCH, _RECOVERY_PULL)
+            quiet = 0 if messages else quiet + 1
+            for message in messages:
+                (redelivered if message.metadata.num_delivered > 1 else newer).append(message)
+            if newer:  # JetStream hands out redeliveries first: none is left due
+                break
+            if redelivered:
+                await self._each_message(redelivered, "in_progress")  # while we gather
+        redelivered.sort(key=lambda m: (m.metadata.stream or "", m.metadata.sequence.stream))
+        self._sorted.extend(self._incoming(message) for message in [*redelivered, *newer])
+        self._recovering = False
+
+    def _incoming(self, message: Msg) -> Incoming:
+        headers = {
+            name: value
+            for name, value in (message.headers or {}).items()
+            if name not in _JETSTREAM_HEADERS
+        }
+        incoming = decode(headers, message.data, fallback_topic=message.subject)
+        incoming.token = message
+        return incoming
+
+    async def _each(self, incomings: Sequence[Incoming], action: str) -> None:
+        await self._each_message([incoming.token for incoming in incomings], action)
+
+    async def _each_message(self, messages: Sequence[Msg], action: str) -> None:
+        for message in messages:
+            await getattr(message, action)()
+        if self._nc is not None:
+            await self._nc.flush(timeout=10)  # sent, not just written to the buffer
+
+    async def _ack(self, incomings: Sequence[Incoming]) -> None:
+        await self._each(incomings, "ack")
+
+    async def _extend(self, incomings: Sequence[Incoming]) -> None:
+        # Also the redeliveries gathered and not yet handed to the runner.
+        await self._each([*incomings, *self._sorted], "in_progress")
+
+    async def _release(self, incomings: Sequence[Incoming]) -> None:
+        await self._each([*incomings, *self._sorted], "nak")
+        self._sorted.clear()
+
+
+__all__ = ["NatsReceiver", "durable_name"]

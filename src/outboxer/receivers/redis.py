@@ -1,0 +1,201 @@
+"""``redis://`` and ``rediss://``: a consumer group on each topic's stream, read with XREADGROUP.
+
+Each topic is the stream ``stream_prefix + topic`` the relay appends to (no patterns: a
+stream is named in full). The group is created on the stream from its first entry
+(``XGROUP CREATE … 0 MKSTREAM``), so entries added before any consumer existed are read
+too. A message is acknowledged (``XACK``) once the transaction that applied it committed.
+
+Entries a consumer read and did not acknowledge stay in the group's pending list under the
+consumer's name (``name``, default the host name), so a consumer that restarts under its
+name reads its own pending entries first (``XREADGROUP … 0``), in order, before new ones.
+Entries of a consumer that never comes back are taken over by the others with
+``XAUTOCLAIM`` once idle for ``claim_idle`` seconds (default 60); a live consumer keeps the
+entries it holds from looking idle (``XCLAIM … JUSTID`` every third of that time), however
+long a handler or its retries take.
+
+Options (query string or keyword): ``claim_idle``; the publisher's ``stream_prefix`` and
+everything redis-py takes are read by :class:`RedisPublisher`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis import exceptions as rexc
+
+from outboxer.brokers.redis import RedisPublisher
+from outboxer.config import float_option
+from outboxer.errors import ConfigError
+from outboxer.receivers.base import Incoming, Receiver, decode
+
+#: Entries taken over per XAUTOCLAIM call.
+_CLAIM_COUNT = 100
+
+
+def _text(value: bytes | None) -> str | None:
+    return value.decode("utf-8", "replace") if value is not None else None
+
+
+class RedisReceiver(Receiver):
+    """Reads the group's entries from each topic's stream; XACK after commit."""
+
+    schemes = ("redis", "rediss")
+    options = ("claim_idle",)
+
+    def __init__(self, url: str, **options: Any) -> None:
+        super().__init__(url, **options)
+        for topic in self.topics:
+            if any(char in topic for char in "*?[]"):
+                raise ConfigError(f"redis topics name streams in full, not patterns: {topic!r}")
+        self.claim_idle = float_option(
+            self.settings.get("claim_idle", 60), "redis option claim_idle", 0.01, 86_400
+        )
+        self.extend_interval = self.claim_idle / 3
+        self.consumer = self.name or "outboxer"
+        self.streams = {self._redis.stream_prefix + topic: topic for topic in self.topics}
+        self._client: aioredis.Redis | None = None
+        #: Streams whose own pending entries (from before a restart) are not all read yet,
+        #: and the last one read of each.
+        self._backlog: dict[str, str | bytes] = {}
+        self._next_claim = 0.0
+
+    @property
+    def _redis(self) -> RedisPublisher:
+        assert isinstance(self.publisher, RedisPublisher)
+        return self.publisher
+
+    def parse(self, url: str) -> RedisPublisher:
+        return RedisPublisher(url)
+
+    async def _connect(self) -> None:
+        await self._close()
+        client = aioredis.Redis.from_url(self._redis._driver_url, socket_connect_timeout=10)
+        self._client = client
+        await client.ping()
+        for stream in self.streams:
+            try:
+                await client.xgroup_create(stream, self.group, id="0", mkstream=True)
+            except rexc.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):  # it exists: fine
+                    raise
+        self._backlog = dict.fromkeys(self.streams, "0")
+        self._next_claim = 0.0
+
+    async def _close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(rexc.RedisError, OSError):  # broken: nothing to release
+                await client.aclose()
+
+    def _client_now(self) -> Any:  # redis-py's stream signatures are too narrow to type against
+        if self._client is None:
+            raise ConnectionError("redis receiver is not connected")
+        return self._client
+
+    async def _receive(self, limit: int, timeout: float) -> list[Incoming]:
+        client = self._client_now()
+        if self._backlog:  # our own pending entries first, in order
+            replies = await client.xreadgroup(
+                self.group, self.consumer, dict(self._backlog), count=limit
+            )
+            for raw_stream, entries in replies or []:
+                stream = _text(raw_stream) or ""
+                if entries:
+                    self._backlog[stream] = entries[-1][0]
+                else:
+                    self._backlog.pop(stream, None)
+            received = await self._entries(replies)
+            if received or self._backlog:
+                return received
+        loop = asyncio.get_running_loop()
+        if loop.time() >= self._next_claim:
+            self._next_claim = loop.time() + self.claim_idle / 2
+            claimed = await self._claim_idle(limit)
+            if claimed:
+                return claimed
+        ids = dict.fromkeys(self.streams, ">")
+        replies = await client.xreadgroup(
+            self.group, self.consumer, ids, count=limit, block=max(1, int(timeout * 1000))
+        )
+        return await self._entries(replies)
+
+    async def _claim_idle(self, limit: int) -> list[Incoming]:
+        """Entries other consumers left idle too long (they died): ours now."""
+        client = self._client_now()
+        received: list[Incoming] = []
+        for stream in self.streams:
+            reply = await client.xautoclaim(
+                stream,
+                self.group,
+                self.consumer,
+                int(self.claim_idle * 1000),
+                start_id="0-0",
+                count=min(limit, _CLAIM_COUNT),
+            )
+            received += await self._entries([(stream, reply[1])])
+        return received
+
+    async def _entries(self, replies: Any) -> list[Incoming]:
+        received = []
+        gone: list[tuple[str, bytes]] = []
+        for raw_stream, entries in replies or []:
+            stream = raw_stream.decode() if isinstance(raw_stream, bytes) else raw_stream
+            for entry_id, fields in entries:
+                if not fields:  # trimmed away while pending (MAXLEN): nothing to apply
+                    gone.append((stream, entry_id))
+                    continue
+                received.append(self._incoming(stream, entry_id, fields))
+        for stream, entry_id in gone:
+            await self._client_now().xack(stream, self.group, entry_id)
+        return received
+
+    def _incoming(self, stream: str, entry_id: bytes, fields: dict[bytes, bytes]) -> Incoming:
+        field = {name.decode(): value for name, value in fields.items()}
+        try:
+            headers = json.loads(field.get("headers") or b"{}")
+        except ValueError:
+            headers = {}
+        if not isinstance(headers, dict):
+            headers = {}
+        created = _text(field.get("created_at"))
+        if created:
+            headers["outboxer-created-at"] = created
+        incoming = decode(
+            {str(k): str(v) for k, v in headers.items()},
+            field.get("payload") or b"",
+            message_id=_text(field.get("id")),
+            topic=_text(field.get("topic")),
+            key=_text(field.get("key")),
+            content_type=_text(field.get("content_type")),
+            fallback_topic=self.streams.get(stream, stream),
+        )
+        incoming.token = (stream, entry_id)
+        return incoming
+
+    def _by_stream(self, incomings: Sequence[Incoming]) -> dict[str, list[bytes]]:
+        grouped: dict[str, list[bytes]] = {}
+        for incoming in incomings:
+            stream, entry_id = incoming.token
+            grouped.setdefault(stream, []).append(entry_id)
+        return grouped
+
+    async def _ack(self, incomings: Sequence[Incoming]) -> None:
+        async with self._client_now().pipeline(transaction=False) as pipe:
+            for stream, entry_ids in self._by_stream(incomings).items():
+                pipe.xack(stream, self.group, *entry_ids)
+            await pipe.execute()
+
+    async def _extend(self, incomings: Sequence[Incoming]) -> None:
+        # Claiming our own entries again resets their idle time: nobody takes them over.
+        async with self._client_now().pipeline(transaction=False) as pipe:
+            for stream, entry_ids in self._by_stream(incomings).items():
+                pipe.xclaim(stream, self.group, self.consumer, 0, entry_ids, justid=True)
+            await pipe.execute()
+
+
+__all__ = ["RedisReceiver"]

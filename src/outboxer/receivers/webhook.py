@@ -1,0 +1,373 @@
+"""The webhook receiver: an ASGI app that applies the relay's webhooks like every consumer.
+
+``WebhookReceiver(db=URL, group=NAME, handler=fn, secret=SECRET)`` is an ASGI application;
+mount it in any ASGI app (Starlette's ``app.mount("/hooks", receiver)``, FastAPI, Django's
+ASGI router) or serve it alone (``uvicorn module:receiver``). For each POST it
+
+1. checks the signature with :func:`outboxer.webhook_signature.verify_signature` (401 if
+   it does not check out; ``secret=None`` accepts unsigned requests, for trusted networks);
+2. applies the message in the consumer's transaction, as ``outboxer consume`` does: the
+   inbox claim and the handler's writes commit together (``consumer_db``);
+3. answers 200 once that committed, or for a duplicate (the inbox had it), or for a
+   message held behind a dead letter of its key; that answer is the acknowledgement.
+
+A handler that raises rolls back and the answer is 503 with ``Retry-After`` set to the
+consumer's backoff for that attempt: the relay sends the message again (it honours
+Retry-After, up to its own backoff cap). After ``max_attempts`` failures, counted by this
+process, the message goes to the dead-letter table and the answer is 200. The relay sends
+a key's next message only after the previous one's 2xx, so a key's messages are applied
+in order. A database that does not answer is a 503 too, with no attempt counted.
+
+Request layout (see ``docs/brokers/webhook.md``): the body is the payload; ``Outboxer-Id``,
+``Outboxer-Topic``, ``Outboxer-Key`` (percent-encoded), ``Outboxer-Created-At`` and
+``Content-Type`` carry the envelope; the user's headers come as they are, or as
+``Outboxer-Header-<name>`` for names HTTP or outboxer own. The handler sees those user
+headers, without HTTP's own (Host, User-Agent, Accept …).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from outboxer.brokers.base import describe
+from outboxer.brokers.webhook import (
+    HEADER_CREATED_AT,
+    HEADER_KEY,
+    HEADER_TOPIC,
+    RESERVED_PREFIX,
+    decode_header_value,
+)
+from outboxer.consumer import Consumer, Handler, Unreadable
+from outboxer.consumer_db import BatchFailed, Result, Session
+from outboxer.message import HEADER_CREATED_AT as ENVELOPE_CREATED_AT
+from outboxer.message import HEADER_KEY as ENVELOPE_KEY
+from outboxer.message import HEADER_TOPIC as ENVELOPE_TOPIC
+from outboxer.receivers.base import decode
+from outboxer.retry import Backoff
+from outboxer.stores import create_store
+from outboxer.webhook_signature import (
+    DEFAULT_TOLERANCE,
+    HEADER_ID,
+    HEADER_SIGNATURE,
+    HEADER_TIMESTAMP,
+    Secret,
+    WebhookSignatureError,
+    verify_signature,
+)
+
+if TYPE_CHECKING:
+    from outboxer.claimcheck import ObjectStore
+    from outboxer.crypto import KeyRing
+
+logger = logging.getLogger("outboxer.consumer.webhook")
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+#: Request headers that are HTTP's (or a proxy's), not the message's.
+_TRANSPORT = frozenset(
+    {
+        "host",
+        "content-length",
+        "content-type",
+        "user-agent",
+        "accept",
+        "accept-encoding",
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "te",
+        "expect",
+        "authorization",
+        "forwarded",
+        "via",
+    }
+)
+_ENVELOPE = frozenset(
+    name.lower()
+    for name in (HEADER_ID, HEADER_TOPIC, HEADER_KEY, HEADER_CREATED_AT, HEADER_TIMESTAMP)
+) | {HEADER_SIGNATURE.lower()}
+#: Messages whose failures are remembered (oldest forgotten first).
+_REMEMBERED = 10_000
+
+
+class WebhookReceiver:
+    """An ASGI app applying one consumer group's webhooks to a database (see the module)."""
+
+    def __init__(
+        self,
+        *,
+        db: str,
+        group: str,
+        handler: Handler | str,
+        secret: Secret | Sequence[Secret] | None,
+        tolerance: float | None = DEFAULT_TOLERANCE,
+        concurrency: int = 4,
+        max_attempts: int = 10,
+        backoff: Backoff | None = None,
+        abandoned_blocks_key: bool = False,
+        schema: str = "outboxer",
+        table: str = "outbox",
+        max_body: int = 16 * 1024 * 1024,
+        async_driver: str | None = None,
+        keyring: KeyRing | None = None,
+        object_store: ObjectStore | None = None,
+    ) -> None:
+        self.consumer = Consumer(
+            db=db,
+            broker=None,
+            group=group,
+            handler=handler,
+            concurrency=concurrency,
+            max_attempts=max_attempts,
+            backoff=backoff,
+            abandoned_blocks_key=abandoned_blocks_key,
+            schema=schema,
+            table=table,
+            async_driver=async_driver,
+            keyring=keyring,
+            object_store=object_store,
+        )
+        self.secret = secret
+        self.tolerance = tolerance
+        self.max_body = max_body
+        self._sessions: asyncio.Queue[Session] | None = None
+        self._all: list[Session] = []
+        self._executor: ThreadPoolExecutor | None = None
+        self._starting = asyncio.Lock()
+        self._failures: OrderedDict[Any, int] = OrderedDict()
+
+    @property
+    def stats(self) -> Any:
+        return self.consumer.stats
+
+    # ----- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Check the schema and open the connections (done by the first request otherwise)."""
+        async with self._starting:
+            if self._sessions is not None:
+                return
+            store = create_store(
+                self.consumer.db, schema=self.consumer.schema, table=self.consumer.table
+            )
+            try:
+                await store.connect()
+                await store.check_schema()
+            finally:
+                await store.close()
+            self._executor = self.consumer._threads()
+            sessions = [
+                self.consumer._make_session(self._executor)
+                for _ in range(self.consumer.concurrency)
+            ]
+            for session in sessions:
+                await session.open()
+            self._all = sessions
+            self._sessions = asyncio.Queue()
+            for session in sessions:
+                self._sessions.put_nowait(session)
+
+    async def close(self) -> None:
+        sessions, self._all, self._sessions = self._all, [], None
+        for session in sessions:
+            await session.close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+
+    # ----- ASGI ------------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            raise RuntimeError(f"WebhookReceiver serves HTTP, not {scope['type']}")
+        headers = {
+            name.decode("latin-1").lower(): value.decode("latin-1")
+            for name, value in scope.get("headers", [])
+        }
+        if scope["method"] != "POST":
+            await _respond(send, 405, {"error": "webhooks are POSTed"}, {"allow": "POST"})
+            return
+        body = bytearray()
+        while True:
+            event = await receive()
+            body += event.get("body", b"")
+            if len(body) > self.max_body:
+                await _respond(send, 413, {"error": f"body over {self.max_body} bytes"})
+                return
+            if not event.get("more_body"):
+                break
+        status, answer, extra = await self.handle(headers, bytes(body))
+        await _respond(send, status, answer, extra)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            event = await receive()
+            if event["type"] == "lifespan.startup":
+                try:
+                    await self.start()
+                except Exception as exc:  # noqa: BLE001 -- reported to the server, which stops
+                    await send({"type": "lifespan.startup.failed", "message": describe(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif event["type"] == "lifespan.shutdown":
+                await self.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # ----- one request -----------------------------------------------------------------------
+
+    async def handle(
+        self, headers: Mapping[str, str], body: bytes
+    ) -> tuple[int, dict[str, Any], dict[str, str]]:
+        """The answer to one POST (status, JSON body, extra headers); ``headers`` lowercased."""
+        if self.secret is not None:
+            try:
+                verify_signature(self.secret, headers, body, self.tolerance)
+            except WebhookSignatureError as exc:
+                return 401, {"error": str(exc)}, {}
+        incoming = decode(_envelope(headers), body, content_type=headers.get("content-type"))
+        if incoming.malformed is not None and HEADER_ID.lower() not in headers:
+            return 400, {"error": f"not an outboxer webhook: {incoming.malformed}"}, {}
+        try:
+            await self.start()
+        except Exception as exc:  # noqa: BLE001 -- the database is down: the relay retries
+            logger.warning("webhook receiver cannot start: %s", describe(exc))
+            return 503, {"error": "the database does not answer"}, {"retry-after": "5"}
+        assert self._sessions is not None
+        session = await self._sessions.get()
+        try:
+            return await self._apply(session, incoming)
+        except Exception as exc:  # noqa: BLE001 -- recording a dead letter failed: retried
+            self.consumer.stats.database_errors += 1
+            logger.warning("webhook %s: database error: %s", incoming.delivery.id, describe(exc))
+            if session.broken():
+                await _reopen(session)
+            return 503, {"error": f"database error: {describe(exc)}"}, {"retry-after": "1"}
+        finally:
+            self._sessions.put_nowait(session)
+
+    async def _apply(
+        self, session: Session, incoming: Any
+    ) -> tuple[int, dict[str, Any], dict[str, str]]:
+        consumer, delivery = self.consumer, incoming.delivery
+        stats = consumer.stats
+        stats.received += 1
+        if incoming.malformed is not None:
+            await session.record_dead_letter(consumer.group, delivery, incoming.malformed, 0)
+            stats.malformed += 1
+            stats.dead_lettered += 1
+            return 200, {"result": "dead-lettered", "error": incoming.malformed}, {}
+        failures = self._failures.get(delivery.id, 0)
+        try:
+            delivery = await consumer.unwrap(delivery)
+        except Unreadable as exc:
+            await session.record_dead_letter(consumer.group, delivery, str(exc), 0)
+            stats.malformed += 1
+            stats.dead_lettered += 1
+            return 200, {"result": "dead-lettered", "error": str(exc)}, {}
+        attempt = dataclasses.replace(delivery, attempt=failures + 1)
+        try:
+            [result] = await session.apply(
+                consumer.group,
+                [attempt],
+                consumer._timed_handler,
+                hold_keys=consumer.abandoned_blocks_key,
+            )
+        except BatchFailed as failure:
+            if failure.index is None or session.lost(failure.cause):
+                stats.database_errors += 1
+                if session.lost(failure.cause):
+                    await _reopen(session)
+                return 503, {"error": f"database error: {failure}"}, {"retry-after": "1"}
+            failures += 1
+            stats.failed += 1
+            error = describe(failure.cause)
+            if failures >= consumer.max_attempts:
+                await session.record_dead_letter(consumer.group, delivery, error, failures)
+                self._failures.pop(delivery.id, None)
+                stats.dead_lettered += 1
+                logger.error(
+                    "webhook %s is a dead letter after %d attempts: %s",
+                    delivery.id,
+                    failures,
+                    error,
+                )
+                return 200, {"result": "dead-lettered", "error": error}, {}
+            self._remember(delivery.id, failures)
+            delay = consumer.backoff.delay(failures)
+            return (
+                503,
+                {"error": error, "attempt": failures},
+                {"retry-after": str(max(1, round(delay)))},
+            )
+        self._failures.pop(delivery.id, None)
+        stats.transactions += 1
+        if result is Result.APPLIED:
+            stats.applied += 1
+        elif result is Result.DUPLICATE:
+            stats.duplicates += 1
+        else:
+            stats.held += 1
+            stats.dead_lettered += 1
+        return 200, {"result": result.value}, {}
+
+    def _remember(self, message_id: Any, failures: int) -> None:
+        self._failures[message_id] = failures
+        self._failures.move_to_end(message_id)
+        while len(self._failures) > _REMEMBERED:
+            self._failures.popitem(last=False)
+
+
+async def _reopen(session: Session) -> None:
+    try:
+        await session.close()
+    except Exception as exc:  # noqa: BLE001 -- it is broken anyway
+        logger.debug("closing a broken connection: %s", exc)
+    try:
+        await session.open()
+    except Exception as exc:  # noqa: BLE001 -- the next request tries again
+        logger.warning("reconnecting to the database failed: %s", exc)
+
+
+def _envelope(headers: Mapping[str, str]) -> dict[str, str]:
+    """The request's headers as the envelope and user headers every receiver decodes."""
+    carried: dict[str, str] = {}
+    for name, value in headers.items():
+        if name.startswith(RESERVED_PREFIX.lower()):
+            carried[name[len(RESERVED_PREFIX) :]] = decode_header_value(value)
+        elif name not in _TRANSPORT and name not in _ENVELOPE:
+            carried[name] = decode_header_value(value)
+    carried["outboxer-id"] = headers.get(HEADER_ID.lower(), "")
+    for header, envelope in (
+        (HEADER_TOPIC, ENVELOPE_TOPIC),
+        (HEADER_KEY, ENVELOPE_KEY),
+        (HEADER_CREATED_AT, ENVELOPE_CREATED_AT),
+    ):
+        if header.lower() in headers:
+            carried[envelope] = decode_header_value(headers[header.lower()])
+    return carried
+
+
+async def _respond(
+    send: Send, status: int, body: Mapping[str, Any], headers: Mapping[str, str] | None = None
+) -> None:
+    data = json.dumps(body).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    raw += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": data})
+
+
+__all__ = ["WebhookReceiver"]

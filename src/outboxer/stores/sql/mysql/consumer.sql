@@ -1,0 +1,33 @@
+-- The consumer runner's dead letters (see the PostgreSQL file for what each block does).
+
+-- name: insert
+-- A repeated dead letter of the same message leaves the row as it is (the no-op update);
+-- not INSERT IGNORE, which would turn other errors into warnings too.
+INSERT INTO {dead_letters}
+    (consumer, message_id, topic, `key`, headers, content_type, payload, created_at, error,
+     attempts, held)
+VALUES (:consumer, :message_id, :topic, :key, :headers, :content_type, :payload, :created_at,
+        :error, :attempts, :held)
+ON DUPLICATE KEY UPDATE seq = seq
+
+-- name: key_blocked
+SELECT 1 AS blocked FROM {dead_letters} WHERE consumer = :consumer AND `key` = :key LIMIT 1
+
+-- name: list
+SELECT seq, consumer, message_id, topic, `key`, headers, content_type, payload,
+       created_at, error, attempts, held, failed_at
+FROM {dead_letters}
+WHERE consumer = :consumer OR :consumer IS NULL
+ORDER BY seq
+LIMIT :limit
+
+-- name: delete
+DELETE FROM {dead_letters} WHERE consumer = :consumer AND message_id = :message_id
+
+-- name: purge_consumer
+DELETE FROM {dead_letters} WHERE consumer = :consumer
+
+-- name: failed_again
+UPDATE {dead_letters}
+SET attempts = attempts + 1, error = :error, held = FALSE, failed_at = UTC_TIMESTAMP(6)
+WHERE consumer = :consumer AND message_id = :message_id

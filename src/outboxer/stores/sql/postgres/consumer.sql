@@ -1,0 +1,50 @@
+-- The consumer runner's SQL (outboxer.consumer_db, outboxer.consume_cli): the inbox claim
+-- of a whole batch, and the dead letters. Each block runs on the consumer's own connection,
+-- in its transaction; a state change is one statement.
+
+-- name: inbox_claim_many
+-- A batch's first deliveries -> recorded, and returned; those the inbox already had (applied
+-- earlier) -> not returned. One round trip for the batch instead of one per message. The ids
+-- come sorted, so two consumers claiming the same ids lock inbox rows in one order (no
+-- deadlock); a concurrent claim of the same id waits for this transaction, as inbox_claim.
+INSERT INTO {inbox} (consumer, message_id)
+SELECT :consumer, id FROM unnest(CAST(:message_ids AS uuid[])) AS id
+ON CONFLICT DO NOTHING
+RETURNING message_id
+
+-- name: insert
+-- A message whose handler failed max_attempts times (or that cannot be read, or that is held
+-- back behind an earlier dead letter of its key) -> recorded once per consumer: a redelivery
+-- dead-lettered again changes nothing.
+INSERT INTO {dead_letters}
+    (consumer, message_id, topic, key, headers, content_type, payload, created_at, error,
+     attempts, held)
+VALUES (:consumer, CAST(:message_id AS uuid), :topic, :key, CAST(:headers AS jsonb),
+        :content_type, :payload, :created_at, :error, :attempts, :held)
+ON CONFLICT (consumer, message_id) DO NOTHING
+
+-- name: key_blocked
+-- Whether the key has a dead letter of this consumer (abandoned_blocks_key: its later
+-- messages are held back behind it). Runs in the transaction that would apply the message.
+SELECT 1 AS blocked FROM {dead_letters} WHERE consumer = :consumer AND key = :key LIMIT 1
+
+-- name: list
+SELECT seq, consumer, message_id, topic, key, headers::text AS headers, content_type, payload,
+       created_at, error, attempts, held, failed_at
+FROM {dead_letters}
+WHERE consumer = :consumer OR CAST(:consumer AS text) IS NULL
+ORDER BY seq
+LIMIT :limit
+
+-- name: delete
+-- Replayed (in the transaction that applied it) or purged -> gone.
+DELETE FROM {dead_letters} WHERE consumer = :consumer AND message_id = CAST(:message_id AS uuid)
+
+-- name: purge_consumer
+DELETE FROM {dead_letters} WHERE consumer = :consumer
+
+-- name: failed_again
+-- A replay that failed -> one more attempt, its error, no longer merely held back.
+UPDATE {dead_letters}
+SET attempts = attempts + 1, error = :error, held = false, failed_at = now()
+WHERE consumer = :consumer AND message_id = CAST(:message_id AS uuid)

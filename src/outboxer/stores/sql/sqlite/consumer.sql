@@ -1,0 +1,32 @@
+-- The consumer runner's dead letters (see the PostgreSQL file for what each block does).
+
+-- name: insert
+INSERT INTO {dead_letters}
+    (consumer, message_id, topic, key, headers, content_type, payload, created_at, error,
+     attempts, held)
+VALUES (:consumer, :message_id, :topic, :key, :headers, :content_type, :payload, :created_at,
+        :error, :attempts, :held)
+ON CONFLICT (consumer, message_id) DO NOTHING
+
+-- name: key_blocked
+SELECT 1 AS blocked FROM {dead_letters} WHERE consumer = :consumer AND key = :key LIMIT 1
+
+-- name: list
+SELECT seq, consumer, message_id, topic, key, headers, content_type, payload, created_at, error,
+       attempts, held, failed_at
+FROM {dead_letters}
+WHERE consumer = :consumer OR :consumer IS NULL
+ORDER BY seq
+LIMIT :limit
+
+-- name: delete
+DELETE FROM {dead_letters} WHERE consumer = :consumer AND message_id = :message_id
+
+-- name: purge_consumer
+DELETE FROM {dead_letters} WHERE consumer = :consumer
+
+-- name: failed_again
+UPDATE {dead_letters}
+SET attempts = attempts + 1, error = :error, held = 0,
+    failed_at = (julianday('now') - 2440587.5) * 86400.0
+WHERE consumer = :consumer AND message_id = :message_id
