@@ -1,25 +1,34 @@
-"""Consumer throughput per broker: outboxer.Consumer (receive, inbox claim + handler INSERT,
-commit, ack) beside the raw consume rate of the same client library (receive and ack, no
-database), over the same backlog.
+"""Consumer throughput per broker: outboxer.Consumer (receive, inbox claim, commit, ack)
+beside the raw consume rate of the same client library (receive and ack, no database), over
+the same backlog.
 
     .venv/bin/python bench/consume.py                    # every broker, 3 runs each
     .venv/bin/python bench/consume.py --quick            # small backlog, one run
     .venv/bin/python bench/consume.py --only rabbitmq,redis --messages 20000 --json c.json
 
 Per broker and run: the backlog (``--messages`` over ``--keys`` keys, ~300-byte JSON
-payloads) is published once through outboxer's publisher into three groups (queues bound
-to one exchange, consumer groups of one stream or topic, durables of one stream). The raw
-client drains one group. The Consumer, with its defaults (concurrency 4, batch 100),
-drains another with the README's kind of handler: a plain function doing one psycopg
-INSERT per message into a fresh PostgreSQL database (``synchronous_commit = on``), run in
-the consumer's threads (``consumer``); and the third with an async handler doing the same
-INSERT through asyncpg on the event loop (``consumer_async``). Rates run from the first
-message handled to the last one acked (``raw``) or applied, so connecting is not timed.
-``ratio`` = consumer / raw, per run. ``db_control``: the database's share alone, the same
-INSERTs 100 to a transaction on 4 asyncpg connections with no broker and no inbox (what
-any consumer writing a row per message gets from this PostgreSQL); ``vs_ceiling`` =
-consumer / min(raw, db_control). The table prints the median of the runs with min and max;
-everything shares the machine's cores (``box_busy``, in cores, says how busy it was).
+payloads) is published once through outboxer's publisher into four groups (queues bound to
+one exchange, consumer groups of one stream or topic, durables of one stream). The raw
+client drains one group. The Consumer, with its defaults (concurrency 4, batch 100), drains
+the others:
+
+- ``consumer``: a handler that writes nothing, so the figure is the runner's own work
+  (receive, decode, the inbox claim, the commit in PostgreSQL with ``synchronous_commit =
+  on``, the ack): what "consume + inbox + commit" costs beside the raw client. ``ratio`` =
+  consumer / raw is the target figure.
+- ``consumer_insert``: the README's kind of handler, a plain function doing one psycopg
+  INSERT per message, run in the consumer's threads; ``ratio_insert`` = it / raw.
+- ``consumer_async``: an async handler doing the same INSERT through asyncpg on the event
+  loop; ``ratio_async`` = it / raw.
+
+``db_control``: the handler's database share alone, the same INSERTs 100 to a transaction
+on 4 asyncpg connections with no broker and no inbox; ``vs_ceiling`` = consumer_insert /
+min(raw, db_control). ``cpu_us`` figures are the process's CPU time per message (raw loop,
+runner alone, runner with the INSERT handler): everything here runs under one interpreter
+lock, so the rates follow them. Rates run from the first message handled to the last one
+acked (``raw``) or applied, so connecting is not timed. The table prints the median of the
+runs with min and max; everything shares the machine's cores (``box_busy``, in cores, says
+how busy it was during ``consumer_insert``).
 """
 
 from __future__ import annotations
@@ -64,6 +73,10 @@ async def insert_async(message: outboxer.Delivery, conn: Any) -> None:
         message.key,
         message.payload["n"],
     )
+
+
+def record_only(message: outboxer.Delivery, conn: Any) -> None:
+    """Writes nothing: what is measured is the runner's inbox claim and commit."""
 
 
 def insert_sync(message: outboxer.Delivery, conn: Any) -> None:
@@ -121,8 +134,8 @@ class Side:
                 outcomes = await publisher.publish_batch(messages[start : start + 500])
                 assert all(o.published for o in outcomes), outcomes[:3]
 
-    async def raw(self, group: str, count: int) -> float:
-        """The client library alone: receive and ack ``count`` messages; messages/s."""
+    async def raw(self, group: str, count: int) -> Clock:
+        """The client library alone: receive and ack ``count`` messages."""
         return await RAW[self.broker](self, group, count)
 
     async def cleanup(self, groups: list[str]) -> None:
@@ -172,12 +185,14 @@ class Clock:
         self.first: float | None = None
         self.at_first = 0
         self.last = 0.0
+        self.cpu_first = 0.0
+        self.cpu_last = 0.0
 
     def tick(self, done: int) -> bool:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         if self.first is None and done:
-            self.first, self.at_first = now, done
-        self.last = now
+            self.first, self.at_first, self.cpu_first = now, done, cpu
+        self.last, self.cpu_last = now, cpu
         return done >= self.count
 
     @property
@@ -185,8 +200,13 @@ class Clock:
         assert self.first is not None
         return (self.count - self.at_first) / max(self.last - self.first, 1e-9)
 
+    @property
+    def cpu_us(self) -> float:
+        """The whole process's CPU time per message over the same span, in microseconds."""
+        return (self.cpu_last - self.cpu_first) / max(self.count - self.at_first, 1) * 1e6
 
-async def _raw_rabbitmq(side: Side, group: str, count: int) -> float:
+
+async def _raw_rabbitmq(side: Side, group: str, count: int) -> Clock:
     import aio_pika
 
     connection = await aio_pika.connect(AMQP)
@@ -206,10 +226,10 @@ async def _raw_rabbitmq(side: Side, group: str, count: int) -> float:
     await queue.consume(on_message)
     await finished.wait()
     await connection.close()
-    return clock.rate
+    return clock
 
 
-async def _raw_redis(side: Side, group: str, count: int) -> float:
+async def _raw_redis(side: Side, group: str, count: int) -> Clock:
     import redis.asyncio as aioredis
 
     client = aioredis.Redis.from_url(REDIS)
@@ -223,10 +243,10 @@ async def _raw_redis(side: Side, group: str, count: int) -> float:
                 await client.xack(side.topic, group, *(entry_id for entry_id, _ in entries))
                 done += len(entries)
     await client.aclose()
-    return clock.rate
+    return clock
 
 
-async def _raw_nats(side: Side, group: str, count: int) -> float:
+async def _raw_nats(side: Side, group: str, count: int) -> Clock:
     import nats
 
     nc = await nats.connect(NATS)
@@ -243,10 +263,10 @@ async def _raw_nats(side: Side, group: str, count: int) -> float:
         await nc.flush()
         done += len(messages)
     await nc.close()
-    return clock.rate
+    return clock
 
 
-async def _raw_kafka(side: Side, group: str, count: int) -> float:
+async def _raw_kafka(side: Side, group: str, count: int) -> Clock:
     from confluent_kafka import Consumer
 
     consumer = Consumer(
@@ -268,10 +288,10 @@ async def _raw_kafka(side: Side, group: str, count: int) -> float:
         if messages:
             consumer.commit(asynchronous=True)
     await asyncio.to_thread(consumer.close)
-    return clock.rate
+    return clock
 
 
-RAW: dict[str, Callable[[Side, str, int], Awaitable[float]]] = {
+RAW: dict[str, Callable[[Side, str, int], Awaitable[Clock]]] = {
     "rabbitmq": _raw_rabbitmq,
     "redis": _raw_redis,
     "nats": _raw_nats,
@@ -309,7 +329,7 @@ async def db_control(db: str, count: int, keys: int) -> float:
     return count / elapsed
 
 
-async def consumer_rate(side: Side, group: str, db: str, count: int, handler: Any) -> float:
+async def consumer_rate(side: Side, group: str, db: str, count: int, handler: Any) -> Clock:
     consumer = outboxer.Consumer(
         db=db, broker=side.url, group=group, handler=handler, topics=[side.topic]
     )
@@ -324,42 +344,57 @@ async def consumer_rate(side: Side, group: str, db: str, count: int, handler: An
         consumer.stop()
         await task
     with psycopg.connect(db) as conn:
+        (claimed,) = conn.execute(
+            "SELECT count(*) FROM outboxer.inbox WHERE consumer = %s", (group,)
+        ).fetchone() or (0,)
         (rows,) = conn.execute("SELECT count(*) FROM applied").fetchone() or (0,)
-    assert rows == count, f"{rows} rows for {count} messages"
-    return clock.rate
+    assert claimed == count, f"{claimed} inbox rows for {count} messages"
+    assert rows in (0, count), f"{rows} rows for {count} messages"
+    return clock
 
 
 async def one_run(broker: str, count: int, keys: int, dbs: Databases, report: Report) -> None:
     side = Side(broker)
-    raw_group, async_group, sync_group = (f"{name}-{side.tag}" for name in ("raw", "cons", "sync"))
-    groups = [raw_group, sync_group, async_group]
+    raw_group, runner_group, sync_group, async_group = (
+        f"{name}-{side.tag}" for name in ("raw", "runner", "sync", "cons")
+    )
+    groups = [raw_group, runner_group, sync_group, async_group]
+    figure = f"consume.{broker}"
     try:
         await side.prepare(groups, backlog(side.topic, count, keys))
         raw = await side.raw(raw_group, count)
-        report.add(f"consume.{broker}.raw", "msg/s", raw)
+        report.add(f"{figure}.raw", "msg/s", raw.rate)
         db = dbs.empty("consume")
         with psycopg.connect(db) as conn:
             conn.execute(DDL)
+        runner = await consumer_rate(side, runner_group, db, count, record_only)
+        report.add(f"{figure}.consumer", "msg/s", runner.rate)
+        report.add(f"{figure}.ratio", "x", runner.rate / raw.rate)
         meter = BoxMeter().start()
-        applied = await consumer_rate(side, sync_group, db, count, insert_sync)
+        inserting = await consumer_rate(side, sync_group, db, count, insert_sync)
         box = meter.stop()
         with psycopg.connect(db) as conn:
             conn.execute("TRUNCATE applied")
         control = await db_control(db, count, keys)
-        report.add(f"consume.{broker}.consumer", "msg/s", applied)
-        report.add(f"consume.{broker}.db_control", "msg/s", control)
-        report.add(f"consume.{broker}.ratio", "x", applied / raw)
-        report.add(f"consume.{broker}.vs_ceiling", "x", applied / min(raw, control))
-        report.add(f"consume.{broker}.box_busy", "cores", box["busy"])
-        report.add(f"consume.{broker}.box_postgres", "cores", box["postgres"])
+        report.add(f"{figure}.consumer_insert", "msg/s", inserting.rate)
+        report.add(f"{figure}.ratio_insert", "x", inserting.rate / raw.rate)
+        report.add(f"{figure}.db_control", "msg/s", control)
+        report.add(f"{figure}.vs_ceiling", "x", inserting.rate / min(raw.rate, control))
+        report.add(f"{figure}.box_busy", "cores", box["busy"])
+        report.add(f"{figure}.box_postgres", "cores", box["postgres"])
         with psycopg.connect(db) as conn:
             conn.execute("TRUNCATE applied")
         on_loop = await consumer_rate(side, async_group, db, count, insert_async)
-        report.add(f"consume.{broker}.consumer_async", "msg/s", on_loop)
-        report.add(f"consume.{broker}.ratio_async", "x", on_loop / raw)
+        report.add(f"{figure}.consumer_async", "msg/s", on_loop.rate)
+        report.add(f"{figure}.ratio_async", "x", on_loop.rate / raw.rate)
+        report.add(f"{figure}.cpu_us.raw", "us", raw.cpu_us)
+        report.add(f"{figure}.cpu_us.consumer", "us", runner.cpu_us)
+        report.add(f"{figure}.cpu_us.consumer_insert", "us", inserting.cpu_us)
+        report.add(f"{figure}.cpu_us.consumer_async", "us", on_loop.cpu_us)
         log(
-            f"{broker}: raw {raw:,.0f} msg/s, consumer {applied:,.0f} msg/s "
-            f"({applied / raw:.2f} x), async handler {on_loop:,.0f} msg/s"
+            f"{broker}: raw {raw.rate:,.0f} msg/s, consumer {runner.rate:,.0f} msg/s "
+            f"({runner.rate / raw.rate:.2f} x), with an INSERT {inserting.rate:,.0f} msg/s "
+            f"({inserting.rate / raw.rate:.2f} x), async INSERT {on_loop.rate:,.0f} msg/s"
         )
     finally:
         await side.cleanup(groups)
@@ -373,7 +408,7 @@ def table(report: Report) -> str:
         if name in targets:
             t = targets[name]
             goal = f"{t.op} {t.bound:g}  {'pass' if t.passed(figure.median) else 'FAIL'}"
-        fmt = "{:,.0f}" if figure.unit == "msg/s" else "{:.2f}"
+        fmt = "{:,.0f}" if figure.unit in ("msg/s", "us") else "{:.2f}"
         values = (fmt.format(v) for v in (figure.median, figure.low, figure.high))
         lines.append(
             f"{name:<34} " + " ".join(f"{v:>10}" for v in values) + f"  {figure.unit:<6} {goal}"

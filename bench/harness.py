@@ -430,6 +430,7 @@ class RelayProcess:
         concurrency: int = _DEFAULTS.concurrency,
         exit_when_idle: bool = True,
         extra: Sequence[str] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         self.argv = [
             sys.executable,
@@ -454,7 +455,7 @@ class RelayProcess:
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115
             "w+", prefix="outboxer-bench-relay-", suffix=".log", delete=False
         )
-        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.cpu_at_start = 0.0
         self.cpu_total: float | None = None
         self.status: int | None = None

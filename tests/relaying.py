@@ -37,9 +37,10 @@ def enqueue(url: str, *items: tuple[str, str | None]) -> list[outboxer.Message]:
 
 
 async def rows(url: str) -> list[dict[str, object]]:
-    """Every row, in seq order, as ``outboxer messages`` lists them."""
+    """Every row (up to 1000), as ``outboxer messages`` lists them, in seq order."""
     async with outboxer.create_store(url) as store:
-        return await store.list_messages(STATUSES, 1000)
+        listed = await store.list_messages(STATUSES, 1000)
+    return sorted(listed, key=lambda row: int(str(row["seq"])))
 
 
 async def all_published(url: str, count: int) -> bool:

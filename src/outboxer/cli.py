@@ -1,4 +1,5 @@
-"""The ``outboxer`` command: relay, serve, schema, status, cleanup, messages, requeue, enqueue, demo."""
+"""The ``outboxer`` command: relay, serve, schema, status, cleanup, messages, requeue, purge,
+replay, enqueue, demo, consume, dead-letters and stream-relay."""
 
 from __future__ import annotations
 
@@ -6,12 +7,13 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import sys
 import uuid
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, NoReturn
 
-from outboxer import __version__, consume_cli, payload_admin
+from outboxer import __version__, admin, consume_cli, payload_admin, stream_cli
 from outboxer.config import (
     ENV_PREFIX,
     Settings,
@@ -20,10 +22,11 @@ from outboxer.config import (
     flags_from_args,
     load_settings,
 )
-from outboxer.errors import ConfigError, OutboxerError, PayloadError
+from outboxer.errors import AdminRequestError, ConfigError, OutboxerError, PayloadError
 from outboxer.logjson import JsonFormatter
 from outboxer.redact import RedactingFilter, get_logger, redact_text
-from outboxer.relay import Relay, cleanup
+from outboxer.relay import cleanup
+from outboxer.relay_group import RelayGroup
 from outboxer.stores import create_store
 
 logger = get_logger("outboxer.cli")
@@ -98,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
         commands,
         "serve",
         _asynchronous(_serve),
-        "the HTTP API without a relay (health, metrics, status, requeue)",
+        "the HTTP API without a relay (health, metrics, status, requeue, purge, replay)",
     )
 
     schema = commands.add_parser("schema", help="create, upgrade or print the outbox schema")
@@ -116,6 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
         _schema_sql,
         "print the DDL for your own migration tool",
         settings_of="schema sql",
+    )
+    _add_command(
+        schema_commands,
+        "migrate-partitioned",
+        _asynchronous(_schema_migrate_partitioned),
+        "move the default outbox table to the partitioned layout, in one transaction "
+        "(PostgreSQL; stop the relays first: README, Partitioned outbox)",
+        settings_of="schema migrate-partitioned",
     )
     sql.add_argument(
         "--dialect",
@@ -157,17 +168,44 @@ def build_parser() -> argparse.ArgumentParser:
         commands,
         "requeue",
         _asynchronous(_requeue),
-        "make ABANDONED (or FAILED) messages PENDING again",
+        "make ABANDONED (or FAILED) messages PENDING again, due now, attempts reset",
     )
-    requeue.add_argument(
-        "--id",
-        action="append",
-        dest="ids",
-        metavar="UUID",
-        help="message id (repeatable); default: all",
+    _add_filter_flags(
+        requeue,
+        statuses=admin.REQUEUEABLE,
+        status_help="default ABANDONED",
+        destination_help="default: every configured one",
     )
-    requeue.add_argument("--status", action="append", choices=["ABANDONED", "FAILED"])
-    requeue.add_argument("--destination", action="append", help="default: every configured one")
+
+    purge = _add_command(
+        commands,
+        "purge",
+        _asynchronous(_purge),
+        "delete the messages a filter matches (never PROCESSING ones), in one transaction",
+    )
+    _add_filter_flags(
+        purge,
+        statuses=STATUSES,
+        status_help="default every status but PROCESSING, which a relay holds and purge refuses",
+        everything="purge every message: the only way without a filter",
+    )
+
+    replay = _add_command(
+        commands,
+        "replay",
+        _asynchronous(_replay),
+        "copy PUBLISHED messages as new PENDING ones (header replay-of), in one transaction",
+    )
+    _add_filter_flags(
+        replay,
+        destination_help="the originals' destination",
+        everything="replay every PUBLISHED message: the only way without a filter",
+    )
+    replay.add_argument(
+        "--to",
+        metavar="DESTINATION",
+        help="the copies' destination, a configured one; default: each original's own",
+    )
 
     enqueue = _add_command(
         commands, "enqueue", _enqueue, "add one message (in its own transaction)"
@@ -229,7 +267,90 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--log-level", default="WARNING", choices=LOG_LEVELS)
     demo.set_defaults(func=_demo)
     consume_cli.add_commands(commands, _add_command)  # consume, dead-letters
+    stream_cli.add_commands(commands, _add_command)  # stream-relay (log and WAL modes)
     return parser
+
+
+def _add_filter_flags(
+    parser: argparse.ArgumentParser,
+    *,
+    statuses: Sequence[str] = (),
+    status_help: str = "",
+    destination_help: str = "",
+    everything: str | None = None,
+) -> None:
+    """The flags of an admin.MessageFilter (criteria combine with AND, repeats with OR),
+    and --dry-run."""
+    parser.add_argument(
+        "--id", action="append", dest="ids", metavar="UUID", help="message id (repeatable)"
+    )
+    parser.add_argument(
+        "--topic", action="append", dest="topics", metavar="TOPIC", help="(repeatable)"
+    )
+    parser.add_argument("--key", action="append", dest="keys", metavar="KEY", help="(repeatable)")
+    parser.add_argument(
+        "--destination", action="append", help=f"(repeatable) {destination_help}".strip()
+    )
+    if statuses:
+        parser.add_argument(
+            "--status", action="append", choices=statuses, help=f"(repeatable) {status_help}"
+        )
+    parser.add_argument(
+        "--older-than", metavar="DURATION", help="created longer ago than this (90m, 7d, …)"
+    )
+    parser.add_argument(
+        "--created-after", metavar="TIME", help="created at or after this ISO 8601 time (UTC)"
+    )
+    parser.add_argument(
+        "--created-before", metavar="TIME", help="created before this ISO 8601 time (UTC)"
+    )
+    parser.add_argument(
+        "--error", metavar="TEXT", help="last error contains this text (case-sensitive)"
+    )
+    if everything is not None:
+        parser.add_argument("--all", action="store_true", dest="everything", help=everything)
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print how many messages it would change; change none",
+    )
+
+
+def _message_filter(args: argparse.Namespace) -> admin.MessageFilter:
+    """The filter the flags describe; AdminRequestError (exit 2) naming a bad flag."""
+
+    def listed(values: list[str] | None) -> tuple[str, ...] | None:
+        return tuple(values) if values else None
+
+    return admin.MessageFilter(
+        ids=tuple(uuid.UUID(_message_id(text, "--id")) for text in args.ids) if args.ids else None,
+        topics=listed(args.topics),
+        keys=listed(args.keys),
+        destinations=listed(args.destination),
+        statuses=listed(getattr(args, "status", None)),
+        older_than=(
+            admin.parse_age(args.older_than, "--older-than")
+            if args.older_than is not None
+            else None
+        ),
+        created_after=(
+            admin.parse_time(args.created_after, "--created-after")
+            if args.created_after is not None
+            else None
+        ),
+        created_before=(
+            admin.parse_time(args.created_before, "--created-before")
+            if args.created_before is not None
+            else None
+        ),
+        error=args.error,
+    )
+
+
+def _report(result: admin.AdminResult, heading: str = "") -> int:
+    for line in result.lines():
+        print(f"{heading}{line}")
+    return EXIT_OK
 
 
 #: A URL of each dialect, for printing its DDL without a database.
@@ -254,19 +375,30 @@ async def _relay(args: argparse.Namespace) -> int:
 
 
 async def run_relay(settings: Settings) -> None:
-    """``outboxer relay``: the relay and, with ``settings.http``, its HTTP API, until SIGTERM."""
-    relay = Relay.from_settings(settings)
+    """``outboxer relay``: the relay of each database and, with ``settings.http``, the HTTP
+    API, until SIGTERM."""
+    relays = RelayGroup.from_settings(settings)
     server = None
     if settings.http:
         from outboxer.http import start_http_api
 
-        server = await start_http_api(settings, relay)
-    relay.install_signal_handlers()
+        server = await start_http_api(settings, relays)
+    relays.install_signal_handlers()
     try:
-        await relay.run()
+        await relays.run()
     finally:
         if server is not None:
             await server.close()
+
+
+def _databases(settings: Settings) -> dict[str, Settings]:
+    """The settings of each database a command works on (one, unless several are named)."""
+    return settings.database_settings()
+
+
+def _heading(settings: Settings, name: str) -> str:
+    """``database NAME: `` before a line about one of several databases; else nothing."""
+    return f"database {name}: " if settings.several_databases else ""
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -277,9 +409,49 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 async def _schema_apply(args: argparse.Namespace) -> int:
-    async with _store(_settings(args)) as store:
-        applied = await store.apply_schema()
-    print(f"applied: {', '.join(applied)}" if applied else "schema is up to date")
+    settings = _settings(args)
+    for name, own in _databases(settings).items():
+        store = _store(own)
+        partitions: list[Any] = []
+        if store.dialect != "postgres":
+            if settings.partitioned:
+                raise ConfigError(f"--partitioned needs PostgreSQL; --db is {store.dialect}")
+            async with store:
+                applied = await store.apply_schema()
+        else:
+            async with store:
+                applied = await store.apply_schema(
+                    partitioned=settings.partitioned,
+                    partition_interval=settings.partition_interval,
+                    partitions_ahead=settings.partitions_ahead,
+                )
+                partitions = await store.partitions()
+        if partitions:
+            print(
+                _heading(settings, name)
+                + f"partitioned by created_at: {len(partitions) - 1} partition(s) and a default"
+            )
+        print(
+            _heading(settings, name)
+            + (f"applied: {', '.join(applied)}" if applied else "schema is up to date")
+        )
+    return EXIT_OK
+
+
+async def _schema_migrate_partitioned(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    store = _store(settings)
+    if store.dialect != "postgres":
+        raise ConfigError(f"the partitioned outbox needs PostgreSQL; --db is {store.dialect}")
+    report = await store.migrate_to_partitioned(
+        partition_interval=settings.partition_interval,
+        partitions_ahead=settings.partitions_ahead,
+    )
+    print(
+        f"{settings.schema}.{settings.table} is partitioned by created_at: moved "
+        f"{report.moved} unfinished or abandoned message(s); the PUBLISHED history stays in "
+        f"{settings.schema}.{report.kept_as} (drop it once past retention)"
+    )
     return EXIT_OK
 
 
@@ -294,7 +466,7 @@ def _schema_sql(args: argparse.Namespace) -> int:
         store = create_store(
             _DIALECT_URLS[args.dialect], schema=settings.schema, table=settings.table
         )
-    print(store.schema_sql(), end="")
+    print(store.schema_sql(partitioned=settings.partitioned), end="")
     return EXIT_OK
 
 
@@ -308,45 +480,93 @@ def _format_age(seconds: float | None) -> str:
 
 
 async def _status(args: argparse.Namespace) -> int:
-    async with _store(_settings(args)) as store:
-        report = await store.status_report()
-    if args.json:
-        print(json.dumps(report, indent=2))
+    settings = _settings(args)
+    if not settings.several_databases:
+        async with _store(settings) as store:
+            report = await store.status_report()
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            _print_status(report, "")
         return EXIT_OK
+    # One section per database; one that does not answer says why, and the others still show.
+    reports: dict[str, dict[str, Any]] = {}
+    for name, own in _databases(settings).items():
+        try:
+            async with _store(own) as store:
+                reports[name] = await store.status_report()
+        except (OSError, OutboxerError) as exc:  # unreachable, refused, or no such table
+            reports[name] = {"error": redact_text(str(exc) or type(exc).__name__)}
+        except Exception as exc:  # noqa: BLE001 -- a driver's own error: the database failed
+            reports[name] = {"error": redact_text(f"{type(exc).__name__}: {exc}")}
+    if args.json:
+        print(json.dumps({"databases": reports}, indent=2))
+    else:
+        for name, report in reports.items():
+            print(f"database {name}:")
+            if "error" in report:
+                print(f"  unavailable: {report['error']}")
+            else:
+                _print_status(report, "  ")
+    return EXIT_ERROR if any("error" in report for report in reports.values()) else EXIT_OK
+
+
+def _print_status(report: dict[str, Any], indent: str) -> None:
     if not report["destinations"]:
-        print("the outbox is empty")
+        print(f"{indent}the outbox is empty")
     for entry in report["destinations"]:
         counts: dict[str, int] = entry["counts"]
-        print(f"destination {entry['destination']}:")
+        print(f"{indent}destination {entry['destination']}:")
         for status in ("PENDING", "PROCESSING", "FAILED", "PUBLISHED", "ABANDONED"):
-            print(f"  {status:<11} {counts.get(status, 0):>10}")
-        print(f"  oldest pending  {_format_age(entry['oldest_pending_age_seconds'])}")
-        print(f"  retry rate      {float(entry['retry_rate']) * 100:.1f}%")
-        print(f"  abandoned       {entry['abandoned']}")
+            if status == "PUBLISHED" and entry.get("published_estimated"):
+                # A big table: an estimate (the other counts are exact).
+                shown = "~" + str(counts.get(status, 0))
+                print(f"{indent}  {status:<11} {shown:>10}  (estimated)")
+            else:
+                print(f"{indent}  {status:<11} {counts.get(status, 0):>10}")
+        print(f"{indent}  oldest pending  {_format_age(entry['oldest_pending_age_seconds'])}")
+        print(f"{indent}  retry rate      {float(entry['retry_rate']) * 100:.1f}%")
+        print(f"{indent}  abandoned       {entry['abandoned']}")
+    if partitions := report.get("partitions"):
+        print(
+            f"{indent}partitions: {partitions['count']} from {partitions['from']} to "
+            f"{partitions['to']}, {partitions['default_partition_rows']} row(s) in the default "
+            "partition"
+        )
     if lag := report["oldest_transaction_age_seconds"]:
-        print(f"oldest open writing transaction: {_format_age(lag)}")
-    return EXIT_OK
+        print(f"{indent}oldest open writing transaction: {_format_age(lag)}")
 
 
 async def _cleanup(args: argparse.Namespace) -> int:
     settings = _settings(args)
-    async with _store(settings) as store:
-        deleted = await cleanup(store, settings, max_batches=1_000_000)
-    print(f"deleted {deleted} finished message(s)")
+    for name, own in _databases(settings).items():
+        async with _store(own) as store:
+            deleted = await cleanup(store, own, max_batches=1_000_000)
+        print(f"{_heading(settings, name)}deleted {deleted} finished message(s)")
     return EXIT_OK
 
 
 async def _messages(args: argparse.Namespace) -> int:
     limit = _usage(MESSAGES_LIMIT.parse, args.limit, "--limit")
-    async with _store(_settings(args)) as store:
-        rows = await store.list_messages(args.status or ["ABANDONED"], limit)
+    settings = _settings(args)
+    rows: list[dict[str, object]] = []
+    for name, own in _databases(settings).items():
+        async with _store(own) as store:
+            found = await store.list_messages(args.status or ["ABANDONED"], limit - len(rows))
+        rows += (
+            [{**row, "database": name} for row in found] if settings.several_databases else found
+        )
+        if len(rows) >= limit:
+            break
     if args.json:
         print(json.dumps(rows, default=str, indent=2))
     else:
         for row in rows:
+            where = f"{row['database']}/" if "database" in row else ""
             print(
-                f"{row['id']}  {row['status']:<10} {row['destination']:<10} {row['topic']:<24} "
-                f"key={row['key']} attempts={row['attempts']} error={row['last_error']}"
+                f"{row['id']}  {row['status']:<10} {where}{row['destination']:<10} "
+                f"{row['topic']:<24} key={row['key']} attempts={row['attempts']} "
+                f"error={row['last_error']}"
             )
     return EXIT_OK
 
@@ -359,13 +579,52 @@ def _message_id(text: str, name: str) -> str:
 
 
 async def _requeue(args: argparse.Namespace) -> int:
-    ids = [_message_id(text, "--id") for text in args.ids] if args.ids else None
+    where = _message_filter(args)
     settings = _settings(args)
-    destinations = args.destination or settings.destination_names
-    async with _store(settings) as store:
-        count = await store.requeue(destinations, args.status or ["ABANDONED"], ids)
-    print(f"requeued {count} message(s)")
-    return EXIT_OK
+    code = EXIT_OK
+    for name, own in _databases(settings).items():
+        async with _store(own) as store:
+            result = await admin.requeue(
+                store, where, destinations=own.destination_names, dry_run=args.dry_run
+            )
+        code = _report(result, _heading(settings, name))
+    return code
+
+
+async def _purge(args: argparse.Namespace) -> int:
+    where = _message_filter(args)
+    settings = _settings(args)
+    code = EXIT_OK
+    for name, own in _databases(settings).items():
+        async with _store(own) as store:
+            result = await admin.purge(
+                store, where, everything=args.everything, dry_run=args.dry_run
+            )
+        code = _report(result, _heading(settings, name))
+    return code
+
+
+async def _replay(args: argparse.Namespace) -> int:
+    where = _message_filter(args)
+    settings = _settings(args)
+    copier = admin.copier_from_settings(settings)
+    code = EXIT_OK
+    try:
+        for name, own in _databases(settings).items():
+            async with _store(own) as store:
+                result = await admin.replay(
+                    store,
+                    where,
+                    to=args.to,
+                    everything=args.everything,
+                    copier=copier,
+                    known_destinations=own.destination_names,
+                    dry_run=args.dry_run,
+                )
+            code = _report(result, _heading(settings, name))
+    finally:
+        copier.close()
+    return code
 
 
 def _usage(parse: Callable[[object, str], Any], value: object, name: str) -> Any:
@@ -499,13 +758,27 @@ def _configure_logging(level: str, log_format: str) -> None:
         root_handler.addFilter(redacting)
 
 
+#: Commands that run until signalled: SIGTERM stops them cleanly (exit 0) at any moment.
+DAEMONS = frozenset({"relay", "consume", "serve", "stream-relay"})
+
+
+def _stop_before_started(signum: int, frame: object) -> None:
+    """SIGTERM while a daemon is still starting (before its event loop took the signal
+    over): nothing is claimed or held yet, so stop as SIGINT would, cleanly."""
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in DAEMONS:
+        # An orchestrator may stop a process the moment it starts; without this, SIGTERM's
+        # default action kills it (exit -15) until the relay's own handler is installed.
+        signal.signal(signal.SIGTERM, _stop_before_started)
     _configure_logging(args.log_level, getattr(args, "log_format", "text"))
     run: Command = args.func
     try:
         return run(args)
-    except (UsageError, PayloadError) as exc:  # PayloadError: enqueue's check of --topic …
+    except (UsageError, PayloadError, AdminRequestError) as exc:  # PayloadError: enqueue's …
         _fail(f"outboxer {args.command}: {exc}")
         return EXIT_USAGE
     except ConfigError as exc:

@@ -183,6 +183,8 @@ class Duration(Kind[float]):
     high: float = LONGEST_RETENTION
     #: Whether zero is refused (an interval or a timeout of zero would spin or never wait).
     positive: bool = False
+    #: The shortest value taken (0: none but ``positive``).
+    low: float = 0.0
     metavar: ClassVar[str] = "DURATION"
 
     def parse(self, value: object, name: str) -> float:
@@ -200,6 +202,8 @@ class Duration(Kind[float]):
             raise ConfigError(f"{name} must not be negative")
         if self.positive and seconds == 0:
             raise ConfigError(f"{name} must be greater than zero")
+        if seconds < self.low:
+            raise ConfigError(f"{name} must be at least {format_duration(self.low)}; got {value!r}")
         if seconds > self.high:
             raise ConfigError(f"{name} must be at most {format_duration(self.high)}; got {value!r}")
         return seconds
@@ -208,6 +212,8 @@ class Duration(Kind[float]):
         return format_duration(value)
 
     def allowed(self) -> str:
+        if self.low:
+            return f"{format_duration(self.low)} to {format_duration(self.high)}"
         if self.positive:
             return f"more than 0, at most {format_duration(self.high)}"
         return f"0 to {format_duration(self.high)}"
@@ -272,6 +278,22 @@ class Identifier(Kind[str]):
         return "letters, digits, _"
 
 
+@dataclass(frozen=True)
+class Choice(Kind[str]):
+    """One of a few words (``log`` or ``wal``)."""
+
+    choices: tuple[str, ...]
+    metavar: ClassVar[str] = "WORD"
+
+    def parse(self, value: object, name: str) -> str:
+        if not isinstance(value, str) or value.strip() not in self.choices:
+            raise ConfigError(f"{name} must be one of {', '.join(self.choices)}; got {value!r:.60}")
+        return value.strip()
+
+    def allowed(self) -> str:
+        return " or ".join(self.choices)
+
+
 def check_url(url: str, name: str) -> None:
     """ConfigError unless every host of ``url`` has no port or a port from 0 to 65535.
 
@@ -312,6 +334,54 @@ class Url(Kind[str]):
 
     def allowed(self) -> str:
         return f"a URL such as {self.example}"
+
+
+#: The name of the one database of a relay given one ``db`` (the ``database`` label of its
+#: metrics), and of the API's single-database answers.
+DEFAULT_DATABASE = "default"
+_DATABASE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,62}")
+#: ``NAME=URL``: a name cannot hold ``:`` or ``/``, so a URL never reads as one.
+_NAMED_URL = re.compile(r"([A-Za-z_][A-Za-z0-9_-]{0,62})=(.*)", re.DOTALL)
+
+
+def check_database_name(value: object, name: str) -> str:
+    """A database's name: it labels metrics and log lines, and ``--database`` picks it."""
+    if not isinstance(value, str) or not _DATABASE_NAME.fullmatch(value):
+        raise ConfigError(
+            f"{name}: a database name starts with a letter or _ and holds at most 63 letters, "
+            f"digits, _ and -; got {redact_text(repr(value))}"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class DatabaseName(Kind[str]):
+    metavar: ClassVar[str] = "NAME"
+
+    def parse(self, value: object, name: str) -> str:
+        return check_database_name(value, name)
+
+    def allowed(self) -> str:
+        return "letters, digits, _, -"
+
+
+@dataclass(frozen=True)
+class DatabaseUrl(Url):
+    """A database URL; ``NAME=URL`` is for the repeated ``--db`` flag (see load_settings)."""
+
+    def parse(self, value: object, name: str) -> str:
+        if isinstance(value, str) and _NAMED_URL.fullmatch(value):
+            raise ConfigError(
+                f"{name}: NAME=URL names a database of the repeated --db flag; here give the "
+                f"URL alone, or name databases in [databases.NAME] tables of the file"
+            )
+        return super().parse(value, name)
+
+
+def split_named_url(text: str) -> tuple[str | None, str]:
+    """``NAME=URL`` -> (NAME, URL); a plain URL -> (None, URL)."""
+    match = _NAMED_URL.fullmatch(text)
+    return (match.group(1), match.group(2)) if match else (None, text)
 
 
 def _comma_separated(value: object, name: str, what: str) -> list[str]:
@@ -473,6 +543,8 @@ class Declaration:
     #: The flag and the variable when the name alone would be vague (``--consumer-name``).
     flag_name: str | None = None
     env_name: str | None = None
+    #: A ``[databases.NAME]`` table of the file may give it for its database alone.
+    per_database: bool = False
 
     @property
     def flag(self) -> str:
@@ -515,6 +587,7 @@ def setting(
     repeatable: bool = False,
     flag: str | None = None,
     env: str | None = None,
+    per_database: bool = False,
 ) -> Any:
     """A dataclass field that declares a setting (see the module's docstring)."""
     declared = Declaration(
@@ -527,6 +600,7 @@ def setting(
         repeatable=repeatable,
         flag_name=flag,
         env_name=env,
+        per_database=per_database,
     )
     metadata = {_DECLARATION: declared}
     if default_factory is not None:
@@ -546,10 +620,14 @@ def declarations(cls: type) -> tuple[Declaration, ...]:
     return tuple(result)
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type, command: str) -> None:
-    """The flags of the settings of ``cls`` that ``command`` takes; unset flags are None."""
+def add_flags(
+    parser: argparse.ArgumentParser, cls: type, command: str, *, leave_out: Iterable[str] = ()
+) -> None:
+    """The flags of the settings of ``cls`` that ``command`` takes, but those named in
+    ``leave_out``; unset flags are None."""
+    left_out = frozenset(leave_out)
     for declared in declarations(cls):
-        if command not in declared.commands:
+        if command not in declared.commands or declared.name in left_out:
             continue
         help_text = declared.help_text().replace("%", "%%")
         if declared.switch:
@@ -610,6 +688,8 @@ def _commands_text(commands: Iterable[str]) -> str:
     names = set(commands)
     if names == set(TABLE_COMMANDS):
         return "all but demo"
+    if names == set(STREAM_COMMANDS):
+        return "stream-relay and its subcommands"
     return ", ".join(sorted(names))
 
 
@@ -627,7 +707,7 @@ def settings_table(cls: type | None = None) -> str:
             declared.shown_default,
             declared.kind.allowed(),
             _commands_text(declared.commands),
-            declared.help,
+            declared.help + (" (per database too)" if declared.per_database else ""),
         )
         rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     return "\n".join(rows) + "\n"
@@ -635,16 +715,30 @@ def settings_table(cls: type | None = None) -> str:
 
 # ----- the settings -------------------------------------------------------------------------
 
+#: ``outboxer stream-relay`` (log mode and the WAL outbox) and its subcommands.
+STREAM_RELAY = "stream-relay"
+STREAM_LETTERS = (
+    "stream-relay dead-letters list",
+    "stream-relay dead-letters replay",
+    "stream-relay dead-letters purge",
+)
+STREAM_COMMANDS = (STREAM_RELAY, "stream-relay status", *STREAM_LETTERS)
+#: The commands that publish a stream's messages: the relay, and its dead letters' replay.
+STREAM_PUBLISHING = (STREAM_RELAY, "stream-relay dead-letters replay")
+
 #: The commands that work on the outbox table: they take --db, --schema and --table.
 TABLE_COMMANDS = (
     "relay",
     "serve",
     "schema apply",
     "schema sql",
+    "schema migrate-partitioned",
     "status",
     "cleanup",
     "messages",
     "requeue",
+    "purge",
+    "replay",
     "enqueue",
     "consume",
     "dead-letters list",
@@ -652,13 +746,26 @@ TABLE_COMMANDS = (
     "dead-letters purge",
     "keys rotate",
     "claim-check sweep",
+    *STREAM_COMMANDS,
 )
 RELAY = ("relay",)
 #: The commands that encrypt or decrypt payloads, and those that reach the claim-check store.
 #: `consume` and `dead-letters replay` undo what these protect before the handler.
-ENCRYPTING = ("enqueue", "keys rotate", "relay", "consume", "dead-letters replay")
+#: `replay` (and `serve`, whose POST /messages/replay is the same) re-protects each copy.
+ENCRYPTING = (
+    "enqueue",
+    "keys rotate",
+    "relay",
+    "consume",
+    "dead-letters replay",
+    "replay",
+    "serve",
+    *STREAM_PUBLISHING,
+)
 CLAIM_CHECKING = (
     "enqueue",
+    "replay",
+    "serve",
     "keys rotate",
     "claim-check sweep",
     "cleanup",
@@ -667,29 +774,45 @@ CLAIM_CHECKING = (
     "dead-letters replay",
 )
 RETENTION = ("relay", "cleanup")
+#: The commands that make or keep the partitions of a partitioned outbox.
+PARTITIONING = ("relay", "cleanup", "schema apply", "schema migrate-partitioned")
 HTTP = ("relay", "serve", "consume")
 #: The relay's settings that `outboxer consume` shares (outboxer.consume_cli has its own).
 RELAY_AND_CONSUMER = ("relay", "consume")
+#: Retry settings shared by the relay, the consumer and the stream relay.
+RETRYING = (*RELAY_AND_CONSUMER, STREAM_RELAY)
 
 
 def default_relay_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
-def _interval(help: str, default: float, commands: Sequence[str] = RELAY) -> Any:
+def _interval(
+    help: str, default: float, commands: Sequence[str] = RELAY, *, per_database: bool = False
+) -> Any:
     return setting(
-        default, kind=Duration(LONGEST_INTERVAL, positive=True), help=help, commands=commands
+        default,
+        kind=Duration(LONGEST_INTERVAL, positive=True),
+        help=help,
+        commands=commands,
+        per_database=per_database,
     )
 
 
 def _retention(help: str, default: float) -> Any:
-    return setting(default, kind=Duration(LONGEST_RETENTION), help=help, commands=RETENTION)
+    return setting(
+        default,
+        kind=Duration(LONGEST_RETENTION),
+        help=help,
+        commands=RETENTION,
+        per_database=True,
+    )
 
 
 #: Tables of the settings file that other commands read with :func:`file_table`
 #: (``outboxer consume``'s ``[consumer]``, declared in outboxer.consume_cli);
 #: ``load_settings`` lets them pass.
-OTHER_COMMANDS_TABLES = frozenset({"consumer"})
+OTHER_COMMANDS_TABLES = frozenset({"consumer", "stream_relay"})
 
 #: Publisher keywords the relay passes itself: a destination's ``routes`` and the
 #: ``publish_timeout`` setting. They (and ``url``, the broker) are no destination options.
@@ -746,93 +869,197 @@ class DestinationSettings:
 
 
 @dataclass(frozen=True)
+class DatabaseSettings:
+    """One of the databases a relay serves (``[databases.NAME]``, or a repeated ``--db``).
+
+    Its relay takes the process's settings, with ``overrides`` (the settings declared
+    ``per_database``: schema, table, batch_size, …) and, when given, ``destinations``
+    in place of the process's destinations.
+    """
+
+    name: str
+    url: str
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    #: Its own destinations (``[databases.NAME.destinations.X]``); None: the process's.
+    destinations: Mapping[str, DestinationSettings] | None = None
+
+    def __post_init__(self) -> None:
+        check_database_name(self.name, "database name")
+        DatabaseUrl("postgresql://host/db").parse(self.url, f"database {self.name!r}: url")
+        register_url_secrets(self.url)
+        allowed = {declared.name: declared for declared in declarations(Settings)}
+        for key, value in self.overrides.items():
+            declared = allowed.get(key)
+            if declared is None or not declared.per_database:
+                raise ConfigError(
+                    f"database {self.name!r}: {key} is not a setting of one database; "
+                    f"those are {', '.join(sorted(per_database_settings()))}"
+                )
+            declared.kind.parse(value, f"database {self.name!r}: {key}")
+
+    def __repr__(self) -> str:
+        return (
+            f"DatabaseSettings(name={self.name!r}, url={redact_url(self.url)!r}, "
+            f"overrides={dict(self.overrides)!r}, destinations={self.destinations!r})"
+        )
+
+
+def per_database_settings() -> frozenset[str]:
+    """The settings a ``[databases.NAME]`` table may give (besides url and destinations)."""
+    return frozenset(d.name for d in declarations(Settings) if d.per_database)
+
+
+@dataclass(frozen=True)
 class Settings:
     """Every setting of the relay and the CLI, each declared once with its default."""
 
     db: str | None = setting(
-        kind=Url("postgresql://host/db or sqlite:///file.db"),
-        help="database URL",
+        kind=DatabaseUrl("postgresql://host/db or sqlite:///file.db"),
+        help="database URL; `relay`: repeat it (`--db URL --db URL`, or `--db NAME=URL`) to "
+        "serve several databases in one process",
         commands=TABLE_COMMANDS,
+        repeatable=True,
+    )
+    #: Several databases by name, from ``[databases.NAME]`` tables of the file or a repeated
+    #: ``--db``; empty when one ``db`` is given. See :meth:`database_settings`.
+    databases: Mapping[str, DatabaseSettings] = field(default_factory=dict)
+    database: str | None = setting(
+        kind=DatabaseName(),
+        help="the database this command works on when several are configured "
+        "(`[databases.NAME]`, or db1, db2, … for a repeated `--db`); with one, the name "
+        "metrics and logs give it",
+        commands=TABLE_COMMANDS,
+        default_text=DEFAULT_DATABASE,
     )
     #: The ``default`` destination's broker; it joins ``destinations`` as ``default``.
     broker: str | None = setting(
         kind=Url("amqp://host/"),
         help="broker URL of the `default` destination (`consume`: the broker to consume from)",
-        commands=RELAY_AND_CONSUMER,
+        commands=(*RELAY_AND_CONSUMER, *STREAM_PUBLISHING),
     )
     schema: str = setting(
         "outboxer",
         kind=Identifier("schema"),
         help="schema of the outbox table",
         commands=TABLE_COMMANDS,
+        per_database=True,
     )
     table: str = setting(
-        "outbox", kind=Identifier("table"), help="outbox table name", commands=TABLE_COMMANDS
+        "outbox",
+        kind=Identifier("table"),
+        help="outbox table name",
+        commands=TABLE_COMMANDS,
+        per_database=True,
     )
     #: Destinations by name, from ``[destinations.NAME]`` tables of the file (and ``broker``).
     destinations: Mapping[str, DestinationSettings] = field(default_factory=dict)
     batch_size: int = setting(
-        500, kind=Whole(1, 10_000), help="rows claimed per batch", commands=RELAY
+        500, kind=Whole(1, 10_000), help="rows claimed per batch", commands=RELAY, per_database=True
     )
     lock_timeout: float = _interval(
         "lease of a claimed batch, renewed while it is published: a relay that dies or stalls loses its rows after this",
         60.0,
+        per_database=True,
     )
     max_attempts: int = setting(
         10,
         kind=Whole(1, 1_000_000),
-        help="attempts before ABANDONED (`consume`: before a dead letter)",
-        commands=RELAY_AND_CONSUMER,
+        help="attempts before ABANDONED (`consume`, `stream-relay`: before a dead letter)",
+        commands=RETRYING,
+        per_database=True,
     )
     poll_interval: float = _interval(
-        "fallback poll when no NOTIFY comes; a NOTIFY wakes the relay at once", 1.0
+        "fallback poll when no NOTIFY comes; a NOTIFY wakes the relay at once",
+        1.0,
+        per_database=True,
     )
-    backoff_base: float = _interval("delay after the first failure", 1.0, RELAY_AND_CONSUMER)
+    wake_on_commit_below: float = setting(
+        300.0,
+        kind=Number(0.0, 1_000_000.0),
+        help="PostgreSQL: while the relay claims fewer messages/s than this, each commit "
+        "wakes it (NOTIFY); above, it polls every few ms and writers skip the NOTIFY, "
+        "which makes notifying commits wait for each other (0: always poll after work)",
+        commands=RELAY,
+        per_database=True,
+    )
+    backoff_base: float = _interval("delay after the first failure", 1.0, RETRYING)
     backoff_multiplier: float = setting(
         2.0,
         kind=Number(1.0, 1000.0),
         help="growth of the delay per failure",
-        commands=RELAY_AND_CONSUMER,
+        commands=RETRYING,
     )
     backoff_max: float = _interval(
         "cap of the delay: jitter never exceeds it, and it caps a webhook's `Retry-After` too",
         300.0,
-        RELAY_AND_CONSUMER,
+        RETRYING,
     )
     backoff_jitter: float = setting(
         0.25,
         kind=Number(0.0, 0.99),
         help="± fraction of random spread",
-        commands=RELAY_AND_CONSUMER,
+        commands=RETRYING,
     )
     published_retention: float = _retention("keep PUBLISHED rows this long", 7 * DAY)
     abandoned_retention: float = _retention("keep ABANDONED rows this long", 30 * DAY)
     inbox_retention: float = _retention(
         "keep inbox entries this long: longer than any redelivery can come late", 30 * DAY
     )
-    cleanup_interval: float = _interval("time between retention runs inside the relay", 300.0)
+    cleanup_interval: float = _interval(
+        "time between retention runs inside the relay", 300.0, per_database=True
+    )
     cleanup_batch: int = setting(
         1000,
         kind=Whole(1, 1_000_000),
         help="rows deleted per retention statement",
         commands=RETENTION,
+        per_database=True,
+    )
+    partitioned: bool = setting(
+        False,
+        kind=Boolean(),
+        help="create the outbox table range-partitioned by time, retention dropping whole "
+        "partitions (PostgreSQL; a new table: `schema migrate-partitioned` moves one)",
+        commands=("schema apply", "schema sql"),
+        switch=True,
+    )
+    partition_interval: float = setting(
+        DAY,
+        kind=Duration(LONGEST_INTERVAL, positive=True, low=3600.0),
+        help="time range of each partition of a partitioned outbox, when it is created "
+        "(later partitions keep the newest one's)",
+        commands=("schema apply", "schema migrate-partitioned"),
+    )
+    partitions_ahead: int = setting(
+        3,
+        kind=Whole(1, 1000),
+        help="how many partition ranges past now a partitioned outbox's partitions reach "
+        "(made by the relay's cleanup and `outboxer cleanup`)",
+        commands=PARTITIONING,
     )
     concurrency: int = setting(
-        4, kind=Whole(1, 64), help="claim-publish-settle loops per destination", commands=RELAY
+        4,
+        kind=Whole(1, 64),
+        help="claim-publish-settle loops per destination",
+        commands=RELAY,
+        per_database=True,
     )
-    publish_timeout: float = _interval("how long to wait for broker confirms and connects", 30.0)
+    publish_timeout: float = _interval(
+        "how long to wait for broker confirms and connects", 30.0, (*RELAY, *STREAM_PUBLISHING)
+    )
     abandoned_blocks_key: bool = setting(
         False,
         kind=Boolean(),
-        help="whether an ABANDONED message (`consume`: a dead letter) holds back the later "
-        "messages of its key",
-        commands=(*RELAY_AND_CONSUMER, "dead-letters replay"),
+        help="whether an ABANDONED message (`consume`, `stream-relay`: a dead letter) holds "
+        "back the later messages of its key",
+        commands=(*RELAY_AND_CONSUMER, "dead-letters replay", *STREAM_PUBLISHING),
+        per_database=True,
     )
     exit_when_idle: bool = setting(
         False,
         kind=Boolean(),
         help="publish what is due (`consume`: apply what the broker holds), then exit",
-        commands=RELAY_AND_CONSUMER,
+        commands=RETRYING,
         switch=True,
     )
     relay_id: str = setting(
@@ -844,8 +1071,9 @@ class Settings:
     )
     http: str | None = setting(
         kind=HttpAddress(),
-        help="where the HTTP API (health, metrics, status, requeue) listens",
-        commands=HTTP,
+        help="where the HTTP API (health, metrics, status, requeue, purge, replay, dashboard) "
+        "listens",
+        commands=(*HTTP, STREAM_RELAY),
         default_text="off",
     )
     http_token: str | None = setting(
@@ -924,6 +1152,20 @@ class Settings:
             )
             object.__setattr__(self, "destinations", destinations)
         self.backoff  # validates the combination (cap >= base, …)  # noqa: B018
+        if self.databases:
+            if self.db is not None:
+                raise ConfigError(
+                    "give one database (db) or several (databases), not both: "
+                    f"db {redact_url(self.db)!r} and databases {', '.join(self.databases)}"
+                )
+            for name, database in self.databases.items():
+                if name != database.name:
+                    raise ConfigError(f"database {database.name!r} is filed as {name!r}")
+            if self.database is not None and self.database not in self.databases:
+                raise ConfigError(
+                    f"--database {self.database!r} is none of the databases configured: "
+                    f"{', '.join(self.databases)}"
+                )
 
     def __repr__(self) -> str:
         """Every field, with the URLs' secrets masked and no token."""
@@ -949,9 +1191,50 @@ class Settings:
         return list(self.destinations) or [DEFAULT_DESTINATION]
 
     def require_db(self) -> str:
+        if self.databases:
+            raise ConfigError(
+                f"this command works on one database, and {len(self.databases)} are "
+                f"configured ({', '.join(self.databases)}): choose one with --database NAME "
+                f"(env {ENV_PREFIX}DATABASE)"
+            )
         if not self.db:
             raise ConfigError("no database: pass --db URL or set OUTBOXER_DB")
         return self.db
+
+    @property
+    def database_name(self) -> str:
+        """This (one) database's name: ``database``, else ``default``."""
+        return self.database or DEFAULT_DATABASE
+
+    @property
+    def several_databases(self) -> bool:
+        """Whether databases are named (``databases``): status, /health and /status then
+        answer per database, even for one."""
+        return bool(self.databases)
+
+    def database_settings(self) -> dict[str, Settings]:
+        """The settings of each database, by name: one database's settings each (no
+        ``databases``, its ``db`` and overrides in place), or ``{name: self}`` for one db."""
+        if not self.databases:
+            return {self.database_name: self}
+        return {name: self.for_database(name) for name in self.databases}
+
+    def for_database(self, name: str) -> Settings:
+        """The settings of the database ``name``: the process's, with its url, overrides and
+        destinations in place."""
+        if not self.databases:
+            if name != self.database_name:
+                raise ConfigError(
+                    f"no database {name!r}: the one configured is {self.database_name}"
+                )
+            return self
+        database = self.databases.get(name)
+        if database is None:
+            raise ConfigError(f"no database {name!r}; configured: {', '.join(self.databases)}")
+        changes: dict[str, Any] = {**database.overrides, "db": database.url, "database": name}
+        if database.destinations is not None:
+            changes.update(destinations=database.destinations, broker=None)
+        return dataclasses.replace(self, databases={}, **changes)
 
 
 # ----- the file -----------------------------------------------------------------------------
@@ -1057,6 +1340,73 @@ def _destinations(raw: object, origin: str | None) -> dict[str, DestinationSetti
 parse_destinations = _destinations  # public: outboxer.contrib.django reads OUTBOXER's
 
 
+def _database_flags(values: object) -> dict[str, str] | str | None:
+    """The ``--db`` flags: one URL (str), several databases by name, or None (not given).
+
+    ``--db NAME=URL`` names its database; a plain ``--db URL`` among several is named by its
+    place, ``db1``, ``db2``, …
+    """
+    if values is None:
+        return None
+    texts = [values] if isinstance(values, str) else values
+    if not isinstance(texts, list | tuple) or not all(isinstance(t, str) for t in texts):
+        raise ConfigError(f"--db must be a URL or NAME=URL; got {redact_text(repr(values))}")
+    if not texts:
+        return None
+    named = [split_named_url(text) for text in texts]
+    if len(named) == 1 and named[0][0] is None:
+        return named[0][1]
+    urls: dict[str, str] = {}
+    for place, (name, url) in enumerate(named, start=1):
+        name = name or f"db{place}"
+        if name in urls:
+            raise ConfigError(f"--db: two databases are named {name!r}")
+        urls[name] = DatabaseUrl("postgresql://host/db").parse(url, f"--db {name}")
+    return urls
+
+
+def _databases(
+    raw: object, origin: str | None, urls: Mapping[str, str] | None
+) -> dict[str, DatabaseSettings]:
+    """The ``[databases.NAME]`` tables; with ``urls`` (from ``--db``), the databases those
+    name, each with its table's overrides if the file has one."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(
+            f"{origin}: databases must be a table of named databases "
+            f"([databases.NAME] with a url), not {toml_type(raw)}"
+        )
+    known = {"url", "destinations", *sorted(per_database_settings())}
+    declared = {d.name: d for d in declarations(Settings)}
+    tables: dict[str, DatabaseSettings] = {}
+    for name, spec in raw.items():
+        where = f"{origin}: database {name!r}"
+        check_database_name(name, where)
+        if not isinstance(spec, Mapping):
+            raise ConfigError(f"{where} must be a table with a url, not {toml_type(spec)}")
+        if unknown := sorted(set(spec) - known):
+            raise ConfigError(f"{where} has unknown keys {unknown}; known: {sorted(known)}")
+        if urls is not None and name not in urls:
+            continue  # the --db flags name the databases
+        url = urls[name] if urls is not None else spec.get("url")
+        if url is None:
+            raise ConfigError(f"{where} needs a url (or pass --db {name}=URL)")
+        overrides = {
+            key: declared[key].kind.parse(value, f"{where}: {key}")
+            for key, value in spec.items()
+            if key not in ("url", "destinations")
+        }
+        destinations = (
+            _destinations(spec["destinations"], where) if "destinations" in spec else None
+        )
+        tables[name] = DatabaseSettings(
+            name, Url("postgresql://host/db").parse(url, f"{where}: url"), overrides, destinations
+        )
+    if urls is None:
+        return tables
+    # In the flags' order; a database no table names takes the process's settings.
+    return {name: tables.get(name) or DatabaseSettings(name, url) for name, url in urls.items()}
+
+
 def load_settings(
     flags: Mapping[str, object] | None = None,
     *,
@@ -1070,10 +1420,152 @@ def load_settings(
     """
     environ = os.environ if environ is None else environ
     file_values, path = read_config_file(config_file, environ)
-    known = {declared.key for declared in declarations(Settings)} | {"destinations"}
+    known = {declared.key for declared in declarations(Settings)} | {"destinations", "databases"}
     known |= OTHER_COMMANDS_TABLES
     if unknown := sorted(set(file_values) - known):
         raise ConfigError(f"{path}: unknown settings {unknown}; known: {sorted(known)}")
-    values = declared_values(Settings, flags or {}, environ, file_values, path)
+    if "db" in file_values and "databases" in file_values:
+        raise ConfigError(
+            f"{path}: give db (one database) or [databases.NAME] tables (several), not both"
+        )
+    given = dict(flags or {})
+    db_flags = _database_flags(given.pop("db", None))
+    if isinstance(db_flags, str):
+        given["db"] = db_flags
+    values = declared_values(Settings, given, environ, file_values, path)
     destinations = _destinations(file_values.get("destinations", {}), path)
-    return Settings(destinations=destinations, **values)
+    # The strongest source that names databases decides which: several --db flags, else
+    # one --db or OUTBOXER_DB, else the file's db or its [databases.NAME] tables.
+    databases: dict[str, DatabaseSettings] = {}
+    if isinstance(db_flags, dict):
+        values.pop("db", None)
+        databases = _databases(file_values.get("databases", {}), path, db_flags)
+    elif "db" not in values and "databases" in file_values:
+        databases = _databases(file_values["databases"], path, None)
+    settings = Settings(destinations=destinations, databases=databases, **values)
+    if settings.databases and settings.database is not None:
+        # One database picked (--database NAME): every command sees that one alone.
+        return settings.for_database(settings.database)
+    return settings
+
+
+# ----- outboxer stream-relay ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """The settings of ``outboxer stream-relay`` of its own (the file's ``[stream_relay]``
+    table); it shares ``db``, ``broker``, ``schema``, ``table``, ``max_attempts``,
+    ``backoff_*``, ``abandoned_blocks_key``, ``publish_timeout``, ``exit_when_idle``,
+    ``http`` and the payload protection settings with the relay. Their variables are
+    ``OUTBOXER_STREAM_<NAME>``: ``batch_size`` and ``poll_interval`` mean something else
+    for the table relay."""
+
+    mode: str | None = setting(
+        kind=Choice(("log", "wal")),
+        help="the outbox mode the stream is in: log (a log reader) or wal (a replication slot)",
+        commands=STREAM_COMMANDS,
+        env="OUTBOXER_STREAM_MODE",
+    )
+    destination: str | None = setting(
+        kind=Text(63),
+        help="the stream: a log reader's name, or the destination whose slot is "
+        "`<slot_prefix>_<destination>`",
+        commands=STREAM_COMMANDS,
+        env="OUTBOXER_STREAM_DESTINATION",
+        default_text="default (`status`, `dead-letters list`: every one)",
+    )
+    slot_prefix: str | None = setting(
+        kind=Text(63),
+        help="wal: slot names are `<slot_prefix>_<destination>`",
+        commands=STREAM_COMMANDS,
+        env="OUTBOXER_STREAM_SLOT_PREFIX",
+        default_text="outboxer_SCHEMA_TABLE",
+    )
+    apply_schema: bool = setting(
+        False,
+        kind=Boolean(),
+        help="create or upgrade the stream's tables first (log: the log's too; wal: the "
+        "publication)",
+        commands=(STREAM_RELAY,),
+        env="OUTBOXER_STREAM_APPLY_SCHEMA",
+        switch=True,
+    )
+    create_slot: bool = setting(
+        False,
+        kind=Boolean(),
+        help="wal: create the destination's slot (and the stream's tables) if missing",
+        commands=(STREAM_RELAY,),
+        env="OUTBOXER_STREAM_CREATE_SLOT",
+        switch=True,
+    )
+    retention_days: int | None = setting(
+        kind=Whole(0, 36500),
+        help="log: drop the daily partitions older than this, once read by every reader",
+        commands=(STREAM_RELAY,),
+        env="OUTBOXER_STREAM_RETENTION_DAYS",
+        default_text="keep all",
+    )
+    batch_size: int = setting(
+        500,
+        kind=Whole(1, 10_000),
+        help="entries read (and published) per round",
+        commands=(STREAM_RELAY,),
+        env="OUTBOXER_STREAM_BATCH_SIZE",
+    )
+    poll_interval: float = setting(
+        0.2,
+        kind=Duration(LONGEST_INTERVAL, positive=True),
+        help="wait after a read that found nothing",
+        commands=(STREAM_RELAY,),
+        env="OUTBOXER_STREAM_POLL_INTERVAL",
+    )
+    probe_interval: float = setting(
+        10.0,
+        kind=Duration(LONGEST_INTERVAL, positive=True),
+        help="with --http: how often the relay counts its backlog for /metrics (WAL: by "
+        "decoding up to 100,000 changes of its slot)",
+        commands=(STREAM_RELAY,),
+        env="OUTBOXER_STREAM_PROBE_INTERVAL",
+    )
+
+    def __post_init__(self) -> None:
+        for declared in declarations(StreamSettings):
+            value = getattr(self, declared.name)
+            if value is not None:
+                object.__setattr__(self, declared.name, declared.kind.parse(value, declared.name))
+        if self.retention_days is not None and self.mode == "wal":
+            raise ConfigError("retention_days is for mode log (a slot keeps no partitions)")
+        if self.create_slot and self.mode == "log":
+            raise ConfigError("create_slot is for mode wal (a log reader needs no slot)")
+
+    def require_mode(self) -> str:
+        if self.mode is None:
+            raise ConfigError(
+                "no mode: pass --mode log or --mode wal, set OUTBOXER_STREAM_MODE, or "
+                "[stream_relay] mode"
+            )
+        return self.mode
+
+
+def load_stream_settings(
+    flags: Mapping[str, object],
+    stream_flags: Mapping[str, object],
+    *,
+    environ: Mapping[str, str] | None = None,
+    config_file: str | os.PathLike[str] | None = None,
+) -> tuple[Settings, StreamSettings]:
+    """The shared settings (``load_settings``) and the stream relay's own (``[stream_relay]``)."""
+    environ = os.environ if environ is None else environ
+    settings = load_settings(flags, environ=environ, config_file=config_file)
+    file_values, origin = read_config_file(config_file, environ)
+    table = file_table(file_values, "stream_relay", origin)
+    known = {declared.key for declared in declarations(StreamSettings)}
+    if unknown := sorted(set(table) - known):
+        raise ConfigError(
+            f"{origin} [stream_relay]: unknown settings {unknown}; known: {sorted(known)}"
+        )
+    values = declared_values(
+        StreamSettings, stream_flags, environ, table, f"{origin} [stream_relay]"
+    )
+    return settings, StreamSettings(**values)

@@ -28,7 +28,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from outboxer.config import (
     LONGEST_INTERVAL,
@@ -47,6 +47,9 @@ from outboxer.config import (
     setting,
 )
 from outboxer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from outboxer.consumer import Consumer, ConsumerStats
 
 CONSUME = ("consume",)
 #: Every command that names a group.
@@ -242,7 +245,8 @@ def _importable_here() -> None:
         sys.path.insert(0, os.getcwd())
 
 
-def _consumer(settings: Settings, own: ConsumerSettings, **overrides: Any) -> Any:
+def build_consumer(settings: Settings, own: ConsumerSettings, **overrides: Any) -> Consumer:
+    """The ``Consumer`` these settings describe; ``overrides`` replace its arguments."""
     from outboxer import payload_admin
     from outboxer.consumer import Consumer
 
@@ -281,7 +285,13 @@ def _consumer(settings: Settings, own: ConsumerSettings, **overrides: Any) -> An
 async def _consume(args: argparse.Namespace) -> int:
     _importable_here()
     settings, own = _load(args)
-    consumer = _consumer(settings, own)
+    await run_consumer(build_consumer(settings, own), settings)
+    return 0
+
+
+async def run_consumer(consumer: Consumer, settings: Settings) -> ConsumerStats:
+    """Run ``consumer`` until SIGTERM or SIGINT (or idle, with ``exit_when_idle``), with the
+    HTTP API's metrics when ``settings.http`` is set; returns its counters."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, consumer.stop)
@@ -292,17 +302,16 @@ async def _consume(args: argparse.Namespace) -> int:
 
         server = await start_http_api(settings, collectors=[ConsumerCollector([consumer])])
     try:
-        await consumer.run_async()
+        return await consumer.run_async()
     finally:
         if server is not None:
             await server.close()
-    return 0
 
 
 async def _replay(args: argparse.Namespace) -> int:
     _importable_here()
     settings, own = _load(args)
-    consumer = _consumer(settings, own, broker=None)  # replaying needs no broker
+    consumer = build_consumer(settings, own, broker=None)  # replaying needs no broker
     counts = await consumer.replay_dead_letters(args.ids)
     print(", ".join(f"{name} {count}" for name, count in counts.items()))
     return 0 if counts["failed"] == 0 else 1
@@ -372,4 +381,10 @@ def _print_letters(rows: Sequence[dict[str, Any]], *, as_json: bool) -> None:
         )
 
 
-__all__ = ["ConsumerSettings", "add_commands", "load_consume_settings"]
+__all__ = [
+    "ConsumerSettings",
+    "add_commands",
+    "build_consumer",
+    "load_consume_settings",
+    "run_consumer",
+]

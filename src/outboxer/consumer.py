@@ -66,6 +66,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("outboxer.consumer")
 
 Handler = Callable[[Delivery, Any], Any]
+#: Makes a worker's session; sync sessions run in the thread pool given.
+SessionFactory = Callable[[ThreadPoolExecutor], Session]
 
 #: Seconds a fetch waits for the broker before looking at the stop flag again.
 FETCH_WAIT = 0.5
@@ -161,6 +163,7 @@ class Consumer:
         exit_when_idle: bool = False,
         keyring: KeyRing | None = None,
         object_store: ObjectStore | None = None,
+        sessions: SessionFactory | None = None,
     ) -> None:
         if not 1 <= concurrency <= 256:
             raise ConfigError("concurrency must be between 1 and 256")
@@ -202,7 +205,11 @@ class Consumer:
                 name=name or socket.gethostname(),
                 **dict(broker_options or {}),
             )
-        self._make_session = session_factory(
+        #: What makes a worker's session: by default a connection of its own to ``db``, of
+        #: the handler's kind; a framework passes its own (outboxer.contrib.django runs the
+        #: handler on Django's connection, in ``transaction.atomic()``). ``db`` still names
+        #: the database whose schema is checked at start-up.
+        self._make_session = sessions or session_factory(
             db, schema, is_async=self.is_async, async_driver=async_driver
         )
         self.stats = ConsumerStats()
@@ -856,6 +863,7 @@ __all__ = [
     "ConsumerStats",
     "Delivery",
     "Handler",
+    "SessionFactory",
     "Unreadable",
     "load_handler",
     "parse_message_id",

@@ -1,5 +1,5 @@
 // The outboxer dashboard's script (src/outboxer/dashboard.py serves it): the token field,
-// the requeue buttons and the chart. No build step, no dependency.
+// the requeue and purge buttons and the chart. No build step, no dependency.
 "use strict";
 
 const TOKEN_KEY = "outboxer-token";
@@ -20,7 +20,8 @@ function showResult(text, ok) {
   result.className = ok ? "ok" : "error";
 }
 
-async function requeue(button) {
+// One message, by id, destination and status: the filter never matches more than its row.
+async function change(button, path) {
   const headers = { "Content-Type": "application/json" };
   const token = sessionStorage.getItem(TOKEN_KEY);
   if (token) headers["Authorization"] = "Bearer " + token;
@@ -29,24 +30,46 @@ async function requeue(button) {
     destinations: [button.dataset.destination],
     statuses: [button.dataset.status],
   };
-  button.disabled = true;
+  // A relay of several databases names the message's database.
+  if (button.dataset.database) body.database = button.dataset.database;
+  const row = button.closest("tr");
+  const buttons = row.querySelectorAll("button");
+  for (const each of buttons) each.disabled = true;
   try {
-    const response = await fetch("/messages/requeue", {
+    const response = await fetch(path, {
       method: "POST", headers, body: JSON.stringify(body), credentials: "omit", cache: "no-store",
     });
     const answer = await response.json();
     if (!response.ok) {
-      showResult(answer.error || "requeue failed (" + response.status + ")", false);
-      button.disabled = false;
-      return;
+      showResult(answer.error || "failed (" + response.status + ")", false);
+      for (const each of buttons) each.disabled = false;
+      return null;
     }
-    showResult("requeued " + answer.requeued + " message(s): " + button.dataset.id, true);
-    const row = button.closest("tr");
-    row.querySelector("td.status").textContent = "PENDING";
+    return answer;
   } catch (error) {
-    showResult("requeue failed: " + error, false);
-    button.disabled = false;
+    showResult("failed: " + error, false);
+    for (const each of buttons) each.disabled = false;
+    return null;
   }
+}
+
+async function requeue(button) {
+  const answer = await change(button, "/messages/requeue");
+  if (answer === null) return;
+  showResult("requeued " + answer.requeued + " message(s): " + button.dataset.id, true);
+  const row = button.closest("tr");
+  row.querySelector("td.status").textContent = "PENDING";
+}
+
+async function purge(button) {
+  // Deleted for good: the operator says so first.
+  if (!window.confirm("Purge message " + button.dataset.id + "? It is deleted for good.")) return;
+  const answer = await change(button, "/messages/purge");
+  if (answer === null) return;
+  showResult("purged " + answer.purged + " message(s): " + button.dataset.id, true);
+  const row = button.closest("tr");
+  row.querySelector("td.status").textContent = "PURGED";
+  row.classList.add("purged");
 }
 
 function element(name, attributes, text) {
@@ -122,6 +145,9 @@ document.addEventListener("DOMContentLoaded", () => {
   setUpToken();
   for (const button of document.querySelectorAll("button.requeue")) {
     button.addEventListener("click", () => requeue(button));
+  }
+  for (const button of document.querySelectorAll("button.purge")) {
+    button.addEventListener("click", () => purge(button));
   }
   refreshChart();
   setInterval(refreshChart, 5000);

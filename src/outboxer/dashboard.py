@@ -3,12 +3,12 @@
 The page shows, per destination, the rows by status and the oldest pending message's age;
 a chart of the publish rate and latency over the last minutes (``dashboard.js`` draws it
 as inline SVG from ``/dashboard/series``); and the newest FAILED and ABANDONED messages
-with their last error and a requeue button each.
+with their last error, and a requeue and a purge button each.
 
 DESIGN: every value from the database goes through ``html.escape`` (a last error is broker
 or network text, hostile more often than not), and the page's Content-Security-Policy runs
 no script but ``/dashboard.js``, so text that slipped through would still not run. The
-requeue buttons send the operator's token as a Bearer header with a JSON body (the API's
+requeue and purge buttons send the operator's token as a Bearer header with a JSON body (the API's
 browser rules: JSON only, same origin); the page keeps the token in ``sessionStorage``
 (this tab, until it closes), never in a URL, a cookie or the page itself.
 """
@@ -133,32 +133,43 @@ def format_age(seconds: float | None) -> str:
     return f"{seconds / 86400:.1f} d"
 
 
+def _count_class(status: str, count: int) -> str:
+    return "count problem" if count and status in PROBLEM_STATUSES else "count"
+
+
 def newest_problems(rows: Iterable[Mapping[str, Any]], shown: int = PROBLEMS_SHOWN) -> list[Any]:
-    """The ``shown`` rows last changed (updated_at), newest first."""
+    """The ``shown`` rows last changed (updated_at), newest first: the rows of several
+    databases, each database's already newest first (Store.list_messages), merged."""
 
     def changed(row: Mapping[str, Any]) -> float:
         moment = row.get("updated_at")
         if isinstance(moment, datetime):
             aware = moment if moment.tzinfo else moment.replace(tzinfo=UTC)
             return aware.timestamp()
+        if isinstance(moment, int | float):  # SQLite's rows hold Unix seconds
+            return float(moment)
         return -math.inf
 
+    # Stable: rows changed at the same moment keep their store's order (the later seq first).
     return sorted(rows, key=changed, reverse=True)[:shown]
 
 
-def _count_class(status: str, count: int) -> str:
-    return "count problem" if count and status in PROBLEM_STATUSES else "count"
+def _count_cell(entry: DestinationStatus, status: str) -> str:
+    count = entry.counts.get(status, 0)
+    if status == Status.PUBLISHED.value and entry.published_estimated:
+        # A big table's PUBLISHED rows are estimated (Store.status); the cell says so.
+        return (
+            f'<td class="{_count_class(status, count)} estimated" data-status="{_text(status)}" '
+            f'title="an estimate">≈ {count}</td>'
+        )
+    return f'<td class="{_count_class(status, count)}" data-status="{_text(status)}">{count}</td>'
 
 
 def _counts_table(statuses: Sequence[DestinationStatus]) -> str:
     head = "".join(f"<th>{_text(status)}</th>" for status in COLUMNS)
     rows = []
     for entry in sorted(statuses, key=lambda entry: entry.destination):
-        cells = "".join(
-            f'<td class="{_count_class(status, entry.counts.get(status, 0))}" '
-            f'data-status="{_text(status)}">{entry.counts.get(status, 0)}</td>'
-            for status in COLUMNS
-        )
+        cells = "".join(_count_cell(entry, status) for status in COLUMNS)
         rows.append(
             f'<tr data-destination="{_text(entry.destination)}">'
             f"<th>{_text(entry.destination)}</th>{cells}"
@@ -177,11 +188,17 @@ def _problems_table(rows: Sequence[Mapping[str, Any]]) -> str:
     lines = []
     for row in rows:
         changed = row.get("updated_at")
+        if isinstance(changed, int | float):  # SQLite's rows hold Unix seconds
+            changed = datetime.fromtimestamp(changed, UTC)
         when = changed.isoformat(sep=" ", timespec="seconds") if changed else ""
+        # A relay of several databases tags each row with its database (outboxer.http).
+        database = row.get("database")
+        shown = f"{database}/{row.get('destination')}" if database else row.get("destination")
+        database_attribute = f' data-database="{_text(database)}"' if database else ""
         lines.append(
             f'<tr data-id="{_text(row.get("id"))}">'
             f'<td class="id">{_text(row.get("id"))}</td>'
-            f"<td>{_text(row.get('destination'))}</td>"
+            f"<td>{_text(shown)}</td>"
             f"<td>{_text(row.get('topic'))}</td>"
             f'<td class="status">{_text(row.get("status"))}</td>'
             f"<td>{_text(row.get('attempts'))}</td>"
@@ -189,8 +206,12 @@ def _problems_table(rows: Sequence[Mapping[str, Any]]) -> str:
             f'<td class="error">{_text(row.get("last_error"))}</td>'
             '<td><button type="button" class="requeue"'
             f' data-id="{_text(row.get("id"))}"'
-            f' data-destination="{_text(row.get("destination"))}"'
-            f' data-status="{_text(row.get("status"))}">requeue</button></td></tr>'
+            f' data-destination="{_text(row.get("destination"))}"{database_attribute}'
+            f' data-status="{_text(row.get("status"))}">requeue</button>'
+            ' <button type="button" class="purge"'
+            f' data-id="{_text(row.get("id"))}"'
+            f' data-destination="{_text(row.get("destination"))}"{database_attribute}'
+            f' data-status="{_text(row.get("status"))}">purge</button></td></tr>'
         )
     return (
         '<table id="problems"><thead><tr><th>id</th><th>destination</th><th>topic</th>'
@@ -216,9 +237,9 @@ def render_page(
         else '<p class="down">The database did not answer the status query.</p>'
     )
     token_note = (
-        "Requeue needs the API's token: it stays in this browser tab (sessionStorage)."
+        "Requeue and purge need the API's token: it stays in this browser tab (sessionStorage)."
         if token_required
-        else "This API takes requeues from local clients without a token."
+        else "This API takes requeues and purges from local clients without a token."
     )
     return f"""<!DOCTYPE html>
 <html lang="en">

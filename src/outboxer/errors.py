@@ -33,6 +33,17 @@ class DuplicateMessageError(OutboxerError):
     """A message with this id already exists for this destination."""
 
 
+class AdminRequestError(OutboxerError, ValueError):
+    """An operator's purge, replay or requeue is refused as asked (a bad filter, no filter
+    where one is needed, PROCESSING rows to purge): nothing was read or changed."""
+
+
+class ReplayError(OutboxerError):
+    """A PUBLISHED message cannot be copied for replay (its payload is encrypted or in the
+    claim-check store, and the keys or the store are not configured, or its object is
+    gone): the replay's transaction rolled back, nothing was written."""
+
+
 class StoreError(OutboxerError):
     """The database rejected or could not run an outbox statement."""
 

@@ -1,4 +1,4 @@
-"""The HTTP API: health, Prometheus metrics, status, messages and requeue.
+"""The HTTP API: health, Prometheus metrics, status, messages, and requeue, purge and replay.
 
 It runs inside the relay (``outboxer relay --http HOST:PORT``) or alone
 (``outboxer serve --http HOST:PORT``, the same endpoints without the relay's
@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import hmac
 import http
 import json
@@ -28,18 +30,24 @@ import re
 import signal
 import socket
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import parse_qs
 
-from outboxer import dashboard
+from outboxer import admin, dashboard
 from outboxer.config import Settings, is_loopback, parse_http_address
-from outboxer.errors import ConfigError, MissingDependencyError, PayloadError, StoreError
-from outboxer.message import Status, check_text
+from outboxer.errors import (
+    AdminRequestError,
+    ConfigError,
+    MissingDependencyError,
+    ReplayError,
+    StoreError,
+)
+from outboxer.message import Status
 from outboxer.redact import get_logger, redact_text
 from outboxer.relay import Relay
+from outboxer.relay_group import RelayGroup
 from outboxer.stores import DestinationStatus, Store, create_store
 
 if TYPE_CHECKING:
@@ -56,7 +64,8 @@ MAX_HEADERS = 100
 #: Seconds a client has to send its request head, and then its body (and to take the answer).
 READ_TIMEOUT = 10.0
 MAX_CONNECTIONS = 64
-#: Seconds ``/metrics`` reuses one status query: it is a GROUP BY over the outbox.
+#: Seconds ``/metrics`` and the dashboard reuse one status answer. It costs milliseconds
+#: whatever the table holds (Store.status), but every scraper of every process asks.
 STATUS_CACHE_SECONDS = 5.0
 #: Seconds ``/health`` and ``/metrics`` wait for the database before saying it did not answer.
 STORE_TIMEOUT = 5.0
@@ -66,7 +75,6 @@ QUERY_TIMEOUT = 30.0
 MIN_TOKEN_LENGTH = 16
 MESSAGES_DEFAULT_LIMIT = 50
 MESSAGES_MAX_LIMIT = 1000
-REQUEUE_STATUSES = (Status.ABANDONED.value, Status.FAILED.value)
 ALL_STATUSES = tuple(status.value for status in Status)
 JSON_CONTENT_TYPE = "application/json"
 #: Seconds the server waits for requests in progress when it closes, then cancels them.
@@ -138,6 +146,10 @@ class MisdirectedRequest(HttpError):
 
 class UnsupportedMediaType(HttpError):
     status = http.HTTPStatus.UNSUPPORTED_MEDIA_TYPE
+
+
+class Conflict(HttpError):
+    status = http.HTTPStatus.CONFLICT
 
 
 class NotFound(HttpError):
@@ -299,7 +311,8 @@ def check_token(token: object) -> None:
     if not token.strip():
         raise ConfigError(
             "the HTTP API token is empty: set one of at least "
-            f"{MIN_TOKEN_LENGTH} characters, or none to answer requeue on loopback only"
+            f"{MIN_TOKEN_LENGTH} characters, or none to answer requeue, purge and replay on "
+            "loopback only"
         )
     if len(token) < MIN_TOKEN_LENGTH:
         raise ConfigError(
@@ -368,14 +381,32 @@ class StatusCache:
 Handler = Callable[[Request], Awaitable[Response]]
 
 
+class Api(Protocol):
+    """What ``HttpServer`` serves: ``HttpApi``, or the stream relay's (outboxer.stream_api)."""
+
+    #: The bearer token POST endpoints require (None: none).
+    token: str | None
+    #: Whether the API has endpoints that change something: then it listens on a
+    #: non-loopback address only with a token (``check_exposure``).
+    writes: bool
+
+    async def handle(self, request: Request) -> Response: ...
+
+    async def sample_forever(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
 class HttpApi:
     """Routes a parsed request to its endpoint; no sockets here, so tests can call ``handle``."""
 
+    writes = True
+
     def __init__(
         self,
-        store: Store,
+        store: Store | Mapping[str, Store],
         settings: Settings,
-        relay: Relay | None = None,
+        relay: Relay | RelayGroup | None = None,
         *,
         token: str | None = None,
         status_cache_seconds: float = STATUS_CACHE_SECONDS,
@@ -383,29 +414,60 @@ class HttpApi:
         sample_seconds: float = dashboard.SAMPLE_SECONDS,
         collectors: Iterable[Any] = (),
     ) -> None:
+        """``store``: the API's own store of the one database, or of each database by name
+        (then every answer has a section per database). ``relay``: the relay (or the relays,
+        a RelayGroup) running in this process, if any."""
         check_token(token)
-        self.store = store
+        if isinstance(store, Mapping):
+            if not store:
+                raise ConfigError("the HTTP API needs at least one database")
+            self.stores: dict[str, Store] = dict(store)
+            #: Whether answers have a section per database (the databases are named).
+            self.sectioned = True
+        else:
+            self.stores = {settings.database_name: store}
+            self.sectioned = False
+        #: The first database's store (the only one, unless ``sectioned``).
+        self.store = next(iter(self.stores.values()))
         self.settings = settings
         self.relay = relay
+        self.relays: dict[str, Relay] = (
+            {}
+            if relay is None
+            else dict(relay.relays)
+            if isinstance(relay, RelayGroup)
+            else {relay.database: relay}
+        )
+        #: Each database's settings (its destinations, for requeue's default).
+        self.database_settings = settings.database_settings()
         self.token = token
         self.store_timeout = store_timeout
-        self.status_cache = StatusCache(self._query_status, status_cache_seconds, store_timeout)
+        self.status_caches = {
+            name: StatusCache(
+                functools.partial(self._query_status, name), status_cache_seconds, store_timeout
+            )
+            for name in self.stores
+        }
+        self.status_cache = next(iter(self.status_caches.values()))
         from outboxer.metrics import Metrics
 
         # Inside a relay, its registry (its counters, histograms and process metrics) gets the
         # outbox gauges too; alone, a registry of the outbox gauges only.
-        if relay is not None and relay.metrics is not None:
-            self.prometheus: Metrics = relay.metrics
+        relay_metrics = next(
+            (each.metrics for each in self.relays.values() if each.metrics is not None), None
+        )
+        if relay_metrics is not None:
+            self.prometheus: Metrics = relay_metrics
         else:
             self.prometheus = Metrics(process_metrics=False)
-            if relay is not None:
-                self.prometheus.watch_relay(relay)
+            for each in self.relays.values():
+                self.prometheus.watch_relay(each)
         # More of the process's metrics (``outboxer consume``'s: outboxer.consumer).
         for collector in collectors:
             self.prometheus.registry.register(collector)
         self.sample_seconds = sample_seconds
         self.history = dashboard.History(sample_seconds)
-        self._connect_lock = asyncio.Lock()
+        self._connect_locks = {name: asyncio.Lock() for name in self.stores}
         self.routes: dict[str, dict[str, Handler]] = {
             "/": {"GET": self.dashboard},
             "/dashboard.js": {"GET": self.dashboard_asset},
@@ -416,10 +478,14 @@ class HttpApi:
             "/status": {"GET": self.status},
             "/messages": {"GET": self.messages},
             "/messages/requeue": {"POST": self.requeue},
+            "/messages/purge": {"POST": self.purge},
+            "/messages/replay": {"POST": self.replay},
         }
 
     async def close(self) -> None:
-        await self.store.close()
+        for store in self.stores.values():
+            with contextlib.suppress(Exception):
+                await store.close()
 
     async def handle(self, request: Request) -> Response:
         try:
@@ -440,6 +506,10 @@ class HttpApi:
             return await handler(request)
         except HttpError as exc:
             return error_response(exc)
+        except AdminRequestError as exc:  # a filter or an option of purge, replay, requeue
+            return error_response(BadRequest(str(exc)))
+        except ReplayError as exc:  # rolled back: nothing written
+            return error_response(Conflict(str(exc)))
         except Exception as exc:
             if not _is_database_error(exc):
                 logger.exception("%s %s failed", request.method, request.path)
@@ -467,50 +537,100 @@ class HttpApi:
                 headers={"WWW-Authenticate": 'Bearer realm="outboxer"'},
             )
 
-    async def _connected_store(self) -> Store:
+    async def _connected_store(self, database: str | None = None) -> Store:
         # Connect lazily and again after a failure, so the API starts while the database is
         # down; the lock keeps two requests from opening two pools.
-        async with self._connect_lock:
-            await self.store.connect()
-        return self.store
+        name = database or next(iter(self.stores))
+        async with self._connect_locks[name]:
+            await self.stores[name].connect()
+        return self.stores[name]
 
-    async def _query_status(self) -> list[DestinationStatus]:
-        return await (await self._connected_store()).status()
+    async def _query_status(self, database: str) -> list[DestinationStatus]:
+        return await (await self._connected_store(database)).status()
+
+    def _databases(self, given: str | None) -> list[str]:
+        """The databases a request is about: the one it names, else every one."""
+        if given is None:
+            return list(self.stores)
+        if given not in self.stores:
+            raise BadRequest(
+                f"no database {given[:100]!r}; this API serves {', '.join(self.stores)}"
+            )
+        return [given]
 
     # ----- endpoints ---------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
-        relay_problems = self.relay.health_problems() if self.relay is not None else []
+        names = list(self.stores)
+        answers = await asyncio.gather(*(self._database_health(name) for name in names))
+        sections = dict(zip(names, answers, strict=True))
+        reasons: list[str] = []
+        for name, (_, problems) in sections.items():
+            reasons += [f"{name}: {reason}" if self.sectioned else reason for reason in problems]
+        body: dict[str, object] = {"status": "unavailable" if reasons else "ok"}
+        if self.sectioned:
+            body["databases"] = {name: section for name, (section, _) in sections.items()}
+        else:
+            body.update(next(iter(sections.values()))[0])
+        if reasons:
+            body["reasons"] = reasons
+            return json_response(http.HTTPStatus.SERVICE_UNAVAILABLE, body)
+        return json_response(http.HTTPStatus.OK, body)
+
+    async def _database_health(self, name: str) -> tuple[dict[str, str], list[str]]:
+        """One database's part of /health: {"database": …, "relay": …} and its problems."""
+        relay = self.relays.get(name)
+        relay_problems = relay.health_problems() if relay is not None else []
         try:
             async with asyncio.timeout(self.store_timeout):
-                await (await self._connected_store()).ping()
+                await (await self._connected_store(name)).ping()
             database = "ok"
         except TimeoutError:
             database = f"no answer within {self.store_timeout:g}s"
         except Exception as exc:  # noqa: BLE001 -- any failure to answer is the reason for a 503
             database = _describe(exc)
-        body: dict[str, object] = {"status": "ok", "database": database}
+        section = {"database": database}
         if self.relay is not None:
-            body["relay"] = "; ".join(relay_problems) or "ok"
+            section["relay"] = "; ".join(relay_problems) or "ok"
         reasons = ([f"database: {database}"] if database != "ok" else []) + relay_problems
-        if reasons:
-            body["status"] = "unavailable"
-            body["reasons"] = reasons
-            return json_response(http.HTTPStatus.SERVICE_UNAVAILABLE, body)
-        return json_response(http.HTTPStatus.OK, body)
+        return section, reasons
+
+    async def _statuses(self) -> dict[str, list[DestinationStatus] | None]:
+        """Each database's cached status answer (None: it failed)."""
+        names = list(self.status_caches)
+        answers = await asyncio.gather(*(self.status_caches[name].get() for name in names))
+        return dict(zip(names, answers, strict=True))
 
     async def metrics(self, request: Request) -> Response:
-        self.prometheus.observe_store_status(await self.status_cache.get())
+        for name, statuses in (await self._statuses()).items():
+            self.prometheus.observe_store_status(statuses, name)
         body, content_type = self.prometheus.render(request.headers.get("accept"))
         return Response(http.HTTPStatus.OK, body, content_type)
 
     async def status(self, request: Request) -> Response:
-        store = await self._connected_store()
-        async with asyncio.timeout(QUERY_TIMEOUT):
-            return json_response(http.HTTPStatus.OK, await store.status_report())
+        if not self.sectioned:
+            store = await self._connected_store()
+            async with asyncio.timeout(QUERY_TIMEOUT):
+                return json_response(http.HTTPStatus.OK, await store.status_report())
+        names = list(self.stores)
+        reports = await asyncio.gather(*(self._status_report(name) for name in names))
+        return json_response(
+            http.HTTPStatus.OK, {"databases": dict(zip(names, reports, strict=True))}
+        )
+
+    async def _status_report(self, name: str) -> dict[str, Any]:
+        """One database's /status section; a database that does not answer says why."""
+        try:
+            store = await self._connected_store(name)
+            async with asyncio.timeout(QUERY_TIMEOUT):
+                return await store.status_report()
+        except Exception as exc:
+            if not _is_database_error(exc):
+                raise
+            return {"error": f"database error: {_describe(exc)}"}
 
     async def messages(self, request: Request) -> Response:
-        _only(request.query, {"status", "limit"}, "query parameter")
+        _only(request.query, {"status", "limit", "database"}, "query parameter")
         statuses = _statuses(
             [part for value in request.query.get("status", []) for part in value.split(",")]
             or [Status.ABANDONED.value],
@@ -527,63 +647,133 @@ class HttpApi:
             raise BadRequest(
                 f"limit must be between 1 and {MESSAGES_MAX_LIMIT}; got {limits[0][:40]}"
             )
-        store = await self._connected_store()
-        async with asyncio.timeout(QUERY_TIMEOUT):
-            rows = await store.list_messages(statuses, limit)
+        given = request.query.get("database", [])
+        if len(given) > 1:
+            raise BadRequest("give database once")
+        rows: list[dict[str, object]] = []
+        for name in self._databases(given[0] if given else None):
+            store = await self._connected_store(name)
+            async with asyncio.timeout(QUERY_TIMEOUT):
+                found = await store.list_messages(statuses, limit - len(rows))
+            rows += [{**row, "database": name} for row in found] if self.sectioned else found
+            if len(rows) >= limit:
+                break
         return json_response(http.HTTPStatus.OK, {"messages": rows})
 
     async def requeue(self, request: Request) -> Response:
-        try:
-            body = json.loads(request.body) if request.body.strip() else None
-        except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8/16/32
-            raise BadRequest(f"the body is not valid JSON: {exc}") from None
-        except RecursionError:
-            raise BadRequest("the body is not valid JSON: nested too deep") from None
-        if not isinstance(body, dict):
-            raise BadRequest(
-                'the body must be a JSON object such as {"statuses": ["ABANDONED"]} '
-                "({} requeues every ABANDONED message)"
+        body = _json_object(
+            request, '{"statuses": ["ABANDONED"]} ({} requeues every ABANDONED message)'
+        )
+        _only(body, admin.FILTER_FIELDS | {"dry_run", "database"}, "field")
+        dry_run = admin.flag(body, "dry_run")
+        where = admin.filter_from_json(body)
+
+        async def requeue(name: str, store: Store) -> admin.AdminResult:
+            # No timeout on a change: an abandoned one could still commit after the client
+            # was told it failed. The store's own statement timeout bounds it.
+            destinations = self.database_settings[name].destination_names
+            return await admin.requeue(store, where, destinations=destinations, dry_run=dry_run)
+
+        return await self._each_database(body, requeue)
+
+    async def purge(self, request: Request) -> Response:
+        body = _json_object(request, '{"topics": ["order.placed"], "statuses": ["ABANDONED"]}')
+        _only(body, admin.FILTER_FIELDS | {"all", "dry_run", "database"}, "field")
+        dry_run, everything = admin.flag(body, "dry_run"), admin.flag(body, "all")
+        where = admin.filter_from_json(body)
+
+        async def purge(name: str, store: Store) -> admin.AdminResult:
+            return await admin.purge(store, where, everything=everything, dry_run=dry_run)
+
+        return await self._each_database(body, purge)
+
+    async def replay(self, request: Request) -> Response:
+        body = _json_object(request, '{"keys": ["order-7"], "to": "partner"}')
+        fields = (admin.FILTER_FIELDS - {"statuses"}) | {"all", "dry_run", "to", "database"}
+        _only(body, fields, "field")
+        dry_run, everything = admin.flag(body, "dry_run"), admin.flag(body, "all")
+        to = body.get("to")
+        where = admin.filter_from_json(body)
+        copier = admin.copier_from_settings(self.settings)
+
+        async def replay(name: str, store: Store) -> admin.AdminResult:
+            return await admin.replay(
+                store,
+                where,
+                to=to,
+                everything=everything,
+                copier=copier,
+                known_destinations=self.database_settings[name].destination_names,
+                dry_run=dry_run,
             )
-        _only(body, {"destinations", "statuses", "ids"}, "field")
-        destinations = _string_list(body, "destinations") or self.settings.destination_names
-        statuses = _statuses(
-            _string_list(body, "statuses") or [Status.ABANDONED.value], REQUEUE_STATUSES, "statuses"
-        )
-        ids = _string_list(body, "ids")
-        if ids is not None:
-            try:
-                ids = [str(uuid.UUID(value)) for value in ids]
-            except ValueError:
-                raise BadRequest("ids must be message ids (UUIDs)") from None
-        # No timeout here: an abandoned requeue could still commit after the client was told
-        # it failed. The store's own statement timeout bounds it.
-        count = await (await self._connected_store()).requeue(destinations, statuses, ids)
-        self.status_cache.invalidate()  # the next page or scrape shows the requeued rows
-        logger.info(
-            "requeued %d message(s) (destinations %s, statuses %s%s)",
-            count,
-            ", ".join(destinations),
-            ", ".join(statuses),
-            f", {len(ids)} id(s)" if ids is not None else "",
-        )
-        return json_response(http.HTTPStatus.OK, {"requeued": count})
+
+        try:
+            return await self._each_database(body, replay)
+        finally:
+            await asyncio.to_thread(copier.close)
+
+    async def _each_database(
+        self,
+        body: Mapping[str, Any],
+        action: Callable[[str, Store], Awaitable[admin.AdminResult]],
+    ) -> Response:
+        """``action`` on the database the body names, else on each; one answer for all."""
+        database = body.get("database")
+        if database is not None and not isinstance(database, str):
+            raise BadRequest("database must be the name of a database (a string)")
+        results: dict[str, admin.AdminResult] = {}
+        for name in self._databases(database):
+            result = results[name] = await action(name, await self._connected_store(name))
+            if not result.dry_run:
+                self.status_caches[name].invalidate()  # the next page or scrape shows it
+        if not self.sectioned:
+            (only,) = results.values()
+            return json_response(http.HTTPStatus.OK, only.as_json())
+        answer: dict[str, object] = {}
+        for result in results.values():  # the totals, under the single database's names
+            for name, value in result.as_json().items():
+                if isinstance(value, int) and not isinstance(value, bool):
+                    total = answer.get(name, 0)
+                    answer[name] = (total if isinstance(total, int) else 0) + value
+                else:
+                    answer.setdefault(name, value)
+        answer.pop("by_destination", None)
+        answer["databases"] = {name: result.as_json() for name, result in results.items()}
+        return json_response(http.HTTPStatus.OK, answer)
 
     # ----- the dashboard ------------------------------------------------------------------
 
     async def dashboard(self, request: Request) -> Response:
-        statuses = await self.status_cache.get()
-        problems: list[dict[str, object]] = []
-        if statuses is not None:  # else the page says the database did not answer
-            store = await self._connected_store()
+        answers = await self._statuses()
+        rows: list[dict[str, object]] = []
+        for name, answer in answers.items():
+            if answer is None:  # the page says the database did not answer
+                continue
+            store = await self._connected_store(name)
             async with asyncio.timeout(QUERY_TIMEOUT):
-                # The store lists oldest first: take as many as an API call may, keep the newest.
-                rows = await store.list_messages(
-                    list(dashboard.PROBLEM_STATUSES), MESSAGES_MAX_LIMIT
+                # Each store lists its newest changes first: take just as many of each.
+                found = await store.list_messages(
+                    list(dashboard.PROBLEM_STATUSES), dashboard.PROBLEMS_SHOWN
                 )
-            problems = dashboard.newest_problems(rows)
+            rows += [{**row, "database": name} for row in found] if self.sectioned else found
+        problems = dashboard.newest_problems(rows)
+        statuses: list[DestinationStatus] | None = None
+        if any(answer is not None for answer in answers.values()):
+            statuses = [
+                dataclasses.replace(entry, destination=self._shown(name, entry.destination))
+                for name, answer in answers.items()
+                for entry in answer or ()
+            ]
         relay = None
-        if self.relay is not None:
-            relay = "; ".join(self.relay.health_problems()) or "ok"
+        if self.relays:
+            relay = (
+                "; ".join(
+                    f"{name}: {problem}" if self.sectioned else problem
+                    for name, each in self.relays.items()
+                    for problem in each.health_problems()
+                )
+                or "ok"
+            )
         page = dashboard.render_page(
             statuses,
             problems,
@@ -608,29 +798,41 @@ class HttpApi:
     async def dashboard_series(self, request: Request) -> Response:
         return json_response(http.HTTPStatus.OK, self.history.series())
 
+    def _shown(self, database: str, destination: str) -> str:
+        """A destination as the dashboard names it: ``database/destination`` when sectioned."""
+        return f"{database}/{destination}" if self.sectioned else destination
+
     async def sample(self) -> None:
         """Add a point to the chart: messages published so far, and the latency histogram."""
-        statuses = await self.status_cache.get()
-        if self.relay is not None:  # the relay's own counters: exact, and no query
-            published = {
-                name: float(counts.published)
-                for name, counts in self.relay.destination_stats.items()
-            }
-        elif statuses is not None:  # alone: the PUBLISHED rows (retention may delete some)
-            published = {
-                entry.destination: float(entry.counts.get(Status.PUBLISHED.value, 0))
-                for entry in statuses
-            }
+        published: dict[str, float] = {}
+        series: dict[str, tuple[str, str]] = {}  # shown name -> (database, destination)
+        if self.relays:  # the relays' own counters: exact, and no query
+            for name, relay in self.relays.items():
+                for destination, counts in relay.destination_stats.items():
+                    shown = self._shown(name, destination)
+                    published[shown] = float(counts.published)
+                    series[shown] = (name, destination)
         else:
-            return  # no numbers: a gap in the chart
+            answers = await self._statuses()
+            if all(answer is None for answer in answers.values()):
+                return  # no numbers: a gap in the chart
+            if any(
+                entry.published_estimated for answer in answers.values() for entry in answer or ()
+            ):
+                return  # a big table's PUBLISHED rows are estimated: their rate would be noise
+            for name, answer in answers.items():  # the PUBLISHED rows (retention may delete some)
+                for entry in answer or ():
+                    shown = self._shown(name, entry.destination)
+                    published[shown] = float(entry.counts.get(Status.PUBLISHED.value, 0))
+                    series[shown] = (name, entry.destination)
         registry = self.prometheus.registry
         latency = {}
-        for name in published:
-            labels = {"destination": name}
+        for shown, (database, destination) in series.items():
+            labels = {"database": database, "destination": destination}
             total = registry.get_sample_value("outboxer_publish_latency_seconds_sum", labels)
             count = registry.get_sample_value("outboxer_publish_latency_seconds_count", labels)
             if total is not None and count is not None:
-                latency[name] = (total, count)
+                latency[shown] = (total, count)
         self.history.add(dashboard.Sample(time.time(), published, latency))
 
     async def sample_forever(self) -> None:
@@ -659,34 +861,27 @@ def _is_database_error(exc: BaseException) -> bool:
     )
 
 
-def _only(given: Mapping[str, object], known: set[str], kind: str) -> None:
+def _json_object(request: Request, example: str) -> dict[str, Any]:
+    """The request's body: a JSON object, else BadRequest quoting ``example``."""
+    try:
+        body = json.loads(request.body) if request.body.strip() else None
+    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8/16/32
+        raise BadRequest(f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest("the body is not valid JSON: nested too deep") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"the body must be a JSON object such as {example}")
+    return body
+
+
+def _only(given: Mapping[str, object], known: Iterable[str], kind: str) -> None:
     # A mistyped name must not silently widen a requeue to every message.
+    known = set(known)
     unknown = sorted(set(given) - known)
     if unknown:
         raise BadRequest(
             f"unknown {kind}(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
         )
-
-
-def _string_list(body: Mapping[str, Any], name: str) -> list[str] | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if (
-        not isinstance(value, list)
-        or not value
-        or not all(isinstance(item, str) and item for item in value)
-    ):
-        raise BadRequest(
-            f"{name} must be a non-empty list of non-empty strings (leave it out for the default)"
-        )
-    for item in value:
-        # JSON can spell both ("\u0000", "\ud800"); the database driver cannot send them.
-        try:
-            check_text(item, f"an item of {name}")
-        except PayloadError as exc:
-            raise BadRequest(str(exc)) from None
-    return list(value)
 
 
 def _statuses(values: Sequence[str], allowed: Sequence[str], name: str) -> list[str]:
@@ -797,7 +992,7 @@ class AsgiApp:
     address the server listens on).
     """
 
-    def __init__(self, api: HttpApi, host: str, read_timeout: float) -> None:
+    def __init__(self, api: Api, host: str, read_timeout: float) -> None:
         self.api = api
         self.host = host
         self.authority = host  # with the port, once the server listens (HttpServer.start)
@@ -928,18 +1123,20 @@ class AsgiApp:
 
 
 class HttpServer:
-    """Serves an ``HttpApi`` on ``host:port`` with uvicorn, one request per connection."""
+    """Serves an ``HttpApi`` (or another ``Api``) on ``host:port`` with uvicorn, one request
+    per connection."""
 
     def __init__(
         self,
-        api: HttpApi,
+        api: Api,
         host: str,
         port: int,
         *,
         read_timeout: float = READ_TIMEOUT,
         max_connections: int = MAX_CONNECTIONS,
     ) -> None:
-        check_exposure(host, api.token)
+        if api.writes:
+            check_exposure(host, api.token)
         self.api = api
         self.host = host
         self.port = port
@@ -994,9 +1191,13 @@ class HttpServer:
             await asyncio.sleep(0.01)
         self._sampling = asyncio.create_task(self.api.sample_forever())
         logger.info(
-            "HTTP API listening on %s (requeue %s)",
+            "HTTP API listening on %s (%s)",
             self.url,
-            "needs the bearer token" if self.api.token else "open to local clients",
+            "read only"
+            if not self.api.writes
+            else "requeue, purge and replay need the bearer token"
+            if self.api.token
+            else "requeue, purge and replay open to local clients",
         )
         return self
 
@@ -1023,13 +1224,27 @@ def check_exposure(host: str, token: str | None) -> None:
     """Refuse to offer requeue without a token to anyone but this machine."""
     if token is None and not is_loopback(host):
         raise ConfigError(
-            f"set --http-token to expose requeue on a non-loopback address ({host}); "
+            f"set --http-token to expose requeue on a non-loopback address ({host}) (purge "
+            "and replay too); "
             "or bind the HTTP API to 127.0.0.1"
         )
 
 
+def api_stores(settings: Settings) -> Store | dict[str, Store]:
+    """The API's own store (not yet connected): of the one database, or of each by name."""
+    if not settings.several_databases:
+        return create_store(settings.require_db(), schema=settings.schema, table=settings.table)
+    return {
+        name: create_store(own.require_db(), schema=own.schema, table=own.table)
+        for name, own in settings.database_settings().items()
+    }
+
+
 async def start_http_api(
-    settings: Settings, relay: Relay | None = None, *, collectors: Iterable[Any] = ()
+    settings: Settings,
+    relay: Relay | RelayGroup | None = None,
+    *,
+    collectors: Iterable[Any] = (),
 ) -> HttpServer:
     """Check the settings, then listen on ``settings.http``; ConfigError if it cannot."""
     if not settings.http:
@@ -1037,8 +1252,9 @@ async def start_http_api(
     host, port = parse_http_address(settings.http, "--http")
     for module in _HTTP_EXTRA:  # checked before the store or a socket is opened
         _require(module)
-    store = create_store(settings.require_db(), schema=settings.schema, table=settings.table)
-    api = HttpApi(store, settings, relay, token=settings.http_token, collectors=collectors)
+    api = HttpApi(
+        api_stores(settings), settings, relay, token=settings.http_token, collectors=collectors
+    )
     return await HttpServer(api, host, port).start()
 
 

@@ -39,7 +39,8 @@ def _seen_before(exc: BaseException, dialect: str) -> bool:
     while dialect == "mysql" and seen is not None:
         if mysql_errno(seen) == _ER_DUP_ENTRY:
             return True
-        seen = getattr(seen, "orig", None)  # SQLAlchemy wraps the driver's error
+        # SQLAlchemy wraps the driver's error (orig); Django re-raises it as its own (cause).
+        seen = getattr(seen, "orig", None) or seen.__cause__
     return False
 
 

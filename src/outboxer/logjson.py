@@ -1,8 +1,9 @@
 """JSON log lines (``--log-format json``): one object per line, for log shippers.
 
 Each line holds ``time`` (UTC, ISO 8601 with milliseconds), ``level``, ``logger`` and
-``message``, then whichever of ``message_id``, ``destination``, ``topic``, ``attempt``,
-``error_class`` and ``relay_id`` the call passed (``logger.warning(..., extra=fields(...))``),
+``message``, then whichever of ``message_id``, ``database``, ``destination``, ``topic``,
+``attempt``, ``error_class`` and ``relay_id`` the call passed (``database``: the relay of one
+of several databases adds it to each of its lines, outboxer.relay.DatabaseLog) (``logger.warning(..., extra=fields(...))``),
 and ``exception`` with the traceback when there is one.
 
 Redaction stays what ``outboxer.redact`` makes it: the message, every text field and the
@@ -23,7 +24,7 @@ from typing import Any
 from outboxer.redact import redact_text
 
 #: The structured fields a record may carry (``extra=``), in the order lines show them.
-FIELDS = ("message_id", "destination", "topic", "attempt", "error_class", "relay_id")
+FIELDS = ("message_id", "database", "destination", "topic", "attempt", "error_class", "relay_id")
 
 #: ``describe()`` writes errors as ``Type: text``; this finds the type again.
 _ERROR_CLASS = re.compile(r"^([A-Za-z_][\w.]{0,99}): ")

@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import json
+import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from outboxer import logjson, payload_admin, tracing
 from outboxer.brokers import Publisher, create_publisher
 from outboxer.brokers.base import Outcome, OutcomeKind
-from outboxer.config import Settings
+from outboxer.config import DEFAULT_DATABASE, DestinationSettings, Settings
 from outboxer.errors import ConfigError, PublishError, SchemaError
 from outboxer.message import Message
 from outboxer.payload_relay import PayloadHandling
@@ -39,8 +41,24 @@ from outboxer.stores import (
     StoreDataError,
     create_store,
 )
+from outboxer.stores.pgpartitions import PartitionPolicy
 
 logger = get_logger("outboxer.relay")
+Log = logging.Logger | logging.LoggerAdapter[logging.Logger]
+
+
+class DatabaseLog(logging.LoggerAdapter[logging.Logger]):
+    """The log of a relay beside others in one process: each line starts ``database NAME:``
+    and carries the ``database`` field (``--log-format json``)."""
+
+    def __init__(self, base: logging.Logger, database: str) -> None:
+        super().__init__(base, {"database": database})
+        self.database = database
+
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        kwargs["extra"] = {**(kwargs.get("extra") or {}), "database": self.database}
+        return f"database {self.database}: {msg}", kwargs
+
 
 #: Backoff for the relay's own trouble (database or broker unreachable), not per message.
 OUTAGE_BACKOFF = Backoff(base=0.2, multiplier=2.0, cap=15.0, jitter=0.25)
@@ -55,6 +73,9 @@ REFUSAL_SHOWN_SECONDS = 300.0
 RENEW_EVERY = 1 / 3
 #: ... and its publishing stops once a tenth of the lease is left without a renewal.
 LEASE_MARGIN = 1 / 10
+#: After a batch whose keys a claim may have passed over: how long the batch's loop leaves
+#: the claim that takes their next rows to another loop (see Relay._loop).
+FREED_KEY_GRACE = 0.01
 
 
 @dataclass
@@ -125,7 +146,7 @@ class Outage:
         stopping. The wait ends early when it stops, unless ``through_stop``."""
         delay = self.count()
         self.relay._outage(self.place, f"{self.reason} ({exc})")
-        logger.warning("%s (%s); retrying in %.1fs", self.log_as, exc, delay)
+        self.relay.log.warning("%s (%s); retrying in %.1fs", self.log_as, exc, delay)
         if through_stop:
             await asyncio.sleep(delay)
             return self.relay.stopping
@@ -138,69 +159,130 @@ class Outage:
         return failures
 
 
-class RecoveryGate:
-    """What this relay holds, so that a row taken over from an expired lease is held alone.
+@dataclass
+class HeldBatch:
+    """A batch a relay holds from its claim to its settle, as the RecoveryGate counts it."""
 
-    Its relay may have died because of it. If it kills this relay too, it must die alone:
+    database: str
+    recovered: bool
+    #: Its settle is waiting for its database to answer (see RecoveryGate.park).
+    parked: bool = False
+
+
+class RecoveryGate:
+    """What the relays of a process hold, so that a row taken over from an expired lease is
+    held alone.
+
+    Its relay may have died because of it. If it kills this process too, it must die alone:
     only its attempt is counted, not those of rows held beside it (recovered after each
     death in the same order, they would share its fate until their attempts were used up
-    too). So a relay that holds a recovered row holds nothing else, any destination, from
-    its claim to its settle:
+    too). So a process that holds a recovered row holds nothing else, any destination, any
+    database, from its claim to its settle:
 
-    * a claim may recover only while the relay holds nothing else (``enter_claim``);
-    * a claim that may not, and finds a row to recover, takes nothing and says so: the
+    * a claim may recover only while its database's relay holds nothing else
+      (``enter_claim``);
+    * a claim that may not, and finds a row to recover, takes nothing and says so: that
       relay drains, claiming nothing more until the batches it holds are settled;
-    * while a recovered row is held, nobody claims, and it is published only once every
-      batch claimed before it is settled (``alone``). One recovered row at a time.
+    * while a recovered row is held, nobody claims, in any database, and it is published
+      only once every batch claimed before it, in any database, is settled (``alone``).
+      One recovered row at a time.
+
+    A batch whose settle waits for an unreachable database is *parked*: its publishing is
+    over, and it no longer counts as held. Otherwise one database that is down with a batch
+    unsettled would stop the others' recoveries, and a recovered row whose database went
+    down before its settle would stop every database's claims, until it came back. Only a
+    gate of several databases parks (``parks``): a relay alone has no others to hold up.
     """
 
-    def __init__(self, stopping: asyncio.Event) -> None:
-        self._stopping = stopping
+    def __init__(self, stopping: asyncio.Event | None = None, *, parks: bool = False) -> None:
+        #: What ends a wait in ``enter_claim`` when the caller gives no event of its own.
+        self._stopping = stopping if stopping is not None else asyncio.Event()
+        self.parks = parks
         self._changed = asyncio.Event()
-        #: Batches claimed and not yet settled, with claims under way.
-        self.held = 0
+        #: Per database: claims under way and batches claimed and not yet settled ...
+        self._held: dict[str, int] = {}
+        #: ... and of those, the batches parked.
+        self._parked: dict[str, int] = {}
+        #: A recovered row is held (and not parked).
         self.recovering = False
-        self.draining = False
+        #: Databases where a row waits to be recovered: their relays drain.
+        self._waiting: set[str] = set()
 
-    async def enter_claim(self) -> bool | None:
-        """Wait until a claim may run; return whether it may recover (None: stopping)."""
-        while self.recovering or (self.draining and self.held):
-            if not await self._wait_for_change():
+    @property
+    def held(self) -> int:
+        """Claims under way and batches not yet settled, every database."""
+        return sum(self._held.values())
+
+    @property
+    def draining(self) -> bool:
+        return bool(self._waiting)
+
+    def active(self, database: str | None = None) -> int:
+        """What is held and not parked: in ``database``, or in every one (None)."""
+        if database is not None:
+            return self._held.get(database, 0) - self._parked.get(database, 0)
+        return self.held - sum(self._parked.values())
+
+    async def enter_claim(
+        self, database: str = DEFAULT_DATABASE, stopping: asyncio.Event | None = None
+    ) -> bool | None:
+        """Wait until a claim in ``database`` may run; return whether it may recover (None:
+        ``stopping`` was set)."""
+        while self.recovering or (database in self._waiting and self.active(database)):
+            if not await self._wait_for_change(stopping or self._stopping):
                 return None
-        self.held += 1
-        return self.held == 1
+        self._held[database] = self._held.get(database, 0) + 1
+        return self.active(database) == 1
 
-    def claimed(self, batch: Claim | None, recover: bool) -> None:
+    def claimed(self, batch: Claim | None, recover: bool, database: str = DEFAULT_DATABASE) -> None:
         """After a claim that was allowed to recover or not (``batch`` None: it failed)."""
         if batch is not None and batch.recovery_waiting:
-            self.draining = True
+            self._waiting.add(database)
         elif recover:
-            self.draining = False  # recovered, or the row is gone: another relay took it
+            # Recovered, or the row is gone (another relay took it), or the claim failed.
+            self._waiting.discard(database)
         if batch is not None and batch.recovered:
             self.recovering = True
         if not batch:
-            self.settled(recovered=False)
+            self.settled(recovered=False, database=database)
 
-    def settled(self, recovered: bool) -> None:
-        """A batch (or a claim that took nothing) holds nothing any more."""
-        self.held -= 1
-        if recovered:
+    def park(self, held: HeldBatch) -> None:
+        """``held``'s settle waits for its database: it stops counting (once)."""
+        if held.parked or not self.parks:
+            return
+        held.parked = True
+        self._parked[held.database] = self._parked.get(held.database, 0) + 1
+        if held.recovered:
             self.recovering = False
+        self._notify()
+
+    def settled(
+        self, recovered: bool, database: str = DEFAULT_DATABASE, *, parked: bool = False
+    ) -> None:
+        """A batch (or a claim that took nothing) holds nothing any more."""
+        self._held[database] -= 1
+        if parked:
+            self._parked[database] -= 1
+        elif recovered:
+            self.recovering = False
+        self._notify()
+
+    async def alone(self) -> None:
+        """Wait until the recovered row is the only batch the process holds."""
+        while self.active() > 1:
+            await self._changed.wait()
+
+    def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    async def alone(self) -> None:
-        """Wait until the recovered row is the only batch this relay holds."""
-        while self.held > 1:
-            await self._changed.wait()
-
-    async def _wait_for_change(self) -> bool:
-        """Wait for the next change (True) or for the relay to stop (False)."""
+    async def _wait_for_change(self, stopping: asyncio.Event) -> bool:
+        """Wait for the next change (True) or for ``stopping`` (False)."""
         changed = asyncio.create_task(self._changed.wait())
-        stopping = asyncio.create_task(self._stopping.wait())
-        await asyncio.wait({changed, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        await _cancel(changed, stopping)
-        return not self._stopping.is_set()
+        stopped = asyncio.create_task(stopping.wait())
+        await asyncio.wait({changed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        await _cancel(changed, stopped)
+        return not stopping.is_set()
 
 
 class LeaseKeeper:
@@ -213,6 +295,13 @@ class LeaseKeeper:
     next holder may take the rows over once it ends, and this relay must have stopped
     publishing them by then. A timer on the event loop cancels the publish at that moment,
     before the publishing task can take another step (after a stall, too).
+
+    Most batches are published long before their first renewal: until then the keeper is
+    one timer (``start``), and its renewing task starts only when that timer fires. The
+    timer fires before the deadline would, and checks it: after a stall past the deadline
+    it cancels the publish as the deadline's timer would have. ``stop`` disarms it all
+    before the publishing task takes its next step, so a lease lost once the publish has
+    ended cancels nothing (the publish may be the relay loop's own task).
     """
 
     RAN_OUT = "its lease ran out before a renewal got through"
@@ -235,11 +324,42 @@ class LeaseKeeper:
         #: Why the lease was lost, once it is.
         self.lost: str | None = None
         self._deadline: asyncio.TimerHandle | None = None
+        self._first_renewal: asyncio.TimerHandle | None = None
+        self._renewing: asyncio.Task[None] | None = None
+        self._stopped = False
 
     @property
     def give_up_at(self) -> float:
         """When this relay stops publishing the batch unless a renewal got through."""
         return self.renewed_at + self.lock_timeout * (1 - LEASE_MARGIN)
+
+    def start(self) -> None:
+        """Arm the first renewal (a delay, as in ``_set_deadline``)."""
+        due = self.renewed_at + self.lock_timeout * RENEW_EVERY
+        self._first_renewal = asyncio.get_running_loop().call_later(
+            max(due - time.monotonic(), 0), self._renewal_due
+        )
+
+    def _renewal_due(self) -> None:
+        self._first_renewal = None
+        if time.monotonic() >= self.give_up_at:  # stalled past the lease: stop right now
+            self._lose(self.RAN_OUT)
+            return
+        self._renewing = asyncio.get_running_loop().create_task(self.keep())
+
+    def stop(self) -> asyncio.Task[None] | None:
+        """The publish ended (or is being abandoned): no more renewals, nothing cancelled
+        from now on. Returns the renewing task, if one started, for the caller to await
+        its end."""
+        self._stopped = True
+        if self._first_renewal is not None:
+            self._first_renewal.cancel()
+            self._first_renewal = None
+        if self._deadline is not None:
+            self._deadline.cancel()
+        if self._renewing is not None:
+            self._renewing.cancel()
+        return self._renewing
 
     async def keep(self) -> None:
         """Renew until cancelled (the publish ended) or the lease is lost."""
@@ -249,23 +369,27 @@ class LeaseKeeper:
         next_renewal = self.renewed_at + self.lock_timeout * RENEW_EVERY
         renewals = relay._database_outage(destination, "lease renewal failed")
         try:
-            while self.lost is None:
+            # ``_stopped`` as well as the cancellation: Python 3.11's ``asyncio.wait_for``
+            # drops a cancellation that arrives as its awaitable ends, and a keeper that
+            # missed its stop renewed for ever while its relay loop waited for it to end.
+            while self.lost is None and not self._stopped:
                 await asyncio.sleep(max(min(next_renewal, self.give_up_at) - time.monotonic(), 0))
                 sent_at = time.monotonic()
                 if sent_at >= self.give_up_at:
                     self._lose(self.RAN_OUT)
                     return
                 try:
-                    renewed = await asyncio.wait_for(
-                        relay.store.renew(destination, self.batch.lease, seqs, self.lock_timeout),
-                        self.give_up_at - sent_at,
-                    )
+                    # asyncio.timeout, not wait_for: it never swallows a cancellation.
+                    async with asyncio.timeout(self.give_up_at - sent_at):
+                        renewed = await relay.store.renew(
+                            destination, self.batch.lease, seqs, self.lock_timeout
+                        )
                 except Exception as exc:  # noqa: BLE001 -- database outage: retry while the lease lasts
                     # Not Outage.back_off: the next try must come before the lease runs out.
                     delay = renewals.count()
                     reason = str(exc) or type(exc).__name__
                     relay._outage(renewals.place, f"{renewals.reason} ({reason})")
-                    logger.warning(
+                    relay.log.warning(
                         "destination %s: lease renewal failed (%s); %.1fs of the lease left",
                         destination,
                         reason,
@@ -298,7 +422,7 @@ class LeaseKeeper:
         )
 
     def _lose(self, reason: str) -> None:
-        if self.lost is None:
+        if self.lost is None and not self._stopped:
             self.lost = reason
             self.publish.cancel()
 
@@ -345,12 +469,24 @@ class Relay:
         payloads: Mapping[str, PayloadHandling] | None = None,
         metrics: Metrics | None = None,
         messaging_systems: Mapping[str, str] | None = None,
+        gate: RecoveryGate | None = None,
+        owns_publishers: bool = True,
     ) -> None:
+        """``gate`` and ``owns_publishers``: for a relay beside others in one process (see
+        outboxer.relay_group), the process's RecoveryGate, and whether ``run`` closes the
+        publishers when it ends (not when they are shared)."""
         if not publishers:
             raise ValueError("a relay needs at least one destination publisher")
         self.store = store
         self.publishers = dict(publishers)
         self.settings = settings or Settings()
+        #: The database's name (the ``database`` label of its metrics).
+        self.database = self.settings.database_name
+        #: Log lines name the database once it has a name (several in one process).
+        self.log: Log = (
+            DatabaseLog(logger, self.database) if self.settings.database is not None else logger
+        )
+        self.owns_publishers = owns_publishers
         self.envelopes = dict(envelopes or {})
         #: Per destination: decrypt or forward encrypted rows, then the envelope.
         self.payloads = {
@@ -363,38 +499,59 @@ class Relay:
         #: The same counters per destination; ``stats`` holds their sums plus what no
         #: destination owns (connecting to the database, cleanup).
         self.destination_stats = {name: RelayStats() for name in self.publishers}
+        self.store.configure_wakeups(wake_on_commit_below=self.settings.wake_on_commit_below)
         self._stopping = asyncio.Event()
+        #: Loops waiting for work (see _wait_for_work), and whether stop() ended the wait.
+        self._waiting: dict[asyncio.Task[Any], bool] = {}
         self._in_flight: dict[str, int] = dict.fromkeys(self.publishers, 0)
+        #: Per destination: claims that found nothing while a batch of it was in flight.
+        #: Such a claim may have passed over a row whose key that batch held (a key's rows
+        #: go in order), and no NOTIFY may come for that row again: see _loop.
+        self._empty_while_in_flight: dict[str, int] = dict.fromkeys(self.publishers, 0)
+        self._claims_sent: dict[str, int] = dict.fromkeys(self.publishers, 0)
         self._fatal: ConfigError | None = None
         #: What is backing off now, by place ("database", "broker <destination>"): health reads it.
         self._outages: dict[str, str] = {}
         #: Per destination, when the database last refused a settle, and why.
         self._refusals: dict[str, tuple[float, str]] = {}
         self._loops_running = False
-        self._gate = RecoveryGate(self._stopping)
+        self._gate = gate if gate is not None else RecoveryGate(self._stopping)
         #: Prometheus histograms and gauges (outboxer[metrics]); None without prometheus_client.
         self.metrics = metrics
         if metrics is not None:
+            metrics.add_series(self.database, self.publishers)
             metrics.watch_relay(self)
         #: ``messaging.system`` of each destination's spans, from its broker URL.
         self._systems = dict(messaging_systems or {})
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Relay:
+    def from_settings(
+        cls,
+        settings: Settings,
+        *,
+        pool: PublisherPool | None = None,
+        gate: RecoveryGate | None = None,
+        metrics: Metrics | None = None,
+    ) -> Relay:
+        """The relay of one database's settings. Beside others in one process (RelayGroup),
+        the process's publishers (``pool``, which closes them), RecoveryGate and metrics;
+        alone, publishers and metrics of its own."""
         store = create_store(settings.require_db(), schema=settings.schema, table=settings.table)
         if not settings.destinations:
             raise ConfigError(
                 "no broker: pass --broker URL, set OUTBOXER_BROKER, or name destinations in outboxer.toml"
             )
-        publishers = {
-            name: create_publisher(
-                dest.broker,
-                routes=dest.routes,
-                publish_timeout=settings.publish_timeout,
-                **dest.options,
-            )
-            for name, dest in settings.destinations.items()
-        }
+        if pool is None:  # a publisher per destination, as ever
+            publishers = {
+                name: PublisherPool().publisher(dest, settings.publish_timeout)
+                for name, dest in settings.destinations.items()
+            }
+            metrics = metrics_if_installed()
+        else:
+            publishers = {
+                name: pool.publisher(dest, settings.publish_timeout)
+                for name, dest in settings.destinations.items()
+            }
         envelopes = {name: dest.envelope for name, dest in settings.destinations.items()}
         keyring = payload_admin.keyring(settings)
         payloads = {
@@ -411,8 +568,10 @@ class Relay:
             settings,
             envelopes=envelopes,
             payloads=payloads,
-            metrics=_metrics_if_installed(publishers),
+            metrics=metrics,
             messaging_systems=systems,
+            gate=gate,
+            owns_publishers=pool is None,
         )
 
     @property
@@ -424,8 +583,12 @@ class Relay:
     def stop(self) -> None:
         """Stop claiming; batches in flight are published and settled, then ``run`` returns."""
         if not self._stopping.is_set():
-            logger.info("relay %s stopping: finishing batches in flight", self.relay_id)
+            self.log.info("relay %s stopping: finishing batches in flight", self.relay_id)
         self._stopping.set()
+        for task, interrupted in self._waiting.items():
+            if not interrupted:
+                self._waiting[task] = True
+                task.cancel()
 
     @property
     def stopping(self) -> bool:
@@ -463,7 +626,7 @@ class Relay:
         """Run until ``stop()`` (or, with ``exit_when_idle``, until nothing is due)."""
         if not await self._connect_store():
             return self.stats
-        logger.info(
+        self.log.info(
             "relay %s started: destinations %s, batch %d, concurrency %d",
             self.relay_id,
             ", ".join(self.publishers),
@@ -486,11 +649,12 @@ class Relay:
                 task.cancel()
             cleanup.cancel()
             await asyncio.gather(*loops, cleanup, return_exceptions=True)
-            for publisher in self.publishers.values():
-                with contextlib.suppress(Exception):
-                    await publisher.close()
+            if self.owns_publishers:
+                for publisher in self.publishers.values():
+                    with contextlib.suppress(Exception):
+                        await publisher.close()
             await self.store.close()
-            logger.info("relay %s stopped: %s", self.relay_id, self.stats.as_dict())
+            self.log.info("relay %s stopped: %s", self.relay_id, self.stats.as_dict())
         if self._fatal is not None:
             raise self._fatal
         return self.stats
@@ -550,7 +714,7 @@ class Relay:
             try:
                 await publisher.connect()
                 if outage.over():
-                    logger.info(
+                    self.log.info(
                         "destination %s: broker %s is back", destination, publisher.safe_url
                     )
                 for stats in self._stats(destination):
@@ -558,7 +722,7 @@ class Relay:
             except Exception as exc:  # noqa: BLE001 -- broker outage: log, back off, try again
                 if isinstance(exc, PublishError) and not exc.retryable:
                     # Misconfigured (say, an exchange of another type): retrying cannot help.
-                    logger.error(
+                    self.log.error(
                         "destination %s: broker refuses this configuration: %s", destination, exc
                     )
                     self._fatal = ConfigError(f"destination {destination}: {exc}")
@@ -574,10 +738,11 @@ class Relay:
         while not self.stopping:
             if not await self._ensure_publisher(destination):
                 return
-            recover = await self._gate.enter_claim()
+            recover = await self._gate.enter_claim(self.database, self._stopping)
             if recover is None:
                 return
             self.store.reset_wakeup(destination)
+            self._claims_sent[destination] += 1
             started = time.perf_counter()
             claimed_at = time.monotonic()  # the lease runs from no later than this
             try:
@@ -591,16 +756,18 @@ class Relay:
                     recover=recover,
                 )
             except Exception as exc:  # noqa: BLE001 -- database outage: log, back off, resume by itself
-                self._gate.claimed(None, recover)
+                self._gate.claimed(None, recover, self.database)
                 await claims.back_off(exc)
                 continue
-            self._gate.claimed(batch, recover)
+            self._gate.claimed(batch, recover, self.database)
             claims.over()
             claim_seconds = time.perf_counter() - started
             for stats in self._stats(destination):
                 stats.claim_seconds += claim_seconds
             if self.metrics is not None:
-                self.metrics.observe_claim(destination, claim_seconds, len(batch))
+                self.metrics.observe_claim(
+                    destination, claim_seconds, len(batch), database=self.database
+                )
             self._log_abandoned(destination, batch)
             if len(batch) == settings.batch_size or batch.recovered:
                 # A full batch: there is likely more. A recovered row: its batch-mates are
@@ -609,6 +776,8 @@ class Relay:
             if not batch:
                 if batch.abandoned or batch.recovery_waiting:
                     continue  # their keys' next rows may be due now; or drain, then recover
+                if self._in_flight[destination]:
+                    self._empty_while_in_flight[destination] += 1
                 if settings.exit_when_idle and self._in_flight[destination] == 0:
                     return
                 await self._wait_for_work(
@@ -616,11 +785,26 @@ class Relay:
                 )
                 continue
             self._in_flight[destination] += 1
+            empty_before = self._empty_while_in_flight[destination]
+            held = HeldBatch(self.database, batch.recovered)
             try:
-                await self._process(destination, batch, claimed_at)
+                await self._process(destination, batch, claimed_at, held)
             finally:
                 self._in_flight[destination] -= 1
-                self._gate.settled(batch.recovered)
+                self._gate.settled(batch.recovered, self.database, parked=held.parked)
+            if self._empty_while_in_flight[destination] != empty_before:
+                # A claim found nothing while this batch was in flight: it may have passed
+                # over the next row of one of this batch's keys, whose NOTIFY it used up.
+                # Now that the batch is settled, that row is due. Any claim sent from now
+                # on takes it; if none is within FREED_KEY_GRACE, this loop claims (a key's
+                # second commit, made while its first was published, waited for the next
+                # commit or the fallback poll). Not at once: under a steady stream another
+                # loop's claim comes first, and a claim of its own cost 17% more CPU per
+                # message at 200 commits/s (bench/paced_relay.py --rate 200).
+                claims_before = self._claims_sent[destination]
+                await self._wait_for_work(destination, FREED_KEY_GRACE)
+                if self._claims_sent[destination] == claims_before:
+                    continue
             if (
                 len(batch) < settings.batch_size
                 and not batch.recovered
@@ -635,7 +819,7 @@ class Relay:
         for row in batch.abandoned:
             for stats in self._stats(destination):
                 stats.abandoned_now += 1
-            logger.error(
+            self.log.error(
                 "destination %s: message %s (topic %s, key %s) abandoned: %s",
                 destination,
                 row.id,
@@ -654,7 +838,7 @@ class Relay:
             for stats in self._stats(destination):
                 stats.recovered += len(batch)
             for message in batch:
-                logger.warning(
+                self.log.warning(
                     "destination %s: message %s (topic %s) was in flight when its relay died "
                     "or stalled (lease expired); publishing it alone, attempt %d of %d",
                     destination,
@@ -664,7 +848,9 @@ class Relay:
                     self.settings.max_attempts,
                 )
 
-    async def _process(self, destination: str, batch: Claim, claimed_at: float) -> None:
+    async def _process(
+        self, destination: str, batch: Claim, claimed_at: float, held: HeldBatch | None = None
+    ) -> None:
         """Publish the batch while its lease is kept, then settle it.
 
         If the lease is lost (taken over, or run out while the database did not answer),
@@ -681,22 +867,37 @@ class Relay:
             system=self._systems.get(destination, "unknown"),
             destination_name=lambda message: message.topic,
         )
-        publish = asyncio.create_task(self._publish(destination, batch.recovered, spans.messages))
-        lease = LeaseKeeper(self, destination, batch, claimed_at, publish)
-        keeper = asyncio.create_task(lease.keep())
+        # The publish runs in this task (one task fewer per batch): a lost lease cancels
+        # this task, and that cancellation is taken back (uncancel), as asyncio.timeout
+        # does. One asked for by anyone else is a forced shutdown.
+        task = asyncio.current_task()
+        assert task is not None
+        lease = LeaseKeeper(self, destination, batch, claimed_at, task)
+        lease.start()
+        outcomes: list[Outcome] | None = None
         try:
-            await asyncio.wait({publish})
+            outcomes = await self._publish(destination, batch.recovered, spans.messages)
         except asyncio.CancelledError:
-            # Cancelled mid-publish (forced shutdown): nothing is known, give the rows back.
-            await _cancel(publish, keeper)
-            spans.end([None] * len(batch))
-            await asyncio.shield(self._settle(destination, batch, [None] * len(batch)))
-            raise
-        await _cancel(keeper)
-        if publish.cancelled():
+            renewing = lease.stop()
+            if renewing is not None:
+                await asyncio.gather(renewing, return_exceptions=True)
+            if lease.lost is not None:
+                task.uncancel()
+            if task.cancelling():
+                # Cancelled mid-publish (forced shutdown): nothing is known, give the rows back.
+                spans.end([None] * len(batch))
+                await asyncio.shield(self._settle(destination, batch, [None] * len(batch), held))
+                raise
+        else:
+            renewing = lease.stop()
+            if lease.lost is not None:
+                task.uncancel()  # the publish swallowed the cancellation: its outcomes stand
+            if renewing is not None:
+                await _cancel(renewing)
+        if outcomes is None:
             for stats in self._stats(destination):
                 stats.leases_lost += 1
-            logger.warning(
+            self.log.warning(
                 "destination %s: stopped publishing a batch of %d: %s; the rows still held "
                 "go back to the queue",
                 destination,
@@ -704,9 +905,8 @@ class Relay:
                 lease.lost or "publishing was cancelled",
             )
             spans.end([None] * len(batch))
-            await self._settle(destination, batch, [None] * len(batch))
+            await self._settle(destination, batch, [None] * len(batch), held)
             return
-        outcomes = publish.result()
         spans.end(outcomes)
         if self.metrics is not None:
             self.metrics.observe_confirmed(
@@ -716,8 +916,9 @@ class Relay:
                     for message, outcome in zip(batch, outcomes, strict=True)
                     if outcome is not None and outcome.kind is OutcomeKind.PUBLISHED
                 ],
+                database=self.database,
             )
-        await self._settle(destination, batch, outcomes)
+        await self._settle(destination, batch, outcomes, held)
 
     async def _publish(
         self, destination: str, recovered: bool, outgoing: Sequence[Message]
@@ -734,7 +935,11 @@ class Relay:
         return outcomes
 
     async def _settle(
-        self, destination: str, batch: Claim, outcomes: Sequence[Outcome | None]
+        self,
+        destination: str,
+        batch: Claim,
+        outcomes: Sequence[Outcome | None],
+        held: HeldBatch | None = None,
     ) -> None:
         published: list[int] = []
         failed: list[Failure] = []
@@ -758,7 +963,7 @@ class Relay:
                 if permanent or message.attempts + 1 >= self.settings.max_attempts:
                     for stats in self._stats(destination):
                         stats.abandoned_now += 1
-                    logger.error(
+                    self.log.error(
                         "destination %s: message %s (topic %s) abandoned after %d attempt(s): %s",
                         destination,
                         message.id,
@@ -779,7 +984,7 @@ class Relay:
         # One line per distinct error, not per message: an outage fails whole batches.
         for error, messages in retrying.items():
             shown = ", ".join(str(m.id) for m in messages[:3]) + (" …" if len(messages) > 3 else "")
-            logger.warning(
+            self.log.warning(
                 "destination %s: %d message(s) failed and will be retried (%s): %s",
                 destination,
                 len(messages),
@@ -795,11 +1000,13 @@ class Relay:
         started = time.perf_counter()
         keys = {message.stored_seq: message.key for message in batch}
         result = await self._record(
-            destination, batch.lease, Settlement(published, failed, released), keys
+            destination, batch.lease, Settlement(published, failed, released), keys, held
         )
         settle_seconds = time.perf_counter() - started
         if self.metrics is not None:  # the batch is out of this relay's hands either way
-            self.metrics.observe_settle(destination, settle_seconds, len(batch))
+            self.metrics.observe_settle(
+                destination, settle_seconds, len(batch), database=self.database
+            )
         if result is None:
             return
         for stats in self._stats(destination):
@@ -809,7 +1016,7 @@ class Relay:
             stats.released += result.released
             stats.lost += result.lost
         if result.lost:
-            logger.warning(
+            self.log.warning(
                 "destination %s: %d message(s) were taken over after this relay's lease "
                 "expired: it stalled, or could not reach the database to renew it",
                 destination,
@@ -822,6 +1029,7 @@ class Relay:
         lease: Lease,
         outcomes: Settlement,
         keys: Mapping[int, str | None],
+        held: HeldBatch | None = None,
     ) -> SettleResult | None:
         """Settle, riding out outages; None if the relay stopped before the database answered.
 
@@ -834,12 +1042,12 @@ class Relay:
         recovered in seq order (see Store.claim).
         """
         try:
-            return await self._settle_answered(destination, lease, outcomes)
+            return await self._settle_answered(destination, lease, outcomes, held)
         except StoreDataError as exc:
             self._refused(destination, exc, len(outcomes))
         outcomes = outcomes.with_error(UNRECORDABLE_ERROR)
         try:
-            return await self._settle_answered(destination, lease, outcomes)
+            return await self._settle_answered(destination, lease, outcomes, held)
         except StoreDataError as exc:
             self._refused(destination, exc, len(outcomes))
         total = SettleResult()
@@ -852,13 +1060,13 @@ class Relay:
                     stats.unrecorded += 1
                 continue
             try:
-                result = await self._settle_answered(destination, lease, row)
+                result = await self._settle_answered(destination, lease, row, held)
             except StoreDataError as exc:
                 for stats in self._stats(destination):
                     stats.unrecorded += 1
                 if key is not None:
                     refused_keys.add(key)
-                logger.error(
+                self.log.error(
                     "destination %s: the database refuses to record the outcome of the row "
                     "with seq %d (%s); it stays in flight until its lease expires, with the "
                     "earlier rows of its key (%s) in this batch",
@@ -880,7 +1088,7 @@ class Relay:
         for stats in self._stats(destination):
             stats.settles_refused += 1
         self._refusals[destination] = (time.monotonic(), redact_text(str(exc)))
-        logger.error(
+        self.log.error(
             "destination %s: the database refused to record %d outcome(s): %s",
             destination,
             outcomes,
@@ -888,7 +1096,11 @@ class Relay:
         )
 
     async def _settle_answered(
-        self, destination: str, lease: Lease, outcomes: Settlement
+        self,
+        destination: str,
+        lease: Lease,
+        outcomes: Settlement,
+        held: HeldBatch | None = None,
     ) -> SettleResult | None:
         """One settle, retried while the database is unreachable; None if the relay stopped
         first. StoreDataError (refused values) is raised at once: retrying cannot help."""
@@ -913,7 +1125,7 @@ class Relay:
             except Exception as exc:  # noqa: BLE001 -- database outage during settle
                 if self.stopping and outage.failures >= 3:
                     outage.count()
-                    logger.error(
+                    self.log.error(
                         "destination %s: could not record %d outcomes (%s); their locks "
                         "expire and they will be published again",
                         destination,
@@ -921,19 +1133,38 @@ class Relay:
                         exc,
                     )
                     return None
+                if held is not None:
+                    # Published already: while its database is away, it must not hold
+                    # back the other databases' recoveries (RecoveryGate).
+                    self._gate.park(held)
                 await outage.back_off(exc, through_stop=True)
 
     async def _wait_for_work(self, destination: str, timeout: float) -> None:
-        waiter = asyncio.create_task(self.store.wait_for_wakeup(destination, timeout))
-        stopper = asyncio.create_task(self._stopping.wait())
+        """Wait in the store's ``wait_for_wakeup``, or until the relay is asked to stop.
+
+        The wait runs in the loop's own task (no task of its own, nor one watching for the
+        stop: this runs after nearly every claim): ``stop`` cancels it, and that
+        cancellation is taken back here (uncancel), as asyncio.timeout does.
+        """
+        if self.stopping:
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        self._waiting[task] = False
         try:
-            await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            await self.store.wait_for_wakeup(destination, timeout)
+        except asyncio.CancelledError:
+            if self._waiting.get(task) and task.uncancel() == 0:
+                return  # stop() ended the wait
+            raise
+        except Exception as exc:  # noqa: BLE001 -- waiting can fall back to sleeping
+            failure: Exception | None = exc
+        else:
+            failure = None
         finally:
-            for task in (waiter, stopper):
-                task.cancel()
-            await asyncio.gather(waiter, stopper, return_exceptions=True)
-        if waiter.done() and not waiter.cancelled() and waiter.exception() is not None:
-            logger.warning("waiting for wake-ups failed: %s", waiter.exception())
+            del self._waiting[task]
+        if failure is not None:
+            self.log.warning("waiting for wake-ups failed: %s", failure)
             await self._sleep(timeout)
 
     async def _sleep(self, seconds: float) -> bool:
@@ -947,25 +1178,44 @@ class Relay:
     async def _cleanup_loop(self) -> None:
         while not self.stopping:
             try:
-                self.stats.cleaned += await cleanup(self.store, self.settings)
+                self.stats.cleaned += await cleanup(self.store, self.settings, log=self.log)
             except Exception as exc:  # noqa: BLE001 -- retention can wait for the next round
-                logger.warning("cleanup failed: %s", exc)
+                self.log.warning("cleanup failed: %s", exc)
             if await self._sleep(self.settings.cleanup_interval):
                 return
 
 
-async def cleanup(store: Store, settings: Settings, max_batches: int = 100) -> int:
-    """Delete finished rows past their retention in bounded batches; return how many."""
+async def cleanup(
+    store: Store, settings: Settings, max_batches: int = 100, *, log: Log = logger
+) -> int:
+    """Delete finished rows past their retention in bounded batches; return how many.
+
+    A partitioned outbox drops whole partitions instead (and makes the coming ones): its
+    rows count as PostgreSQL's statistics estimate them."""
     deleted = 0
-    steps: list[Callable[[], Awaitable[int]]] = [
-        functools.partial(
-            store.cleanup, "PUBLISHED", settings.published_retention, settings.cleanup_batch
-        ),
-        functools.partial(
-            store.cleanup, "ABANDONED", settings.abandoned_retention, settings.cleanup_batch
-        ),
-        functools.partial(store.cleanup_inbox, settings.inbox_retention, settings.cleanup_batch),
-    ]
+    steps: list[Callable[[], Awaitable[int]]] = []
+    if await store.is_partitioned():
+        report = await store.maintain_partitions(
+            PartitionPolicy(
+                ahead=settings.partitions_ahead,
+                interval=settings.partition_interval,
+                published_retention=settings.published_retention,
+                abandoned_retention=settings.abandoned_retention,
+            )
+        )
+        deleted += report.dropped_rows
+    else:
+        steps += [
+            functools.partial(
+                store.cleanup, "PUBLISHED", settings.published_retention, settings.cleanup_batch
+            ),
+            functools.partial(
+                store.cleanup, "ABANDONED", settings.abandoned_retention, settings.cleanup_batch
+            ),
+        ]
+    steps.append(
+        functools.partial(store.cleanup_inbox, settings.inbox_retention, settings.cleanup_batch)
+    )
     for step in steps:
         for _ in range(max_batches):
             count = await step()
@@ -974,11 +1224,11 @@ async def cleanup(store: Store, settings: Settings, max_batches: int = 100) -> i
                 break
             await asyncio.sleep(0)  # let the relay's loops run between batches
     if deleted:
-        logger.info("cleanup deleted %d finished message(s)", deleted)
+        log.info("cleanup deleted %d finished message(s)", deleted)
     # The claim-check objects no row refers to any more: those of the rows just deleted.
     objects = await asyncio.to_thread(payload_admin.sweep_claim_checks, settings)
     if objects:
-        logger.info("cleanup deleted %d claim-check object(s)", objects)
+        log.info("cleanup deleted %d claim-check object(s)", objects)
     return deleted
 
 
@@ -993,12 +1243,51 @@ def _with(settings: Settings, **changes: object) -> Settings:
     return dataclasses.replace(settings, **changes)  # type: ignore[arg-type]
 
 
-def _metrics_if_installed(publishers: Mapping[str, Publisher]) -> Metrics | None:
-    """A ``Metrics`` of the relay's destinations, or None without prometheus_client."""
+def metrics_if_installed() -> Metrics | None:
+    """A ``Metrics`` for the process's relays, or None without prometheus_client."""
     from outboxer.errors import MissingDependencyError
     from outboxer.metrics import Metrics
 
     try:
-        return Metrics(publishers)
+        return Metrics()
     except MissingDependencyError:
         return None
+
+
+class PublisherPool:
+    """The publishers of the relays of one process: one per broker URL and configuration.
+
+    Relays of several databases whose destinations go to the same broker, with the same
+    routes and options, share one publisher, so one broker client. Sharing is safe: one relay
+    already shares each publisher among its loops (``concurrency``) on one event loop, a
+    publisher connects under its own lock, and per-key order is a batch's own (a key's
+    messages live in one database, so in one relay's batches). The pool closes them once
+    every relay has ended (``close``).
+    """
+
+    def __init__(self) -> None:
+        self._publishers: dict[str, Publisher] = {}
+
+    def publisher(self, destination: DestinationSettings, publish_timeout: float) -> Publisher:
+        key = json.dumps(
+            [destination.broker, destination.routes, destination.options, publish_timeout],
+            sort_keys=True,
+            default=repr,
+        )
+        publisher = self._publishers.get(key)
+        if publisher is None:
+            publisher = self._publishers[key] = create_publisher(
+                destination.broker,
+                routes=destination.routes,
+                publish_timeout=publish_timeout,
+                **destination.options,
+            )
+        return publisher
+
+    def __len__(self) -> int:
+        return len(self._publishers)
+
+    async def close(self) -> None:
+        for publisher in self._publishers.values():
+            with contextlib.suppress(Exception):
+                await publisher.close()

@@ -2,26 +2,48 @@
 
 These outboxes record no per-message status. A *source* hands out entries after its
 stored checkpoint, in publish order; the relay publishes them and stores the checkpoint
-of the longest prefix the broker confirmed. A failed message stops the stream there (a
-key's later messages must not overtake it): the relay backs off and reads again from
-the checkpoint, so messages after a failure may be published twice (at-least-once),
-never skipped.
+of the longest prefix it is done with. ``outboxer stream-relay`` runs it
+(:mod:`outboxer.stream_cli`).
+
+A failed message stops the stream there (a key's later messages must not overtake it):
+its attempt is counted in the stream's failures table, in one statement, and the relay
+waits the backoff of that many attempts (``Backoff``, with jitter) before it reads again
+from the checkpoint, so messages after a failure may be published twice (at least once),
+never skipped. After ``max_attempts`` attempts, or at once when the broker refuses the
+message for good, the message becomes a *dead letter*: written to the stream's
+dead-letter table, and the checkpoint goes past it. The later messages of its key are
+then published as usual or, with ``abandoned_blocks_key``, dead-lettered too (*held*)
+until the dead letters of the key are replayed or purged. Log mode writes a dead letter
+and moves its offset in one transaction; the WAL outbox writes it first and advances its
+slot after (``WalReader.commit`` has the invariant).
 """
 
 from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
-from outboxer.brokers.base import Outcome, Publisher
+from outboxer.brokers.base import Outcome, OutcomeKind, Publisher
 from outboxer.errors import BrokerUnavailableError, ConfigError, StoreError
 from outboxer.message import Message
-from outboxer.redact import get_logger
+from outboxer.payload_relay import PayloadHandling
+from outboxer.redact import get_logger, redact_text
+from outboxer.retry import Backoff
+from outboxer.stores.base import storable_error
+from outboxer.stores.pgstream import BACKLOG_LIMIT, Backlog, DeadLetter, StreamBook, StreamFailure
+
+if TYPE_CHECKING:
+    from outboxer.metrics import Metrics
 
 logger = get_logger("outboxer.streamrelay")
+
+#: The backoff between tries to reach a database or broker that is down.
+OUTAGE_BACKOFF_MAX = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +60,21 @@ class StreamSource(Protocol):
     """Where a stream relay reads: entries after the stored checkpoint, in publish order."""
 
     name: str
+    #: "log" or "wal".
+    mode: str
+    #: The stream's failures and dead letters.
+    book: StreamBook
+
+    @property
+    def conn(self) -> Any:
+        """The source's database connection (asyncpg), for the stream's own tables."""
+        ...
 
     async def connect(self) -> None: ...
+
+    async def attach(self) -> None:
+        """Connect for the stream's own tables only (replay), beside a running relay."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -47,22 +82,56 @@ class StreamSource(Protocol):
         """Up to about ``limit`` entries after the stored checkpoint (whole transactions)."""
         ...
 
-    async def commit(self, checkpoint: object) -> None:
-        """Store ``checkpoint``: reading resumes after it, also after a restart."""
+    async def commit(
+        self,
+        checkpoint: object,
+        letters: Sequence[DeadLetter] = (),
+        cleared: Iterable[int] = (),
+    ) -> None:
+        """Store ``checkpoint``: reading resumes after it, also after a restart. Write
+        ``letters`` and drop the failure rows of ``cleared`` (seqs) with it."""
         ...
 
     async def idle(self) -> None:
         """Called when a read found nothing (the WAL source lets its slot move on)."""
         ...
 
+    async def failures(self) -> dict[int, StreamFailure]:
+        """The stream's failing messages not yet passed, by seq."""
+        ...
+
+    async def record_failure(self, message: Message, error: str) -> int:
+        """Count one failed attempt of ``message``; its attempts in all."""
+        ...
+
+    async def held_keys(self, keys: Iterable[str] | None = None) -> set[str]:
+        """Which of ``keys`` (None: any) have dead letters in the stream."""
+        ...
+
+    async def backlog(self, limit: int) -> Backlog:
+        """How far the stream is behind its head."""
+        ...
+
 
 @dataclass
 class StreamStats:
+    #: Messages the broker confirmed and the checkpoint passed.
     published: int = 0
+    #: Failed publish attempts counted against a message (each one a failures row update).
+    failed: int = 0
+    #: Dead letters written (held ones included), and of them the held ones.
+    dead_lettered: int = 0
+    held: int = 0
     failed_rounds: int = 0
     commits: int = 0
     #: Rounds cut short by a lost database connection (the source then reconnects).
     outages: int = 0
+    started_at: float = field(default_factory=time.time)
+    #: When (time.time()) the checkpoint last moved; None before the first time.
+    checkpoint_at: float | None = None
+    #: The last backlog measurement, and when it was taken.
+    backlog: Backlog | None = None
+    backlog_at: float | None = None
 
 
 def confirmed_checkpoint(
@@ -87,6 +156,331 @@ def confirmed_checkpoint(
     return checkpoint, published, None
 
 
+@dataclass
+class _Round:
+    """What one read-publish round settled, up to the last checkpoint it reached."""
+
+    checkpoint: object | None = None
+    published: list[Message] = field(default_factory=list)
+    letters: list[DeadLetter] = field(default_factory=list)
+    #: Seqs whose failure rows go with the checkpoint.
+    cleared: list[int] = field(default_factory=list)
+    #: The message the stream stopped at, its outcome and attempts (None: no failure).
+    stopped: tuple[Message, Outcome, int] | None = None
+
+
+class StreamRelay:
+    """Publishes one stream (a log reader or a WAL slot) until stopped."""
+
+    def __init__(
+        self,
+        source: StreamSource,
+        publisher: Publisher,
+        *,
+        batch_size: int = 500,
+        poll_interval: float = 0.2,
+        max_attempts: int = 10,
+        backoff: Backoff | None = None,
+        abandoned_blocks_key: bool = False,
+        payload: PayloadHandling | None = None,
+        probe_interval: float | None = None,
+        exit_when_idle: bool = False,
+        metrics: Metrics | None = None,
+        outage_backoff_max: float = OUTAGE_BACKOFF_MAX,
+    ) -> None:
+        if batch_size < 1 or poll_interval <= 0 or max_attempts < 1:
+            raise ConfigError("batch_size and max_attempts must be >= 1, poll_interval > 0")
+        self.source = source
+        self.publisher = publisher
+        self.batch_size = batch_size
+        self.poll_interval = poll_interval
+        self.max_attempts = max_attempts
+        self.backoff = backoff or Backoff()
+        self.abandoned_blocks_key = abandoned_blocks_key
+        self.payload = payload or PayloadHandling(source.book.destination)
+        self.probe_interval = probe_interval
+        self.exit_when_idle = exit_when_idle
+        self.metrics = metrics
+        self.outage_backoff_max = outage_backoff_max
+        self.stats = StreamStats()
+        #: Failing messages not yet passed, by seq: loaded at start, kept as they change.
+        self._failures: dict[int, StreamFailure] = {}
+        #: Keys with dead letters in the stream (a superset: a replay elsewhere may have
+        #: emptied one; it is checked against the table before it holds a message).
+        self._held_keys: set[str] = set()
+        #: Place -> reason of what is backing off now ("database", "broker"); /health reads it.
+        self._outages: dict[str, str] = {"relay": "starting: not connected yet"}
+        self._running = False
+
+    @property
+    def destination(self) -> str:
+        return self.source.book.destination
+
+    @property
+    def mode(self) -> str:
+        return self.source.mode
+
+    @property
+    def failing(self) -> int:
+        """Messages that failed and are retried (not yet published or dead-lettered)."""
+        return len(self._failures)
+
+    def health_problems(self) -> list[str]:
+        """Why the relay is not healthy now (empty: it is)."""
+        problems = [f"{place}: {reason}" for place, reason in sorted(self._outages.items())]
+        if not self._running and not problems:
+            problems.append("relay: not running")
+        return problems
+
+    # ----- the loop ----------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> StreamStats:
+        """Publish until ``stop`` is set (or, with ``exit_when_idle``, the stream is read to
+        its end). The source must be connected."""
+        self._running = True
+        try:
+            await self._load()
+            self._outages.pop("relay", None)
+            await self._loop(stop)
+        finally:
+            self._running = False
+        return self.stats
+
+    async def _load(self) -> None:
+        self._failures = await self.source.failures()
+        if self.abandoned_blocks_key:
+            self._held_keys = await self.source.held_keys()
+        if self._failures:
+            logger.info(
+                "%s: %d message(s) failed before and are retried with their attempts so far",
+                self.source.name,
+                len(self._failures),
+            )
+
+    async def _loop(self, stop: asyncio.Event) -> None:
+        outage = 0.0
+        while not stop.is_set():
+            if not self.publisher.connected:
+                try:
+                    await self.publisher.connect()
+                    self._outages.pop("broker", None)
+                except BrokerUnavailableError as exc:
+                    outage = _next_backoff(outage, self.outage_backoff_max)
+                    self._outage("broker", exc)
+                    logger.warning(
+                        "%s: broker unavailable (%s); retrying in %.1fs",
+                        self.source.name,
+                        exc,
+                        outage,
+                    )
+                    await _sleep(stop, outage)
+                    continue
+            try:
+                await self._probe()
+                entries = await self.source.read(self.batch_size)
+                done = await self._settle(entries) if entries else _Round()
+                self._outages.pop("database", None)
+            except Exception as exc:
+                if not is_database_outage(exc):
+                    raise
+                # The round's checkpoint may not be stored: it is read and published again.
+                self.stats.outages += 1
+                outage = _next_backoff(outage, self.outage_backoff_max)
+                self._outage("database", exc)
+                logger.warning(
+                    "%s: database unavailable (%s); reconnecting in %.1fs",
+                    self.source.name,
+                    exc,
+                    outage,
+                )
+                await _reconnect(self.source, stop, outage)
+                continue
+            outage = 0.0
+            if done.stopped is not None:
+                await self._wait_after_failure(stop, *done.stopped)
+                continue
+            if not any(entry.message is not None for entry in entries):
+                try:
+                    await self.source.idle()
+                except Exception as exc:
+                    if not is_database_outage(exc):
+                        raise
+                    continue  # the next read meets the outage and reconnects
+                if self.exit_when_idle:
+                    return
+                await _sleep(stop, self.poll_interval)
+
+    async def _probe(self) -> None:
+        """Measure the backlog (for /metrics) when it is due; on the source's connection,
+        between reads, so that it never collides with them."""
+        if self.probe_interval is None:
+            return
+        now = time.monotonic()
+        if self.stats.backlog_at is not None and now - self.stats.backlog_at < self.probe_interval:
+            return
+        self.stats.backlog = await self.source.backlog(BACKLOG_LIMIT)
+        self.stats.backlog_at = now
+
+    async def _wait_after_failure(
+        self, stop: asyncio.Event, message: Message, outcome: Outcome, attempts: int
+    ) -> None:
+        self.stats.failed_rounds += 1
+        delay = self.backoff.delay_after(attempts, outcome.retry_after)
+        logger.warning(
+            "%s: message %s (topic %s) failed, attempt %d of %d (%s); the stream waits %.1fs "
+            "and goes on from the last confirmed message",
+            self.source.name,
+            message.id,
+            message.topic,
+            attempts,
+            self.max_attempts,
+            outcome.error,
+            delay,
+        )
+        await _sleep(stop, delay)
+
+    async def _settle(self, entries: Sequence[Entry]) -> _Round:
+        """Publish the messages of ``entries`` that are not dead already, walk the outcomes
+        in stream order, and store the checkpoint past what is done."""
+        messages = [entry.message for entry in entries if entry.message is not None]
+        held_now = await self._held_among(messages)
+        decided: dict[int, DeadLetter] = {}
+        outgoing: list[Message] = []
+        for message in messages:
+            seq = _seq(message)
+            known = self._failures.get(seq)
+            if known is not None and (known.permanent or known.attempts >= self.max_attempts):
+                # Given up before (this process, or one that died before moving past it).
+                decided[seq] = DeadLetter(message, known.last_error, known.attempts)
+                self._hold(held_now, message)
+            elif self._holds(held_now, message):
+                decided[seq] = _held_letter(message)
+            else:
+                outgoing.append(message)
+        outcomes = await self.payload.publish(self.publisher, outgoing) if outgoing else []
+        outcome_of = {_seq(m): outcome for m, outcome in zip(outgoing, outcomes, strict=True)}
+        done = _Round()
+        pending = _Round()
+        for entry in entries:
+            if entry.message is not None and not await self._walk(
+                entry.message, decided, outcome_of, held_now, pending
+            ):
+                break
+            if entry.checkpoint is not None:
+                done.checkpoint = entry.checkpoint
+                done.published += pending.published
+                done.letters += pending.letters
+                done.cleared += pending.cleared
+                pending = _Round(stopped=pending.stopped)
+        done.stopped = pending.stopped
+        if done.checkpoint is not None:
+            await self.source.commit(done.checkpoint, done.letters, done.cleared)
+            self._committed(done)
+        return done
+
+    async def _walk(
+        self,
+        message: Message,
+        decided: dict[int, DeadLetter],
+        outcome_of: dict[int, Outcome],
+        held_now: set[str],
+        pending: _Round,
+    ) -> bool:
+        """Settle one message of the walk into ``pending``; False where the stream stops."""
+        seq = _seq(message)
+        if seq in decided:
+            pending.letters.append(decided[seq])
+            if seq in self._failures:
+                pending.cleared.append(seq)
+            return True
+        outcome = outcome_of[seq]
+        if outcome.kind is OutcomeKind.PUBLISHED:
+            pending.published.append(message)
+            if seq in self._failures:
+                pending.cleared.append(seq)
+            return True
+        if outcome.kind is OutcomeKind.SKIPPED:
+            # An earlier message of its key failed in this round and was given up on (a
+            # failure that is retried stops the walk before this one).
+            if self._holds(held_now, message):
+                pending.letters.append(_held_letter(message))
+                return True
+            return False  # published next round, at once
+        error = outcome.error or "unknown error"
+        attempts = await self.source.record_failure(message, error)
+        self.stats.failed += 1
+        failure = StreamFailure(seq, message.id, attempts, error, permanent=not outcome.retryable)
+        self._failures[seq] = failure
+        if failure.permanent or attempts >= self.max_attempts:
+            pending.letters.append(DeadLetter(message, error, attempts))
+            pending.cleared.append(seq)
+            self._hold(held_now, message)
+            return True
+        pending.stopped = (message, outcome, attempts)
+        return False
+
+    def _committed(self, done: _Round) -> None:
+        self.stats.commits += 1
+        self.stats.checkpoint_at = time.time()
+        self.stats.published += len(done.published)
+        for seq in done.cleared:
+            self._failures.pop(seq, None)
+        for letter in done.letters:
+            self.stats.dead_lettered += 1
+            self.stats.held += letter.held
+            if letter.message.key is not None:
+                self._held_keys.add(letter.message.key)
+            log = logger.info if letter.held else logger.error
+            log(
+                "%s: message %s (topic %s, key %s) is a dead letter%s: %s",
+                self.source.name,
+                letter.message.id,
+                letter.message.topic,
+                letter.message.key,
+                "" if letter.held else f" after {letter.attempts} attempt(s)",
+                redact_text(letter.error[:500]),
+            )
+        if self.metrics is not None and done.published:
+            self.metrics.observe_confirmed(
+                self.destination, [message.created_at for message in done.published]
+            )
+
+    async def _held_among(self, messages: Sequence[Message]) -> set[str]:
+        """The keys of ``messages`` that have dead letters (abandoned_blocks_key only),
+        checked against the table: a replay by the CLI may have emptied some."""
+        if not self.abandoned_blocks_key:
+            return set()
+        maybe = {m.key for m in messages if m.key is not None and m.key in self._held_keys}
+        if not maybe:
+            return set()
+        still = await self.source.held_keys(maybe)
+        self._held_keys -= maybe - still
+        return still
+
+    def _holds(self, held_now: set[str], message: Message) -> bool:
+        return self.abandoned_blocks_key and message.key is not None and message.key in held_now
+
+    def _hold(self, held_now: set[str], message: Message) -> None:
+        if self.abandoned_blocks_key and message.key is not None:
+            held_now.add(message.key)
+
+    def _outage(self, place: str, reason: object) -> None:
+        self._outages[place] = redact_text(str(reason))[:500]
+
+
+def _seq(message: Message) -> int:
+    return message.stored_seq
+
+
+def _held_letter(message: Message) -> DeadLetter:
+    return DeadLetter(
+        message,
+        f"held: an earlier message of key {message.key!r} is a dead letter (abandoned_blocks_key)",
+        0,
+        held=True,
+    )
+
+
 async def run_stream_relay(
     source: StreamSource,
     publisher: Publisher,
@@ -94,61 +488,23 @@ async def run_stream_relay(
     stop: asyncio.Event,
     batch_size: int = 500,
     poll_interval: float = 0.2,
-    max_backoff: float = 30.0,
+    max_backoff: float = OUTAGE_BACKOFF_MAX,
+    max_attempts: int = 10,
+    backoff: Backoff | None = None,
+    abandoned_blocks_key: bool = False,
 ) -> StreamStats:
-    """Publish ``source`` through ``publisher`` until ``stop`` is set."""
-    stats = StreamStats()
-    backoff = 0.0
-    while not stop.is_set():
-        if not publisher.connected:
-            try:
-                await publisher.connect()
-            except BrokerUnavailableError as exc:
-                backoff = _next_backoff(backoff, max_backoff)
-                logger.warning(
-                    "%s: broker unavailable (%s); retrying in %.1fs", source.name, exc, backoff
-                )
-                await _sleep(stop, backoff)
-                continue
-        try:
-            entries = await source.read(batch_size)
-            messages = [entry.message for entry in entries if entry.message is not None]
-            outcomes = await publisher.publish_batch(messages) if messages else []
-            checkpoint, published, failure = confirmed_checkpoint(entries, outcomes)
-            if checkpoint is not None:
-                await source.commit(checkpoint)
-                stats.commits += 1
-            if not messages:
-                await source.idle()
-        except Exception as exc:
-            if not is_database_outage(exc):
-                raise
-            # The batch's checkpoint may not be stored: it is read and published again.
-            stats.outages += 1
-            backoff = _next_backoff(backoff, max_backoff)
-            logger.warning(
-                "%s: database unavailable (%s); reconnecting in %.1fs", source.name, exc, backoff
-            )
-            await _reconnect(source, stop, backoff)
-            continue
-        stats.published += published
-        if failure is not None:
-            stats.failed_rounds += 1
-            backoff = max(_next_backoff(backoff, max_backoff), failure.retry_after or 0.0)
-            logger.warning(
-                "%s: publish failed (%s); the stream waits %.1fs and goes on from the last "
-                "confirmed message%s",
-                source.name,
-                failure.error,
-                backoff,
-                "" if failure.retryable else " (the broker calls it permanent: fix it or skip it)",
-            )
-            await _sleep(stop, backoff)
-            continue
-        backoff = 0.0
-        if not messages:
-            await _sleep(stop, poll_interval)
-    return stats
+    """Publish ``source`` through ``publisher`` until ``stop`` is set (see StreamRelay)."""
+    relay = StreamRelay(
+        source,
+        publisher,
+        batch_size=batch_size,
+        poll_interval=poll_interval,
+        max_attempts=max_attempts,
+        backoff=backoff or Backoff(0.1, 2.0, max(max_backoff, 0.1), 0.25),
+        abandoned_blocks_key=abandoned_blocks_key,
+        outage_backoff_max=max_backoff,
+    )
+    return await relay.run(stop)
 
 
 def is_database_outage(exc: BaseException) -> bool:
@@ -190,7 +546,7 @@ async def _reconnect(source: StreamSource, stop: asyncio.Event, first_wait: floa
         except Exception as exc:
             if not is_database_outage(exc):
                 raise
-            wait = _next_backoff(wait, 30.0)
+            wait = _next_backoff(wait, OUTAGE_BACKOFF_MAX)
             logger.warning("%s: still no database (%s); next try in %.1fs", source.name, exc, wait)
 
 
@@ -229,109 +585,98 @@ def build_source(
     raise ConfigError(f"--mode must be log or wal; got {mode!r}")
 
 
+# ----- dead letters --------------------------------------------------------------------------
+
+
+@dataclass
+class ReplayCounts:
+    replayed: int = 0
+    failed: int = 0
+    #: Chosen letters left for later: behind a letter of their key that failed again (or,
+    #: with abandoned_blocks_key, that was not chosen).
+    skipped: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"replayed": self.replayed, "failed": self.failed, "skipped": self.skipped}
+
+
+async def replay_dead_letters(
+    source: StreamSource,
+    publisher: Publisher,
+    *,
+    ids: Iterable[str] | None = None,
+    abandoned_blocks_key: bool = False,
+    payload: PayloadHandling | None = None,
+    batch_size: int = 500,
+) -> ReplayCounts:
+    """Publish a stream's dead letters again, oldest first, and delete each one its broker
+    confirmed (one statement each: a crash in between publishes it again, at least once).
+
+    One that fails again stays, with one more attempt and its error, and the later letters
+    of its key stay behind it (not attempted: a key's order holds). With
+    ``abandoned_blocks_key``, a letter that was not chosen (``ids``) holds back the later
+    chosen letters of its key too. The source must be connected (``attach`` is enough); the
+    relay of the stream may run meanwhile: a message it holds while the replay runs stays for the next replay.
+    """
+    book = source.book
+    conn = source.conn
+    wanted = None if ids is None else {uuid.UUID(str(value)) for value in ids}
+    handling = payload or PayloadHandling(book.destination)
+    counts = ReplayCounts()
+    blocked: set[str] = set()
+    letters = await book.letters(conn, 10_000_000)
+    chosen: list[Message] = []
+    for letter in letters:
+        message = letter.message
+        picked = wanted is None or message.id in wanted
+        if message.key is not None and message.key in blocked:
+            counts.skipped += picked
+            continue
+        if not picked:
+            if message.key is not None and abandoned_blocks_key:
+                blocked.add(message.key)
+            continue
+        chosen.append(message)
+    if chosen and not publisher.connected:
+        await publisher.connect()
+    for start in range(0, len(chosen), batch_size):
+        batch = [m for m in chosen[start : start + batch_size] if m.key not in blocked]
+        counts.skipped += len(chosen[start : start + batch_size]) - len(batch)
+        outcomes = await handling.publish(publisher, batch) if batch else []
+        for message, outcome in zip(batch, outcomes, strict=True):
+            if outcome.kind is OutcomeKind.PUBLISHED:
+                await book.execute(conn, "delete_letter", seq=message.seq)
+                counts.replayed += 1
+                continue
+            if outcome.kind is OutcomeKind.SKIPPED:
+                counts.skipped += 1
+                continue
+            error = outcome.error or "unknown error"
+            await book.execute(
+                conn, "letter_failed_again", seq=message.seq, error=storable_error(error)
+            )
+            counts.failed += 1
+            if message.key is not None:
+                blocked.add(message.key)
+            logger.warning(
+                "%s: dead letter %s failed again: %s", source.name, message.id, redact_text(error)
+            )
+    return counts
+
+
+# ----- python -m outboxer.streamrelay ---------------------------------------------------------
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m outboxer.streamrelay``: relay one destination of a log or WAL outbox."""
-    import argparse
-    import signal
-    from urllib.parse import urlsplit
+    """``python -m outboxer.streamrelay ARGS``: the same as ``outboxer stream-relay ARGS``
+    (``--database`` is accepted for ``--db``)."""
+    from outboxer.cli import main as cli_main
 
-    from outboxer.brokers import create_publisher
-    from outboxer.config import check_url
-    from outboxer.redact import redact_url
-
-    parser = argparse.ArgumentParser(
-        prog="python -m outboxer.streamrelay", description=main.__doc__
-    )
-    parser.add_argument("--mode", choices=("log", "wal"), required=True)
-    parser.add_argument("--database", required=True, help="postgresql:// URL")
-    parser.add_argument(
-        "--broker", required=True, help="broker URL (amqp://, kafka://, file://...)"
-    )
-    parser.add_argument("--destination", default="default", help="reader (log) or slot (wal) name")
-    parser.add_argument("--schema", default="outboxer")
-    parser.add_argument("--table", default="outbox")
-    parser.add_argument(
-        "--slot-prefix", default=None, help="wal: slot names are PREFIX_DESTINATION"
-    )
-    parser.add_argument(
-        "--apply-schema",
-        action="store_true",
-        help="log: create or upgrade the log's tables before relaying",
-    )
-    parser.add_argument(
-        "--create-slot", action="store_true", help="wal: create the destination's slot if missing"
-    )
-    parser.add_argument(
-        "--retention-days",
-        type=int,
-        default=None,
-        help="log: drop the daily partitions older than this, once read by every reader",
-    )
-    parser.add_argument("--batch-size", type=int, default=500)
-    parser.add_argument("--poll-interval", type=float, default=0.2)
-    args = parser.parse_args(argv)
-    if args.batch_size < 1 or args.poll_interval <= 0:
-        parser.error("--batch-size must be >= 1 and --poll-interval > 0")
-    if args.retention_days is not None and (args.retention_days < 0 or args.mode != "log"):
-        parser.error("--retention-days is for --mode log, and must be >= 0")
-
-    try:
-        check_url(args.database, "--database")
-        if urlsplit(args.database).scheme not in ("postgresql", "postgres", "postgresql+asyncpg"):
-            raise ConfigError(
-                f"--database must be a postgresql:// URL; got {redact_url(args.database)!r}"
-            )
-    except ConfigError as exc:
-        parser.error(str(exc))
-
-    async def run() -> None:
-        if args.apply_schema and args.mode == "log":
-            from outboxer.stores.pglog import PgLog
-
-            log = PgLog(args.database, schema=args.schema, table=args.table)
-            async with log:
-                await log.apply_schema()
-        if args.create_slot and args.mode == "wal":
-            from outboxer.stores.pgwal import PgWal
-
-            wal = PgWal(
-                args.database, schema=args.schema, table=args.table, slot_prefix=args.slot_prefix
-            )
-            async with wal:
-                await wal.create_slot(args.destination)
-        source = build_source(
-            args.mode,
-            args.database,
-            args.destination,
-            schema=args.schema,
-            table=args.table,
-            slot_prefix=args.slot_prefix,
-            retention_days=args.retention_days,
-        )
-        publisher = create_publisher(args.broker)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
-        await source.connect()
-        try:
-            await run_stream_relay(
-                source,
-                publisher,
-                stop=stop,
-                batch_size=args.batch_size,
-                poll_interval=args.poll_interval,
-            )
-        finally:
-            await publisher.close()
-            await source.close()
-
-    try:
-        asyncio.run(run())
-    except (ConfigError, StoreError) as exc:
-        print(f"outboxer streamrelay: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ConfigError) else 1
-    return 0
+    args = [
+        "--db" + arg.removeprefix("--database") if arg.partition("=")[0] == "--database" else arg
+        for arg in (sys.argv[1:] if argv is None else argv)
+    ]
+    return cli_main(["stream-relay", *args])
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -29,9 +30,16 @@ from outboxer.brokers.memory import MemoryBroker, MemoryPublisher, memory_broker
 from outboxer.enqueue import Outbox
 from outboxer.errors import PublishError
 from outboxer.message import Message
-from outboxer.streamrelay import StreamSource, run_stream_relay
+from outboxer.retry import Backoff
+from outboxer.stores.base import MAX_ERROR_LENGTH
+from outboxer.stores.pgstream import DeadLetter, StoredLetter, StreamFailure
+from outboxer.streamrelay import StreamRelay, StreamSource, replay_dead_letters, run_stream_relay
 
 PG_BIN = Path(os.environ.get("OUTBOXER_PG_BIN", "/usr/lib/postgresql/15/bin"))
+#: Seconds a test waits for committed messages to be read. A log reader reads a row only
+#: once no running transaction of the whole cluster can precede it: on a shared server,
+#: another session's long transaction holds every reader back for that long.
+VISIBLE = 30.0
 
 
 def _free_port() -> int:
@@ -94,7 +102,8 @@ class StreamHarness(ABC):
 
     @abstractmethod
     def relay_args(self, destination: str) -> list[str]:
-        """Arguments of ``python -m outboxer.streamrelay`` that relay ``destination``."""
+        """Arguments of ``outboxer stream-relay`` (``python -m outboxer.streamrelay``) that
+        relay ``destination``."""
 
 
 async def _connect(url: str) -> Any:
@@ -137,6 +146,54 @@ async def running_relay(
         await source.close()
 
 
+@contextlib.asynccontextmanager
+async def running_stream_relay(
+    harness: StreamHarness,
+    destination: str,
+    *,
+    fail: Callable[[Message], BaseException | None] | None = None,
+    batch_size: int = 50,
+    **options: Any,
+) -> AsyncIterator[tuple[MemoryBroker, StreamRelay]]:
+    """A ``StreamRelay`` for ``destination`` (``options`` are its keyword arguments) into a
+    fresh memory broker, until the block ends; yields the broker and the relay."""
+    name = f"stream-{uuid.uuid4().hex[:8]}"
+    broker = memory_broker(name)
+    broker.fail = fail
+    source = harness.source(destination)
+    await source.connect()
+    relay = StreamRelay(
+        source,
+        MemoryPublisher(f"memory://{name}"),
+        batch_size=batch_size,
+        poll_interval=0.01,
+        outage_backoff_max=0.05,
+        **options,
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(relay.run(stop))
+    try:
+        yield broker, relay
+    finally:
+        stop.set()
+        await task
+        await source.close()
+
+
+async def stream_book(
+    harness: StreamHarness, destination: str
+) -> tuple[list[StoredLetter], dict[int, StreamFailure]]:
+    """The stream's dead letters (oldest first) and failing messages, as stored."""
+    source = harness.source(destination)
+    await source.attach()
+    try:
+        letters = await source.book.letters(source.conn, 1000)
+        failures = await source.book.failures(source.conn)
+    finally:
+        await source.close()
+    return letters, failures
+
+
 async def drain(
     harness: StreamHarness, destination: str, expected: int, *, timeout: float = 20.0
 ) -> list[Message]:
@@ -162,6 +219,19 @@ async def wait_until(done: Callable[[], bool], timeout: float, interval: float =
 
 def numbers(messages: Sequence[Message]) -> list[int]:
     return [int(json.loads(m.payload)["n"]) for m in messages]
+
+
+def _number(message: Message) -> int:
+    return int(json.loads(message.payload)["n"])
+
+
+def _in_key_order(messages: Sequence[Message]) -> bool:
+    """Whether each key's messages first arrived in ascending ``n`` (repeats allowed)."""
+    keys = {_number(m): m.key for m in messages}
+    by_key: dict[str | None, list[int]] = {}
+    for n in dict.fromkeys(numbers(messages)):
+        by_key.setdefault(keys[n], []).append(n)
+    return all(sequence == sorted(sequence) for sequence in by_key.values())
 
 
 class StreamContract:
@@ -358,6 +428,219 @@ class StreamContract:
         for key in range(5):
             mine = [n for n in firsts if n % 5 == key]
             assert mine == sorted(mine)
+
+    # ----- retries, dead letters ---------------------------------------------------------
+
+    async def test_poison_message_backs_off_then_becomes_a_dead_letter(
+        self, harness: StreamHarness
+    ) -> None:
+        """A message the broker keeps refusing is tried ``max_attempts`` times, each wait
+        the backoff of its attempts so far, then dead-lettered (its error stored safely,
+        however hostile); the stream goes past it and its key's later messages go on."""
+        await self.enqueue_committed(harness, [(f"k{n % 3}", n) for n in range(10)])
+        tried: list[float] = []
+        hostile = "refused\x00" + "x" * 100_000
+
+        def fail(message: Message) -> BaseException | None:
+            if _number(message) == 4:
+                tried.append(time.monotonic())
+                return PublishError(hostile)
+            return None
+
+        backoff = Backoff(0.1, 2.0, 1.0, 0.25)
+        async with running_stream_relay(
+            harness, "default", fail=fail, batch_size=4, max_attempts=3, backoff=backoff
+        ) as (broker, relay):
+            assert await wait_until(
+                lambda: relay.stats.dead_lettered == 1 and len(set(numbers(broker.messages))) == 9,
+                VISIBLE,
+            )
+        assert len(tried) == 3
+        for attempts, (before, after) in enumerate(itertools.pairwise(tried), 1):
+            assert after - before >= backoff.bounds(attempts)[0]
+        assert set(numbers(broker.messages)) == set(range(10)) - {4}
+        assert _in_key_order(broker.messages)
+        assert relay.stats.failed == 3 and relay.failing == 0
+        letters, failures = await stream_book(harness, "default")
+        assert failures == {}
+        [letter] = letters
+        assert _number(letter.message) == 4 and letter.message.key == "k1"
+        assert letter.attempts == 3 and not letter.held
+        assert letter.error.startswith("PublishError: refused\ufffdxxx")
+        assert len(letter.error) <= MAX_ERROR_LENGTH and "\x00" not in letter.error
+        assert await drain(harness, "default", 1, timeout=0.5) == []  # the stream went past it
+
+    async def test_refused_for_good_is_a_dead_letter_at_once(self, harness: StreamHarness) -> None:
+        await self.enqueue_committed(harness, [("k", 1), ("k", 2)])
+
+        def fail(message: Message) -> BaseException | None:
+            return PublishError("too large", retryable=False) if _number(message) == 1 else None
+
+        async with running_stream_relay(harness, "default", fail=fail, max_attempts=5) as (
+            broker,
+            relay,
+        ):
+            assert await wait_until(lambda: 2 in numbers(broker.messages), VISIBLE)
+        letters, _ = await stream_book(harness, "default")
+        assert [(_number(letter.message), letter.attempts) for letter in letters] == [(1, 1)]
+        assert relay.stats.failed == 1
+
+    async def test_restart_keeps_the_attempt_count(self, harness: StreamHarness) -> None:
+        await self.enqueue_committed(harness, [("k", 1), ("k", 2)])
+        tried: list[int] = []
+
+        def fail(message: Message) -> BaseException | None:
+            if _number(message) == 1:
+                tried.append(1)
+                return PublishError("still down")
+            return None
+
+        # 50 ms after the first failure, then 10 s: the first relay stops after two attempts.
+        slow = Backoff(0.05, 200.0, 10.0, 0.0)
+        async with running_stream_relay(
+            harness, "default", fail=fail, max_attempts=3, backoff=slow
+        ) as (broker, _):
+            assert await wait_until(lambda: len(tried) == 2, VISIBLE)
+        _, failures = await stream_book(harness, "default")
+        assert [failure.attempts for failure in failures.values()] == [2]
+        async with running_stream_relay(
+            harness, "default", fail=fail, max_attempts=3, backoff=slow
+        ) as (broker, relay):
+            assert await wait_until(lambda: numbers(broker.messages) == [2], VISIBLE)
+        assert len(tried) == 3  # one attempt left after the restart, not three
+        letters, failures = await stream_book(harness, "default")
+        assert [(_number(letter.message), letter.attempts) for letter in letters] == [(1, 3)]
+        assert failures == {} and relay.stats.dead_lettered == 1
+
+    async def test_message_given_up_by_a_relay_that_died_is_not_tried_again(
+        self, harness: StreamHarness
+    ) -> None:
+        """A relay died after counting the last attempt (and maybe after writing the dead
+        letter) but before its checkpoint moved past the message: the next relay
+        dead-letters it, once, without publishing it."""
+        await self.enqueue_committed(harness, [(None, 1), (None, 2)])
+        source = harness.source("default")
+        await source.connect()
+        try:
+            # A log reader sees a row once no running transaction of the cluster can still
+            # precede it: another session's open transaction hides it for a while.
+            found: list[Message] = []
+            deadline = time.monotonic() + VISIBLE
+            while not found and time.monotonic() < deadline:
+                entries = await source.read(10)
+                found = [e.message for e in entries if e.message and _number(e.message) == 1]
+                await asyncio.sleep(0 if found else 0.02)
+            [first] = found
+            for _ in range(3):
+                await source.record_failure(first, "the dead relay's error")
+            await source.book.write_letters(source.conn, [DeadLetter(first, "written", 3)])
+        finally:
+            await source.close()
+        async with running_stream_relay(harness, "default", max_attempts=3) as (broker, relay):
+            assert await wait_until(lambda: numbers(broker.messages) == [2], VISIBLE)
+            assert await wait_until(
+                lambda: relay.stats.commits >= 1 and relay.failing == 0, VISIBLE
+            )
+        letters, failures = await stream_book(harness, "default")
+        assert [(_number(letter.message), letter.error) for letter in letters] == [(1, "written")]
+        assert failures == {}
+
+    async def test_abandoned_blocks_key_holds_the_key_until_replayed(
+        self, harness: StreamHarness
+    ) -> None:
+        await self.enqueue_committed(harness, [(f"k{n % 3}", n) for n in range(9)])
+        poisoned = {"on": True}
+
+        def fail(message: Message) -> BaseException | None:
+            if _number(message) == 4 and poisoned["on"]:
+                return PublishError("k1's broker queue is full")
+            return None
+
+        quick = Backoff(0.05, 2.0, 0.2, 0.0)
+        async with running_stream_relay(
+            harness, "default", fail=fail, max_attempts=2, backoff=quick, abandoned_blocks_key=True
+        ) as (broker, relay):
+            assert await wait_until(
+                lambda: (
+                    relay.stats.dead_lettered == 2
+                    and set(numbers(broker.messages)) == set(range(9)) - {4, 7}
+                ),
+                VISIBLE,
+            )
+            letters, _ = await stream_book(harness, "default")
+            assert [(_number(x.message), x.held, x.attempts) for x in letters] == [
+                (4, False, 2),
+                (7, True, 0),
+            ]
+            poisoned["on"] = False
+            replayer = harness.source("default")
+            await replayer.attach()  # beside the running relay
+            try:
+                counts = await replay_dead_letters(
+                    replayer, MemoryPublisher(f"memory://{broker.name}"), abandoned_blocks_key=True
+                )
+            finally:
+                await replayer.close()
+            assert counts.as_dict() == {"replayed": 2, "failed": 0, "skipped": 0}
+            assert numbers(broker.messages)[-2:] == [4, 7]
+            await self.enqueue_committed(harness, [("k1", 100)])  # the key is free again
+            assert await wait_until(lambda: numbers(broker.messages)[-1:] == [100], VISIBLE)
+        assert relay.stats.held == 1
+        assert await stream_book(harness, "default") == ([], {})
+
+    async def test_status_and_metrics_show_how_far_behind(self, harness: StreamHarness) -> None:
+        from outboxer.stream_api import stream_metrics
+        from outboxer.stream_cli import stream_status
+
+        await self.enqueue_committed(harness, [(None, 0)])
+        assert numbers(await drain(harness, "default", 1)) == [0]  # a log reader registers
+        await self.enqueue_committed(harness, [("k", n) for n in range(1, 6)])
+        settings, own = _status_settings(harness, "default")
+        [stream] = (await stream_status(settings, own))["streams"]
+        assert stream["destination"] == "default"
+        assert (stream["entries_behind"], stream["entries_behind_capped"]) == (5, False)
+        assert stream["oldest_unpublished_age_seconds"] >= 0
+        assert (stream["dead_letters"], stream["failing"]) == (0, 0)
+        async with running_stream_relay(harness, "default", probe_interval=0.05) as (broker, relay):
+            metrics = stream_metrics(relay)  # before the relay publishes: the latencies too
+            assert await wait_until(lambda: len(broker.messages) == 5, VISIBLE)
+            assert await wait_until(
+                lambda: relay.stats.backlog is not None and relay.stats.backlog.entries == 0,
+                VISIBLE,
+            )
+            text = metrics.render()[0].decode()
+        labels = f'destination="default",mode="{relay.mode}"'
+        for series in (
+            f"outboxer_stream_messages_published_total{{{labels}}} 5.0",
+            f"outboxer_stream_dead_letters_total{{{labels}}} 0.0",
+            f"outboxer_stream_entries_behind{{{labels}}} 0.0",
+            f"outboxer_stream_lag_seconds{{{labels}}} 0.0",
+            f"outboxer_stream_failing_messages{{{labels}}} 0.0",
+            'outboxer_publish_latency_seconds_count{database="default",destination="default"} 5.0',
+        ):
+            assert series in text, series
+        assert f"outboxer_stream_checkpoint_age_seconds{{{labels}}}" in text
+        assert ("outboxer_stream_wal_retained_bytes" in text) == (relay.mode == "wal")
+        assert "outboxer_store_up" not in text  # no outbox table here
+        [stream] = (await stream_status(settings, own))["streams"]
+        assert stream["entries_behind"] == 0 and stream["oldest_unpublished_age_seconds"] == 0
+        if relay.mode == "wal":
+            assert stream["wal_retained_bytes"] > 0 and stream["slot"].endswith("_default")
+
+
+def _status_settings(harness: StreamHarness, destination: str) -> tuple[Any, Any]:
+    """The settings ``outboxer stream-relay status`` would load from the harness's flags."""
+    from outboxer.config import load_stream_settings
+
+    args = harness.relay_args(destination)
+    given = {
+        flag.lstrip("-").replace("-", "_").replace("database", "db"): value
+        for flag, value in zip(args[::2], args[1::2], strict=True)
+    }
+    shared: dict[str, object] = {
+        name: given.pop(name) for name in ("db", "schema", "table") if name in given
+    }
+    return load_stream_settings(shared, given, environ={})
 
 
 async def _wait_until_blocked(url: str, conn: Any) -> None:

@@ -15,7 +15,7 @@ import contextlib
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -770,6 +770,62 @@ class StoreContract(ABC):
         finally:
             writer.rollback()
             writer.close()
+
+    async def test_status_counts_unfinished_rows_exactly_beside_an_estimate(
+        self, url: str, store: Any
+    ) -> None:
+        # Told that any table is big, a store estimates its PUBLISHED rows where it can; the
+        # unfinished and ABANDONED rows, the retries and the oldest age stay exact.
+        store.exact_status_rows = 0
+        self.enqueue(url, *[("t", f"k{n}") for n in range(12)])
+        claimed = await self.claim(store, limit=11)
+        seqs = [m.stored_seq for m in claimed]
+        await self.settle(
+            store,
+            claimed,
+            seqs[:8],
+            [Failure(seqs[8], "later", 60.0, False), Failure(seqs[9], "never", 0.0, True)],
+        )  # seqs[10] stays in flight, the twelfth row PENDING
+
+        def exact(report: Any) -> dict[str, int]:
+            return {s: n for s, n in report.counts.items() if s != "PUBLISHED"}
+
+        [report] = await store.status()
+        assert exact(report) == {"PENDING": 1, "PROCESSING": 1, "FAILED": 1, "ABANDONED": 1}
+        assert report.retried == 2 and report.oldest_pending_age is not None
+        # Exact, or flagged as an estimate (of 12 seqs, a store may look at every one).
+        assert report.counts.get("PUBLISHED") == 8 or report.published_estimated
+        [entry] = (await store.status_report())["destinations"]
+        assert entry["published_estimated"] is report.published_estimated
+
+        self.enqueue(url, ("t", "k12"), ("t", "k13"))
+        await self.settle(store, claimed, [seqs[10]])
+        [report] = await store.status()
+        assert exact(report) == {"PENDING": 3, "FAILED": 1, "ABANDONED": 1}
+        assert report.counts.get("PUBLISHED") == 9 or report.published_estimated
+
+    async def test_list_messages_newest_change_first(self, url: str, store: Any) -> None:
+        sent = self.enqueue(url, *[("t", f"k{n}") for n in range(4)])
+        claimed = await self.claim(store, limit=2)
+        await self.settle(
+            store, claimed, failed=[Failure(m.stored_seq, "no", 0.0, True) for m in claimed]
+        )
+
+        def ids(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+            return [str(row["id"]) for row in rows]
+
+        # The ABANDONED rows changed last; rows changed at the same moment: the later seq first.
+        newest = [str(sent[n].id) for n in (1, 0, 3, 2)]
+        assert ids(await store.list_messages(["ABANDONED", "PENDING"], 10)) == newest
+        assert ids(await store.list_messages(["PENDING", "ABANDONED"], 3)) == newest[:3]
+        assert ids(await store.list_messages(["PENDING"], 1)) == newest[2:3]
+        assert await store.list_messages(["PUBLISHED", "FAILED"], 10) == []
+        await asyncio.sleep(0.01)  # a later clock reading than the settle's
+        assert await store.requeue(["default"], ["ABANDONED"], [str(sent[0].id)]) == 1
+        assert ids(await store.list_messages(["PENDING", "ABANDONED"], 2)) == [
+            str(sent[0].id),
+            str(sent[1].id),
+        ]
 
     async def test_rollback_leaves_nothing(self, url: str, store: Any) -> None:
         from outboxer.enqueue import enqueue

@@ -96,6 +96,11 @@ async def test_sigkill_mid_batch_loses_nothing_and_keeps_key_order(
             }
         restarted = spawn_relay(pg_url, rabbit_consumer.broker_url, "relay-restarted", log)
         deadline = time.monotonic() + 120
+        # The SIGTERM below is meant for a running relay: the survivor may drain everything
+        # while this one is still starting.
+        while "relay relay-restarted started" not in log.read_text() and restarted.poll() is None:
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            await asyncio.sleep(0.05)
         while statuses(pg_url) != {"PUBLISHED": total} and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
         assert statuses(pg_url) == {"PUBLISHED": total}, log.read_text()[-3000:]

@@ -143,8 +143,10 @@ async def kafka_side() -> BrokerSide:
     group = f"g-{topic}"
     admin = AdminClient({"bootstrap.servers": cluster.bootstrap})
     partitions = admin.list_topics(topic=topic, timeout=10).topics[topic].partitions  # creates it
-    # A killed member's partitions move once its session times out (the minimum: 6 s).
-    url = f"kafka://{cluster.bootstrap}?session.timeout.ms=6000&heartbeat.interval.ms=500"
+    # A killed member's partitions move once its session times out, and the mock holds a
+    # rebalance open for the session timeout less 1 s. A broker would refuse less than its
+    # group.min.session.timeout.ms (6 s); the mock takes it.
+    url = f"kafka://{cluster.bootstrap}?session.timeout.ms=2000&heartbeat.interval.ms=400"
 
     def drained() -> bool:
         consumer = Consumer({"bootstrap.servers": cluster.bootstrap, "group.id": group})

@@ -99,6 +99,12 @@ def status_of(url: str, message_id: uuid.UUID) -> str:
         return str(row.fetchone()[0])  # type: ignore[index]
 
 
+def exists(url: str, message_id: uuid.UUID) -> bool:
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SELECT 1 FROM outboxer.outbox WHERE id = %s", (message_id,))
+        return row.fetchone() is not None
+
+
 def publish_more(url: str, count: int) -> None:
     with psycopg.connect(url) as conn:
         conn.execute(
@@ -109,10 +115,11 @@ def publish_more(url: str, count: int) -> None:
         )
 
 
-def test_the_dashboard_shows_the_outbox_and_requeues_with_the_token(
+def test_the_dashboard_shows_the_outbox_and_requeues_and_purges_with_the_token(
     pg_url: str, browser: Any, tmp_path: pathlib.Path
 ) -> None:
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.ui import WebDriverWait
 
     ids = seed(pg_url)
@@ -164,11 +171,27 @@ def test_the_dashboard_shows_the_outbox_and_requeues_with_the_token(
         assert browser.find_elements(By.CSS_SELECTOR, "#problems img, #problems script") == []
         assert browser.execute_script("return window.pwned") is None
 
+        def purge(row: str, *, confirm: bool) -> None:
+            """Click the row's purge button and answer the page's confirmation."""
+            browser.find_element(By.CSS_SELECTOR, f"{row} button.purge").click()
+            wait.until(expected_conditions.alert_is_present())
+            alert = browser.switch_to.alert
+            assert "deleted for good" in alert.text
+            if confirm:
+                alert.accept()
+            else:
+                alert.dismiss()
+
         # Without the token the API refuses and nothing changes.
         browser.find_element(By.CSS_SELECTOR, f"{hostile_row} button.requeue").click()
         result = browser.find_element(By.ID, "requeue-result")
         wait.until(lambda _: "Authorization: Bearer" in result.text)
         assert status_of(pg_url, ids["hostile"]) == "ABANDONED"
+        failed_row = f'#problems tr[data-id="{ids["failed"]}"]'
+        browser.execute_script("document.getElementById('requeue-result').textContent = ''")
+        purge(failed_row, confirm=True)
+        wait.until(lambda _: "Authorization: Bearer" in result.text)
+        assert status_of(pg_url, ids["failed"]) == "FAILED", "no token: not purged"
 
         # With the token typed in the page: kept in sessionStorage, sent as a Bearer header.
         browser.find_element(By.ID, "token").send_keys(TOKEN)
@@ -185,3 +208,15 @@ def test_the_dashboard_shows_the_outbox_and_requeues_with_the_token(
         kept = os.environ.get("OUTBOXER_DASHBOARD_SCREENSHOT")
         if kept:
             shutil.copyfile(screenshot, kept)
+
+        # Purge, with the token: asked first (no is no), then one row deleted for good.
+        partner_row = f'#problems tr[data-id="{ids["partner"]}"]'
+        purge(partner_row, confirm=False)
+        time.sleep(0.3)
+        assert exists(pg_url, ids["partner"]), "the operator said no"
+        purge(partner_row, confirm=True)
+        wait.until(lambda _: result.text.startswith("purged 1 message(s)"))
+        assert not exists(pg_url, ids["partner"])
+        assert status_of(pg_url, ids["failed"]) == "FAILED", "one row, not a filter"
+        status = browser.find_element(By.CSS_SELECTOR, f"{partner_row} td.status")
+        assert status.text == "PURGED"

@@ -55,7 +55,9 @@ def wait_until(check: Callable[[], bool], what: str, timeout: float = 30) -> Non
 def published_count(base: str) -> float:
     status, text = request(base + "/metrics")
     for line in text.splitlines() if status == 200 else []:
-        if line.startswith('outboxer_messages_published_total{destination="default"} '):
+        if line.startswith(
+            'outboxer_messages_published_total{database="default",destination="default"} '
+        ):
             return float(line.split()[1])
     return -1
 
@@ -137,7 +139,7 @@ def test_serve_requeues_with_the_token_from_the_environment(
     status, text = request(base + "/status")
     assert json.loads(text)["destinations"][0]["counts"] == {"PENDING": 1}
     status, text = request(base + "/metrics")
-    assert 'outboxer_messages{destination="default",status="PENDING"} 1' in text
+    assert 'outboxer_messages{database="default",destination="default",status="PENDING"} 1' in text
     assert "outboxer_messages_published_total" not in text, "serve has no relay counters"
     serve.send_signal(signal.SIGTERM)
     assert serve.wait(20) == 0, log.read_text()[-3000:]

@@ -107,3 +107,8 @@ def shipped(pg_url: str) -> list[int]:
 def test_django_example_is_the_model_the_django_tests_run() -> None:
     models = README.parent / "tests/contrib/django_project/shop/models.py"
     assert readme_example("django-models") in models.read_text()
+
+
+def test_django_consume_example_is_the_handler_the_django_tests_run() -> None:
+    handlers = README.parent / "tests/contrib/django_project/shop/handlers.py"
+    assert readme_example("django-consume") in handlers.read_text()

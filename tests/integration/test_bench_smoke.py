@@ -88,3 +88,48 @@ def test_quick_bench_runs_end_to_end_and_emits_every_figure(tmp_path: Path) -> N
         cursor.execute("SHOW DATABASES LIKE %s", (f"outboxer_bench_{run_id}_%",))
         left = cursor.fetchall()
     assert not left, f"the bench left MariaDB databases behind: {left}"
+
+
+@pytest.mark.timeout(180)
+def test_status_bench_runs_end_to_end_and_drops_what_it_made(tmp_path: Path) -> None:
+    """``bench/status.py`` on tiny tables: every figure, the estimates flagged, nothing left."""
+    for service in ("postgresql", "mariadb"):
+        require(service)
+    out = tmp_path / "status.json"
+    sizes = [
+        "--rows",
+        "25000",
+        "--mysql-rows",
+        "25000",
+        "--sqlite-rows",
+        "25000",
+        "--backlog",
+        "300",
+    ]
+    calls = ["--repeat", "1", "--controls", "1", "--json", str(out)]
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "status.py"), *sizes, *calls],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=170,
+        check=False,
+        env={**os.environ, "OUTBOXER_BENCH_PG": PG_ADMIN, "OUTBOXER_BENCH_MYSQL": MYSQL_ADMIN},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    for dialect in ("postgres", "mariadb", "sqlite"):
+        figures = data[dialect]
+        assert "status" in figures and "control: status, GROUP BY over the table" in figures
+        for name, numbers in figures["estimates"].items():
+            assert numbers["flagged"] and numbers["others_equal"], (dialect, name, numbers)
+    run_id = data["meta"]["run_id"]
+    with psycopg.connect(PG_ADMIN) as conn:
+        left = conn.execute(
+            "SELECT datname FROM pg_database WHERE datname LIKE %s", (f"outboxer_bench_{run_id}_%",)
+        ).fetchall()
+    assert left == [], f"the bench left databases behind: {left}"
+    with mysql_connect(MYSQL_ADMIN, autocommit=True) as conn:
+        cursor = conn.cursor()
+        cursor.execute("SHOW DATABASES LIKE %s", (f"outboxer_bench_{run_id}_%",))
+        assert not cursor.fetchall(), "the bench left MariaDB databases behind"

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import os
 import socket
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, Producer, TopicPartition
@@ -39,19 +42,103 @@ quiet.addHandler(logging.NullHandler())
 
 
 class MockCluster:
-    """A librdkafka mock cluster; it lives as long as the client that created it."""
+    """A librdkafka mock cluster; it lives as long as the client that created it.
+
+    A consumer group's first member is let in after the mock's
+    group.initial.rebalance.delay.ms, 3 s by default, which every Kafka consumer test pays
+    on each fresh group; the delay is set to 0 through librdkafka's mock API (not exposed
+    by confluent_kafka, so called with ctypes), and stays 3 s where that is unavailable.
+    """
 
     def __init__(self) -> None:
-        self._owner: Producer | None = Producer(
+        self._owner: Producer | None = None
+        self._handle: _MockHandle | None = _MockHandle.create()
+        if self._handle is not None:
+            self.bootstrap = self._handle.bootstrap
+            return
+        self._owner = Producer(
             {"bootstrap.servers": "mock", "test.mock.num.brokers": 1, "logger": quiet}
         )
         brokers = self._owner.list_topics(timeout=10).brokers.values()
         self.bootstrap = ",".join(f"{broker.host}:{broker.port}" for broker in brokers)
 
     def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.destroy()
+            self._handle = None
         if self._owner is not None:
             self._owner.close()
             self._owner = None
+
+
+class _MockHandle:
+    """A producer handle of the librdkafka confluent_kafka runs on, made through its C API,
+    owning a one-broker mock cluster with no initial rebalance delay."""
+
+    def __init__(self, lib: ctypes.CDLL, handle: int, bootstrap: str) -> None:
+        self.lib, self.handle, self.bootstrap = lib, handle, bootstrap
+
+    @classmethod
+    def create(cls) -> _MockHandle | None:
+        lib = _librdkafka()
+        if lib is None or not hasattr(lib, "rd_kafka_mock_group_initial_rebalance_delay_ms"):
+            return None
+        lib.rd_kafka_conf_new.restype = ctypes.c_void_p
+        lib.rd_kafka_conf_set.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_char_p,
+            ctypes.c_char_p,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+        ]
+        lib.rd_kafka_new.argtypes = [
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+        ]
+        lib.rd_kafka_new.restype = ctypes.c_void_p
+        lib.rd_kafka_handle_mock_cluster.argtypes = [ctypes.c_void_p]
+        lib.rd_kafka_handle_mock_cluster.restype = ctypes.c_void_p
+        lib.rd_kafka_mock_cluster_bootstraps.argtypes = [ctypes.c_void_p]
+        lib.rd_kafka_mock_cluster_bootstraps.restype = ctypes.c_char_p
+        lib.rd_kafka_mock_group_initial_rebalance_delay_ms.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_int32,
+        ]
+        lib.rd_kafka_destroy.argtypes = [ctypes.c_void_p]
+        conf = lib.rd_kafka_conf_new()
+        error = ctypes.create_string_buffer(512)
+        # log_level 0: the mock's own log lines would go to stderr (no Python logger here).
+        for name, value in ((b"test.mock.num.brokers", b"1"), (b"log_level", b"0")):
+            assert lib.rd_kafka_conf_set(conf, name, value, error, len(error)) == 0, error.value
+        handle = lib.rd_kafka_new(0, conf, error, len(error))  # 0: RD_KAFKA_PRODUCER
+        assert handle, error.value
+        cluster = lib.rd_kafka_handle_mock_cluster(handle)
+        assert cluster, "test.mock.num.brokers made no mock cluster"
+        lib.rd_kafka_mock_group_initial_rebalance_delay_ms(cluster, 0)
+        return cls(lib, handle, lib.rd_kafka_mock_cluster_bootstraps(cluster).decode())
+
+    def destroy(self) -> None:
+        self.lib.rd_kafka_destroy(self.handle)
+
+
+def _librdkafka() -> ctypes.CDLL | None:
+    """The librdkafka confluent_kafka loaded: its wheel's copy, else the system's."""
+    import confluent_kafka
+
+    bundled = sorted(
+        (Path(confluent_kafka.__file__).parent.parent / "confluent_kafka.libs").glob(
+            "librdkafka*.so*"
+        )
+    )
+    path = str(bundled[0]) if bundled else ctypes.util.find_library("rdkafka")
+    if path is None:
+        return None
+    try:
+        return ctypes.CDLL(path)
+    except OSError:
+        return None
 
 
 @pytest.fixture(scope="module")

@@ -477,15 +477,19 @@ async def test_cut_connection_fails_retryably_and_connect_recovers() -> None:
     )
     try:
         await publisher.connect()
+        # Hold every byte first, so no confirm can come back before the cut: a wave that
+        # finishes inside the sleep on a fast box made this test miss the cut (CI, stop 22).
+        await proxy.blackhole()
         wave = [make_message(topic, {"n": n}) for n in range(3000)]
         task = asyncio.create_task(publisher.publish_batch(wave))
         await asyncio.sleep(0.05)
+        assert not task.done(), "the wave finished with no confirm from the broker"
         await proxy.cut()
         started = time.monotonic()
         outcomes = await task
         assert time.monotonic() - started < 5, "a cut connection must fail fast, not time out"
         failed = [o for o in outcomes if o.kind is OutcomeKind.FAILED]
-        assert failed, "the cut came too late to hit the wave"
+        assert len(failed) == len(wave), "no confirm came back, so every message failed"
         assert all(o.retryable for o in failed), failed[:3]
         assert not publisher.connected
         with pytest.raises(PublishError):

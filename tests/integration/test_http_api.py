@@ -158,7 +158,7 @@ async def test_unreachable_database_is_503_not_500() -> None:
     assert "cannot connect to PostgreSQL" in body["database"]
     assert status.status_code == 503 and status.json()["type"] == "ServiceUnavailable"
     assert metrics.status_code == 200, "a scrape still works and says the store is down"
-    assert samples(metrics.text) == {"outboxer_store_up": 0}
+    assert samples(metrics.text) == {'outboxer_store_up{database="default"}': 0}
 
 
 async def test_health_inside_a_relay_follows_its_loops(
@@ -211,13 +211,16 @@ async def test_metrics_counters_move_when_the_relay_publishes(
     relay = make_relay(relay_db_url, f"memory://{broker.name}")
     async with serving(relay_db_url, relay, status_cache_seconds=0) as client, running(relay):
         before = samples((await client.get("/metrics")).text)
-        assert before['outboxer_messages_published_total{destination="default"}'] == 0
+        assert (
+            before['outboxer_messages_published_total{database="default",destination="default"}']
+            == 0
+        )
         enqueue(relay_db_url, 3)
 
         async def published() -> bool:
             return (
                 samples((await client.get("/metrics")).text)[
-                    'outboxer_messages_published_total{destination="default"}'
+                    'outboxer_messages_published_total{database="default",destination="default"}'
                 ]
                 == 3
             )
@@ -237,18 +240,23 @@ async def test_metrics_counters_move_when_the_relay_publishes(
         assert f"# TYPE {name} {kind}\n" in text and f"# HELP {name} " in text
     after = samples(text)
     assert (
-        after['outboxer_batches_total{destination="default"}'] >= 1
-        and after['outboxer_claim_seconds_total{destination="default"}'] > 0
+        after['outboxer_batches_total{database="default",destination="default"}'] >= 1
+        and after['outboxer_claim_seconds_total{database="default",destination="default"}'] > 0
     )
     assert (
-        after['outboxer_messages_failed_total{destination="default"}']
-        == after['outboxer_messages_abandoned_total{destination="default"}']
+        after['outboxer_messages_failed_total{database="default",destination="default"}']
+        == after['outboxer_messages_abandoned_total{database="default",destination="default"}']
         == 0
     )
-    assert after["outboxer_store_errors_total"] == 0  # the relay's own, unlabelled
-    assert after['outboxer_messages{destination="default",status="PUBLISHED"}'] == 3
-    assert after['outboxer_messages{destination="default",status="PENDING"}'] == 0
-    assert after["outboxer_relay_healthy"] == 1 and after["outboxer_store_up"] == 1
+    assert after['outboxer_store_errors_total{database="default"}'] == 0  # the relay's own
+    assert (
+        after['outboxer_messages{database="default",destination="default",status="PUBLISHED"}'] == 3
+    )
+    assert (
+        after['outboxer_messages{database="default",destination="default",status="PENDING"}'] == 0
+    )
+    assert after['outboxer_relay_healthy{database="default"}'] == 1
+    assert after['outboxer_store_up{database="default"}'] == 1
 
 
 async def test_metrics_reuse_the_status_query_for_a_few_seconds(sqlite_url: str) -> None:
@@ -257,11 +265,15 @@ async def test_metrics_reuse_the_status_query_for_a_few_seconds(sqlite_url: str)
         enqueue(sqlite_url, 2)
         cached = samples((await client.get("/metrics")).text)
         status = (await client.get("/status")).json()
-    assert first == cached == {"outboxer_store_up": 1}, "the second scrape did not query the outbox"
+    assert first == cached == {'outboxer_store_up{database="default"}': 1}, (
+        "the second scrape did not query the outbox"
+    )
     assert status["destinations"][0]["counts"] == {"PENDING": 2}, "/status is never cached"
     async with serving(sqlite_url, status_cache_seconds=0) as client:
         fresh = samples((await client.get("/metrics")).text)
-    assert fresh['outboxer_messages{destination="default",status="PENDING"}'] == 2
+    assert (
+        fresh['outboxer_messages{database="default",destination="default",status="PENDING"}'] == 2
+    )
     assert not any(name.startswith("outboxer_messages_published_total") for name in fresh), (
         "no relay counters without a relay"
     )
@@ -275,7 +287,10 @@ async def test_metrics_in_openmetrics_when_the_scraper_asks(sqlite_url: str) -> 
         )
     assert response.headers["content-type"].startswith("application/openmetrics-text")
     assert response.text.endswith("# EOF\n")
-    assert 'outboxer_messages{destination="default",status="PENDING"} 1.0' in response.text
+    assert (
+        'outboxer_messages{database="default",destination="default",status="PENDING"} 1.0'
+        in response.text
+    )
 
 
 async def test_the_dashboard_page_its_assets_and_its_series(db_url: str) -> None:
@@ -302,9 +317,16 @@ async def test_a_requeue_through_the_api_refreshes_the_cached_gauges(sqlite_url:
         before = samples((await client.get("/metrics")).text)
         assert (await client.post("/messages/requeue", json={})).json() == {"requeued": 2}
         after = samples((await client.get("/metrics")).text)
-    assert before['outboxer_messages{destination="default",status="ABANDONED"}'] == 2
-    assert after['outboxer_messages{destination="default",status="ABANDONED"}'] == 0
-    assert after['outboxer_messages{destination="default",status="PENDING"}'] == 2
+    assert (
+        before['outboxer_messages{database="default",destination="default",status="ABANDONED"}']
+        == 2
+    )
+    assert (
+        after['outboxer_messages{database="default",destination="default",status="ABANDONED"}'] == 0
+    )
+    assert (
+        after['outboxer_messages{database="default",destination="default",status="PENDING"}'] == 2
+    )
 
 
 # ----- status and messages -----------------------------------------------------------------
@@ -342,11 +364,12 @@ async def test_messages_lists_by_status_with_a_limit(db_url: str) -> None:
         both = (await client.get("/messages?status=PENDING&status=ABANDONED&limit=100")).json()[
             "messages"
         ]
-    assert [m["id"] for m in abandoned] == [str(m.id) for m in sent[:2]]
+    # The newest change first; rows changed at the same moment, the later seq first.
+    assert [m["id"] for m in abandoned] == [str(m.id) for m in reversed(sent[:2])]
     assert {m["status"] for m in abandoned} == {"ABANDONED"} and abandoned[0][
         "last_error"
     ] == "rejected"
-    assert [m["id"] for m in pending] == [str(sent[2].id)]
+    assert [m["id"] for m in pending] == [str(sent[3].id)]
     assert len(both) == 4
 
 

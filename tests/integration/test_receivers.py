@@ -173,8 +173,10 @@ class TestKafkaReceiver(ReceiverContract):
         return create_publisher(f"kafka://{self.bootstrap}")
 
     def make_receiver(self, group: str, topic: str) -> Receiver:
-        # The mock cluster lets a new member in once the old one's session timed out.
-        url = f"kafka://{self.bootstrap}?session.timeout.ms=6000&heartbeat.interval.ms=500"
+        # The mock cluster lets a new member in once the old one's session timed out, and
+        # holds a rebalance open for the session timeout less 1 s. The mock, unlike a
+        # broker (group.min.session.timeout.ms, 6 s), takes a shorter one.
+        url = f"kafka://{self.bootstrap}?session.timeout.ms=2000&heartbeat.interval.ms=400"
         return create_receiver(url, group=group, topics=[topic])
 
     def make_unreachable_receiver(self) -> Receiver:

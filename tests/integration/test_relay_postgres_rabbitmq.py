@@ -13,6 +13,7 @@ import pytest
 
 import outboxer
 from outboxer import Relay, load_settings
+from outboxer.brokers.memory import memory_broker
 from outboxer.testing import TcpProxy, eventually
 from tests.rabbit import RabbitConsumer
 
@@ -209,6 +210,7 @@ async def test_a_busy_relay_polls_and_a_quiet_one_registers_for_notifies(pg_url:
     ms, with no registration (writers skip the NOTIFY); after a quiet spell the store
     registers; a claim that finds work withdraws the registration."""
     async with outboxer.create_store(pg_url) as store:
+        store.configure_wakeups(wake_on_commit_below=0)  # any work is load
         with psycopg.connect(pg_url) as conn:
             outboxer.enqueue(conn, "t", {"n": 1})
         assert len(await store.claim("default", "r", 10, 30, False)) == 1
@@ -229,9 +231,12 @@ async def test_a_busy_relay_polls_and_a_quiet_one_registers_for_notifies(pg_url:
 
 
 async def test_writers_do_not_notify_a_relay_that_keeps_up(pg_url: str) -> None:
-    """A steady stream of commits reaches the relay by its polling: apart from the first
-    ones, which wake it from idle, no writer pays for a NOTIFY."""
-    relay = Relay.from_settings(settings(pg_url, "memory://steady", poll_interval=30))
+    """A steady stream of commits above wake_on_commit_below reaches the relay by its
+    polling: apart from the first ones, which wake it from idle, no writer pays for a
+    NOTIFY. (The threshold is low here so that a test's writer is load on any box.)"""
+    relay = Relay.from_settings(
+        settings(pg_url, "memory://steady", poll_interval=30, wake_on_commit_below=20)
+    )
     task = await start(relay)
     with psycopg.connect(pg_url, autocommit=True) as listener:
         listener.execute('LISTEN "outboxer_outboxer_outbox"')
@@ -249,6 +254,35 @@ async def test_writers_do_not_notify_a_relay_that_keeps_up(pg_url: str) -> None:
             await stop(relay, task)
         notifies = len(list(listener.notifies(timeout=0.5)))
     assert notifies <= 5, f"{notifies} of 300 writers sent a NOTIFY"
+
+
+async def test_below_the_threshold_each_commit_wakes_the_relay(pg_url: str) -> None:
+    """A moderate stream of commits (below wake_on_commit_below): the relay stays
+    registered while it works, so each writer notifies and each commit wakes it, instead
+    of waiting for the relay's next poll."""
+    relay = Relay.from_settings(
+        settings(pg_url, "memory://moderate", poll_interval=30, wake_on_commit_below=100_000)
+    )
+    task = await start(relay)
+    with psycopg.connect(pg_url, autocommit=True) as listener:
+        listener.execute('LISTEN "outboxer_outboxer_outbox"')
+        registered = []
+        try:
+            await asyncio.sleep(0.5)  # idle and registered
+            with psycopg.connect(pg_url, autocommit=True) as conn:
+                for n in range(20):
+                    with conn.transaction():
+                        outboxer.enqueue(conn, "t", {"n": n})
+                    await eventually(
+                        lambda n=n: _true(len(memory_broker("moderate").messages) == n + 1),
+                        timeout=5,
+                    )
+                    registered.append(live_registrations(pg_url))
+        finally:
+            await stop(relay, task)
+        notifies = len(list(listener.notifies(timeout=0.5)))
+    assert registered == [1] * 20, "registered all along: a claim that found work kept it"
+    assert notifies == 20, f"{notifies} of 20 writers sent a NOTIFY"
 
 
 @pytest.mark.parametrize("relays", [2, 4])
@@ -296,3 +330,50 @@ async def test_many_relays_share_a_table(
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_below_the_threshold_a_claim_that_finds_work_keeps_the_registration(
+    pg_url: str,
+) -> None:
+    """Store level, at the default wake_on_commit_below: a claim that took a message keeps
+    the registration; waiting then means waiting for the next writer's NOTIFY."""
+    async with outboxer.create_store(pg_url) as store:
+        assert await store.wait_for_wakeup("default", 30) is True, "fresh registration"
+        for n in range(3):
+            store.reset_wakeup("default")
+            with psycopg.connect(pg_url) as conn:
+                outboxer.enqueue(conn, "t", {"n": n})
+            started = time.monotonic()
+            assert await store.wait_for_wakeup("default", 30) is True, "woken by the NOTIFY"
+            assert time.monotonic() - started < 5
+            assert len(await store.claim("default", "r", 10, 30, False)) == 1
+            await asyncio.sleep(0.1)  # a withdrawal would have run by now
+            assert live_registrations(pg_url) == 1
+
+
+async def test_a_keys_commit_made_while_its_previous_one_is_published_goes_out_at_once(
+    pg_url: str,
+) -> None:
+    """A key's second commit, made while its first message is still being published: the
+    NOTIFY wakes a second loop, whose claim must pass the row over (its key is in flight)
+    and finds nothing. Once the first is settled the second is due at once, and goes out
+    then, not at the next commit or the fallback poll (30 s here)."""
+    broker = memory_broker("key-in-flight")
+    broker.latency = 0.3  # the first message is in flight for 0.3 s
+    relay = Relay.from_settings(
+        settings(pg_url, "memory://key-in-flight", poll_interval=30, concurrency=4)
+    )
+    task = await start(relay)
+    try:
+        await asyncio.sleep(0.5)  # idle, listening
+        with psycopg.connect(pg_url) as conn:
+            outboxer.enqueue(conn, "order.placed", {"n": 1}, key="k")
+        await asyncio.sleep(0.1)  # claimed, being published
+        started = time.monotonic()
+        with psycopg.connect(pg_url) as conn:
+            outboxer.enqueue(conn, "order.placed", {"n": 2}, key="k")
+        await eventually(lambda: _true(len(broker.messages) == 2), timeout=10)
+        assert time.monotonic() - started < 3, "published once its key was free, not polled"
+        assert [json.loads(m.payload)["n"] for m in broker.messages] == [1, 2]
+    finally:
+        await stop(relay, task)

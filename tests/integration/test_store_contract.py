@@ -1,4 +1,5 @@
-"""The store contract against the real PostgreSQL, SQLite and MariaDB."""
+"""The store contract, with its operators' changes (purge, replay, requeue by filter),
+against the real PostgreSQL, SQLite and MariaDB."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ from typing import Any
 import pytest
 
 from outboxer.stores.sqlite import sqlite_path
-from outboxer.testing import StoreContract
+from outboxer.testing_admin import StoreAdminContract
 from tests.conftest import mysql_connect
 
 
-class TestPostgresStore(StoreContract):
+class TestPostgresStore(StoreAdminContract):
     table = "outboxer.outbox"
 
     @pytest.fixture
@@ -34,7 +35,7 @@ class TestPostgresStore(StoreContract):
         )
 
 
-class TestSqliteStore(StoreContract):
+class TestSqliteStore(StoreAdminContract):
     @pytest.fixture
     def url(self, sqlite_url: str) -> str:
         return sqlite_url
@@ -59,7 +60,7 @@ class TestSqliteStore(StoreContract):
         )
 
 
-class TestMySQLStore(StoreContract):
+class TestMySQLStore(StoreAdminContract):
     @pytest.fixture
     def url(self, mysql_url: str) -> str:
         return mysql_url

@@ -63,7 +63,7 @@ async def test_one_trace_from_the_request_to_the_consumer(
 
     assert relay.metrics is not None
     registry = relay.metrics.registry
-    labels = {"destination": "default"}
+    labels = {"database": "default", "destination": "default"}
     assert registry.get_sample_value("outboxer_publish_latency_seconds_count", labels) == 1
     assert registry.get_sample_value("outboxer_claim_duration_seconds_count", labels) >= 1
     assert registry.get_sample_value("outboxer_settle_duration_seconds_count", labels) == 1

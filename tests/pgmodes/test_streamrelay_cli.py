@@ -1,5 +1,6 @@
-"""python -m outboxer.streamrelay: bad input exits 2 with one line, a missing slot or an
-unreachable database exits 1 with one line; never a traceback."""
+"""python -m outboxer.streamrelay (the alias of ``outboxer stream-relay``, ``--database``
+accepted for ``--db``): bad input exits 2 with one line, a missing slot or an unreachable
+database exits 1 with one line; never a traceback."""
 
 from __future__ import annotations
 

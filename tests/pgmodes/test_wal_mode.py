@@ -9,7 +9,15 @@ from outboxer.enqueue import Outbox
 from outboxer.errors import StoreError
 from outboxer.stores.pgwal import PgWal
 from outboxer.streamrelay import StreamSource
-from outboxer.streamtesting import StreamContract, StreamHarness, drain, numbers
+from outboxer.streamtesting import (
+    StreamContract,
+    StreamHarness,
+    drain,
+    numbers,
+    running_stream_relay,
+    stream_book,
+    wait_until,
+)
 
 
 class WalHarness(StreamHarness):
@@ -54,13 +62,26 @@ class TestWalContract(StreamContract):
 
 
 async def test_wal_mode_writes_no_table(harness: WalHarness) -> None:
+    """No outbox table: the only tables are the stream relay's own (failures, dead letters,
+    their migrations), and a message that is published leaves no row in them."""
     with psycopg.connect(harness.url) as conn:
         harness.outbox.enqueue(conn, "orders", {"n": 1})
         tables = conn.execute(
-            "SELECT count(*) FROM pg_tables WHERE schemaname NOT IN ('pg_catalog', 'information_schema')"
-        ).fetchone()
-    assert tables == (0,)
+            "SELECT tablename FROM pg_tables "
+            "WHERE schemaname NOT IN ('pg_catalog', 'information_schema') ORDER BY 1"
+        ).fetchall()
+    assert tables == [
+        ("outbox_pgstream_migrations",),
+        ("outbox_stream_dead_letters",),
+        ("outbox_stream_failures",),
+    ]
     assert numbers(await drain(harness, "default", 1)) == [1]
+    with psycopg.connect(harness.url) as conn:
+        rows = conn.execute(
+            "SELECT (SELECT count(*) FROM outboxer.outbox_stream_failures) + "
+            "(SELECT count(*) FROM outboxer.outbox_stream_dead_letters)"
+        ).fetchone()
+    assert rows == (0,)
 
 
 async def test_slot_moves_only_after_the_broker_confirmed(harness: WalHarness) -> None:
@@ -118,3 +139,38 @@ async def test_slot_of_another_database_is_refused(harness: WalHarness, logical_
         async with PgWal(other, slot_prefix=harness.slot_prefix) as wal:
             assert isinstance(wal, PgWal)
             await wal.create_slot("default")
+
+
+async def test_failure_rows_behind_the_slot_are_dropped_at_start(harness: WalHarness) -> None:
+    """A relay that died after advancing the slot, before deleting the failure rows of the
+    messages it passed, leaves rows no read reaches: the next start drops them, and keeps
+    those of messages still ahead of the slot."""
+    insert = (
+        "INSERT INTO outboxer.outbox_stream_failures "
+        "(mode, destination, seq, message_id, attempts, last_error, pass_lsn) "
+        "VALUES ('wal', 'default', %s, gen_random_uuid(), 3, 'x', %s)"
+    )
+    with psycopg.connect(harness.url) as conn:
+        conn.execute(insert, (1, 1))  # behind the slot: stale
+        conn.execute(insert, (2, 2**62))  # ahead of it: its message is still to come
+    async with running_stream_relay(harness, "default", max_attempts=3) as (_, relay):
+        assert await wait_until(lambda: relay.stats.commits >= 1, 10)  # a keepalive passed
+        assert relay.failing == 1
+    _, failures = await stream_book(harness, "default")
+    assert list(failures) == [2]
+    with psycopg.connect(harness.url) as conn:
+        left = conn.execute("SELECT seq FROM outboxer.outbox_stream_failures").fetchall()
+    assert left == [(2,)]
+
+
+async def test_second_relay_on_one_slot_is_refused(harness: WalHarness) -> None:
+    first = harness.wal().reader("default")
+    await first.connect()
+    try:
+        with pytest.raises(StoreError, match="already being read"):
+            await harness.wal().reader("default").connect()
+    finally:
+        await first.close()
+    again = harness.wal().reader("default")
+    await again.connect()  # the lock went with the first relay's session
+    await again.close()

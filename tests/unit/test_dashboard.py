@@ -85,6 +85,24 @@ def test_counts_per_destination_with_every_status_and_the_pending_age() -> None:
     assert "No FAILED or ABANDONED message." in page
 
 
+def test_an_estimated_published_count_is_marked() -> None:
+    statuses = [DestinationStatus("default", {"PUBLISHED": 5_000_000}, published_estimated=True)]
+    page = render_page(statuses, [], relay="ok", token_required=False)
+    assert 'data-status="PUBLISHED" title="an estimate">≈ 5000000<' in page
+    exact = render_page(
+        [DestinationStatus("default", {"PUBLISHED": 7})], [], relay=None, token_required=False
+    )
+    assert 'class="count" data-status="PUBLISHED">7<' in exact
+
+
+def test_a_problem_row_from_sqlite_shows_its_unix_time() -> None:
+    row = {"id": "m-1", "status": "FAILED", "updated_at": 1_767_225_600.0, "last_error": "no"}
+    page = render_page(
+        [DestinationStatus("default", {"FAILED": 1})], [row], relay=None, token_required=False
+    )
+    assert "<td>2026-01-01 00:00:00+00:00</td>" in page
+
+
 def test_a_database_that_does_not_answer_is_said_so() -> None:
     page = render_page(None, [], relay=None, token_required=False)
     assert "did not answer the status query" in page and 'id="counts"' not in page
@@ -99,11 +117,12 @@ def test_ages(seconds: float | None, text: str) -> None:
     assert format_age(seconds) == text
 
 
-def test_newest_problems_first() -> None:
+def test_newest_problems_of_several_databases_first() -> None:
     start = datetime(2026, 1, 1, tzinfo=UTC)
     rows = [{"id": n, "updated_at": start + timedelta(minutes=n)} for n in range(30)]
-    rows.append({"id": "naive", "updated_at": datetime(2026, 1, 2)})  # SQLite's are naive UTC
-    assert [row["id"] for row in newest_problems(rows, 3)] == ["naive", 29, 28]
+    rows.append({"id": "naive", "updated_at": datetime(2026, 1, 2)})  # naive: UTC
+    rows.append({"id": "unix", "updated_at": datetime(2026, 1, 3, tzinfo=UTC).timestamp()})
+    assert [row["id"] for row in newest_problems(rows, 4)] == ["unix", "naive", 29, 28]
 
 
 def test_the_chart_is_the_rate_and_mean_latency_between_samples() -> None:

@@ -106,3 +106,24 @@ def test_error_class_reads_the_type_describe_writes() -> None:
     assert (
         fields(error="HTTP 500", error_class_name="WebhookError")["error_class"] == "WebhookError"
     )
+
+
+def test_a_relay_of_one_of_several_databases_names_it_on_each_line() -> None:
+    from outboxer.relay import DatabaseLog
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    base = logging.getLogger("outboxer.test.databaselog")
+    base.addHandler(Keep())
+    base.setLevel(logging.INFO)
+    DatabaseLog(base, "billing").warning(
+        "destination %s: broker unreachable", "default", extra={"destination": "default"}
+    )
+    [record] = records
+    line = json.loads(JsonFormatter().format(record))
+    assert line["message"] == "database billing: destination default: broker unreachable"
+    assert (line["database"], line["destination"]) == ("billing", "default")

@@ -13,6 +13,8 @@ import pytest
 import outboxer
 from outboxer import PublishError, Relay, load_settings
 from outboxer.brokers.memory import MemoryBroker, memory_broker
+from outboxer.relay import LeaseKeeper, _cancel
+from outboxer.stores.base import Claim, Lease
 from outboxer.stores.sqlite import sqlite_path
 
 
@@ -245,3 +247,42 @@ async def test_a_batch_whose_rows_were_taken_over_stops_publishing_at_the_next_r
     assert relay.stats.leases_lost == 1 and relay.stats.lost == 1 and relay.stats.released == 19
     assert stopped_at < 20, "stopped before the end of the batch"
     assert statuses(sqlite_url) == [("PROCESSING", 1)] + [("PENDING", 0)] * 19
+
+
+async def test_a_renewal_answered_as_the_publish_ends_does_not_keep_renewing(
+    sqlite_url: str, broker: MemoryBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The renewal's answer and the end of the publish in the same turn of the event loop:
+    Python 3.11's ``asyncio.wait_for`` then returns the answer and drops the cancellation,
+    and the keeper renewed on and on while its relay loop waited for it to end (a relay
+    stuck for good in a CI run). The keeper must end all the same."""
+    relay = make_relay(sqlite_url, broker, lock_timeout="0.9")
+    answer: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    renewals: list[float] = []
+
+    async def renew(*args: Any) -> int:
+        renewals.append(time.monotonic())
+        return await answer
+
+    monkeypatch.setattr(relay.store, "renew", renew)
+    message = outboxer.Message(id=uuid.uuid4(), topic="t", payload=b"{}", seq=1)
+    batch = Claim([message], lease=Lease.new(relay.relay_id))
+    publish = asyncio.create_task(asyncio.sleep(30))
+    # Claimed a third of the lock timeout ago: the first renewal is due at once.
+    lease = LeaseKeeper(relay, "default", batch, time.monotonic() - 0.3, publish)
+    lease.start()
+    try:
+        for _ in range(200):
+            if renewals:
+                break
+            await asyncio.sleep(0.005)
+        assert renewals, "the first renewal was sent"
+        # The answer, the stop and the cancel in one turn of the loop, as in Relay._process.
+        answer.set_result(1)
+        renewing = lease.stop()
+        assert renewing is not None
+        async with asyncio.timeout(2):
+            await _cancel(renewing)
+        assert len(renewals) == 1, "no renewal after the publish ended"
+    finally:
+        publish.cancel()

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import asyncio
 
-from outboxer.stores.wakeups import CHASE_SECONDS, REGISTRATION_MARGIN, WakeUps
+from outboxer.stores.wakeups import (
+    CHASE_SECONDS,
+    LISTEN_AGAIN,
+    PROBE_EVERY,
+    PROBE_SECONDS,
+    RATE_SECONDS,
+    REGISTRATION_MARGIN,
+    WakeUps,
+)
 
 
 class Clock:
@@ -52,7 +60,7 @@ async def test_a_notify_nudges_every_destination_seen() -> None:
 
 async def test_after_work_one_loop_per_destination_chases_the_others_wait_for_a_nudge() -> None:
     clock = Clock()
-    wakeups = WakeUps(clock)
+    wakeups = WakeUps(clock, wake_on_commit_below=0)  # any work is load
     assert not wakeups.busy
     wakeups.worked()
     assert wakeups.busy
@@ -92,3 +100,72 @@ def test_the_registration_is_renewed_before_it_lapses_and_withdrawn_when_busy() 
     wakeups.registered_for(1.0)
     wakeups.withdraw()
     assert not wakeups.registered and wakeups.registration_due(1.0)
+
+
+def test_the_relay_chases_only_while_it_claims_at_the_threshold_or_more() -> None:
+    clock = Clock()
+    wakeups = WakeUps(clock, wake_on_commit_below=300)
+    for _ in range(100):  # 200 messages/s, one a claim
+        clock.now += 0.005
+        wakeups.worked(1)
+    assert 150 < wakeups.rate < 250
+    assert not wakeups.busy, "200/s: keep listening, each commit wakes the relay"
+    for _ in range(40):  # 1,000 messages/s, five a claim
+        clock.now += 0.005
+        wakeups.worked(5)
+    assert wakeups.rate > 800 and wakeups.busy, "under load: poll, writers skip the NOTIFY"
+    clock.now += CHASE_SECONDS + 0.001
+    assert not wakeups.busy, "quiet: register and wait for a NOTIFY"
+
+
+def test_a_rate_near_the_threshold_does_not_flap_between_listening_and_polling() -> None:
+    clock = Clock()
+    wakeups = WakeUps(clock, wake_on_commit_below=300)
+    wakeups.worked(int(300 * RATE_SECONDS) + 1)  # a burst: load at once
+    assert wakeups.busy
+    # Falls to just under the threshold, above LISTEN_AGAIN of it: still load.
+    for _ in range(50):  # 240 messages/s
+        clock.now += 0.0125
+        wakeups.worked(3)
+    assert 300 * LISTEN_AGAIN < wakeups.rate < 300
+    assert wakeups.busy, "within the margin: keep polling"
+    for _ in range(50):  # 160 messages/s
+        clock.now += 0.0125
+        wakeups.worked(2)
+    assert wakeups.rate < 300 * LISTEN_AGAIN and not wakeups.busy, "well below: listen again"
+
+
+def test_a_listening_relay_at_work_polls_for_a_spell_now_and_then() -> None:
+    """Writers held under the threshold by their own NOTIFYs (they wait for each other)
+    would keep the relay listening for ever: a spell of polling shows their real rate."""
+    clock = Clock()
+    wakeups = WakeUps(clock, wake_on_commit_below=300)
+    busy = []
+    for _ in range(int(2 * PROBE_EVERY / 0.005)):  # 200 messages/s for two probe periods
+        clock.now += 0.005
+        wakeups.worked(1)
+        busy.append(wakeups.busy)
+    polled = sum(busy) * 0.005
+    assert 1.5 * PROBE_SECONDS <= polled <= 2.5 * PROBE_SECONDS, "one spell a period"
+    assert not busy[-1], "listening between the spells"
+    # During a spell the writers, no longer notifying, commit at 1,000/s: load.
+    wakeups = WakeUps(clock, wake_on_commit_below=300)
+    for _ in range(20):
+        clock.now += 0.005
+        wakeups.worked(1)
+    assert wakeups.busy, "a spell began"
+    for _ in range(40):
+        clock.now += 0.005
+        wakeups.worked(5)
+    clock.now += PROBE_SECONDS
+    wakeups.worked(5)
+    assert wakeups.busy, "past the spell: under load, polling on"
+
+
+def test_a_trickle_is_never_probed() -> None:
+    clock = Clock()
+    wakeups = WakeUps(clock, wake_on_commit_below=300)
+    for _ in range(100):  # 20 messages/s
+        clock.now += 0.05
+        wakeups.worked(1)
+        assert not wakeups.busy

@@ -106,6 +106,7 @@ _NO_DRAIN: dict[str, Any] = (
 )
 
 
+_U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
 #: AMQP field-table names longer than this are truncated by pamqp: leave those to pamqp.
 _TABLE_KEY_MAX = 128
@@ -125,11 +126,27 @@ class _Properties(spec.Basic.Properties):
         return self.wire if self.wire is not None else bytes(super().marshal())
 
 
+def _over_short_string(text: str) -> bool:
+    """Whether ``text`` is over an AMQP short string's 255 bytes (UTF-8: at most 4 bytes a
+    character, so a short text needs no encoding to tell)."""
+    return len(text) > _SHORTSTR // 4 and len(text.encode("utf-8")) > _SHORTSTR
+
+
 def _short_string(text: str) -> bytes:
     data = text.encode("utf-8")
     if len(data) > _SHORTSTR:
         raise ValueError("short string over 255 bytes")
     return bytes((len(data),)) + data
+
+
+@functools.lru_cache(maxsize=1024)
+def _table_key(name: str) -> bytes | None:
+    """A header name as a field-table entry begins (length, name, long-string type), or None
+    if it is over _TABLE_KEY_MAX bytes. Header names repeat from message to message."""
+    key = name.encode("utf-8")
+    if len(key) > _TABLE_KEY_MAX:
+        return None
+    return bytes((len(key),)) + key + b"S"
 
 
 def _encode_properties(
@@ -142,29 +159,35 @@ def _encode_properties(
     """The AMQP encoding of these Basic properties, as pamqp writes it (property flags,
     then each present property in flag order; a table's entries sorted by name, strings
     as long strings); None if a header is not a string or its name is over 128 bytes."""
-    entries: list[bytes] = []
+    # Per message on the relay's hot path: one list, cached entry heads, no tuples.
+    parts: list[bytes] = []
+    append = parts.append
+    pack = _U32.pack
     for name, value in sorted(headers.items()):
-        if not isinstance(value, str):
+        if type(value) is not str:
             return None
-        key = name.encode("utf-8")
-        if len(key) > _TABLE_KEY_MAX:
+        head = _table_key(name)
+        if head is None:
             return None
         data = value.encode("utf-8")
-        entries += (bytes((len(key),)), key, b"S", _U32.pack(len(data)), data)
-    table = b"".join(entries)
+        append(head)
+        append(pack(len(data)))
+        append(data)
+    table = b"".join(parts)
     flags = 0x2000 | 0x1000  # headers, delivery_mode
-    parts = []
+    parts = [b"", b""]  # flags, content type: filled in below
     if content_type:
         flags |= 0x8000
-        parts.append(_short_string(content_type))
-    parts += (_U32.pack(len(table)), table, bytes((delivery_mode,)))
+        parts[1] = _short_string(content_type)
+    parts += (pack(len(table)), table, bytes((delivery_mode,)))
     if message_id:
         flags |= 0x0080
         parts.append(_short_string(message_id))
     if timestamp is not None:
         flags |= 0x0040
         parts.append(encode.timestamp(timestamp))
-    return struct.pack(">H", flags) + b"".join(parts)
+    parts[0] = _U16.pack(flags)
+    return b"".join(parts)
 
 
 def _properties(
@@ -387,14 +410,16 @@ class RabbitMQPublisher(Publisher):
     def _prepare(self, message: Message) -> _Publish:
         """The publish for a message; PublishError(retryable=False) if AMQP cannot carry it."""
         exchange, routing_key = self.target_for(message)
-        for what, text in (
-            ("routing key", routing_key),
-            ("content type", message.content_type),
-            *(("header name", name) for name in message.headers),
-        ):
-            if len(text.encode("utf-8")) > _SHORTSTR:
+        for what, text in (("routing key", routing_key), ("content type", message.content_type)):
+            if _over_short_string(text):
                 raise PublishError(
                     f"{what} {text[:40]!r}… is longer than AMQP's {_SHORTSTR} bytes",
+                    retryable=False,
+                )
+        for text in message.headers:
+            if _over_short_string(text):
+                raise PublishError(
+                    f"header name {text[:40]!r}… is longer than AMQP's {_SHORTSTR} bytes",
                     retryable=False,
                 )
         try:

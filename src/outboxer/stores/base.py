@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
+import itertools
+import random
 import re
 import uuid
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from outboxer.config import Settings
 from outboxer.errors import ConfigError, SchemaError, StoreError
 from outboxer.message import Message
 from outboxer.redact import register_url_secrets
+from outboxer.stores.pgpartitions import PARTITIONED, PartitionPolicy, PartitionReport
 from outboxer.stores.sqlfiles import migrations, quote_ident, render
+
+if TYPE_CHECKING:
+    from outboxer.admin import MessageFilter
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,40}$")
 
@@ -25,6 +32,14 @@ MAX_ERROR_LENGTH = 2000
 #: NUL (PostgreSQL's text refuses it) and lone surrogates (not encodable as UTF-8: every
 #: driver refuses them); each becomes U+FFFD, the replacement character.
 _UNSTORABLE = re.compile(r"[\x00\ud800-\udfff]")
+
+#: ``Store.status`` counts every row of a table this small (by a bound each store reads
+#: without a scan): a pass over it costs milliseconds. A bigger table's PUBLISHED rows of a
+#: first attempt are estimated; everything else is still counted exactly, through an index.
+EXACT_STATUS_ROWS = 20_000
+#: Rows a sampled estimate of the PUBLISHED rows looks up by seq (MySQL, SQLite): a few
+#: milliseconds of primary-key lookups; its error is about one percent of the table.
+STATUS_SAMPLE_SIZE = 1000
 
 
 def storable_error(text: str) -> str:
@@ -128,6 +143,9 @@ class DestinationStatus:
     counts: dict[str, int] = field(default_factory=dict)
     oldest_pending_age: float | None = None
     retried: int = 0
+    #: ``counts["PUBLISHED"]`` is an estimate (a big table: see ``Store.status``); every
+    #: other count, ``retried`` and ``oldest_pending_age`` are exact all the same.
+    published_estimated: bool = False
 
     @property
     def total(self) -> int:
@@ -145,6 +163,7 @@ class DestinationStatus:
             "oldest_pending_age_seconds": self.oldest_pending_age,
             "retry_rate": round(self.retry_rate, 4),
             "abandoned": self.counts.get("ABANDONED", 0),
+            "published_estimated": self.published_estimated,
         }
 
 
@@ -161,6 +180,48 @@ def fold_counts(rows: Sequence[Mapping[str, Any]]) -> list[DestinationStatus]:
     return sorted(by_destination.values(), key=lambda s: s.destination)
 
 
+def with_published_estimates(
+    counted: Sequence[DestinationStatus], first_attempts: Mapping[str, float]
+) -> list[DestinationStatus]:
+    """``counted`` (every row but the PUBLISHED ones of a first attempt, exactly: a store's
+    counts_tally) plus the estimated PUBLISHED rows of a first attempt per destination;
+    every PUBLISHED count is then flagged an estimate. A destination known only from the
+    estimate gets an entry of its own."""
+    by_destination = {entry.destination: entry for entry in counted}
+    for destination, estimate in first_attempts.items():
+        rows = round(estimate)
+        if rows > 0:
+            entry = by_destination.setdefault(destination, DestinationStatus(destination))
+            entry.counts["PUBLISHED"] = entry.counts.get("PUBLISHED", 0) + rows
+    for entry in by_destination.values():
+        entry.published_estimated = True
+    return sorted(by_destination.values(), key=lambda s: s.destination)
+
+
+def sample_seqs(first: int, last: int, size: int = STATUS_SAMPLE_SIZE) -> list[int]:
+    """``size`` seqs drawn from ``first..last``: the range cut into ``size`` equal slices,
+    one seq drawn at random in each. Each seq has the same chance (1 / its slice's length,
+    equal to within one), and a slice follows the mix of destinations of its stretch of
+    time, so the sample does better than ``size`` independent draws; drawn, not evenly
+    spaced, because rows written in a pattern (every tenth for one destination) would bias
+    a fixed stride. The same seqs while ``last`` is the same: two calls in a row agree."""
+    span = last - first + 1
+    size = min(size, span)
+    draw = random.Random(last)
+    cuts = [first + span * i // size for i in range(size + 1)]
+    return [draw.randrange(start, end) for start, end in itertools.pairwise(cuts)]
+
+
+def estimate_from_sample(
+    hits: Mapping[str, int], sampled: int, first: int, last: int
+) -> dict[str, float]:
+    """Rows per destination in seqs ``first..last``, from ``hits`` among ``sampled`` seqs
+    drawn there at random: every seq of the range has the same chance to be drawn, a seq
+    whose row was deleted included, so hits / sampled estimates the share of the range."""
+    span = last - first + 1
+    return {destination: span * count / sampled for destination, count in hits.items()}
+
+
 def check_identifier(kind: str, name: str) -> str:
     if not _IDENTIFIER.fullmatch(name):
         raise ConfigError(
@@ -174,6 +235,8 @@ class Store(ABC):
     """An outbox table in one database."""
 
     dialect: str
+    #: Up to this many rows ``status`` counts everything exactly (see EXACT_STATUS_ROWS).
+    exact_status_rows = EXACT_STATUS_ROWS
     #: After a batch smaller than asked for (the relay has caught up), the relay waits in
     #: ``wait_for_wakeup`` before claiming again, so that the next batch gathers more than a
     #: handful of rows. Only for stores whose wait is short while work keeps coming.
@@ -216,14 +279,24 @@ class Store(ABC):
     #: DDL of the table that records applied migrations (tokens in braces).
     migrations_table_sql: str = ""
 
-    def schema_sql(self) -> str:
-        """The whole DDL, for teams that run their own migrations, recording each version."""
+    def schema_sql(self, *, partitioned: bool = False) -> str:
+        """The whole DDL, for teams that run their own migrations, recording each version.
+
+        ``partitioned``: the partitioned layout's (PostgreSQL only)."""
+        if partitioned and self.dialect != "postgres":
+            raise ConfigError(f"the partitioned outbox needs PostgreSQL, not {self.dialect}")
         tokens = self.tokens()
         parts = [render(self.migrations_table_sql, tokens).strip()]
-        for migration in migrations(self.dialect):
+        for migration in migrations(self.dialect, PARTITIONED if partitioned else None):
             parts.append(render(migration.sql, tokens).strip())
             parts.append(
                 self.record_migration_sql(tokens["migrations"], migration.version, migration.name)
+            )
+        if partitioned:
+            parts.append(
+                "-- Partitions by time: a running relay, or `outboxer cleanup`, makes them "
+                "ahead and drops them\n-- past retention; until the first run, rows go to "
+                "the default partition (and are moved then)."
             )
         return "\n\n".join(parts) + "\n"
 
@@ -239,12 +312,32 @@ class Store(ABC):
     async def applied_migrations(self) -> set[int]:
         """Versions recorded in the migrations table (empty if there is none yet)."""
 
+    async def layout(self) -> str | None:
+        """The outbox table's layout where a database has several (PostgreSQL's
+        ``partitioned``); None for the default table."""
+        return None
+
+    async def is_partitioned(self) -> bool:
+        """Whether retention drops whole partitions (``maintain_partitions``) rather than
+        deleting rows (``cleanup``)."""
+        return await self.layout() == PARTITIONED
+
+    async def maintain_partitions(
+        self, policy: PartitionPolicy, *, now: datetime.datetime | None = None
+    ) -> PartitionReport:
+        """Create the partitions ahead and drop those past retention (see
+        outboxer.stores.pgpartitions); only for a partitioned outbox."""
+        raise StoreError(f"the outbox {self.schema}.{self.table} has no partitions")
+
     async def check_schema(self) -> None:
         """Raise SchemaError unless every migration this version knows has been applied."""
+        layout = await self.layout()
         applied = await self.applied_migrations()
-        missing = [m.name for m in migrations(self.dialect) if m.version not in applied]
+        missing = [m.name for m in migrations(self.dialect, layout) if m.version not in applied]
         if missing:
             where = f"{self.schema}.{self.table}" if self.dialect == "postgres" else self.table
+            if layout is not None:
+                where += f" ({layout} layout)"
             raise SchemaError(
                 f"the outbox schema of {where} lacks migration(s) {', '.join(missing)}: "
                 "run `outboxer schema apply` (or apply the DDL of `outboxer schema sql`)"
@@ -304,7 +397,16 @@ class Store(ABC):
         """Delete up to ``limit`` inbox entries older than ``retention`` seconds."""
 
     @abstractmethod
-    async def status(self) -> list[DestinationStatus]: ...
+    async def status(self) -> list[DestinationStatus]:
+        """Rows per destination and status, the oldest unfinished row's age, the retries.
+
+        Cheap on a big table: no statement reads the published history. The unfinished
+        (PENDING, PROCESSING, FAILED) and ABANDONED rows, the retried ones and the oldest
+        age are always exact, read through an index that holds only them and the PUBLISHED
+        rows that needed more than one attempt. On a table of more than
+        ``exact_status_rows`` rows the PUBLISHED rows of a first attempt are estimated, and
+        ``published_estimated`` says so; a smaller table is counted row by row.
+        """
 
     async def oldest_transaction(self) -> float | None:
         """Seconds the oldest open writing transaction has run; None where the database cannot tell."""
@@ -323,9 +425,10 @@ class Store(ABC):
         """Run a trivial query (connecting first if need be); raise if the database does not answer."""
 
     @abstractmethod
-    async def list_messages(
-        self, statuses: Sequence[str], limit: int
-    ) -> list[dict[str, object]]: ...
+    async def list_messages(self, statuses: Sequence[str], limit: int) -> list[dict[str, object]]:
+        """Up to ``limit`` rows in ``statuses``, the newest change first (updated_at, then
+        seq, both descending: a stable order), each read through an index that stops after
+        ``limit`` rows per status, however many rows the table holds."""
 
     @abstractmethod
     async def requeue(
@@ -335,6 +438,11 @@ class Store(ABC):
     # Wake-ups are per destination: a commit may hold rows for several destinations, and
     # each destination's loops must hear of it (one destination's loop taking the only
     # wake-up would leave the others asleep until their poll interval).
+
+    def configure_wakeups(self, *, wake_on_commit_below: float) -> None:
+        """The relay's ``wake_on_commit_below`` setting, for stores that can be woken by a
+        commit (PostgreSQL's NOTIFY) and would rather poll under load."""
+        return None
 
     def reset_wakeup(self, destination: str) -> None:
         """Forget the destination's earlier wake-ups; called just before a claim, so none
@@ -351,6 +459,28 @@ class Store(ABC):
         True if woken early."""
         await asyncio.sleep(timeout)
         return False
+
+    # ----- operators' changes by filter (outboxer.admin checks the filters) ---------------
+    # Each runs in one transaction; the SQL and its invariants are in sql/<dialect>/admin.sql.
+
+    async def count_matching(self, where: MessageFilter) -> dict[str, dict[str, int]]:
+        """The rows ``where`` matches, counted by destination, then status."""
+        raise NotImplementedError(f"{type(self).__name__} has no admin operations")
+
+    async def purge(self, where: MessageFilter) -> int:
+        """Delete the rows ``where`` matches, never a PROCESSING one; return how many."""
+        raise NotImplementedError(f"{type(self).__name__} has no admin operations")
+
+    async def requeue_matching(self, where: MessageFilter) -> int:
+        """ABANDONED | FAILED rows ``where`` matches -> PENDING, due now, attempts reset."""
+        raise NotImplementedError(f"{type(self).__name__} has no admin operations")
+
+    async def replay(
+        self, where: MessageFilter, copy: Callable[[Sequence[Message]], list[Message]]
+    ) -> int:
+        """Insert ``copy``'s rows for the PUBLISHED rows ``where`` matches, read in seq order a
+        page at a time (``copy`` runs in a worker thread); return how many were inserted."""
+        raise NotImplementedError(f"{type(self).__name__} has no admin operations")
 
     async def __aenter__(self) -> Store:
         await self.connect()

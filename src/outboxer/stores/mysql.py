@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from outboxer.config import Settings
@@ -44,9 +45,13 @@ from outboxer.stores.base import (
     SettleResult,
     Store,
     StoreDataError,
+    estimate_from_sample,
     fold_counts,
+    sample_seqs,
+    with_published_estimates,
 )
 from outboxer.stores.sqlfiles import (
+    admin_queries,
     migrations,
     queries,
     quote_mysql,
@@ -55,6 +60,9 @@ from outboxer.stores.sqlfiles import (
     strip_comments,
     to_pyformat,
 )
+
+if TYPE_CHECKING:
+    from outboxer.admin import MessageFilter
 
 logger = get_logger("outboxer.store")
 
@@ -535,8 +543,18 @@ class MySQLStore(Store):
 
     async def status(self) -> list[DestinationStatus]:
         async with self._transaction() as cursor:
-            await self._execute(cursor, "counts")
-            return fold_counts(await cursor.fetchall())
+            await self._execute(cursor, "seq_range")
+            ends = await cursor.fetchone()
+            first, last = ends["first_seq"], ends["last_seq"]
+            if last is None or last - first + 1 <= self.exact_status_rows:
+                await self._execute(cursor, "counts")
+                return fold_counts(await cursor.fetchall())
+            await self._execute(cursor, "counts_tally")
+            counted = fold_counts(await cursor.fetchall())
+            seqs = sample_seqs(first, last)
+            await self._execute(cursor, "sample_published", {"seqs": seqs})
+            hits = {row["destination"]: int(row["hits"]) for row in await cursor.fetchall()}
+        return with_published_estimates(counted, estimate_from_sample(hits, len(seqs), first, last))
 
     async def ping(self) -> None:
         async with self._transaction() as cursor:
@@ -633,6 +651,72 @@ class MySQLStore(Store):
                 return False
             await asyncio.sleep(min(WAKE_PROBE_INTERVAL, remaining))
 
+    # ----- operators' changes by filter (outboxer.admin; SQL in admin.sql) ----------------
+
+    @functools.cached_property
+    def _admin_sql(self) -> dict[str, str]:
+        tokens = self.tokens()
+        return {
+            name: to_pyformat(strip_comments(render(sql, tokens)))
+            for name, sql in admin_queries("mysql").items()
+        }
+
+    async def _admin(self, cursor: Any, name: str, where: MessageFilter, **extra: Any) -> int:
+        sql, args = expand_lists(self._admin_sql[name], {**_filter_params(where), **extra})
+        return int(await cursor.execute(sql, args))
+
+    async def count_matching(self, where: MessageFilter) -> dict[str, dict[str, int]]:
+        async with self._transaction() as cursor:
+            await self._admin(cursor, "count_matching", where)
+            rows = await cursor.fetchall()
+        counts: dict[str, dict[str, int]] = {}
+        for row in rows:
+            counts.setdefault(row["destination"], {})[row["status"]] = int(row["count"])
+        return counts
+
+    async def _under_destination_locks(self, name: str, where: MessageFilter) -> int:
+        """Run the admin statement ``name`` in one transaction, under the shared lock of every
+        destination it may change (admin.sql: purge)."""
+        async with self._transaction() as cursor:
+            await self._admin(cursor, "destinations_matching", where)
+            locked = [row["destination"] for row in await cursor.fetchall()]
+            if not locked:
+                return 0
+            for destination in locked:
+                await self._lock_destination(cursor, destination, exclusive=False)
+            return await self._admin(cursor, name, where, locked=locked)
+
+    async def purge(self, where: MessageFilter) -> int:
+        return await self._under_destination_locks("purge", where)
+
+    async def requeue_matching(self, where: MessageFilter) -> int:
+        return await self._under_destination_locks("requeue_matching", where)
+
+    async def replay(
+        self, where: MessageFilter, copy: Callable[[Sequence[Message]], list[Message]]
+    ) -> int:
+        from outboxer.admin import REPLAY_PAGE
+        from outboxer.enqueue import Outbox, detect
+
+        outbox = Outbox(schema=self.schema, table=self.table)
+        inserted = 0
+        async with self._transaction() as cursor:
+            await self._admin(cursor, "replay_keys", where)
+            keys = sorted(row["key"] for row in await cursor.fetchall())
+            if keys:  # every key locked, in one order, before the first copy takes a seq
+                await cursor.executemany(self._sql["key_lock"], [{"key": key} for key in keys])
+            await self._admin(cursor, "replay_seqs", where)
+            seqs = [row["seq"] for row in await cursor.fetchall()]
+            for start in range(0, len(seqs), REPLAY_PAGE):
+                page = seqs[start : start + REPLAY_PAGE]
+                await self._admin(cursor, "replay_page", where, seqs=page)
+                rows = await cursor.fetchall()
+                copies = await asyncio.to_thread(copy, [_original(row) for row in rows])
+                if copies:
+                    await detect(cursor.connection).write_async(outbox, cursor.connection, copies)
+                    inserted += len(copies)
+        return inserted
+
 
 def _refused_values(exc: BaseException) -> bool:
     """Whether the server refused a statement's values (a data error, a constraint) or the
@@ -648,3 +732,39 @@ async def _rollback_or_close(conn: Any) -> None:
         await conn.rollback()
     except Exception:  # noqa: BLE001 -- the connection is broken: drop it, the pool makes another
         conn.close()
+
+
+def _original(row: Mapping[str, Any]) -> Message:
+    """A PUBLISHED row a replay copies, as a Message."""
+    return Message(
+        id=uuid.UUID(row["id"]),
+        topic=row["topic"],
+        payload=bytes(row["payload"]),
+        key=row["key"],
+        headers=_headers(row["headers"]),
+        content_type=row["content_type"],
+        destination=row["destination"],
+        created_at=_utc(row["created_at"]),
+        seq=row["seq"],
+    )
+
+
+def _filter_params(where: MessageFilter) -> dict[str, Any]:
+    """A MessageFilter as admin.sql's filter parameters: each list with its any_ flag (and
+    a dummy item when left out: IN needs one), times as naive UTC (DATETIME(6) holds UTC)."""
+    params: dict[str, Any] = {}
+    for flag, name, values in (
+        ("any_status", "statuses", where.statuses),
+        ("any_id", "ids", None if where.ids is None else [str(i) for i in where.ids]),
+        ("any_destination", "destinations", where.destinations),
+        ("any_topic", "topics", where.topics),
+        ("any_key", "keys", where.keys),
+    ):
+        params[flag] = values is None
+        params[name] = [""] if values is None else list(values)
+    for name in ("created_after", "created_before"):
+        moment = getattr(where, name)
+        params[name] = moment.astimezone(UTC).replace(tzinfo=None) if moment is not None else None
+    params["older_than"] = where.older_than
+    params["error"] = where.error
+    return params

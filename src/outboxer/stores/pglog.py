@@ -14,6 +14,7 @@ import json
 import math
 import re
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from outboxer.errors import ConfigError, StoreError
 from outboxer.message import Message
 from outboxer.redact import get_logger
 from outboxer.stores.pgmodes import ModeSchema, open_connection
+from outboxer.stores.pgstream import Backlog, DeadLetter, StreamBook, StreamFailure
 from outboxer.stores.sqlfiles import quote_ident, to_numbered
 from outboxer.streamrelay import Entry
 
@@ -47,6 +49,7 @@ class PgLog(ModeSchema):
     """The log of one outbox (``<schema>.<table>_log``), its readers' offsets and partitions."""
 
     folder = "pglog"
+    also = ("pgstream",)
 
     async def apply_schema(self, days_ahead: int = 7) -> list[str]:
         applied = await super().apply_schema()
@@ -132,6 +135,19 @@ class PgLog(ModeSchema):
 
     # ----- offsets -------------------------------------------------------------------------
 
+    async def readers(self) -> list[tuple[str, LogOffset, dt.datetime]]:
+        """Every reader: its name, offset and when the offset last moved."""
+        return [
+            (row["reader"], _offset(row), row["updated_at"])
+            for row in await self._fetch("readers", {})
+        ]
+
+    async def backlog(self, offset: LogOffset, limit: int) -> Backlog:
+        """The rows after ``offset`` (at most ``limit`` counted) and the first one's time."""
+        rows = await self._fetch("backlog", {**offset.params(), "limit": limit})
+        behind = int(rows[0]["behind"])
+        return Backlog(behind, behind >= limit, rows[0]["oldest"])
+
     async def offset(self, reader: str) -> LogOffset | None:
         rows = await self._fetch("get_offset", {"reader": reader})
         return _offset(rows[0]) if rows else None
@@ -201,6 +217,9 @@ class LogReader:
         self.name = f"log reader {name!r} of {log.schema}.{log.table}_log"
         self.reader = name
         self.destination = destination
+        self.mode = "log"
+        #: The stream's failures and dead letters, named by the reader.
+        self.book = StreamBook(log.names, "log", name)
         self._offset = BEGINNING
         self._read_sql = to_numbered(log.sql("read"))
         self._commit_sql = to_numbered(log.sql("commit_offset"))
@@ -209,8 +228,19 @@ class LogReader:
         self.maintenance_seconds = maintenance_seconds
         self._maintained_at = -math.inf
 
+    @property
+    def conn(self) -> Any:
+        return self.log.conn
+
+    async def attach(self) -> None:
+        """Connect for the stream's own tables only (replay, status), without the reader
+        lock that a running relay holds."""
+        await self.log.connect()
+        await self.book.check(self.conn)
+
     async def connect(self) -> None:
         await self.log.connect()
+        await self.book.check(self.log.conn)
         self._lock_conn = await open_connection(self.log.url)
         held = await self._lock_conn.fetchval(
             "SELECT pg_try_advisory_lock(hashtextextended($1, 0))",
@@ -254,13 +284,41 @@ class LogReader:
             for row in rows
         ]
 
-    async def commit(self, checkpoint: object) -> None:
+    async def commit(
+        self,
+        checkpoint: object,
+        letters: Sequence[DeadLetter] = (),
+        cleared: Iterable[int] = (),
+    ) -> None:
+        """Move the offset to ``checkpoint``; with dead letters to write, or failure rows
+        to clear (``cleared``: seqs of messages the offset passes), all in one transaction:
+        a dead letter exists if and only if the offset went past its message."""
         if not isinstance(checkpoint, LogOffset):
             raise TypeError(f"a log reader commits LogOffsets, not {checkpoint!r}")
         sql, names = self._commit_sql
         params = {"reader": self.reader, **checkpoint.params()}
-        await self.log.conn.execute(sql, *(params[n] for n in names))
+        conn = self.log.conn
+        cleared = list(cleared)
+        if letters or cleared:
+            async with conn.transaction():
+                await self.book.write_letters(conn, letters)
+                await self.book.clear(conn, cleared)
+                await conn.execute(sql, *(params[n] for n in names))
+        else:
+            await conn.execute(sql, *(params[n] for n in names))
         self._offset = max(self._offset, checkpoint)
+
+    async def failures(self) -> dict[int, StreamFailure]:
+        return await self.book.failures(self.log.conn)
+
+    async def record_failure(self, message: Message, error: str) -> int:
+        return await self.book.record_failure(self.log.conn, message, error)
+
+    async def held_keys(self, keys: Iterable[str] | None = None) -> set[str]:
+        return await self.book.held_keys(self.log.conn, keys)
+
+    async def backlog(self, limit: int) -> Backlog:
+        return await self.log.backlog(self._offset, limit)
 
     async def idle(self) -> None:
         """Partition upkeep while there is nothing to read: without it, rows of days past

@@ -56,6 +56,10 @@ def tokens(schema: str, table: str) -> dict[str, str]:
         "offsets": name("_log_offsets"),
         "debezium": name("_debezium"),
         "debezium_raw": table + "_debezium",
+        # The stream relays' own tables (log and WAL modes): sql/pgstream.
+        "stream_failures": name("_stream_failures"),
+        "stream_dead_letters": name("_stream_dead_letters"),
+        "stream_dead_letters_raw": table + "_stream_dead_letters",
     }
 
 
@@ -185,6 +189,9 @@ class ModeSchema:
     """
 
     folder = ""
+    #: Further SQL folders whose migrations ``apply_schema`` applies after the mode's own
+    #: (the stream relays' tables, ``pgstream``, for log and WAL modes).
+    also: tuple[str, ...] = ()
 
     def __init__(self, url: str, *, schema: str = "outboxer", table: str = "outbox") -> None:
         register_url_secrets(url)
@@ -192,10 +199,11 @@ class ModeSchema:
         self.schema = check_identifier("schema", schema)
         self.table = check_identifier("table", table)
         self.names = tokens(schema, table)
-        self.names["migrations"] = (
-            f"{quote_ident(schema)}.{quote_ident(f'{table}_{self.folder}_migrations')}"
-        )
+        self.names["migrations"] = self._migrations_table(self.folder)
         self._conn: Any = None
+
+    def _migrations_table(self, folder: str) -> str:
+        return f"{quote_ident(self.schema)}.{quote_ident(f'{self.table}_{folder}_migrations')}"
 
     def sql(self, name: str) -> str:
         return render(queries(self.folder)[name], self.names)
@@ -225,14 +233,28 @@ class ModeSchema:
     def schema_sql(self) -> str:
         """The mode's whole DDL, for teams that run their own migrations."""
         return (
-            "\n\n".join(render(m.sql, self.names).strip() for m in migrations(self.folder)) + "\n"
+            "\n\n".join(
+                render(m.sql, self.names).strip()
+                for folder in (self.folder, *self.also)
+                for m in migrations(folder)
+            )
+            + "\n"
         )
 
     async def apply_schema(self) -> list[str]:
         """Create or upgrade the mode's objects; return the migrations applied now."""
+        applied = []
+        for folder in (self.folder, *self.also):
+            applied += await self.apply_migrations(folder)
+        return applied
+
+    async def apply_migrations(self, folder: str) -> list[str]:
+        """Apply the migrations of ``sql/<folder>`` not applied yet (recorded in a table of
+        that folder's own); return those applied now."""
         await self.connect()
         applied: list[str] = []
         conn = self.conn
+        recorded = self._migrations_table(folder)
         async with conn.transaction():
             await conn.execute("SET LOCAL synchronous_commit = on")
             await conn.execute(
@@ -241,20 +263,17 @@ class ModeSchema:
             )
             await conn.execute(f"CREATE SCHEMA IF NOT EXISTS {self.names['schema']}")
             await conn.execute(
-                f"CREATE TABLE IF NOT EXISTS {self.names['migrations']} "
+                f"CREATE TABLE IF NOT EXISTS {recorded} "
                 "(version integer PRIMARY KEY, name text NOT NULL, "
                 "applied_at timestamptz NOT NULL DEFAULT now())"
             )
-            done = {
-                r["version"]
-                for r in await conn.fetch(f"SELECT version FROM {self.names['migrations']}")
-            }
-            for migration in migrations(self.folder):
+            done = {r["version"] for r in await conn.fetch(f"SELECT version FROM {recorded}")}
+            for migration in migrations(folder):
                 if migration.version in done:
                     continue
                 await conn.execute(render(migration.sql, self.names))
                 await conn.execute(
-                    f"INSERT INTO {self.names['migrations']} (version, name) VALUES ($1, $2)",
+                    f"INSERT INTO {recorded} (version, name) VALUES ($1, $2)",
                     migration.version,
                     migration.name,
                 )

@@ -19,18 +19,25 @@ is advanced: a relay that stays down keeps WAL growing (watch
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 import re
 import time
 import uuid
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 from outboxer.errors import ConfigError, StoreError
 from outboxer.message import Message
 from outboxer.redact import get_logger
-from outboxer.stores.pgmodes import ModeSchema, wal_prefix
+from outboxer.stores.pgmodes import ModeSchema, open_connection, wal_prefix
 from outboxer.stores.pgoutput import Begin, Commit, DecodeError, LogicalMessage, decode
+from outboxer.stores.pgstream import Backlog, DeadLetter, StreamBook, StreamFailure
+from outboxer.stores.sqlfiles import queries, to_numbered
 from outboxer.streamrelay import Entry
+
+T = TypeVar("T")
 
 logger = get_logger("outboxer.pgwal")
 
@@ -38,6 +45,9 @@ logger = get_logger("outboxer.pgwal")
 PUBLICATION = "outboxer_wal"
 KEEPALIVE_PREFIX = "outboxer-keepalive"
 _SLOT_NAME = re.compile(r"^[a-z0-9_]{1,63}$")
+#: Seconds a slot call waits for a slot another session holds for a moment (a status
+#: query peeking it) before it gives up.
+SLOT_BUSY_SECONDS = 10.0
 
 
 def lsn_text(lsn: int) -> str:
@@ -48,6 +58,7 @@ class PgWal(ModeSchema):
     """The WAL outbox of one (schema, table) name: its prefix, its slots."""
 
     folder = "pgwal"
+    also = ("pgstream",)
 
     def __init__(
         self,
@@ -73,15 +84,28 @@ class PgWal(ModeSchema):
         return name
 
     async def apply_schema(self) -> list[str]:
-        """The WAL outbox has no table; only pgoutput's (empty) publication."""
+        """The WAL outbox has no table of its own: pgoutput's (empty) publication, and the
+        stream relay's tables of failures and dead letters (``sql/pgstream``)."""
         await self.connect()
+        applied = []
         exists = await self.conn.fetchval(
             "SELECT 1 FROM pg_publication WHERE pubname = $1", PUBLICATION
         )
-        if exists:
-            return []
-        await self.conn.execute(f"CREATE PUBLICATION {PUBLICATION}")
-        return [f"publication {PUBLICATION}"]
+        if not exists:
+            await self.conn.execute(f"CREATE PUBLICATION {PUBLICATION}")
+            applied.append(f"publication {PUBLICATION}")
+        return applied + await self.apply_migrations("pgstream")
+
+    def schema_sql(self) -> str:
+        return f"CREATE PUBLICATION {PUBLICATION};\n\n" + super().schema_sql()
+
+    async def slots(self) -> list[dict[str, Any]]:
+        """The slots of this outbox (named ``<slot prefix>_<destination>``), with how much
+        WAL each keeps and how far it is behind the WAL's end, in bytes."""
+        await self.connect()
+        sql, _ = to_numbered(queries("pgwal")["slots"])
+        rows = await self.conn.fetch(sql, self.slot_prefix + "_")
+        return [dict(row) for row in rows]
 
     async def create_slot(self, destination: str) -> bool:
         """Create the destination's slot (False if it exists). It holds every message
@@ -122,7 +146,21 @@ class WalReader:
         self.destination = destination
         self.slot = wal.slot_name(destination)
         self.name = f"WAL outbox slot {self.slot!r}"
+        self.mode = "wal"
+        #: The stream's failures and dead letters, named by the destination.
+        self.book = StreamBook(wal.names, "wal", destination)
         self._last_keepalive = time.monotonic()
+        self._lock_conn: Any = None
+
+    @property
+    def conn(self) -> Any:
+        return self.wal.conn
+
+    async def attach(self) -> None:
+        """Connect for the stream's own tables only (replay, status), without the reader
+        lock that a running relay holds."""
+        await self.wal.connect()
+        await self.book.check(self.conn)
 
     async def connect(self) -> None:
         await self.wal.connect()
@@ -134,20 +172,55 @@ class WalReader:
         if row is None or row["plugin"] != "pgoutput" or not row["here"]:
             raise StoreError(
                 f"{self.name} does not exist in this database (or is not a pgoutput slot): "
-                "create it with PgWal.create_slot (python -m outboxer.streamrelay --create-slot)"
+                "create it with PgWal.create_slot (outboxer stream-relay --mode wal "
+                "--create-slot)"
             )
+        await self.book.check(self.wal.conn)
+        self._lock_conn = await open_connection(self.wal.url)
+        held = await self._lock_conn.fetchval(
+            "SELECT pg_try_advisory_lock(hashtextextended($1, 0))",
+            f"outboxer-wal-reader:{self.slot}",
+        )
+        if not held:
+            await self.close()
+            raise StoreError(f"{self.name} is already being read by another relay")
 
     async def close(self) -> None:
+        if self._lock_conn is not None:
+            conn, self._lock_conn = self._lock_conn, None
+            await conn.close()  # ends the session, and with it the reader lock
         await self.wal.close()
 
+    async def _slot_call(self, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()``, waiting while another session holds the slot for a moment: SQL slot
+        functions take the slot for their call, and a second caller fails at once (55006)."""
+        deadline = time.monotonic() + SLOT_BUSY_SECONDS
+        while True:
+            try:
+                return await call()
+            except Exception as exc:
+                if getattr(exc, "sqlstate", None) != "55006" or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+
+    async def _peek(self, limit: int) -> list[Any]:
+        async def peek() -> list[Any]:
+            return list(
+                await self.wal.conn.fetch(
+                    "SELECT data FROM pg_logical_slot_peek_binary_changes($1, NULL, $2, "
+                    "'proto_version', '1', 'publication_names', $3, 'messages', 'true')",
+                    self.slot,
+                    limit,
+                    PUBLICATION,
+                )
+            )
+
+        return await self._slot_call(peek)
+
     async def read(self, limit: int) -> list[Entry]:
-        rows = await self.wal.conn.fetch(
-            "SELECT data FROM pg_logical_slot_peek_binary_changes($1, NULL, $2, "
-            "'proto_version', '1', 'publication_names', $3, 'messages', 'true')",
-            self.slot,
-            limit,
-            PUBLICATION,
-        )
+        return self._entries(await self._peek(limit))
+
+    def _entries(self, rows: Sequence[Any]) -> list[Entry]:
         entries: list[Entry] = []
         pending: list[Message] = []
         committed_at: dt.datetime | None = None
@@ -192,11 +265,78 @@ class WalReader:
             seq=item.lsn,
         )
 
-    async def commit(self, checkpoint: object) -> None:
+    async def commit(
+        self,
+        checkpoint: object,
+        letters: Sequence[DeadLetter] = (),
+        cleared: Iterable[int] = (),
+    ) -> None:
+        """Advance the slot to ``checkpoint``, after writing ``letters`` and marking the
+        failure rows of ``cleared`` (seqs of messages the advance passes).
+
+        The advance cannot join a transaction, so the order is the invariant: the dead
+        letters (idempotent on their entry) and the marks commit first, then the slot
+        moves, then the marked rows go. A relay that dies before the advance reads the
+        messages again and finds their failure rows (a dead one is written again, a no-op);
+        one that dies after it leaves marked rows that no read reaches, dropped at the next
+        start or advance (``pass_lsn`` at or behind the slot).
+        """
         if not isinstance(checkpoint, int):
             raise TypeError(f"a WAL reader commits LSNs, not {checkpoint!r}")
-        await self.wal.conn.execute(
-            "SELECT pg_replication_slot_advance($1, $2)", self.slot, checkpoint
+        conn = self.wal.conn
+        passing = {letter.message.seq for letter in letters if letter.message.seq is not None}
+        passing.update(cleared)
+        if letters or passing:
+            async with conn.transaction():
+                await self.book.write_letters(conn, letters)
+                await self.book.mark_passing(conn, passing, checkpoint)
+
+        async def advance() -> None:
+            await conn.execute("SELECT pg_replication_slot_advance($1, $2)", self.slot, checkpoint)
+
+        await self._slot_call(advance)
+        if passing:
+            await self.book.drop_passed(conn, checkpoint)
+
+    async def confirmed_lsn(self) -> int:
+        """Where the slot is: reading resumes after this LSN."""
+        state = await self._slot_state()
+        return int(state["confirmed"])
+
+    async def _slot_state(self) -> Any:
+        sql, _ = to_numbered(queries("pgwal")["slot_state"])
+        row = await self.wal.conn.fetchrow(sql, self.slot)
+        if row is None:
+            raise StoreError(f"{self.name} does not exist any more")
+        return row
+
+    async def failures(self) -> dict[int, StreamFailure]:
+        """The failing messages ahead of the slot; rows a relay that died after an advance
+        left behind it go now."""
+        confirmed = await self.confirmed_lsn()
+        await self.book.drop_passed(self.wal.conn, confirmed)
+        return await self.book.failures(self.wal.conn, passed=confirmed)
+
+    async def record_failure(self, message: Message, error: str) -> int:
+        return await self.book.record_failure(self.wal.conn, message, error)
+
+    async def held_keys(self, keys: Iterable[str] | None = None) -> set[str]:
+        return await self.book.held_keys(self.wal.conn, keys)
+
+    async def backlog(self, limit: int) -> Backlog:
+        """Messages of this destination in the slot (decoding at most ``limit`` changes), the
+        commit time of the first, and the WAL the slot keeps. Peeking decodes the WAL the
+        relay will decode again: keep ``limit`` modest, and the calls rare."""
+        rows = await self._peek(limit)
+        entries = self._entries(rows)
+        messages = [entry.message for entry in entries if entry.message is not None]
+        state = await self._slot_state()
+        return Backlog(
+            len(messages),
+            len(rows) >= limit,
+            messages[0].created_at if messages else None,
+            int(state["retained"]),
+            int(state["behind"]),
         )
 
     async def idle(self) -> None:

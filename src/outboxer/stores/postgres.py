@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import functools
 import json
 import os
 import socket
 import uuid
-from collections.abc import Awaitable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from outboxer.config import Settings
-from outboxer.errors import MissingDependencyError, StoreError
+from outboxer.config import DAY, Settings
+from outboxer.errors import MissingDependencyError, SchemaError, StoreError
 from outboxer.message import Message
 from outboxer.redact import get_logger
 from outboxer.stores.base import (
@@ -30,9 +32,27 @@ from outboxer.stores.base import (
     Store,
     StoreDataError,
     fold_counts,
+    with_published_estimates,
 )
-from outboxer.stores.sqlfiles import migrations, queries, render, to_numbered
+from outboxer.stores.pgpartitions import (
+    PARTITIONED,
+    Partition,
+    PartitionPolicy,
+    PartitionReport,
+    Partitions,
+)
+from outboxer.stores.sqlfiles import (
+    admin_queries,
+    migrations,
+    queries,
+    quote_ident,
+    render,
+    to_numbered,
+)
 from outboxer.stores.wakeups import WakeUps
+
+if TYPE_CHECKING:
+    from outboxer.admin import MessageFilter
 
 logger = get_logger("outboxer.store")
 
@@ -82,7 +102,7 @@ def asyncpg_dsn(url: str) -> str:
 
 class PostgresStore(Store):
     dialect = "postgres"
-    gathers_batches = True  # busy, wait_for_wakeup polls every wakeups.CHASE_POLL seconds
+    gathers_batches = True  # under load, wait_for_wakeup polls every wakeups.CHASE_POLL seconds
     migrations_table_sql = _MIGRATIONS_TABLE
 
     def __init__(
@@ -91,6 +111,9 @@ class PostgresStore(Store):
         super().__init__(url, schema=schema, table=table)
         self.pool_size = pool_size
         self._pool: Any = None
+        #: Pool connections the relay's claims, settles and renewals reuse (see _statement).
+        self._kept: list[Any] = []
+        self._closing = False
         self._listener: Any = None
         #: When the relay's waiting loops wake (nudges, the chase, the registration's timing).
         self._wakeups = WakeUps()
@@ -102,6 +125,13 @@ class PostgresStore(Store):
         tokens = self.tokens()
         self._sql: dict[str, tuple[str, tuple[str, ...]]] = {
             name: to_numbered(render(sql, tokens)) for name, sql in queries("postgres").items()
+        }
+
+    def tokens(self) -> dict[str, str]:
+        return {
+            **super().tokens(),
+            # The partitioned layout's partition for rows of times no other one covers.
+            "default_partition": f"{quote_ident(self.schema)}.{quote_ident(self.table + '_default')}",
         }
 
     # ----- connections ---------------------------------------------------------------------
@@ -127,6 +157,10 @@ class PostgresStore(Store):
             raise StoreError(f"cannot connect to PostgreSQL: {exc}") from exc
 
     async def close(self) -> None:
+        # From here on a statement that ends (a lease renewal finishing late) hands its
+        # connection back instead of keeping it: pool.close() waits for every connection.
+        self._closing = True
+        await self._return_kept()
         if self._unregistering is not None:
             await asyncio.gather(self._unregistering, return_exceptions=True)
         if self._listener is not None:
@@ -139,6 +173,40 @@ class PostgresStore(Store):
         if self._pool is not None:
             pool, self._pool = self._pool, None
             await pool.close()
+        self._closing = False
+
+    async def _statement(self, run: Callable[[Any], Awaitable[T]]) -> T:
+        """``run(connection)`` on a connection the relay keeps between its statements.
+
+        asyncpg's pool costs each statement a task (its release is shielded), two timers
+        and a few event-loop turns; the relay runs two or three statements per batch,
+        hundreds of batches per second under a steady stream of writes. A statement that
+        succeeded leaves its connection as it found it (one statement, its own transaction
+        ended), so the connection is kept for the next one; after any failure (a
+        cancellation included) it goes back through the pool's release, which checks it.
+        The kept ones go back to the pool when the relay waits in vain for a whole poll
+        interval, and on close: idle, the pool's own lifetime rules apply again.
+        """
+        pool = self._pool
+        conn = self._kept.pop() if self._kept else await pool.acquire()
+        try:
+            result = await run(conn)
+        except BaseException:
+            await pool.release(conn)
+            raise
+        if self._closing or pool is not self._pool:
+            # close() began while this statement ran (a lease renewal finishing late): kept,
+            # the connection would never go back, and the pool's close would wait for it.
+            await pool.release(conn)
+        else:
+            self._kept.append(conn)
+        return result
+
+    async def _return_kept(self) -> None:
+        kept, self._kept = self._kept, []
+        for conn in kept:
+            with contextlib.suppress(Exception):  # the pool closes what it cannot reuse
+                await self._pool.release(conn)
 
     def _args(self, name: str, params: dict[str, Any]) -> tuple[str, list[Any]]:
         sql, names = self._sql[name]
@@ -146,30 +214,188 @@ class PostgresStore(Store):
 
     # ----- schema --------------------------------------------------------------------------
 
-    async def apply_schema(self) -> list[str]:
+    def _partitions(self) -> Partitions:
+        return Partitions(self.schema, self.table, self.lock_key("partitions"))
+
+    async def apply_schema(
+        self,
+        *,
+        partitioned: bool = False,
+        partition_interval: float = DAY,
+        partitions_ahead: int = 3,
+    ) -> list[str]:
+        """Create or upgrade the schema; return the migrations applied now.
+
+        ``partitioned``: a new outbox table is created range-partitioned by created_at
+        (the ``partitioned`` layout), with partitions ``partition_interval`` wide made
+        ``partitions_ahead`` widths ahead. An outbox that exists keeps its layout, whatever
+        ``partitioned`` says, except that a default table is never made partitioned here
+        (SchemaError: ``outboxer schema migrate-partitioned`` does that).
+        """
         await self.connect()
         tokens = self.tokens()
         applied: list[str] = []
-        async with self._pool.acquire() as conn, conn.transaction():
-            await _durably(conn)
-            # One schema change at a time, whoever runs it.
-            await conn.execute("SELECT pg_advisory_xact_lock($1)", self.lock_key("schema"))
-            await conn.execute(render(_MIGRATIONS_TABLE, tokens))
-            done = {
-                row["version"]
-                for row in await conn.fetch(f"SELECT version FROM {tokens['migrations']}")
-            }
-            for migration in migrations("postgres"):
-                if migration.version in done:
-                    continue
-                await conn.execute(render(migration.sql, tokens))
-                await conn.execute(
-                    f"INSERT INTO {tokens['migrations']} (version, name) VALUES ($1, $2)",
-                    migration.version,
-                    migration.name,
-                )
-                applied.append(migration.name)
+        async with self._pool.acquire() as conn:
+            async with conn.transaction():
+                await _durably(conn)
+                # One schema change at a time, whoever runs it.
+                await conn.execute("SELECT pg_advisory_xact_lock($1)", self.lock_key("schema"))
+                await conn.execute(render(_MIGRATIONS_TABLE, tokens))
+                kind = await self._partitions().layout(conn)
+                if partitioned and kind == "r":
+                    raise SchemaError(
+                        f"the outbox {self.schema}.{self.table} exists as a plain table; "
+                        "--partitioned creates a new table only. To move this one: "
+                        "`outboxer schema migrate-partitioned` (README: Partitioned outbox)"
+                    )
+                layout = PARTITIONED if kind == "p" or (kind is None and partitioned) else None
+                done = {
+                    row["version"]
+                    for row in await conn.fetch(f"SELECT version FROM {tokens['migrations']}")
+                }
+                for migration in migrations("postgres", layout):
+                    if migration.version in done:
+                        continue
+                    await conn.execute(render(migration.sql, tokens))
+                    await conn.execute(
+                        f"INSERT INTO {tokens['migrations']} (version, name) VALUES ($1, $2)",
+                        migration.version,
+                        migration.name,
+                    )
+                    applied.append(migration.name)
+            if layout == PARTITIONED:
+                policy = PartitionPolicy(ahead=partitions_ahead, interval=partition_interval)
+                await self._partitions().maintain(conn, policy)
         return applied
+
+    async def migrate_to_partitioned(
+        self, *, partition_interval: float = DAY, partitions_ahead: int = 3
+    ) -> MigrationReport:
+        """Move the default table to the partitioned layout, in one transaction: the old
+        table becomes ``<table>_plain`` (history only), a partitioned ``<table>`` takes its
+        place with every unfinished (and ABANDONED) row of the old one, and the sequence
+        goes on. Writers wait for the lock and then write to the new table; no relay may
+        run (SchemaError if one is connected). The invariants are in
+        ``sql/postgres/migrate_partitioned.sql``."""
+        asyncpg = _asyncpg()
+        tokens = self.tokens()
+        plain_raw = f"{self.table}_plain"
+        tokens |= {
+            "plain_raw": plain_raw,
+            "plain": f"{quote_ident(self.schema)}.{quote_ident(plain_raw)}",
+        }
+        sql = queries("postgres", "migrate_partitioned.sql")
+        partitions = self._partitions()
+        try:
+            conn = await asyncpg.connect(
+                asyncpg_dsn(self.url), server_settings={"application_name": "outboxer-migrate"}
+            )
+        except (OSError, asyncpg.PostgresError) as exc:
+            raise StoreError(f"cannot connect to PostgreSQL: {exc}") from exc
+
+        async def fetch(name: str, params: dict[str, Any], **more: str) -> list[Any]:
+            text, names = to_numbered(render(sql[name], tokens | more))
+            return list(await conn.fetch(text, *(params[n] for n in names)))
+
+        async def refuse_if_relays_run() -> None:
+            [row] = await fetch("relays_connected", {})
+            if row["sessions"]:
+                raise SchemaError(
+                    f"{row['sessions']} session(s) of outboxer relays (or of `outboxer "
+                    "serve`, status, …) are connected to this database: stop them, then "
+                    "migrate (writers may keep running)"
+                )
+
+        try:
+            async with conn.transaction():
+                await _durably(conn)
+                await conn.execute("SET LOCAL lock_timeout = '5s'")
+                await conn.execute("SELECT pg_advisory_xact_lock($1)", self.lock_key("schema"))
+                kind = await partitions.layout(conn)
+                if kind != "r":
+                    raise SchemaError(
+                        f"the outbox {self.schema}.{self.table} is already partitioned"
+                        if kind == "p"
+                        else f"there is no outbox {self.schema}.{self.table}: create it with "
+                        "`outboxer schema apply --partitioned`"
+                    )
+                done = {
+                    row["version"]
+                    for row in await conn.fetch(f"SELECT version FROM {tokens['migrations']}")
+                }
+                if missing := [m.name for m in migrations("postgres") if m.version not in done]:
+                    raise SchemaError(
+                        f"the outbox lacks migration(s) {', '.join(missing)}: run "
+                        "`outboxer schema apply` first"
+                    )
+                if await conn.fetchval("SELECT to_regclass($1)", tokens["plain"]) is not None:
+                    raise SchemaError(f"{self.schema}.{plain_raw} exists: drop or rename it first")
+                try:
+                    await conn.execute(render(sql["lock_plain"], tokens))
+                except asyncpg.LockNotAvailableError as exc:
+                    raise SchemaError(
+                        f"the outbox stayed busy for 5 s (a long transaction?): try again ({exc})"
+                    ) from exc
+                await refuse_if_relays_run()
+                [sequence] = await fetch("plain_sequence", {"outbox": tokens["outbox"]})
+                await conn.execute(
+                    render(sql["rename_plain"], tokens | {"plain_sequence": sequence["name"]})
+                )
+                for index in await fetch("plain_indexes", {"plain": tokens["plain"]}):
+                    old_name = index["name"]
+                    new_name = (
+                        plain_raw + old_name[len(self.table) :]
+                        if old_name.startswith(self.table + "_")
+                        else old_name + "_plain"
+                    )[:63]
+                    await conn.execute(
+                        f"ALTER INDEX {quote_ident(self.schema)}.{quote_ident(old_name)} "
+                        f"RENAME TO {quote_ident(new_name)}"
+                    )
+                for function in await fetch(
+                    "old_functions",
+                    {
+                        "schema": tokens["schema"],
+                        **{
+                            suffix: f"{self.table}_{suffix}".lower()
+                            for suffix in ("claim", "settle", "renew", "notify")
+                        },
+                    },
+                ):
+                    await conn.execute(f"DROP FUNCTION {function['signature']}")
+                for migration in migrations("postgres", PARTITIONED):
+                    await conn.execute(render(migration.sql, tokens))
+                columns = ", ".join(
+                    quote_ident(row["name"])
+                    for row in await conn.fetch(
+                        "SELECT a.attname AS name FROM pg_attribute AS a "
+                        "WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 "
+                        "AND NOT a.attisdropped ORDER BY a.attnum",
+                        tokens["outbox"],
+                    )
+                )
+                moved = await conn.execute(
+                    render(sql["move_unfinished"], tokens | {"columns": columns})
+                )
+                await fetch("continue_sequence", {"outbox": tokens["outbox"]})
+                await conn.execute(render(sql["forget_migrations"], tokens))
+                for migration in migrations("postgres", PARTITIONED):
+                    await conn.execute(
+                        f"INSERT INTO {tokens['migrations']} (version, name) VALUES ($1, $2)",
+                        migration.version,
+                        migration.name,
+                    )
+                await conn.execute(render(sql["comment_plain"], tokens))
+                # Partitions for the moved rows (out of the default partition) and ahead.
+                report = PartitionReport()
+                policy = PartitionPolicy(ahead=partitions_ahead, interval=partition_interval)
+                await partitions.ensure(conn, policy, report, await partitions.now(conn))
+                await refuse_if_relays_run()
+        finally:
+            await conn.close()
+        return MigrationReport(
+            moved=int(moved.rsplit(" ", 1)[-1]), kept_as=plain_raw, partitions=report.created
+        )
 
     async def applied_migrations(self) -> set[int]:
         await self.connect()
@@ -178,6 +404,27 @@ class PostgresStore(Store):
             if await conn.fetchval("SELECT to_regclass($1)", table) is None:
                 return set()
             return {row["version"] for row in await conn.fetch(f"SELECT version FROM {table}")}
+
+    async def layout(self) -> str | None:
+        """``partitioned`` for the partitioned layout, else None (the default table, or none)."""
+        await self.connect()
+        async with self._pool.acquire() as conn:
+            return PARTITIONED if await self._partitions().layout(conn) == "p" else None
+
+    async def is_partitioned(self) -> bool:
+        return await self.layout() == PARTITIONED
+
+    async def maintain_partitions(
+        self, policy: PartitionPolicy, *, now: dt.datetime | None = None
+    ) -> PartitionReport:
+        async with self._pool.acquire() as conn:
+            return await self._partitions().maintain(conn, policy, now)
+
+    async def partitions(self) -> list[Partition]:
+        """The partitions of the partitioned layout, the default one first (none for the
+        default table)."""
+        async with self._pool.acquire() as conn:
+            return await self._partitions().list(conn)
 
     # ----- the relay's statements ----------------------------------------------------------
 
@@ -207,13 +454,12 @@ class PostgresStore(Store):
                 "lock_key": self.lock_key(destination),
             },
         )
-        async with self._pool.acquire() as conn:
-            rows = await conn.fetch(sql, *args)
+        rows = await self._statement(lambda conn: conn.fetch(sql, *args))
         kinds = {row["taken"] for row in rows}
         taken = sorted((row for row in rows if row["taken"] in _TAKEN), key=_by_seq)
         if taken:
-            self._wakeups.worked()
-            if self._wakeups.registered:
+            self._wakeups.worked(len(taken))
+            if self._wakeups.registered and self._wakeups.busy:  # under load: poll
                 self._stop_listening()
         return Claim(
             (
@@ -260,8 +506,7 @@ class PostgresStore(Store):
                 "lock_seconds": float(lock_seconds),
             },
         )
-        async with self._pool.acquire() as conn:
-            return int(await _refusing_data(conn.fetchval(sql, *args)))
+        return int(await self._statement(lambda conn: _refusing_data(conn.fetchval(sql, *args))))
 
     async def settle(
         self,
@@ -288,8 +533,7 @@ class PostgresStore(Store):
                 "released": list(released),
             },
         )
-        async with self._pool.acquire() as conn:
-            row = await _refusing_data(conn.fetchrow(sql, *args))
+        row = await self._statement(lambda conn: _refusing_data(conn.fetchrow(sql, *args)))
         result = SettleResult(
             published=row["n_published"], failed=row["n_failed"], released=row["n_released"]
         )
@@ -312,10 +556,51 @@ class PostgresStore(Store):
     # ----- operations ----------------------------------------------------------------------
 
     async def status(self) -> list[DestinationStatus]:
-        sql, args = self._args("counts", {})
         async with self._pool.acquire() as conn:
-            rows = await conn.fetch(sql, *args)
-        return fold_counts(rows)
+            partitioned = await self._partitions().layout(conn) == "p"
+            stats_sql, _ = self._args(
+                "status_stats_partitioned" if partitioned else "status_stats", {}
+            )
+            stats = await conn.fetchrow(stats_sql)
+            rows = _estimated_rows(stats)
+            rows_by_destination = _rows_by_destination(stats)
+            if rows is None or rows_by_destination is None or rows <= self.exact_status_rows:
+                sql, _ = self._args("counts", {})
+                return fold_counts(await conn.fetch(sql))
+            sql, _ = self._args("counts_tally", {})
+            counted = fold_counts(await conn.fetch(sql))
+        # A destination ANALYZE did not see (new since, or too rare for its sample) gets
+        # the share the planner would give it.
+        for entry in counted:
+            if entry.destination not in rows_by_destination:
+                rows_by_destination[entry.destination] = _rare_destination_rows(stats)
+        first_attempts = {
+            entry.destination: rows_by_destination[entry.destination] - sum(entry.counts.values())
+            for entry in counted
+        }
+        for destination, rows in rows_by_destination.items():
+            first_attempts.setdefault(destination, rows)
+        return with_published_estimates(counted, first_attempts)
+
+    async def status_report(self) -> dict[str, Any]:
+        """As every store's, plus, for the partitioned layout, its partitions: how many,
+        the time they cover, and the rows waiting in the default partition (more than none
+        means the cleanup that makes partitions has not run for a while)."""
+        report = await super().status_report()
+        async with self._pool.acquire() as conn:
+            if await self._partitions().layout(conn) != "p":
+                return report
+            partitions = [p for p in await self._partitions().list(conn) if p.lower]
+            waiting = await conn.fetchval(
+                f"SELECT count(*) FROM {self.tokens()['default_partition']}"
+            )
+        report["partitions"] = {
+            "count": len(partitions),
+            "from": partitions[0].lower.isoformat() if partitions and partitions[0].lower else None,
+            "to": partitions[-1].upper.isoformat() if partitions and partitions[-1].upper else None,
+            "default_partition_rows": int(waiting),
+        }
+        return report
 
     async def ping(self) -> None:
         await self.connect()
@@ -353,6 +638,9 @@ class PostgresStore(Store):
 
     # ----- wake-ups ------------------------------------------------------------------------
 
+    def configure_wakeups(self, *, wake_on_commit_below: float) -> None:
+        self._wakeups.wake_on_commit_below = wake_on_commit_below
+
     def reset_wakeup(self, destination: str) -> None:
         # The claim that follows sees everything committed before this point.
         self._wakeups.reset(destination)
@@ -386,11 +674,12 @@ class PostgresStore(Store):
 
         A NOTIFY holds a cluster-wide lock through the writer's commit, WAL flush included,
         so writers that notify commit one at a time. Writers notify only while a relay is
-        registered as idle (migration 0003), and a relay registers only after a quiet spell
-        (see stores.wakeups): while busy, one loop of each destination polls, and a claim
-        that finds work withdraws the registration. Under a steady stream of writes nobody
-        notifies; a trickle is still announced, and a NOTIFY wakes a loop of every
-        destination.
+        registered as listener (migration 0003). Below ``wake_on_commit_below`` messages/s
+        claimed the relay stays registered and each commit wakes it; under load it is busy
+        after each claim that found work (see stores.wakeups): one loop of each destination
+        polls, and such a claim withdraws the registration. Under a heavy stream of writes
+        nobody notifies; a moderate one is announced commit by commit, and a NOTIFY wakes a
+        loop of every destination.
 
         Right after a fresh registration this returns at once, so the relay looks for work
         once more: a writer that committed just before the registration did not notify.
@@ -419,7 +708,12 @@ class PostgresStore(Store):
             wakeups.withdraw()
             await self._drop_listener()
             logger.warning("cannot LISTEN for wake-ups, polling instead: %s", exc, exc_info=False)
-        return await wakeups.wait(destination, timeout)
+        woken = await wakeups.wait(destination, timeout)
+        if not woken and timeout >= QUIET_WAIT:
+            # Quiet for a whole wait: the pool looks after idle connections. Not after a
+            # short one (the relay's grace after a batch): a release is a round trip.
+            await self._return_kept()
+        return woken
 
     def _stop_listening(self) -> None:
         """Withdraw this relay's idle registration (it is busy), in the background."""
@@ -438,6 +732,85 @@ class PostgresStore(Store):
         except Exception as exc:  # noqa: BLE001 -- asyncpg's errors too; the registration lapses anyway
             logger.info("could not withdraw the idle registration (it lapses by itself): %s", exc)
 
+    # ----- operators' changes by filter (outboxer.admin; SQL in admin.sql) ----------------
+
+    @functools.cached_property
+    def _admin_sql(self) -> dict[str, tuple[str, tuple[str, ...]]]:
+        tokens = self.tokens()
+        return {
+            name: to_numbered(render(sql, tokens))
+            for name, sql in admin_queries("postgres").items()
+        }
+
+    def _admin(self, name: str, where: MessageFilter, **extra: Any) -> list[Any]:
+        """The admin statement ``name`` and its arguments, ready to unpack into a call."""
+        sql, names = self._admin_sql[name]
+        params = {**_filter_params(where), **extra}
+        return [sql, *(params[n] for n in names)]
+
+    async def count_matching(self, where: MessageFilter) -> dict[str, dict[str, int]]:
+        await self.connect()
+        async with self._pool.acquire() as conn:
+            rows = await conn.fetch(*self._admin("count_matching", where))
+        counts: dict[str, dict[str, int]] = {}
+        for row in rows:
+            counts.setdefault(row["destination"], {})[row["status"]] = int(row["count"])
+        return counts
+
+    async def _under_destination_locks(self, name: str, where: MessageFilter) -> int:
+        """Run the admin statement ``name`` in one durable transaction, under the shared lock
+        of every destination it may change (admin.sql: purge)."""
+        await self.connect()
+        lock_sql, _ = self._sql["destination_lock"]
+        async with self._pool.acquire() as conn, conn.transaction():
+            await _durably(conn)
+            found = await conn.fetch(*self._admin("destinations_matching", where))
+            locked = [row["destination"] for row in found]
+            for destination in locked:
+                await conn.execute(lock_sql, self.lock_key(destination))
+            if name == "purge":
+                # An operator's deletion, by filter, never by ctid: the partitioned layout's
+                # guard against DELETE (its migration 0001) lets this one through.
+                await conn.execute("SELECT set_config('outboxer.allow_delete', 'on', true)")
+            return _count(await conn.execute(*self._admin(name, where, locked=locked)))
+
+    async def purge(self, where: MessageFilter) -> int:
+        return await self._under_destination_locks("purge", where)
+
+    async def requeue_matching(self, where: MessageFilter) -> int:
+        return await self._under_destination_locks("requeue_matching", where)
+
+    async def replay(
+        self, where: MessageFilter, copy: Callable[[Sequence[Message]], list[Message]]
+    ) -> int:
+        from outboxer.admin import REPLAY_PAGE
+        from outboxer.enqueue import Outbox, detect
+
+        await self.connect()
+        outbox = Outbox(schema=self.schema, table=self.table)
+        inserted = 0
+        async with self._pool.acquire() as conn, conn.transaction():
+            await _durably(conn)
+            await conn.execute(*self._admin("replay_key_locks", where))
+            originals = await conn.cursor(*self._admin("replay_originals", where))
+            while rows := await originals.fetch(REPLAY_PAGE):
+                copies = await asyncio.to_thread(copy, [_original(row) for row in rows])
+                if copies:
+                    await detect(conn).write_async(outbox, conn, copies)
+                    inserted += len(copies)
+        return inserted
+
+
+@dataclass(frozen=True)
+class MigrationReport:
+    """What ``migrate_to_partitioned`` did."""
+
+    #: Rows copied into the partitioned table (every one not PUBLISHED).
+    moved: int
+    #: The old table's new name: its history, to drop once past retention.
+    kept_as: str
+    partitions: list[str]
+
 
 async def _refusing_data(statement: Awaitable[T]) -> T:
     """Await ``statement``; a data error or a violated constraint (SQLSTATE classes 22 and
@@ -455,8 +828,45 @@ async def _durably(conn: Any) -> None:
     await conn.execute("SET LOCAL synchronous_commit = on")
 
 
+#: A wait for wake-ups this long that nobody cut short gives the kept connections back.
+QUIET_WAIT = 0.5
+
 #: What the claim function says it did with the rows it returns that it took.
 _TAKEN = ("claimed", "recovered")
+
+
+def _estimated_rows(stats: Any) -> float | None:
+    """The table's rows now as the planner estimates them: the density VACUUM or ANALYZE
+    last saw (rows per page) times the pages the table has now; None if neither ever ran."""
+    reltuples, relpages, pages = float(stats["reltuples"]), int(stats["relpages"]), stats["pages"]
+    if reltuples < 0 or (relpages == 0 and pages > 0):
+        return None
+    return reltuples * pages / relpages if relpages else 0.0
+
+
+def _rows_by_destination(stats: Any) -> dict[str, float] | None:
+    """Estimated rows of each destination ANALYZE found common (every one, unless there are
+    more than its statistics target): the table's estimated rows times the destination's
+    share in ANALYZE's sample. None when there are no statistics to estimate from."""
+    total = _estimated_rows(stats)
+    if total is None or stats["destinations"] is None:
+        return None
+    return {
+        destination: total * share
+        for destination, share in zip(stats["destinations"], stats["shares"], strict=True)
+    }
+
+
+def _rare_destination_rows(stats: Any) -> float:
+    """Estimated rows of a destination not among ANALYZE's common values: the rows that are
+    none of those, shared evenly among the other distinct destinations (the planner's rule)."""
+    total = _estimated_rows(stats) or 0.0
+    rest = max(0.0, 1.0 - float(stats["null_frac"]) - sum(float(s) for s in stats["shares"]))
+    distinct = float(stats["n_distinct"])
+    if distinct < 0:  # a share of the rows, not a number of values
+        distinct = -distinct * total
+    others = max(distinct - len(stats["destinations"]), 1.0)
+    return total * rest / others
 
 
 def _by_seq(row: Any) -> int:
@@ -471,3 +881,37 @@ def _headers(text: str) -> dict[str, str]:
 def _count(command_tag: str) -> int:
     """Rows affected, from a command tag like ``UPDATE 12`` or ``DELETE 3``."""
     return int(command_tag.rsplit(" ", 1)[-1])
+
+
+def _original(row: Any) -> Message:
+    """A PUBLISHED row a replay copies, as a Message."""
+    return Message(
+        id=row["id"],
+        topic=row["topic"],
+        payload=bytes(row["payload"]),
+        key=row["key"],
+        headers=_headers(row["headers"]),
+        content_type=row["content_type"],
+        destination=row["destination"],
+        created_at=row["created_at"],
+        seq=row["seq"],
+    )
+
+
+def _filter_params(where: MessageFilter) -> dict[str, Any]:
+    """A MessageFilter as admin.sql's filter parameters (None: the criterion is left out)."""
+
+    def listed(values: tuple[Any, ...] | None) -> list[Any] | None:
+        return list(values) if values is not None else None
+
+    return {
+        "statuses": listed(where.statuses),
+        "ids": listed(where.ids),
+        "destinations": listed(where.destinations),
+        "topics": listed(where.topics),
+        "keys": listed(where.keys),
+        "older_than": where.older_than,
+        "created_after": where.created_after,
+        "created_before": where.created_before,
+        "error": where.error,
+    }

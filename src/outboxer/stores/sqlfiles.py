@@ -24,6 +24,16 @@ def queries(dialect: str, file: str = "queries.sql") -> dict[str, str]:
     return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}
 
 
+def admin_queries(dialect: str) -> dict[str, str]:
+    """The blocks of ``sql/<dialect>/admin.sql``, its ``filter`` block put in for ``{filter}``
+    (so every operation matches rows by one and the same condition)."""
+    blocks = queries(dialect, "admin.sql")
+    condition = "(" + strip_comments(blocks["filter"]) + ")"
+    return {
+        name: sql.replace("{filter}", condition) for name, sql in blocks.items() if name != "filter"
+    }
+
+
 @dataclass(frozen=True)
 class Migration:
     version: int
@@ -32,8 +42,29 @@ class Migration:
 
 
 @functools.cache
-def migrations(dialect: str) -> tuple[Migration, ...]:
-    folder = resources.files("outboxer.stores").joinpath("sql", dialect, "migrations")
+def migrations(dialect: str, layout: str | None = None) -> tuple[Migration, ...]:
+    """The migration chain of ``dialect``, or of one of its table layouts.
+
+    A layout (``sql/<dialect>/<layout>/``) runs the dialect's chain with its own files in
+    place of those of the same version; a file of the layout that holds no statement (only
+    comments saying why) drops that version from the layout's chain: it is neither run nor
+    recorded. Migrations added to the dialect later join every layout's chain unless the
+    layout replaces them.
+    """
+    chain = {m.version: m for m in _read_migrations(dialect, "migrations")}
+    if layout is not None:
+        for replacement in _read_migrations(dialect, layout):
+            if statements(replacement.sql):
+                chain[replacement.version] = replacement
+            else:
+                chain.pop(replacement.version, None)
+    return tuple(sorted(chain.values(), key=lambda m: m.version))
+
+
+def _read_migrations(dialect: str, folder_name: str) -> list[Migration]:
+    folder = resources.files("outboxer.stores").joinpath("sql", dialect, folder_name)
+    if not folder.is_dir():  # a mode without tables of its own (the WAL outbox)
+        return []
     found = []
     for entry in folder.iterdir():
         if entry.name.endswith(".sql"):
@@ -41,7 +72,7 @@ def migrations(dialect: str) -> tuple[Migration, ...]:
             found.append(
                 Migration(version, entry.name.removesuffix(".sql"), entry.read_text("utf-8"))
             )
-    return tuple(sorted(found, key=lambda m: m.version))
+    return found
 
 
 def quote_ident(name: str) -> str:

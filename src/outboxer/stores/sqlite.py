@@ -8,6 +8,7 @@ each statement on its own connection in a worker thread; wake-ups come from
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import sqlite3
 import threading
@@ -16,11 +17,11 @@ import uuid
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from outboxer.config import Settings
 from outboxer.errors import ConfigError, StoreError
-from outboxer.message import Message
+from outboxer.message import Message, Status
 from outboxer.redact import redact_url
 from outboxer.stores.base import (
     AbandonedRow,
@@ -31,8 +32,22 @@ from outboxer.stores.base import (
     SettleResult,
     Store,
     StoreDataError,
+    estimate_from_sample,
+    fold_counts,
+    sample_seqs,
+    with_published_estimates,
 )
-from outboxer.stores.sqlfiles import migrations, queries, quote_ident, render, statements
+from outboxer.stores.sqlfiles import (
+    admin_queries,
+    migrations,
+    queries,
+    quote_ident,
+    render,
+    statements,
+)
+
+if TYPE_CHECKING:
+    from outboxer.admin import MessageFilter
 
 T = TypeVar("T")
 
@@ -307,26 +322,39 @@ class SqliteStore(Store):
     # ----- operations ----------------------------------------------------------------------
 
     async def status(self) -> list[DestinationStatus]:
-        rows = await self._run(
-            lambda conn: conn.execute(self._sql["counts"], {"now": time.time()}).fetchall()
-        )
-        result: dict[str, DestinationStatus] = {}
-        for destination, status, count, retried, oldest_age in rows:
-            entry = result.setdefault(destination, DestinationStatus(destination))
-            entry.counts[status] = count
-            entry.retried += retried or 0
-            if status in ("PENDING", "FAILED", "PROCESSING") and oldest_age is not None:
-                entry.oldest_pending_age = max(entry.oldest_pending_age or 0.0, oldest_age)
-        return sorted(result.values(), key=lambda s: s.destination)
+        def work(conn: sqlite3.Connection) -> list[DestinationStatus]:
+            def rows(name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+                cursor = conn.execute(self._sql[name], params)
+                names = [d[0] for d in cursor.description]
+                return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+            # One read transaction: the statements see the same table (a failure rolls
+            # it back: _run).
+            conn.execute("BEGIN")
+            [ends] = rows("seq_range", {})
+            first, last = ends["first_seq"], ends["last_seq"]
+            if last is None or last - first + 1 <= self.exact_status_rows:
+                exact = fold_counts(rows("counts", {"now": time.time()}))
+                conn.execute("COMMIT")
+                return exact
+            counted = fold_counts(rows("counts_tally", {"now": time.time()}))
+            seqs = sample_seqs(first, last)
+            sampled = rows("sample_published", {"seqs": json.dumps(seqs)})
+            conn.execute("COMMIT")
+            hits = {row["destination"]: int(row["hits"]) for row in sampled}
+            return with_published_estimates(
+                counted, estimate_from_sample(hits, len(seqs), first, last)
+            )
+
+        return await self._run(work)
 
     async def ping(self) -> None:
         await self._run(lambda conn: conn.execute("SELECT 1").fetchone())
 
     async def list_messages(self, statuses: Sequence[str], limit: int) -> list[dict[str, object]]:
         def work(conn: sqlite3.Connection) -> list[dict[str, object]]:
-            cursor = conn.execute(
-                self._sql["list"], {"statuses": json.dumps(list(statuses)), "limit": limit}
-            )
+            wanted = {f"list_{status.lower()}": status in statuses for status in Status}
+            cursor = conn.execute(self._sql["list"], {**wanted, "limit": limit})
             names = [d[0] for d in cursor.description]
             return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
 
@@ -364,3 +392,111 @@ class SqliteStore(Store):
             if remaining <= 0:
                 return False
             await asyncio.sleep(min(0.02, remaining))
+
+    # ----- operators' changes by filter (outboxer.admin; SQL in admin.sql) ----------------
+
+    @functools.cached_property
+    def _admin_sql(self) -> dict[str, str]:
+        tokens = self.tokens()
+        return {name: render(sql, tokens) for name, sql in admin_queries("sqlite").items()}
+
+    async def count_matching(self, where: MessageFilter) -> dict[str, dict[str, int]]:
+        params = _filter_params(where)
+        rows = await self._run(
+            lambda conn: conn.execute(self._admin_sql["count_matching"], params).fetchall()
+        )
+        counts: dict[str, dict[str, int]] = {}
+        for destination, status, count in rows:
+            counts.setdefault(destination, {})[status] = int(count)
+        return counts
+
+    async def _change(self, name: str, where: MessageFilter) -> int:
+        """One admin statement in its own BEGIN IMMEDIATE transaction."""
+        params = _filter_params(where)
+
+        def work(conn: sqlite3.Connection) -> int:
+            conn.execute("BEGIN IMMEDIATE")
+            count = conn.execute(self._admin_sql[name], params).rowcount
+            conn.execute("COMMIT")
+            return int(count)
+
+        return await self._run(work)
+
+    async def purge(self, where: MessageFilter) -> int:
+        return await self._change("purge", where)
+
+    async def requeue_matching(self, where: MessageFilter) -> int:
+        return await self._change("requeue_matching", where)
+
+    async def replay(
+        self, where: MessageFilter, copy: Callable[[Sequence[Message]], list[Message]]
+    ) -> int:
+        from outboxer.admin import REPLAY_PAGE
+        from outboxer.enqueue import Outbox, detect
+
+        outbox = Outbox(schema=self.schema, table=self.table)
+        params = _filter_params(where)
+
+        def work(conn: sqlite3.Connection) -> int:
+            # The whole replay holds the write lock: no writer commits between two pages.
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                inserted, after = 0, 0
+                while rows := conn.execute(
+                    self._admin_sql["replay_page"], {**params, "after": after, "page": REPLAY_PAGE}
+                ).fetchall():
+                    after = rows[-1][0]
+                    copies = copy([_original(row) for row in rows])
+                    if copies:
+                        detect(conn).write(outbox, conn, copies)
+                        inserted += len(copies)
+            except BaseException:
+                # _run rolls back on sqlite3's errors only; a copy's own error (ReplayError)
+                # must not leave the transaction open on the shared connection.
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+            return inserted
+
+        return await self._run(work)
+
+
+def _original(row: Sequence[Any]) -> Message:
+    """A PUBLISHED row a replay copies, as a Message."""
+    seq, identifier, destination, topic, key, payload, content_type, headers, created_at = row
+    return Message(
+        id=uuid.UUID(identifier),
+        topic=topic,
+        payload=bytes(payload),
+        key=key,
+        headers=json.loads(headers),
+        content_type=content_type,
+        destination=destination,
+        created_at=_timestamp(created_at),
+        seq=seq,
+    )
+
+
+def _filter_params(where: MessageFilter) -> dict[str, Any]:
+    """A MessageFilter as admin.sql's filter parameters: lists as JSON arrays, times as Unix
+    seconds, None where a criterion is left out."""
+
+    def listed(values: tuple[Any, ...] | None) -> str | None:
+        return json.dumps([str(value) for value in values]) if values is not None else None
+
+    def seconds(moment: datetime | None) -> float | None:
+        return moment.timestamp() if moment is not None else None
+
+    return {
+        "statuses": listed(where.statuses),
+        "ids": listed(where.ids),
+        "destinations": listed(where.destinations),
+        "topics": listed(where.topics),
+        "keys": listed(where.keys),
+        "older_than": where.older_than,
+        "created_after": seconds(where.created_after),
+        "created_before": seconds(where.created_before),
+        "error": where.error,
+        "now": time.time(),
+    }

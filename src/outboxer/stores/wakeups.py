@@ -2,15 +2,28 @@
 
 No database here: ``PostgresStore`` owns the LISTEN connection and the registration
 statements, and asks this class what to do. A NOTIFY holds a cluster-wide lock through
-the writer's commit, so writers notify only while a relay is registered as idle; a relay
-registers only after a quiet spell, and polls quickly while it is busy. Three parts:
+the writer's commit, so writers notify only while a relay is registered as idle
+listener. Under load a relay polls instead: then nobody notifies, and notifying commits
+do not wait for each other. Four parts:
 
 * **Nudges**, per destination. A nudge (a NOTIFY, a full batch) wakes one waiting loop of
   the destination, or, if none waits, the next one to wait. A NOTIFY does not say which
   destinations the commit wrote rows for, so it nudges every destination seen.
-* **The chase.** For ``CHASE_SECONDS`` after a claim (of any destination) found work, one
-  loop of each destination looks again every ``CHASE_POLL`` seconds instead of waiting for
-  a NOTIFY; the destination's other loops wait to be nudged, as for a NOTIFY.
+* **The claim rate**: messages claimed per second, a moving average over about
+  ``RATE_SECONDS``. At ``wake_on_commit_below`` messages/s or more the relay is under
+  load and chases (below); it goes back to listening once the rate falls under
+  ``LISTEN_AGAIN`` of that (a margin, so that a rate near the threshold does not
+  register and withdraw at every claim). Below it, a claim that finds work keeps the
+  registration, and each commit wakes the relay at once: at 200 commits/s, a commit is
+  published a claim after it, not half a poll later. Notifying commits wait for each
+  other, though: writers able to commit faster than the threshold can be held under it
+  by their own NOTIFYs. So a relay that works while listening, at a quarter of the
+  threshold or more, polls for ``PROBE_SECONDS`` every ``PROBE_EVERY`` seconds: without
+  NOTIFYs such writers speed up past the threshold, and the relay stays under load.
+* **The chase**, under load only. For ``CHASE_SECONDS`` after a claim (of any
+  destination) found work, one loop of each destination looks again every
+  ``CHASE_POLL`` seconds instead of waiting for a NOTIFY; the destination's other loops
+  wait to be nudged, as for a NOTIFY.
 * **The registration** as idle listener: when it lapses, whether it is due for renewal
   before a wait, and whether it was made just now (then the relay looks for work once more:
   a writer that committed just before the registration did not notify).
@@ -24,22 +37,50 @@ import math
 import time
 from collections.abc import Callable
 
+from outboxer.config import Settings
+
 #: Seconds a listener registration outlives the wait it was made for.
 REGISTRATION_MARGIN = 2.0
-#: For this long after a claim found work, the relay polls every CHASE_POLL seconds
-#: instead of registering for NOTIFYs.
+#: For this long after a claim found work, a relay under load polls every CHASE_POLL
+#: seconds instead of registering for NOTIFYs.
 CHASE_SECONDS = 0.05
 CHASE_POLL = 0.005
+#: Time constant of the claim rate's moving average: short, so that a relay goes from
+#: listening to polling a few claims into a burst (each commit notifies meanwhile).
+RATE_SECONDS = 0.1
+#: Under load, the relay listens again once its claim rate falls below this share of
+#: ``wake_on_commit_below``.
+LISTEN_AGAIN = 0.8
+#: While it listens and works at a quarter of the threshold or more, the relay polls for
+#: PROBE_SECONDS every PROBE_EVERY seconds: notifying commits wait for each other, so
+#: writers that could commit faster than the threshold may be held under it by the
+#: NOTIFYs themselves, and only a spell without them shows their real rate.
+PROBE_EVERY = 1.0
+PROBE_SECONDS = 0.1
 
 
 class WakeUps:
     """Nudges, the chase after work, and the idle registration's timing, per relay."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        wake_on_commit_below: float = Settings.wake_on_commit_below,
+    ) -> None:
         self._clock = clock
+        #: Messages/s claimed from which the relay polls (chases) instead of listening.
+        self.wake_on_commit_below = wake_on_commit_below
+        #: The claim rate's moving average, as of ``_rate_at``; whether it means load.
+        self._rate = 0.0
+        self._rate_at = clock()
+        self._loaded = False
+        #: The probe in progress polls until ``_probe_until``; the next one starts then.
+        self._probe_until = -math.inf
+        self._next_probe = -math.inf
         #: Per destination: loops waiting for a nudge (each nudge wakes one), and whether a
         #: nudge came that nobody waited for yet (a key for every destination seen).
-        self._waiters: dict[str, collections.deque[asyncio.Future[None]]] = {}
+        self._waiters: dict[str, collections.deque[asyncio.Future[bool]]] = {}
         self._pending: dict[str, bool] = {}
         #: When a claim last found work; the destinations one of whose loops is chasing.
         self._worked_at = -math.inf
@@ -63,7 +104,7 @@ class WakeUps:
         while waiters:
             waiter = waiters.popleft()
             if not waiter.done():
-                waiter.set_result(None)
+                waiter.set_result(True)
                 return
         self._pending[destination] = True
 
@@ -77,28 +118,52 @@ class WakeUps:
         if self._pending.get(destination):
             self._pending[destination] = False
             return True
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[bool] = loop.create_future()
         waiters = self._waiters.setdefault(destination, collections.deque())
         waiters.append(waiter)
+        # A timer, not wait_for: the chase waits after nearly every claim, and this is the
+        # cheapest timeout there is (one timer handle).
+        timer = loop.call_later(timeout, _time_out, waiter)
         try:
-            await asyncio.wait_for(waiter, timeout)
-        except TimeoutError:
-            return False
+            return await waiter
         finally:
+            timer.cancel()
             if waiter in waiters:
                 waiters.remove(waiter)
-        return True
 
     # ----- the chase -------------------------------------------------------------------------
 
-    def worked(self) -> None:
-        """A claim found work just now."""
-        self._worked_at = self._clock()
+    def worked(self, messages: int = 1) -> None:
+        """A claim took ``messages`` just now."""
+        now = self._worked_at = self._clock()
+        # Each claim adds messages / RATE_SECONDS to an average that decays with time
+        # constant RATE_SECONDS: its expected value is the claim rate.
+        self._rate = self.rate + messages / RATE_SECONDS
+        self._rate_at = now
+        if self._rate >= self.wake_on_commit_below:
+            self._loaded = True
+        elif self._rate < self.wake_on_commit_below * LISTEN_AGAIN:
+            self._loaded = False
+        if (
+            not self._loaded
+            and self._rate >= self.wake_on_commit_below / 4
+            and now >= self._next_probe
+        ):
+            self._probe_until = now + PROBE_SECONDS
+            self._next_probe = now + PROBE_EVERY
+
+    @property
+    def rate(self) -> float:
+        """Messages claimed per second, lately (a moving average)."""
+        return self._rate * math.exp((self._rate_at - self._clock()) / RATE_SECONDS)
 
     @property
     def busy(self) -> bool:
-        """Whether a claim found work less than CHASE_SECONDS ago: poll, do not register."""
-        return self._clock() - self._worked_at < CHASE_SECONDS
+        """Whether the relay is under load (or probing for it) and a claim found work less
+        than CHASE_SECONDS ago: poll, do not register (and withdraw a registration)."""
+        now = self._clock()
+        return (self._loaded or now < self._probe_until) and now - self._worked_at < CHASE_SECONDS
 
     async def chase(self, destination: str, timeout: float) -> bool:
         """One loop of the destination looks again shortly (True); its others wait to be
@@ -135,3 +200,8 @@ class WakeUps:
     def withdraw(self) -> None:
         """The registration is withdrawn (the relay is busy) or was lost."""
         self.registered_until = 0.0
+
+
+def _time_out(waiter: asyncio.Future[bool]) -> None:
+    if not waiter.done():
+        waiter.set_result(False)

@@ -2,16 +2,18 @@
 
 ``settings.OUTBOXER`` is a dict of outboxer's settings (the names of ``outboxer.toml``:
 ``schema``, ``table``, ``batch_size``, ``broker``, ``destinations``, ``http`` …) plus
-``database``, the alias whose database holds the outbox (default ``"default"``). ``db``
-defaults to that alias's ``DATABASES`` entry as a URL. As with the CLI, values given here
-win over ``OUTBOXER_*`` environment variables, which win over ``outboxer.toml``
-(``destinations`` here replace the file's)::
+``database``, the alias whose database holds the outbox (default ``"default"``), and
+``consumer``, the settings of ``manage.py outboxer_consume`` (those of ``outboxer.toml``'s
+``[consumer]`` table). ``db`` defaults to that alias's ``DATABASES`` entry as a URL. As with
+the CLI, values given here win over ``OUTBOXER_*`` environment variables, which win over
+``outboxer.toml`` (``destinations`` here replace the file's)::
 
     OUTBOXER = {
         "broker": "amqp://guest:guest@localhost/",
         "batch_size": 200,
         # or several destinations, as in outboxer.toml:
         # "destinations": {"internal": {"broker": "amqp://…"}, "partner": {"broker": "https://…"}},
+        "consumer": {"group": "shipping", "handler": "shipping.events:apply"},
     }
 
 Model events are enqueued for every configured destination (``Outbox.destinations``).
@@ -21,17 +23,28 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
 from django.conf import settings as django_settings
 from django.db import DEFAULT_DB_ALIAS, connections
 
-from outboxer.config import Settings, load_settings, parse_destinations
+from outboxer.config import (
+    Settings,
+    declared_values,
+    file_table,
+    load_settings,
+    parse_destinations,
+    read_config_file,
+)
 from outboxer.enqueue import Outbox
 from outboxer.errors import ConfigError
 from outboxer.stores.sqlfiles import table_name
+
+if TYPE_CHECKING:
+    from outboxer.consume_cli import ConsumerSettings
 
 #: Django's database vendors and outboxer's dialect of each.
 DIALECTS = {"postgresql": "postgres", "mysql": "mysql", "sqlite": "sqlite"}
@@ -114,6 +127,7 @@ def _names() -> Settings:
 def _load(overrides: dict[str, Any]) -> Settings:
     raw = raw_settings()
     raw.pop("database", None)
+    raw.pop("consumer", None)  # the consumer's own settings: consumer_settings()
     destinations = parse_destinations(
         raw.pop("destinations", {}), 'settings.OUTBOXER["destinations"]'
     )
@@ -122,6 +136,29 @@ def _load(overrides: dict[str, Any]) -> Settings:
     # OUTBOXER["destinations"] replace outboxer.toml's; Settings gives the "broker" setting
     # (OUTBOXER, OUTBOXER_BROKER or the file) to the default destination, as everywhere.
     return dataclasses.replace(loaded, destinations=destinations) if destinations else loaded
+
+
+def consumer_settings(**overrides: Any) -> ConsumerSettings:
+    """``manage.py outboxer_consume``'s own settings (group, handler, topics …), strongest
+    first: ``overrides`` (its options), ``OUTBOXER["consumer"]``, ``OUTBOXER_*`` environment
+    variables, the ``[consumer]`` table of ``outboxer.toml``."""
+    from outboxer.consume_cli import ConsumerSettings
+
+    given = raw_settings().get("consumer", {})
+    if not isinstance(given, Mapping):
+        raise ConfigError(
+            f'settings.OUTBOXER["consumer"] must be a dict, not {type(given).__name__}'
+        )
+    given = {**given, **{name: value for name, value in overrides.items() if value is not None}}
+    file_values, origin = read_config_file(None, os.environ)
+    values = declared_values(
+        ConsumerSettings,
+        given,
+        os.environ,
+        file_table(file_values, "consumer", origin),
+        f"{origin} [consumer]",
+    )
+    return ConsumerSettings(**values)
 
 
 def forget_settings(**signal: Any) -> None:
@@ -144,5 +181,10 @@ def outbox() -> Outbox:
 
 def outbox_table(alias: str) -> str:
     """The outbox table as the SQL of ``alias``'s vendor names it (quoted)."""
-    current = outbox()
-    return table_name(dialect(alias), current.schema, current.table)
+    return schema_table(alias, outbox().table)
+
+
+def schema_table(alias: str, table: str) -> str:
+    """A table of outboxer's schema (the outbox, ``inbox``, ``dead_letters``) as the SQL of
+    ``alias``'s vendor names it (quoted)."""
+    return table_name(dialect(alias), outbox().schema, table)

@@ -23,22 +23,31 @@ So an event is forgotten when the transaction that wrote it commits (``on_commit
 when it is written: saving again in the same transaction does not write it twice (the
 outbox already holds its row), while saving after a rollback, or after a failed save, writes
 it again with the fields it describes. ``discard_events()`` drops what should never go out.
-``QuerySet.update()``, ``bulk_create()`` and raw SQL bypass ``save()``: enqueue there.
+
+``QuerySet.update()``, ``bulk_create()`` and raw SQL bypass ``save()`` (and so the events):
+record on the instances and call ``write_events_for(instances)`` in the same ``atomic()``::
+
+    with transaction.atomic():
+        orders = Order.objects.bulk_create([Order(customer=c) for c in customers])
+        for order in orders:
+            order.record_event("order.imported", {"customer": order.customer})
+        write_events_for(orders)   # one enqueue_many, in recording order
 """
 
 from __future__ import annotations
 
+import functools
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from django.db import connections, router, transaction
 
 from outboxer.contrib.django import conf
-from outboxer.contrib.events import RecordedEvent, forget_events, pending_events
+from outboxer.contrib.events import RecordedEvent, forget_events, in_recording_order
 from outboxer.contrib.events import RecordsEvents as _RecordsEvents
 
-__all__ = ["RecordsEvents", "write_events"]
+__all__ = ["RecordsEvents", "write_events", "write_events_for"]
 
 #: Instance ``__dict__`` key: ids of events written by a transaction that has not committed.
 _AWAITING_COMMIT = "_outboxer_awaiting_commit"
@@ -63,25 +72,56 @@ def write_events(instance: object, using: str) -> None:
     ``outboxer.contrib.events.record_event(instance, ...)`` and call this after the write,
     inside the same ``transaction.atomic(using=using)``.
     """
-    events = pending_events(instance)
-    if not events:
-        return
+    _write([instance], using)
+
+
+def write_events_for(instances: Iterable[object], using: str | None = None) -> int:
+    """Enqueue the events recorded on ``instances`` that were written without ``save()``
+    (``bulk_create()``, ``QuerySet.update()``, raw SQL), inside the ``transaction.atomic()``
+    that wrote them; the number of events enqueued.
+
+    One ``enqueue_many`` for all of them, in recording order, on ``using`` (default: the
+    database the router writes the first instance to). As with ``save()``, an event is
+    forgotten once its transaction commits, and calling this again in the same transaction
+    writes nothing twice. Outside ``atomic()`` it raises ``TypeError`` and writes nothing:
+    the rows committed already, and the events would not commit with them.
+    """
+    entities = list(instances)
+    if not entities:
+        return 0
+    first = entities[0]
+    return _write(entities, using or router.db_for_write(type(first), instance=first))
+
+
+def _awaiting(instance: object) -> set[uuid.UUID]:
     awaiting: set[uuid.UUID] = instance.__dict__.setdefault(_AWAITING_COMMIT, set())
-    written_before = [event for event in events if event.message_id in awaiting]
+    return awaiting
+
+
+def _write(instances: Sequence[object], using: str) -> int:
+    pairs = in_recording_order(instances)
+    if not pairs:
+        return 0
+    written_before = [event for instance, event in pairs if event.message_id in _awaiting(instance)]
     # Written by an earlier save: still there if that save's transaction is this one (a
     # second save), gone if it rolled back (the instance still holds what they announce).
     stored = _already_stored(using, written_before)
-    due = [event for event in events if event.message_id not in stored]
+    due = [(instance, event) for instance, event in pairs if event.message_id not in stored]
     if not due:
-        return
-    conf.outbox().enqueue_many(connections[using], [event.as_item() for event in due])
-    awaiting.update(event.message_id for event in due)
+        return 0
+    conf.outbox().enqueue_many(connections[using], [event.as_item() for _, event in due])
+    by_instance: dict[int, tuple[object, list[RecordedEvent]]] = {}
+    for instance, event in due:
+        by_instance.setdefault(id(instance), (instance, []))[1].append(event)
+    for instance, events in by_instance.values():
+        _awaiting(instance).update(event.message_id for event in events)
+        transaction.on_commit(functools.partial(_committed, instance, events), using=using)
+    return len(due)
 
-    def committed() -> None:
-        forget_events(instance, due)
-        awaiting.difference_update(event.message_id for event in due)
 
-    transaction.on_commit(committed, using=using)
+def _committed(instance: object, events: list[RecordedEvent]) -> None:
+    forget_events(instance, events)
+    _awaiting(instance).difference_update(event.message_id for event in events)
 
 
 class RecordsEvents(_RecordsEvents):

@@ -11,3 +11,10 @@ class Order(RecordsEvents, models.Model):
 
     def place(self) -> None:
         self.record_event("order.placed", lambda: {"id": self.pk}, key=self.customer)
+
+
+class Shipment(models.Model):
+    """What the consumer tests' handlers write with the ORM, one row per message applied."""
+
+    message_id = models.UUIDField()
+    order = models.IntegerField()

@@ -240,18 +240,81 @@ WHERE destination IN (:destinations)
   AND (:all_ids OR id IN (:ids))
 
 -- name: counts
+-- Every row, counted exactly: a pass over the whole table. Only for a small table (see
+-- seq_range); a big one is counted by counts_tally and sample_published.
 SELECT destination, status, COUNT(*) AS count,
        SUM(attempts > 0) AS retried,
        TIMESTAMPDIFF(MICROSECOND, MIN(created_at), UTC_TIMESTAMP(6)) / 1000000 AS oldest_age
 FROM {outbox}
 GROUP BY destination, status
 
+-- name: seq_range
+-- The first and last seq: the two ends of the primary key. last - first + 1 bounds the
+-- rows (counts reads them all when it is small) and spans sample_published's draw.
+SELECT MIN(seq) AS first_seq, MAX(seq) AS last_seq FROM {outbox}
+
+-- name: counts_tally
+-- Exact counts of every row but the PUBLISHED ones of a first attempt: the unfinished and
+-- ABANDONED rows and the PUBLISHED ones that were retried, with the oldest created_at.
+-- Ranges of status_idx (status, attempts, destination, created_at), covered (migration
+-- 0004): its cost follows the backlog, not the published history.
+SELECT destination, status, COUNT(*) AS count,
+       SUM(attempts > 0) AS retried,
+       TIMESTAMPDIFF(MICROSECOND, MIN(created_at), UTC_TIMESTAMP(6)) / 1000000 AS oldest_age
+FROM {outbox} FORCE INDEX (status_idx)
+WHERE status IN ('PENDING', 'PROCESSING', 'FAILED', 'ABANDONED')
+   OR (status = 'PUBLISHED' AND attempts > 0)
+GROUP BY destination, status
+
+-- name: sample_published
+-- The PUBLISHED rows of a first attempt among :seqs, seqs drawn at random between the first
+-- and the last (stores.base.sample_seqs), per destination: primary-key lookups, one per
+-- seq (forced: status_idx covers the columns too, and the optimizer may pick it and read
+-- every PUBLISHED row). Their share of the draw estimates their share of the range (a
+-- deleted row's seq is drawn as often, and found nowhere).
+SELECT destination, COUNT(*) AS hits
+FROM {outbox} FORCE INDEX (PRIMARY)
+WHERE seq IN (:seqs) AND status = 'PUBLISHED' AND attempts = 0
+GROUP BY destination
+
 -- name: list
-SELECT seq, id, destination, topic, `key`, status, attempts, last_error, locked_by,
-       created_at, updated_at, next_attempt_at, published_at
-FROM {outbox}
-WHERE status IN (:statuses)
-ORDER BY seq
+-- The newest changes first (updated_at, then seq: a stable order), at most :limit rows.
+-- One branch per status, each a walk backwards over finished_idx (status, updated_at, and
+-- the primary key seq, as every InnoDB secondary index ends; forced, lest the optimizer
+-- read a status through status_idx and sort it) that stops after :limit rows,
+-- then a sort of at most five times :limit rows; a branch whose status is not asked for
+-- reads nothing. A single `status IN (...) ORDER BY updated_at` would sort every row of
+-- the statuses asked for.
+(SELECT seq, id, destination, topic, `key`, status, attempts, last_error, locked_by,
+        created_at, updated_at, next_attempt_at, published_at
+ FROM {outbox} FORCE INDEX (finished_idx)
+ WHERE status = 'PENDING' AND 'PENDING' IN (:statuses)
+ ORDER BY updated_at DESC, seq DESC LIMIT :limit)
+UNION ALL
+(SELECT seq, id, destination, topic, `key`, status, attempts, last_error, locked_by,
+        created_at, updated_at, next_attempt_at, published_at
+ FROM {outbox} FORCE INDEX (finished_idx)
+ WHERE status = 'PROCESSING' AND 'PROCESSING' IN (:statuses)
+ ORDER BY updated_at DESC, seq DESC LIMIT :limit)
+UNION ALL
+(SELECT seq, id, destination, topic, `key`, status, attempts, last_error, locked_by,
+        created_at, updated_at, next_attempt_at, published_at
+ FROM {outbox} FORCE INDEX (finished_idx)
+ WHERE status = 'FAILED' AND 'FAILED' IN (:statuses)
+ ORDER BY updated_at DESC, seq DESC LIMIT :limit)
+UNION ALL
+(SELECT seq, id, destination, topic, `key`, status, attempts, last_error, locked_by,
+        created_at, updated_at, next_attempt_at, published_at
+ FROM {outbox} FORCE INDEX (finished_idx)
+ WHERE status = 'ABANDONED' AND 'ABANDONED' IN (:statuses)
+ ORDER BY updated_at DESC, seq DESC LIMIT :limit)
+UNION ALL
+(SELECT seq, id, destination, topic, `key`, status, attempts, last_error, locked_by,
+        created_at, updated_at, next_attempt_at, published_at
+ FROM {outbox} FORCE INDEX (finished_idx)
+ WHERE status = 'PUBLISHED' AND 'PUBLISHED' IN (:statuses)
+ ORDER BY updated_at DESC, seq DESC LIMIT :limit)
+ORDER BY updated_at DESC, seq DESC
 LIMIT :limit
 
 -- name: oldest_transaction

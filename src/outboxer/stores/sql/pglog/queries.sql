@@ -75,3 +75,19 @@ SELECT c.relname AS name, pg_get_expr(c.relpartbound, c.oid) AS bound
 FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid
 WHERE i.inhparent = CAST(:log AS regclass)
 ORDER BY c.relname
+
+-- name: readers
+SELECT reader, CAST(order_xid AS text) AS order_xid, position, updated_at
+FROM {offsets} ORDER BY reader
+
+-- name: backlog
+-- How far a reader is behind: the rows after its offset (counted up to :limit, so a
+-- status query never scans a huge backlog) and when the first of them was written.
+SELECT
+    (SELECT count(*) FROM (
+        SELECT 1 FROM {log}
+        WHERE (order_xid, position) > (CAST(:order_xid AS xid8), CAST(:position AS bigint))
+        LIMIT :limit) AS behind_rows) AS behind,
+    (SELECT created_at FROM {log}
+     WHERE (order_xid, position) > (CAST(:order_xid AS xid8), CAST(:position AS bigint))
+     ORDER BY order_xid, position LIMIT 1) AS oldest

@@ -5,3 +5,20 @@
 -- Runs on the caller's connection, in the caller's transaction: the message is decoded
 -- only if that transaction commits, at its commit's place in the WAL.
 SELECT pg_logical_emit_message(true, CAST(:prefix AS text), CAST(:content AS bytea))
+
+-- name: slot_state
+-- A slot's place, in bytes from the WAL's start (pg_lsn has no integer cast), and the WAL
+-- it keeps (from its restart_lsn) and is behind (from its confirmed position) the WAL's end.
+SELECT CAST(pg_wal_lsn_diff(confirmed_flush_lsn, '0/0') AS bigint) AS confirmed,
+       CAST(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn) AS bigint) AS retained,
+       CAST(pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn) AS bigint) AS behind
+FROM pg_replication_slots WHERE slot_name = :slot
+
+-- name: slots
+-- The slots of one WAL outbox (their names start with its slot prefix and "_").
+SELECT slot_name, active_pid, CAST(confirmed_flush_lsn AS text) AS confirmed_flush_lsn,
+       CAST(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn) AS bigint) AS retained,
+       CAST(pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn) AS bigint) AS behind
+FROM pg_replication_slots
+WHERE database = current_database() AND plugin = 'pgoutput' AND starts_with(slot_name, :prefix)
+ORDER BY slot_name

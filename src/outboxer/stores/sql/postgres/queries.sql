@@ -91,18 +91,137 @@ WHERE destination = ANY(CAST(:destinations AS text[]))
   AND (CAST(:ids AS uuid[]) IS NULL OR id = ANY(CAST(:ids AS uuid[])))
 
 -- name: counts
+-- Every row, counted exactly: a pass over the whole table. Only for a small table (see
+-- status_stats); a big one is counted by counts_tally and estimated.
 SELECT destination, status, count(*) AS count,
        count(*) FILTER (WHERE attempts > 0) AS retried,
        EXTRACT(EPOCH FROM now() - min(created_at)) AS oldest_age
 FROM {outbox}
 GROUP BY destination, status
 
--- name: list
-SELECT seq, id, destination, topic, key, status, attempts, last_error, locked_by,
-       created_at, updated_at, next_attempt_at, published_at
+-- name: counts_tally
+-- Exact counts of every row but the PUBLISHED ones of a first attempt: the unfinished and
+-- ABANDONED rows and the PUBLISHED ones that were retried, with the oldest created_at.
+-- An index-only scan of status_idx, whose condition this WHERE clause repeats (migration
+-- 0008): its cost follows the backlog, not the published history.
+SELECT destination, status, count(*) AS count,
+       count(*) FILTER (WHERE attempts > 0) AS retried,
+       EXTRACT(EPOCH FROM now() - min(created_at)) AS oldest_age
 FROM {outbox}
-WHERE status = ANY(CAST(:statuses AS text[]))
-ORDER BY seq
+WHERE status <> 'PUBLISHED' OR attempts > 0
+GROUP BY destination, status
+
+-- name: status_stats
+-- What the planner knows of the table, for the estimate of its PUBLISHED rows: the rows
+-- and pages when VACUUM or ANALYZE last counted them (reltuples is -1 before either ran),
+-- the pages now, and ANALYZE's share of each common destination among all rows. Catalog
+-- reads only: no lock beyond what a plan takes, nothing read from the outbox itself.
+SELECT c.reltuples, c.relpages,
+       pg_relation_size(c.oid) / CAST(current_setting('block_size') AS integer) AS pages,
+       s.null_frac, s.n_distinct,
+       CAST(CAST(s.most_common_vals AS text) AS text[]) AS destinations,
+       s.most_common_freqs AS shares
+FROM pg_class AS c
+JOIN pg_namespace AS n ON n.oid = c.relnamespace
+LEFT JOIN pg_stats AS s
+       ON s.schemaname = n.nspname AND s.tablename = c.relname
+      AND s.attname = 'destination' AND NOT s.inherited
+WHERE c.oid = CAST('{outbox}' AS regclass)
+
+-- name: status_stats_partitioned
+-- status_stats for the partitioned layout, whose parent has no rows, pages or statistics
+-- of its own (autovacuum analyzes the partitions, never the parent): the same columns,
+-- summed over the partitions. reltuples is each analyzed partition's estimate now (rows
+-- per page at its last count times its pages now; one never counted has no row yet, or
+-- its share is unknown: NULL, as status_stats' -1, makes status count exactly), relpages
+-- equals pages, and each destination's share is its rows over all partitions (ANALYZE's
+-- share in each partition times the partition's rows).
+WITH parts AS (
+    SELECT c.oid,
+           pg_relation_size(c.oid) / CAST(current_setting('block_size') AS integer) AS pages,
+           CASE WHEN pg_relation_size(c.oid) = 0 THEN 0
+                WHEN c.reltuples < 0 OR c.relpages = 0 THEN NULL
+                ELSE c.reltuples * (pg_relation_size(c.oid)
+                                    / CAST(current_setting('block_size') AS integer))
+                     / c.relpages END AS rows,
+           n.nspname, c.relname
+    FROM pg_inherits AS i
+    JOIN pg_class AS c ON c.oid = i.inhrelid
+    JOIN pg_namespace AS n ON n.oid = c.relnamespace
+    WHERE i.inhparent = CAST('{outbox}' AS regclass)
+),
+total AS (
+    SELECT CASE WHEN bool_and(rows IS NOT NULL) THEN sum(rows) END AS rows,
+           sum(pages) AS pages
+    FROM parts
+),
+shares AS (
+    SELECT d.destination, sum(d.share * p.rows) AS rows
+    FROM parts AS p
+    JOIN pg_stats AS s
+      ON s.schemaname = p.nspname AND s.tablename = p.relname
+     AND s.attname = 'destination' AND NOT s.inherited
+    CROSS JOIN LATERAL unnest(CAST(CAST(s.most_common_vals AS text) AS text[]),
+                              s.most_common_freqs) AS d(destination, share)
+    WHERE p.rows > 0
+    GROUP BY d.destination
+)
+SELECT CAST(coalesce(t.rows, -1) AS float8) AS reltuples,
+       CAST(t.pages AS integer) AS relpages,
+       CAST(t.pages AS bigint) AS pages,
+       CAST(0 AS float4) AS null_frac,
+       CAST(count(sh.destination) AS float4) AS n_distinct,
+       CASE WHEN count(sh.destination) > 0 THEN array_agg(sh.destination) END AS destinations,
+       CASE WHEN count(sh.destination) > 0
+            THEN array_agg(CAST(sh.rows / nullif(t.rows, 0) AS float4)) END AS shares
+FROM total AS t
+LEFT JOIN shares AS sh ON true
+GROUP BY t.rows, t.pages
+
+-- name: list
+-- The newest changes first (updated_at, then seq: a stable order), at most :limit rows.
+-- One branch per status, each a walk backwards over an index that stops after :limit
+-- rows (status_idx; finished_idx for PUBLISHED, whose rows status_idx mostly lacks), and
+-- a merge of the branches; a branch whose status is not asked for does not run. A single
+-- `status = ANY(...) ORDER BY updated_at` would sort every row of the statuses asked for.
+SELECT *
+FROM (
+    (SELECT seq, id, destination, topic, key, status, attempts, last_error, locked_by,
+            created_at, updated_at, next_attempt_at, published_at
+     FROM {outbox}
+     WHERE status = 'PENDING' AND (status <> 'PUBLISHED' OR attempts > 0)
+       AND 'PENDING' = ANY(CAST(:statuses AS text[]))
+     ORDER BY updated_at DESC, seq DESC LIMIT :limit)
+    UNION ALL
+    (SELECT seq, id, destination, topic, key, status, attempts, last_error, locked_by,
+            created_at, updated_at, next_attempt_at, published_at
+     FROM {outbox}
+     WHERE status = 'PROCESSING' AND (status <> 'PUBLISHED' OR attempts > 0)
+       AND 'PROCESSING' = ANY(CAST(:statuses AS text[]))
+     ORDER BY updated_at DESC, seq DESC LIMIT :limit)
+    UNION ALL
+    (SELECT seq, id, destination, topic, key, status, attempts, last_error, locked_by,
+            created_at, updated_at, next_attempt_at, published_at
+     FROM {outbox}
+     WHERE status = 'FAILED' AND (status <> 'PUBLISHED' OR attempts > 0)
+       AND 'FAILED' = ANY(CAST(:statuses AS text[]))
+     ORDER BY updated_at DESC, seq DESC LIMIT :limit)
+    UNION ALL
+    (SELECT seq, id, destination, topic, key, status, attempts, last_error, locked_by,
+            created_at, updated_at, next_attempt_at, published_at
+     FROM {outbox}
+     WHERE status = 'ABANDONED' AND (status <> 'PUBLISHED' OR attempts > 0)
+       AND 'ABANDONED' = ANY(CAST(:statuses AS text[]))
+     ORDER BY updated_at DESC, seq DESC LIMIT :limit)
+    UNION ALL
+    (SELECT seq, id, destination, topic, key, status, attempts, last_error, locked_by,
+            created_at, updated_at, next_attempt_at, published_at
+     FROM {outbox}
+     WHERE status = 'PUBLISHED'
+       AND 'PUBLISHED' = ANY(CAST(:statuses AS text[]))
+     ORDER BY updated_at DESC, seq DESC LIMIT :limit)
+) AS newest
+ORDER BY updated_at DESC, seq DESC
 LIMIT :limit
 
 -- name: oldest_transaction

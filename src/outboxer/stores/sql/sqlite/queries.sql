@@ -120,27 +120,99 @@ SET status = CASE WHEN attempts > 0 THEN 'FAILED' ELSE 'PENDING' END,
 WHERE seq = :seq AND status = 'PROCESSING' AND lease = :lease AND locked_by = :relay_id
 
 -- name: cleanup
--- PUBLISHED | ABANDONED -> deleted once older than the retention, :limit rows a statement.
+-- PUBLISHED | ABANDONED -> deleted once older than the retention, :limit rows a statement,
+-- oldest first through finished_idx. SQLite uses that partial index only for a WHERE
+-- clause that repeats its condition (:status alone would make it read the whole table).
 DELETE FROM {outbox}
 WHERE seq IN (
     SELECT seq FROM {outbox}
-    WHERE status = :status AND updated_at < :now - :retention
+    WHERE status = :status AND status IN ('PUBLISHED', 'ABANDONED')
+      AND updated_at < :now - :retention
     ORDER BY updated_at
     LIMIT :limit)
 
 -- name: counts
+-- Every row, counted exactly: a pass over the whole table. Only for a small table (see
+-- seq_range); a big one is counted by counts_tally and sample_published.
 SELECT destination, status, count(*) AS count,
        sum(CASE WHEN attempts > 0 THEN 1 ELSE 0 END) AS retried,
        :now - min(created_at) AS oldest_age
 FROM {outbox}
 GROUP BY destination, status
 
--- name: list
-SELECT seq, id, destination, topic, key, status, attempts, last_error, locked_by,
-       created_at, updated_at, next_attempt_at, published_at
+-- name: seq_range
+-- The first and last seq: the two ends of the table's rowid b-tree. last - first + 1
+-- bounds the rows (counts reads them all when it is small) and spans sample_published's draw.
+SELECT (SELECT min(seq) FROM {outbox}) AS first_seq, (SELECT max(seq) FROM {outbox}) AS last_seq
+
+-- name: counts_tally
+-- Exact counts of every row but the PUBLISHED ones of a first attempt: the unfinished and
+-- ABANDONED rows and the PUBLISHED ones that were retried, with the oldest created_at.
+-- A covering scan of the partial status_idx, whose condition this WHERE clause repeats
+-- (migration 0005): its cost follows the backlog, not the published history.
+SELECT destination, status, count(*) AS count,
+       sum(CASE WHEN attempts > 0 THEN 1 ELSE 0 END) AS retried,
+       :now - min(created_at) AS oldest_age
 FROM {outbox}
-WHERE status IN (SELECT value FROM json_each(:statuses))
-ORDER BY seq
+WHERE status <> 'PUBLISHED' OR attempts > 0
+GROUP BY destination, status
+
+-- name: sample_published
+-- The PUBLISHED rows of a first attempt among :seqs (a JSON array of seqs drawn at random
+-- between the first and the last: stores.base.sample_seqs), per destination: rowid
+-- lookups, one per seq. Their share of the draw estimates their share of the range.
+SELECT destination, count(*) AS hits
+FROM {outbox}
+WHERE seq IN (SELECT value FROM json_each(:seqs)) AND status = 'PUBLISHED' AND attempts = 0
+GROUP BY destination
+
+-- name: list
+-- The newest changes first (updated_at, then seq: a stable order), at most :limit rows.
+-- One branch per status, each a walk backwards over an index that stops after :limit rows
+-- (status_idx, whose condition the branch repeats; finished_idx for PUBLISHED), then a sort
+-- of at most five times :limit rows; a branch whose status is not asked for (:list_<status>
+-- false, a constant SQLite tests once, before the walk) reads nothing. A single
+-- `status IN (...) ORDER BY updated_at` would sort every row of the statuses asked for.
+SELECT * FROM (
+    SELECT seq, id, destination, topic, key, status, attempts, last_error, locked_by,
+           created_at, updated_at, next_attempt_at, published_at
+    FROM {outbox}
+    WHERE status = 'PENDING' AND (status <> 'PUBLISHED' OR attempts > 0)
+      AND :list_pending
+    ORDER BY updated_at DESC, seq DESC LIMIT :limit)
+UNION ALL
+SELECT * FROM (
+    SELECT seq, id, destination, topic, key, status, attempts, last_error, locked_by,
+           created_at, updated_at, next_attempt_at, published_at
+    FROM {outbox}
+    WHERE status = 'PROCESSING' AND (status <> 'PUBLISHED' OR attempts > 0)
+      AND :list_processing
+    ORDER BY updated_at DESC, seq DESC LIMIT :limit)
+UNION ALL
+SELECT * FROM (
+    SELECT seq, id, destination, topic, key, status, attempts, last_error, locked_by,
+           created_at, updated_at, next_attempt_at, published_at
+    FROM {outbox}
+    WHERE status = 'FAILED' AND (status <> 'PUBLISHED' OR attempts > 0)
+      AND :list_failed
+    ORDER BY updated_at DESC, seq DESC LIMIT :limit)
+UNION ALL
+SELECT * FROM (
+    SELECT seq, id, destination, topic, key, status, attempts, last_error, locked_by,
+           created_at, updated_at, next_attempt_at, published_at
+    FROM {outbox}
+    WHERE status = 'ABANDONED' AND (status <> 'PUBLISHED' OR attempts > 0)
+      AND :list_abandoned
+    ORDER BY updated_at DESC, seq DESC LIMIT :limit)
+UNION ALL
+SELECT * FROM (
+    SELECT seq, id, destination, topic, key, status, attempts, last_error, locked_by,
+           created_at, updated_at, next_attempt_at, published_at
+    FROM {outbox}
+    WHERE status = 'PUBLISHED' AND status IN ('PUBLISHED', 'ABANDONED')
+      AND :list_published
+    ORDER BY updated_at DESC, seq DESC LIMIT :limit)
+ORDER BY updated_at DESC, seq DESC
 LIMIT :limit
 
 -- name: requeue

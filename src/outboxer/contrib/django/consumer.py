@@ -1,0 +1,208 @@
+"""The consumer runner on Django's connection: the handler may use the ORM, and what it
+writes commits in the transaction that claims the message in the inbox.
+
+``outboxer.Consumer`` opens connections of its own by default (psycopg, PyMySQL, sqlite3),
+which the ORM knows nothing of: a handler's ``Model.objects.create()`` would run on Django's
+connection, in a transaction apart from the inbox claim. Here each worker of the runner is a
+thread of its own, and its session is that thread's Django connection of the outbox's alias
+(``OUTBOXER["database"]``): the inbox claim, the dead-letter statements and the handler all
+run on it, inside one ``transaction.atomic(durable=True)``, and the broker's ack follows the
+commit. So the ORM rows a handler writes and the inbox row of the message commit together
+or not at all; a redelivery finds the inbox row and the handler does not run again.
+
+The handler is a plain function ``handler(message, connection)``: ``connection`` is Django's
+(``connections[alias]``, for raw SQL through ``connection.cursor()``), and the ORM writes to
+the same one as long as the models it writes are routed to that alias. Django's ORM is
+synchronous: a coroutine handler is refused.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from django.db import connections, transaction
+
+from outboxer.consumer_db import AbortedTransaction, SyncSession
+from outboxer.enqueue import _pyformat
+from outboxer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from outboxer.config import Settings
+    from outboxer.consume_cli import ConsumerSettings
+    from outboxer.consumer import Consumer, SessionFactory
+
+logger = logging.getLogger("outboxer.consumer")
+T = TypeVar("T")
+
+#: libpq's PQTransactionStatus for a transaction a failed statement aborted (psycopg 3's
+#: ``TransactionStatus.INERROR`` and psycopg2's ``TRANSACTION_STATUS_INERROR`` alike).
+_PG_INERROR = 3
+
+
+class DjangoSession(SyncSession):
+    """One worker's session: a thread of its own and that thread's Django connection.
+
+    Django keeps a connection per thread, so a thread per session is what makes "the
+    session's connection" mean one connection: it is opened, checked and closed there.
+    """
+
+    def __init__(self, alias: str, schema: str, dialect: str) -> None:
+        super().__init__(f"django:{alias}", schema, executor=None)  # type: ignore[arg-type]
+        self.alias = alias
+        self.dialect = dialect
+        self.executor: ThreadPoolExecutor | None = None  # type: ignore[assignment]
+        #: The last batch's connection was lost: the runner opens the session again.
+        self._lost = False
+
+    async def _call(self, work: Callable[..., T], *args: Any) -> T:
+        if self.executor is None:
+            raise RuntimeError("the session is closed")
+        return await super()._call(work, *args)
+
+    async def open(self) -> None:
+        if self.executor is None:
+            self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"outboxer-{self.alias}")
+        self._lost = False
+        self.conn = await self._call(self._connect)
+
+    def _connect(self) -> Any:
+        connection = connections[self.alias]
+        connection.ensure_connection()
+        return connection
+
+    async def close(self) -> None:
+        executor, self.conn = self.executor, None
+        if executor is None:
+            return
+        try:
+            await self._call(self._disconnect)
+        finally:
+            self.executor = None
+            executor.shutdown(wait=False)  # its thread ends; a reopen starts another
+
+    def _disconnect(self) -> None:
+        try:
+            connections[self.alias].close()
+        except Exception as exc:  # noqa: BLE001 -- a broken connection has nothing left to close
+            logger.debug("closing the consumer's Django connection failed: %s", exc)
+
+    def broken(self) -> bool:
+        # Read from the event loop's thread: attributes only, no statement (and no use of
+        # the connection outside its thread, which Django refuses).
+        return self._lost or _gone(self.conn.connection if self.conn is not None else None)
+
+    def _cursor_sql(self, sql: str) -> str:
+        return _pyformat(sql)  # Django's cursors take %(name)s, SQLite's included
+
+    def _transaction(self, work: Callable[[], T]) -> T:
+        committed = database_error = False
+        raw: Any = None
+
+        def mark_committed() -> None:
+            nonlocal committed
+            committed = True
+
+        try:
+            # durable: the outermost block, whatever the handler opens inside it.
+            with transaction.atomic(using=self.alias, durable=True):
+                raw = self.conn.connection  # the driver's connection the batch runs on
+                # First of the on_commit callbacks: the handler's run after it, before the ack.
+                transaction.on_commit(mark_committed, using=self.alias)
+                try:
+                    result = work()
+                except Exception:
+                    # Read before the rollback, which clears it.
+                    database_error = bool(self.conn.errors_occurred)
+                    raise
+                self._refuse_aborted()
+        except Exception:
+            if not committed:
+                self._lost = self._lost_during(raw, database_error)
+                raise
+            # The commit happened; an on_commit callback of the handler raised after it.
+            # Failing the batch now would only bring a redelivery the inbox skips.
+            logger.exception("an on_commit callback failed after the consumer's commit")
+        return result
+
+    def _lost_during(self, raw: Any, database_error: bool) -> bool:
+        """Whether the batch's connection ``raw`` was lost, so that the runner counts no
+        attempt. Django may have replaced it already (the rollback of a connection that
+        died mid-statement can connect again), psycopg may not know yet (a backend
+        terminated mid-statement leaves it looking idle): after a database error, ask the
+        database, as Django does between requests (``is_usable``)."""
+        if raw is None:
+            return False  # the transaction did not begin: nothing of the batch ran
+        if _gone(raw) or raw is not self.conn.connection:
+            return True
+        return database_error and not self.conn.is_usable()
+
+    def _refuse_aborted(self) -> None:
+        """PostgreSQL answers COMMIT of an aborted transaction with a rollback, and neither
+        psycopg nor Django says so: a handler that caught a database error and went on."""
+        if self.dialect != "postgres" or self.conn is None or self.conn.connection is None:
+            return
+        info = getattr(self.conn.connection, "info", None)
+        if info is not None and int(info.transaction_status) == _PG_INERROR:
+            raise AbortedTransaction
+
+    def _claim(self, group: str, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
+        if self.dialect != "postgres":
+            return super()._claim(group, ids)  # Inbox.claim on Django's connection
+        if not ids:
+            return set()
+        # One statement for the batch, the ids sorted (one lock order for every consumer).
+        params = {"consumer": group, "message_ids": sorted(ids)}
+        rows = self._fetch("inbox_claim_many", params)
+        return {uuid.UUID(str(row["message_id"])) for row in rows}
+
+
+def _gone(raw: Any) -> bool:
+    """Whether a driver's connection says it is closed or broken."""
+    if raw is None:
+        return True
+    if getattr(raw, "closed", False) or getattr(raw, "broken", False):
+        return True  # psycopg 3 (closed, broken), psycopg2 (closed)
+    return not getattr(raw, "open", True)  # PyMySQL, mysqlclient
+
+
+def django_sessions(alias: str, schema: str) -> SessionFactory:
+    """The consumer's ``sessions``: a :class:`DjangoSession` per worker on ``alias``."""
+    from outboxer.contrib.django import conf
+
+    dialect = conf.dialect(alias)
+
+    def make(executor: ThreadPoolExecutor) -> DjangoSession:
+        return DjangoSession(alias, schema, dialect)  # its own thread, not the pool's
+
+    return make
+
+
+def django_consumer(
+    settings: Settings, own: ConsumerSettings, alias: str, **overrides: Any
+) -> Consumer:
+    """The consumer ``settings`` and ``own`` describe, its handler run on Django's ``alias``
+    connection; ``overrides`` replace the Consumer's arguments (``broker=None`` to replay)."""
+    from outboxer.consume_cli import build_consumer
+    from outboxer.consumer import load_handler
+
+    handler = load_handler(own.require("handler"))
+    if inspect.iscoroutinefunction(handler):
+        raise ConfigError(
+            "a Django consumer's handler is a plain function (Django's ORM is synchronous); "
+            f"{getattr(handler, '__qualname__', handler)!r} is a coroutine function"
+        )
+    return build_consumer(
+        settings,
+        own,
+        handler=handler,
+        sessions=django_sessions(alias, settings.schema),
+        **overrides,
+    )
+
+
+__all__ = ["DjangoSession", "django_consumer", "django_sessions"]

@@ -1,0 +1,386 @@
+"""The partitioned outbox's upkeep: partitions made ahead, rows moved out of the default
+partition, partitions past retention dropped whole.
+
+The partitioned layout (``outboxer schema apply --partitioned``, the ``partitioned``
+migrations) range-partitions the outbox table by ``created_at``, with a default partition
+that takes the rows no partition covers, so a writer never fails for want of one. A relay
+runs this with its cleanup (every ``cleanup_interval``), and so does ``outboxer cleanup``:
+
+* **ahead**: partitions ``partitions_ahead`` widths past now, each as wide as the newest
+  partition (``partition_interval`` for the first ones). Rows that arrived in the default
+  partition meanwhile (the upkeep stopped for longer than that) move into the partitions
+  made for their time, in the transaction that attaches them;
+* **retention**: a partition whose upper bound is older than the retention is dropped once
+  it holds no unfinished row and no finished row younger than its status's retention,
+  checked under the lock the DROP takes (``partitions.sql``: lock_table has the invariant).
+  A partition kept by one unfinished row waits for it; no row is ever deleted one by one.
+
+Every change runs in a transaction of its own with a short lock_timeout: DDL waiting for a
+lock holds every later statement on the table (writers too) behind it, so it gives up and
+the next round tries again.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from outboxer.redact import get_logger
+from outboxer.stores.sqlfiles import queries, quote_ident, render, to_numbered
+
+logger = get_logger("outboxer.partitions")
+
+#: The name of the layout: its migrations are in ``sql/postgres/partitioned/``.
+PARTITIONED = "partitioned"
+DAY = 86400.0
+EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+#: How long an upkeep statement waits for a lock before it leaves the change to the next
+#: round: what it can add to a writer's statement that queues behind it.
+LOCK_TIMEOUT = "1s"
+#: The most partitions one round makes: a default partition holding rows of times far
+#: apart (a clock set wrong) must not make thousands of partitions at once.
+MAX_CREATED_PER_ROUND = 100
+#: A range starting sooner than this after now may receive rows before its partition is
+#: attached (the attach may wait for locks): it is attached with the writers held back.
+SOON = dt.timedelta(minutes=5)
+#: SQLSTATEs: lock_timeout ran out; ATTACH found rows for the range in the default
+#: partition; a partition listed a moment ago is gone.
+_LOCK_NOT_AVAILABLE = "55P03"
+_CHECK_VIOLATION = "23514"
+_UNDEFINED_TABLE = "42P01"
+
+
+@dataclass(frozen=True)
+class PartitionPolicy:
+    """What the upkeep keeps: partitions ``ahead`` widths past now; partitions whose rows
+    are all past their retention dropped (None: none dropped). ``interval`` is the width of
+    the first partitions; later ones take the width of the newest partition."""
+
+    ahead: int = 3
+    interval: float = DAY
+    published_retention: float | None = None
+    abandoned_retention: float | None = None
+
+
+@dataclass(frozen=True)
+class Partition:
+    name: str
+    #: The range [lower, upper); both None for the default partition.
+    lower: dt.datetime | None
+    upper: dt.datetime | None
+    #: PostgreSQL's estimate (pg_class.reltuples); -1 before the first ANALYZE.
+    estimated_rows: int = -1
+
+
+@dataclass
+class PartitionReport:
+    """What one round of upkeep did."""
+
+    created: list[str] = field(default_factory=list)
+    dropped: list[Partition] = field(default_factory=list)
+    #: Past retention, but holding an unfinished row or one younger than its retention.
+    kept: list[str] = field(default_factory=list)
+    #: Left for the next round: a lock was not granted within LOCK_TIMEOUT.
+    busy: list[str] = field(default_factory=list)
+    #: Rows moved out of the default partition.
+    moved: int = 0
+
+    @property
+    def dropped_rows(self) -> int:
+        """The rows of the dropped partitions, as PostgreSQL's statistics estimated them."""
+        return sum(max(0, partition.estimated_rows) for partition in self.dropped)
+
+
+def partition_name(table: str, lower: dt.datetime) -> str:
+    """``<table>_p20251123`` for a partition starting at midnight UTC, else
+    ``_p20251123_1300`` (or ``_p20251123_130005`` off the minute)."""
+    utc = lower.astimezone(dt.UTC)
+    if utc.time() == dt.time(0):
+        stamp = f"{utc:%Y%m%d}"
+    elif utc.second == 0 and utc.microsecond == 0:
+        stamp = f"{utc:%Y%m%d_%H%M}"
+    else:
+        stamp = f"{utc:%Y%m%d_%H%M%S}"
+    return f"{table}_p{stamp}"
+
+
+def align(moment: dt.datetime, width: float) -> dt.datetime:
+    """The start of the ``width``-second slot (counted from the Unix epoch) holding ``moment``."""
+    seconds = (moment - EPOCH).total_seconds()
+    return EPOCH + dt.timedelta(seconds=math.floor(seconds / width) * width)
+
+
+def plan_ranges(
+    existing: list[tuple[dt.datetime, dt.datetime]],
+    width: float,
+    now: dt.datetime,
+    ahead: int,
+    default_span: tuple[dt.datetime, dt.datetime] | None,
+) -> list[tuple[dt.datetime, dt.datetime]]:
+    """The ranges to create, nearest first, at most MAX_CREATED_PER_ROUND: partitions must
+    reach past ``now`` plus ``ahead`` widths, and cover the times of the default
+    partition's rows (``default_span``: the oldest and the newest). ``existing``: the
+    ranges there are, by lower bound. New ranges continue them, forward from the newest
+    and backward from the oldest, so a changed width or a hand-made partition leaves no
+    gap; with none yet, they start at the slot (counted from the Unix epoch) holding the
+    earliest of now and the default partition's oldest row."""
+    step = dt.timedelta(seconds=width)
+    if existing:
+        upper = existing[-1][1]
+    else:
+        upper = align(min(now, default_span[0]) if default_span else now, width)
+    target = now + step * ahead
+    if default_span is not None:
+        target = max(target, default_span[1])
+    ranges: list[tuple[dt.datetime, dt.datetime]] = []
+    while upper <= target and len(ranges) < MAX_CREATED_PER_ROUND:
+        ranges.append((upper, upper + step))
+        upper += step
+    if existing and default_span is not None:
+        lower = existing[0][0]
+        while lower > default_span[0] and len(ranges) < MAX_CREATED_PER_ROUND:
+            ranges.append((lower - step, lower))
+            lower -= step
+    return ranges
+
+
+def _literal(moment: dt.datetime) -> str:
+    """A timestamptz literal for DDL (which takes no parameters); ours, never user text."""
+    return "'" + moment.astimezone(dt.UTC).isoformat() + "'"
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    return getattr(exc, "sqlstate", None)
+
+
+class Partitions:
+    """The partitions of one outbox table, kept on an asyncpg connection."""
+
+    def __init__(self, schema: str, table: str, lock_key: int) -> None:
+        self.schema = schema
+        self.table = table
+        self.lock_key = lock_key
+        self.names = {
+            "outbox": f"{quote_ident(schema)}.{quote_ident(table)}",
+            "default_partition": self.qualified(f"{table}_default"),
+        }
+
+    def qualified(self, name: str) -> str:
+        return f"{quote_ident(self.schema)}.{quote_ident(name)}"
+
+    def _sql(self, name: str, **tokens: str) -> str:
+        return render(queries("postgres", "partitions.sql")[name], {**self.names, **tokens})
+
+    async def _fetch(self, conn: Any, name: str, params: dict[str, Any]) -> list[Any]:
+        sql, names = to_numbered(self._sql(name))
+        return list(await conn.fetch(sql, *(params[n] for n in names)))
+
+    async def _begin(self, conn: Any) -> None:
+        """The start of each change's transaction: a bounded wait for locks, one upkeep at a time."""
+        await conn.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
+        sql, _ = to_numbered(self._sql("maintenance_lock"))
+        await conn.execute(sql, self.lock_key)
+
+    # ----- reading ----------------------------------------------------------------------------
+
+    async def layout(self, conn: Any) -> str | None:
+        """'p' for the partitioned layout, 'r' for the default table, None for no table."""
+        rows = await self._fetch(conn, "layout", {"outbox": self.names["outbox"]})
+        return str(rows[0]["kind"]) if rows else None
+
+    async def list(self, conn: Any) -> list[Partition]:
+        """Every partition, the default one first, then by lower bound."""
+        return [
+            Partition(row["name"], row["lower"], row["upper"], int(row["estimated_rows"]))
+            for row in await self._fetch(conn, "partitions", {"outbox": self.names["outbox"]})
+        ]
+
+    async def now(self, conn: Any) -> dt.datetime:
+        """The database's clock: it gives created_at its values."""
+        moment: dt.datetime = await conn.fetchval("SELECT statement_timestamp()")
+        return moment
+
+    # ----- ahead ------------------------------------------------------------------------------
+
+    async def ensure(
+        self, conn: Any, policy: PartitionPolicy, report: PartitionReport, now: dt.datetime
+    ) -> None:
+        """Create the partitions ``policy.ahead`` widths past ``now``, and those the rows of
+        the default partition belong in (moving them there)."""
+        partitions = [p for p in await self.list(conn) if p.lower is not None]
+        ranged = [(p.lower, p.upper) for p in partitions if p.lower and p.upper]
+        width = (ranged[-1][1] - ranged[-1][0]).total_seconds() if ranged else policy.interval
+        span = await conn.fetchrow(
+            f"SELECT min(created_at) AS oldest, max(created_at) AS newest "
+            f"FROM {self.names['default_partition']}"
+        )
+        default_span = (span["oldest"], span["newest"]) if span["oldest"] is not None else None
+        for lower, upper in plan_ranges(ranged, width, now, policy.ahead, default_span):
+            soon = lower <= now + SOON
+            await self._create(conn, lower, upper, report, soon=soon, move=default_span is not None)
+        if default_span is not None:
+            left = await conn.fetchval(f"SELECT count(*) FROM {self.names['default_partition']}")
+            if left:
+                logger.warning(
+                    "%d row(s) of %s.%s stay in its default partition: no partition could be "
+                    "made for their time this round (created_at from %s to %s)",
+                    left,
+                    self.schema,
+                    self.table,
+                    default_span[0].isoformat(),
+                    default_span[1].isoformat(),
+                )
+
+    async def _create(
+        self,
+        conn: Any,
+        lower: dt.datetime,
+        upper: dt.datetime,
+        report: PartitionReport,
+        *,
+        soon: bool,
+        move: bool,
+    ) -> None:
+        name = partition_name(self.table, lower)
+        tokens = {
+            "partition": self.qualified(name),
+            "lower": _literal(lower),
+            "upper": _literal(upper),
+        }
+        try:
+            async with conn.transaction():
+                await self._begin(conn)
+                # Under the upkeep lock: another relay may have made it since we looked.
+                if any(
+                    p.lower is not None
+                    and p.upper is not None
+                    and p.lower < upper
+                    and lower < p.upper
+                    for p in await self.list(conn)
+                ):
+                    return
+                if soon or move:
+                    await conn.execute(self._sql("lock_writers"))
+                await conn.execute(self._sql("create_partition", **tokens))
+                if move:
+                    await conn.execute(self._sql("lock_default"))
+                    columns = ", ".join(
+                        quote_ident(row["name"])
+                        for row in await self._fetch(
+                            conn, "columns", {"outbox": self.names["outbox"]}
+                        )
+                    )
+                    await conn.execute(self._sql("move_rows", columns=columns, **tokens))
+                    deleted = await conn.execute(self._sql("delete_moved", **tokens))
+                    moved = int(deleted.rsplit(" ", 1)[-1])
+                    report.moved += moved
+                    if moved:
+                        logger.info(
+                            "moved %d row(s) of %s.%s from its default partition to %s",
+                            moved,
+                            self.schema,
+                            self.table,
+                            name,
+                        )
+                await conn.execute(self._sql("attach_partition", **tokens))
+        except Exception as exc:
+            if _sqlstate(exc) == _LOCK_NOT_AVAILABLE:
+                report.busy.append(name)
+                return
+            if _sqlstate(exc) == _CHECK_VIOLATION and not move:
+                # A row for this range reached the default partition since we looked.
+                await self._create(conn, lower, upper, report, soon=soon, move=True)
+                return
+            raise
+        report.created.append(name)
+        logger.info("created partition %s.%s", self.schema, name)
+
+    # ----- retention --------------------------------------------------------------------------
+
+    async def drop_expired(
+        self, conn: Any, policy: PartitionPolicy, report: PartitionReport, now: dt.datetime
+    ) -> None:
+        """Drop the partitions whose every row is past its status's retention, oldest first."""
+        if policy.published_retention is None or policy.abandoned_retention is None:
+            return
+        published_before = now - dt.timedelta(seconds=policy.published_retention)
+        abandoned_before = now - dt.timedelta(seconds=policy.abandoned_retention)
+        # A candidate once past the shorter retention; the check reads each row's own.
+        before = max(published_before, abandoned_before)
+        params = {"published_before": published_before, "abandoned_before": abandoned_before}
+        for partition in await self.list(conn):
+            if partition.upper is None or partition.upper > before:
+                continue
+            # First without a lock: most partitions kept stay kept, and need not stop the
+            # table's writers for a moment to learn it.
+            try:
+                expired = await self._expired(conn, partition, params)
+            except Exception as exc:
+                if _sqlstate(exc) != _UNDEFINED_TABLE:
+                    raise
+                continue  # another relay's upkeep dropped it since we listed the partitions
+            if not expired:
+                report.kept.append(partition.name)
+                continue
+            try:
+                async with conn.transaction():
+                    await self._begin(conn)
+                    await conn.execute(self._sql("lock_table"))
+                    if partition.name not in {p.name for p in await self.list(conn)}:
+                        continue  # dropped meanwhile, by hand
+                    if not await self._expired(conn, partition, params):
+                        report.kept.append(partition.name)
+                        continue
+                    await conn.execute(
+                        self._sql("drop_partition", partition=self.qualified(partition.name))
+                    )
+            except Exception as exc:
+                if _sqlstate(exc) != _LOCK_NOT_AVAILABLE:
+                    raise
+                report.busy.append(partition.name)
+                continue
+            report.dropped.append(partition)
+            logger.info(
+                "dropped partition %s.%s (%s rows)",
+                self.schema,
+                partition.name,
+                "about " + str(partition.estimated_rows)
+                if partition.estimated_rows >= 0
+                else "an unknown number of",
+            )
+
+    async def _expired(self, conn: Any, partition: Partition, params: dict[str, Any]) -> bool:
+        sql, names = to_numbered(
+            self._sql("drop_candidate", partition=self.qualified(partition.name))
+        )
+        row = await conn.fetchrow(sql, *(params[n] for n in names))
+        return bool(row["finished"] and row["expired"])
+
+    # ----- both -------------------------------------------------------------------------------
+
+    async def maintain(
+        self, conn: Any, policy: PartitionPolicy, now: dt.datetime | None = None
+    ) -> PartitionReport:
+        report = PartitionReport()
+        moment = now or await self.now(conn)
+        await self.ensure(conn, policy, report, moment)
+        await self.drop_expired(conn, policy, report, moment)
+        if report.kept:
+            logger.info(
+                "partition(s) %s of %s.%s are past retention but kept: each holds an "
+                "unfinished message, or one younger than its status's retention",
+                ", ".join(report.kept),
+                self.schema,
+                self.table,
+            )
+        if report.busy:
+            logger.info(
+                "partition(s) %s of %s.%s left for the next round: the table stayed busy for %s",
+                ", ".join(report.busy),
+                self.schema,
+                self.table,
+                LOCK_TIMEOUT,
+            )
+        return report

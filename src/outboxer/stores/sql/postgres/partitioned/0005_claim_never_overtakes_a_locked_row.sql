@@ -1,0 +1,1 @@
+-- Migration 0005 is not part of the partitioned layout: see 0004_claim_and_settle_functions.sql.
