@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -201,7 +202,7 @@ class Outbox:
         if cache_key not in self._cache:
             tokens = {
                 "outbox": table_name(dialect, self.schema, self.table),
-                "keys": table_name(dialect, self.schema, self.table + "_keys"),
+                "key_slots": table_name(dialect, self.schema, self.table + "_key_slots"),
             }
             rendered = render(queries(dialect)[name], tokens)
             # PyMySQL and aiomysql batch an executemany into one INSERT only without comments.
@@ -428,11 +429,19 @@ class _Driver:
     ) -> list[tuple[str, list[dict[str, Any]]]]:
         """The statements that insert ``messages``, each with its rows of parameters."""
         if dialect == "mysql":
-            # Each key locked (sorted: two writers lock shared keys in one order) before any
-            # row takes its seq; see queries.sql, key_lock.
-            keys = sorted({m.key for m in messages if m.key is not None})
+            # Each key's slot locked before any row takes its seq; see queries.sql, key_lock.
+            slots = mysql_key_slots(m.key for m in messages)
             locks = (
-                [(outbox._sql(dialect, "key_lock"), [{"key": key} for key in keys])] if keys else []
+                [
+                    (
+                        outbox._sql(dialect, "key_lock").replace(
+                            ":slots", ", ".join(f":slot_{n}" for n in range(len(slots)))
+                        ),
+                        [{f"slot_{n}": slot for n, slot in enumerate(slots)}],
+                    )
+                ]
+                if slots
+                else []
             )
             return [
                 *locks,
@@ -706,6 +715,17 @@ class _SqlAlchemy(_Driver):
     async def driver_connection_async(self, conn: Any) -> Any:
         connection = await conn.connection() if hasattr(conn, "get_bind") else conn  # AsyncSession
         return (await connection.get_raw_connection()).driver_connection
+
+
+MYSQL_KEY_SLOTS = 65536  # rows of <table>_key_slots (MySQL migration 0005)
+
+
+def mysql_key_slots(keys: Iterable[str | None]) -> list[int]:
+    """The key-lock slots of ``keys`` on MySQL, sorted and distinct: the order every writer
+    locks them in, so none waits for another in a cycle. In SQL: ``CRC32(key) & 65535``."""
+    return sorted(
+        {zlib.crc32(key.encode()) & (MYSQL_KEY_SLOTS - 1) for key in keys if key is not None}
+    )
 
 
 @functools.cache

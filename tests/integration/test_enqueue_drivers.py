@@ -510,6 +510,9 @@ def test_mysql_key_lock_holds_back_the_same_key_only(mysql_url: str, kind: str) 
     import threading
     import time
 
+    from outboxer.enqueue import mysql_key_slots
+
+    assert mysql_key_slots(["k"]) != mysql_key_slots(["other-key"]), "keys of distinct slots"
     holder = _Writer(mysql_url, kind)
     outboxer.enqueue(holder.conn, "t", {"writer": "first"}, key="k")  # holds k's lock
     done: dict[str, float] = {}
@@ -563,37 +566,78 @@ async def test_aiomysql_key_lock_holds_back_the_same_key_only(mysql_url: str) ->
     assert [json.loads(row["payload"])["writer"] for row in rows] == ["first", "same"]
 
 
-async def test_mysql_cleanup_forgets_unheld_key_rows_and_status_sees_the_writer(
-    mysql_url: str,
-) -> None:
+async def test_status_sees_the_open_transaction_of_a_mysql_writer(mysql_url: str) -> None:
     import asyncio
 
-    def keys() -> list[str]:
-        conn = mysql_connect(mysql_url)
-        with conn.cursor() as cursor:
-            cursor.execute("SELECT `key` FROM outbox_keys ORDER BY `key`")
-            found = [row[0] for row in cursor.fetchall()]
-        conn.close()
-        return found
-
-    finished = mysql_connect(mysql_url)
-    outboxer.enqueue_many(
-        finished, [{"topic": "t", "payload": "x", "key": key} for key in ("a", "b", "held")]
-    )
-    finished.commit()
     holder = mysql_connect(mysql_url)
-    outboxer.enqueue(holder, "t", {"n": 1}, key="held")  # an open transaction holding its key's row
+    outboxer.enqueue(holder, "t", {"n": 1}, key="held")  # an open transaction holding its key
     await asyncio.sleep(0.2)
     async with outboxer.create_store(mysql_url) as store:
         assert await store.oldest_transaction() >= 0.2  # type: ignore[attr-defined]
-        assert await store.cleanup("PUBLISHED", 3600, 1) == 0
-    assert keys() == ["held"], "rows no writer holds are forgotten, one batch at a time"
-    outboxer.enqueue(finished, "t", "again", key="a")  # the next writer of a key inserts it anew
-    finished.commit()
-    finished.close()
     holder.rollback()
     holder.close()
-    assert sorted(keys()) == ["a", "held"]
+
+
+def test_mysql_writers_queued_on_a_key_whose_first_writer_rolls_back_do_not_deadlock(
+    mysql_url: str,
+) -> None:
+    """The scene that deadlocked with a lock row per key (inserted on first use): the first
+    writer of a new key inserts its row, two more queue on it, the first rolls back. The row
+    goes, the two queued writers are left holding gap locks, and each needs the other's gap
+    to insert the row again: MariaDB kills one of them (error 1213). The slot rows never go,
+    so both wait for a record and go on, one after the other."""
+    import threading
+    import time
+
+    first = mysql_connect(mysql_url)
+    outboxer.enqueue(first, "t", {"writer": "first"}, key="new-key")
+    errors: list[BaseException] = []
+
+    def write(name: str) -> None:
+        conn = mysql_connect(mysql_url)
+        try:
+            outboxer.enqueue(conn, "t", {"writer": name}, key="new-key")
+            conn.commit()
+        except Exception as error:  # reported by the assertion below
+            errors.append(error)
+            conn.rollback()
+        finally:
+            conn.close()
+
+    writers = [threading.Thread(target=write, args=(name,)) for name in ("second", "third")]
+    for writer in writers:
+        writer.start()
+    deadline = time.monotonic() + 10
+    while _waiting_for_key_locks(mysql_url, "mysql") < 2:
+        assert time.monotonic() < deadline, f"the writers never queued for the key: {errors}"
+        time.sleep(0.02)
+    first.rollback()
+    first.close()
+    for writer in writers:
+        writer.join(10)
+    assert errors == [], "no writer of the key was chosen as a deadlock victim"
+    rows = [row for row in mysql_stored(mysql_url) if row["key"] == "new-key"]
+    assert sorted(json.loads(row["payload"])["writer"] for row in rows) == ["second", "third"]
+
+
+def test_mysql_key_slots_are_sorted_distinct_and_match_crc32_in_sql(mysql_url: str) -> None:
+    """Hand-written SQL can lock a key's slot as CRC32(key) & 65535: the same number."""
+    from outboxer.enqueue import mysql_key_slots
+
+    keys = ["order-1", "order-2", "Order-1", "ключ", "🔑", "", "order-1", None]
+    slots = mysql_key_slots(keys)
+    assert slots == sorted(set(slots)) and len(slots) == 6, "one per distinct key, ascending"
+    conn = mysql_connect(mysql_url)
+    try:
+        with conn.cursor() as cursor:
+            for key in {k for k in keys if k is not None}:
+                cursor.execute("SELECT CRC32(%s) & 65535", (key,))
+                (in_sql,) = cursor.fetchone()
+                assert mysql_key_slots([key]) == [int(in_sql)], key
+            cursor.execute("SELECT COUNT(*), MIN(slot), MAX(slot) FROM outbox_key_slots")
+            assert cursor.fetchone() == (65536, 0, 65535), "every slot a key can take exists"
+    finally:
+        conn.close()
 
 
 def _waiting_for_key_locks(url: str, dialect: str) -> int:
@@ -615,7 +659,7 @@ def _waiting_for_key_locks(url: str, dialect: str) -> int:
                 cursor.execute(
                     "SELECT count(*) FROM information_schema.processlist "
                     "WHERE db = DATABASE() AND command = 'Query' "
-                    "AND info LIKE 'INSERT INTO `outbox_keys`%'"
+                    "AND info LIKE 'SELECT slot FROM `outbox_key_slots`%'"
                 )
                 row = cursor.fetchone()
         finally:

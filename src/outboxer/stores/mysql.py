@@ -9,8 +9,8 @@ What differs from PostgreSQL, and why:
 * No UPDATE ... RETURNING in MariaDB: a claim is one transaction of four statements
   (destination lock, ``SELECT ... FOR UPDATE SKIP LOCKED``, UPDATE, COMMIT).
 * The destination lock is a row of ``<table>_destinations`` (GET_LOCK is held by the
-  session, not the transaction, and has no shared mode); the write path's key lock is a
-  row of ``<table>_keys``. See migration 0001 and queries.sql.
+  session, not the transaction, and has no shared mode); the write path's key lock is one
+  of the 65536 rows of ``<table>_key_slots``. See migrations 0001 and 0005, queries.sql.
 * No LISTEN/NOTIFY: an idle relay probes a cheap mark of the PENDING rows every
   ``WAKE_PROBE_INTERVAL`` (queries.sql, pending_mark) and claims when it changes, so a
   commit is seen within ~50 ms, not only at the next poll.
@@ -221,6 +221,7 @@ class MySQLStore(Store):
             "migrations": quote_mysql(self.table + "_migrations"),
             "destinations": quote_mysql(self.table + "_destinations"),
             "keys": quote_mysql(self.table + "_keys"),
+            "key_slots": quote_mysql(self.table + "_key_slots"),
             "inbox": quote_mysql("inbox"),
             "dead_letters": quote_mysql("dead_letters"),
         }
@@ -512,26 +513,10 @@ class MySQLStore(Store):
         return result
 
     async def cleanup(self, status: str, retention: float, limit: int) -> int:
-        """Delete up to ``limit`` finished rows; with PUBLISHED, also the unheld key-lock rows."""
-        if status == "PUBLISHED":
-            await self._forget_keys(limit)
         async with self._transaction() as cursor:
             return await self._execute(
                 cursor, "cleanup", {"status": status, "retention": float(retention), "limit": limit}
             )
-
-    async def _forget_keys(self, limit: int, max_batches: int = 100) -> int:
-        """Delete the key-lock rows no transaction holds, ``limit`` a transaction."""
-        forgotten = 0
-        for _ in range(max_batches):
-            async with self._transaction() as cursor:
-                await self._execute(cursor, "unheld_keys", {"limit": limit})
-                keys = [row["key"] for row in await cursor.fetchall()]
-                if keys:
-                    forgotten += await self._execute(cursor, "forget_keys", {"keys": keys})
-            if len(keys) < limit:
-                break
-        return forgotten
 
     async def cleanup_inbox(self, retention: float, limit: int) -> int:
         async with self._transaction() as cursor:
@@ -696,15 +681,15 @@ class MySQLStore(Store):
         self, where: MessageFilter, copy: Callable[[Sequence[Message]], list[Message]]
     ) -> int:
         from outboxer.admin import REPLAY_PAGE
-        from outboxer.enqueue import Outbox, detect
+        from outboxer.enqueue import Outbox, detect, mysql_key_slots
 
         outbox = Outbox(schema=self.schema, table=self.table)
         inserted = 0
         async with self._transaction() as cursor:
             await self._admin(cursor, "replay_keys", where)
-            keys = sorted(row["key"] for row in await cursor.fetchall())
-            if keys:  # every key locked, in one order, before the first copy takes a seq
-                await cursor.executemany(self._sql["key_lock"], [{"key": key} for key in keys])
+            slots = mysql_key_slots(row["key"] for row in await cursor.fetchall())
+            if slots:  # every key locked, in one order, before the first copy takes a seq
+                await self._execute(cursor, "key_lock", {"slots": slots})
             await self._admin(cursor, "replay_seqs", where)
             seqs = [row["seq"] for row in await cursor.fetchall()]
             for start in range(0, len(seqs), REPLAY_PAGE):

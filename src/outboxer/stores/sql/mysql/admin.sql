@@ -51,7 +51,7 @@ WHERE {filter}
   AND status IN ('ABANDONED', 'FAILED')
 
 -- name: replay_keys
--- The keys a replay will copy: the store locks them all (queries.sql: key_lock), sorted,
+-- The keys a replay will copy: the store locks their slots (queries.sql: key_lock), sorted,
 -- before its first insert, so a replay and writers that share keys never deadlock.
 SELECT DISTINCT `key` FROM {outbox}
 WHERE {filter} AND status = 'PUBLISHED' AND `key` IS NOT NULL

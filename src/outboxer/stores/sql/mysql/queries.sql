@@ -11,17 +11,22 @@
 
 -- name: key_lock
 -- The key lock. Runs on the caller's connection, in the caller's transaction, before the
--- insert of a keyed message (enqueue_many locks all its keys, sorted, in one statement).
+-- insert of a keyed message (enqueue_many locks all its keys' slots in one statement).
 -- Per-key order = commit order: AUTO_INCREMENT hands out seq before commit, so a row
 -- committed late could be overtaken by a later one that committed first. Before the row
--- takes its seq, the transaction locks its key's row here (a new row is locked as inserted;
--- ON DUPLICATE KEY UPDATE locks an existing one exclusively, even though it changes
--- nothing) and holds it until it commits or rolls back. A second writer of the same key
+-- takes its seq, the transaction locks its key's slot row here (migration 0005: slot =
+-- CRC32 of the key's UTF-8 bytes & 65535, computed by the writer, which sorts and dedups
+-- the slots) and holds it until it commits or rolls back. A second writer of the same key
 -- waits here, so it takes a larger seq only after the first one's row is visible, and the
--- relay can never publish a key's later row while an earlier one is uncommitted. Writers
--- of other keys, and keyless messages (which skip this statement), never wait.
-INSERT INTO {keys} (`key`) VALUES (:key)
-ON DUPLICATE KEY UPDATE `key` = `key`
+-- relay can never publish a key's later row while an earlier one is uncommitted. Keyless
+-- messages skip this statement; writers of other keys wait only when their keys share a
+-- slot (one pair in 65536), which costs time, never order.
+-- The slot rows always exist and are never inserted or deleted, so this takes record
+-- locks only, in ascending slot order: two writers can never wait for each other in a
+-- cycle. (A lock row per key, inserted on first use and deleted when unheld, deadlocked:
+-- writers queued on a key whose row went away, by a rollback or a delete, were left
+-- holding gap locks and each waited on the other's to insert it anew.)
+SELECT slot FROM {key_slots} WHERE slot IN (:slots) ORDER BY slot FOR UPDATE
 
 -- name: insert
 -- -> PENDING, after key_lock when the message has a key. executemany makes one multi-row
@@ -219,15 +224,6 @@ WHERE status = :status
   AND updated_at < UTC_TIMESTAMP(6) - INTERVAL :retention SECOND
 ORDER BY updated_at
 LIMIT :limit
-
--- name: unheld_keys
--- Key-lock rows that no transaction holds now (SKIP LOCKED passes over a writer's): the
--- relay's cleanup deletes them (forget_keys, same transaction). A writer that comes next
--- inserts its key's row again; one that waits for a row being deleted inserts it anew.
-SELECT `key` FROM {keys} LIMIT :limit FOR UPDATE SKIP LOCKED
-
--- name: forget_keys
-DELETE FROM {keys} WHERE `key` IN (:keys)
 
 -- name: requeue
 -- ABANDONED | FAILED -> PENDING, due now, attempts reset: an operator's decision. Runs under

@@ -13,8 +13,8 @@
 CREATE TABLE IF NOT EXISTS {outbox} (
     -- Publish order, and the clustered primary key, so rows are appended in seq order.
     -- AUTO_INCREMENT values are taken before commit, so across transactions seq is not
-    -- commit order; for one key it is, because the writer first locks the key's row in
-    -- {keys} and holds it until commit (queries.sql, key_lock).
+    -- commit order; for one key it is, because the writer first locks the key's lock row
+    -- and holds it until commit (queries.sql, key_lock; since migration 0005 a slot row).
     seq             BIGINT NOT NULL AUTO_INCREMENT,
     -- The UUIDv7 as text: readable in any client and in hand-written SQL, the same value
     -- SQLite stores; its text sorts by time, so the unique index still grows at its end.
@@ -68,9 +68,9 @@ CREATE TABLE IF NOT EXISTS {destinations} (
     PRIMARY KEY (destination)
 ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin;
 
--- One row per key being written: the key lock of the write path (queries.sql, key_lock).
--- A row is only something to lock: the relay's cleanup deletes the rows no transaction
--- holds, and the next writer of that key inserts it again.
+-- One row per key being written: the key lock of the write path until migration 0005,
+-- which replaced it with fixed slot rows (a row inserted on first use and deleted when
+-- unheld let two writers of one key deadlock on the gap it left).
 CREATE TABLE IF NOT EXISTS {keys} (
     `key` VARCHAR(255) NOT NULL,
     PRIMARY KEY (`key`)
