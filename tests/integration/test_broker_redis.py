@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 import redis
@@ -225,20 +226,60 @@ async def test_one_refused_command_fails_only_its_message_in_the_pipeline() -> N
 
 
 async def test_wave_is_one_pipeline_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
-    executed: list[int] = []
-    original = aioredis.client.Pipeline.execute
+    from redis.asyncio.connection import AbstractConnection
 
-    async def counting(self: aioredis.client.Pipeline, raise_on_error: bool = True) -> list[object]:
-        executed.append(len(self.command_stack))
-        return await original(self, raise_on_error)
+    written: list[int] = []
+    original = AbstractConnection.send_packed_command
 
-    monkeypatch.setattr(aioredis.client.Pipeline, "execute", counting)
+    async def counting(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
+        data = command if isinstance(command, bytes) else b"".join(command)  # the handshake's
+        if b"XADD" in data:
+            written.append(data.count(b"$4\r\nXADD\r\n"))
+        await original(self, command, check_health)
+
+    monkeypatch.setattr(AbstractConnection, "send_packed_command", counting)
     topic = f"pipe.{uuid.uuid4().hex[:8]}"
     batch = [make_message(topic, {"n": n}, key=f"k{n % 50}") for n in range(200)]
     async with RedisPublisher(URL, stream_prefix=PREFIX) as publisher:
         outcomes = await publisher.publish_batch(batch)
+        assert len(publisher._idle) == 1, "the waves took turns on one connection"
     assert all(o.published for o in outcomes)
-    assert executed == [50, 50, 50, 50]  # four waves of 50 keys, one pipeline each
+    assert written == [50, 50, 50, 50]  # four waves of 50 keys, one write each
+
+
+async def test_a_cancelled_wave_leaves_no_unread_reply_for_the_next_one() -> None:
+    """A wave cancelled after its write (a publish timeout, a lost lease) leaves replies on
+    its connection; the next wave must not read them as its own."""
+    topic = f"cancel.{uuid.uuid4().hex[:8]}"
+    async with RedisPublisher(URL, stream_prefix=PREFIX) as publisher:
+        assert (await publisher.publish_batch([make_message(topic)]))[0].published
+        connection = publisher._idle[0]
+        original = connection.read_response
+        reading = asyncio.Event()
+
+        async def stalled(*args: object, **kwargs: object) -> object:
+            reading.set()
+            await asyncio.sleep(3600)
+            return await original(*args, **kwargs)
+
+        connection.read_response = stalled  # type: ignore[method-assign]
+        wave = asyncio.create_task(publisher.publish_batch([make_message(topic, {"n": 1})]))
+        await asyncio.wait_for(reading.wait(), 5)
+        wave.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await wave
+        assert publisher._idle == [], "the connection with a reply left on it is dropped"
+        refused = make_message(f"{topic}.wrongtype", {"n": 2})
+        client = aioredis.Redis.from_url(URL)
+        await client.set(PREFIX + refused.topic, "x")
+        await client.aclose()
+        outcomes = await publisher.publish_batch([refused, make_message(topic, {"n": 3})])
+    assert outcomes[0].kind is OutcomeKind.FAILED and "WRONGTYPE" in (outcomes[0].error or "")
+    assert outcomes[1].published
+    consumer = StreamConsumer(PREFIX + topic)
+    entries = await consumer.entries(3, 5)
+    await consumer.close()
+    assert len(entries) == 3, "the cancelled wave's XADD went out too (at-least-once)"
 
 
 def test_reply_classification() -> None:

@@ -2,8 +2,15 @@
 
 A message is confirmed once Redis answered its XADD with an entry id: the entry
 is in the server's memory (and in its AOF/RDB as far as the server's own
-persistence settings go). A wave travels as one non-transactional pipeline, so
-a batch costs one round trip per wave; each XADD's reply is mapped on its own.
+persistence settings go). A wave travels as one write of all its XADDs (a
+non-transactional pipeline), so a batch costs one round trip per wave; each XADD's
+reply is mapped on its own.
+
+The wave's commands are written as RESP here, on connections redis-py makes (its
+handshake, TLS, AUTH, SELECT and protocol come from the URL), and its replies read
+with redis-py's parser. redis-py's own pipeline costs about twice the whole relay's
+CPU per message from version 8 on (bench/README.md), for work a wave of XADDs does
+not need.
 
 Entry layout (every value is a byte string):
 
@@ -21,13 +28,14 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Mapping, Sequence
+from typing import cast
 from urllib.parse import urlencode
 
 import redis.asyncio as aioredis
 from redis import exceptions as rexc
+from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.typing import EncodableT, FieldT
 
 from outboxer.brokers.base import Publisher, parse_options
 from outboxer.errors import ConfigError, PublishError
@@ -48,9 +56,34 @@ _RETRYABLE_REPLIES = (
 )
 
 
-def entry_fields(message: Message) -> dict[FieldT, EncodableT]:
+def _bulk(value: bytes) -> bytes:
+    return b"$%d\r\n%b\r\n" % (len(value), value)
+
+
+#: The bulk strings of the entry's field names.
+_FIELD_NAMES = {
+    name: _bulk(name.encode())
+    for name in ("id", "topic", "key", "content_type", "payload", "headers", "created_at")
+}
+
+
+def xadd_command(head: tuple[int, bytes], fields: Mapping[str, str | bytes]) -> bytes:
+    """One XADD in RESP: ``head`` is (its argument count, its bulk strings) before the
+    fields (XADD, the stream, the trim option, ``*``); every value is sent as UTF-8."""
+    count, prefix = head
+    chunks = [b"*%d\r\n" % (count + 2 * len(fields)), prefix]
+    for name, value in fields.items():
+        data = value if isinstance(value, bytes) else value.encode()
+        chunks.append(_FIELD_NAMES[name])
+        chunks.append(b"$%d\r\n" % len(data))
+        chunks.append(data)
+        chunks.append(b"\r\n")
+    return b"".join(chunks)
+
+
+def entry_fields(message: Message) -> dict[str, str | bytes]:
     """The stream entry for ``message`` (see the module docstring)."""
-    fields: dict[FieldT, EncodableT] = {"id": str(message.id), "topic": message.topic}
+    fields: dict[str, str | bytes] = {"id": str(message.id), "topic": message.topic}
     if message.key is not None:
         fields["key"] = message.key
     fields["content_type"] = message.content_type
@@ -108,6 +141,10 @@ class RedisPublisher(Publisher):
         rest = {name: value for name, value in options.items() if name not in _OPTIONS}
         self._driver_url = parts._replace(query=urlencode(rest)).geturl()
         self._client: aioredis.Redis | None = None
+        #: Connections with no wave on them; a wave takes one, or has the pool make one.
+        self._idle: list[Connection] = []
+        #: Per stream: the XADD's argument count and bulk strings before the fields.
+        self._heads: dict[str, tuple[int, bytes]] = {}
 
     def stream_for(self, message: Message) -> str:
         return self.stream_prefix + self.destination_for(message)
@@ -126,40 +163,76 @@ class RedisPublisher(Publisher):
         self._client = client
 
     async def _close(self) -> None:
+        idle, self._idle = self._idle, []
+        for connection in idle:
+            with contextlib.suppress(rexc.RedisError, OSError):
+                await connection.disconnect()
         client, self._client = self._client, None
         if client is not None:
             # A broken connection has nothing left to release.
             with contextlib.suppress(rexc.RedisError, OSError):
                 await client.aclose()
 
+    def _head(self, stream: str) -> tuple[int, bytes]:
+        head = self._heads.get(stream)
+        if head is None:
+            args = [b"XADD", stream.encode()]
+            if self.maxlen is not None:
+                args += [b"MAXLEN", b"~", str(self.maxlen).encode()]
+            args.append(b"*")
+            head = self._heads[stream] = (len(args), b"".join(_bulk(arg) for arg in args))
+        return head
+
+    @staticmethod
+    def _new_connection(client: aioredis.Redis) -> Connection:
+        """A connection of the client's pool settings that the pool does not hand out."""
+        return cast(Connection, client.connection_pool.make_connection())  # type: ignore[no-untyped-call]
+
     async def _publish_wave(self, messages: Sequence[Message]) -> list[BaseException | None]:
         if self._client is None:
             return [rexc.ConnectionError("redis publisher is not connected")] * len(messages)
-        try:
-            async with self._client.pipeline(transaction=False) as pipe:
-                for message in messages:
-                    pipe.xadd(
-                        self.stream_for(message),
-                        entry_fields(message),
-                        maxlen=self.maxlen,
-                        approximate=True,
-                    )
-                replies = await pipe.execute(raise_on_error=False)
-        except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
-            return [exc] * len(messages)
-        results: list[BaseException | None] = []
-        for message, reply in zip(messages, replies, strict=True):
-            if isinstance(reply, rexc.ResponseError):
-                error = PublishError(
-                    f"redis refused XADD to stream {self.stream_for(message)!r}: {reply}",
-                    retryable=reply_is_retryable(reply),
+        results: list[BaseException | None] = [None] * len(messages)
+        commands: list[bytes] = []
+        sent: list[int] = []  # the index in messages of each command
+        for index, message in enumerate(messages):
+            try:
+                command = xadd_command(self._head(self.stream_for(message)), entry_fields(message))
+            except UnicodeEncodeError as exc:  # a lone surrogate: never sendable, on its own
+                results[index] = PublishError(
+                    f"message {message.id} cannot be encoded for redis: {exc}", retryable=False
                 )
-                error.__cause__ = reply
-                results.append(error)
-            elif isinstance(reply, BaseException):
-                results.append(reply)
-            else:
-                results.append(None)
+                continue
+            commands.append(command)
+            sent.append(index)
+        if not commands:
+            return results
+        client = self._client
+        connection = self._idle.pop() if self._idle else self._new_connection(client)
+        reusable = False
+        try:
+            await connection.connect()  # type: ignore[no-untyped-call]
+            await connection.send_packed_command(b"".join(commands))
+            for index in sent:
+                try:
+                    await connection.read_response()
+                except rexc.ResponseError as reply:  # read whole: the next reply follows
+                    message = messages[index]
+                    error = PublishError(
+                        f"redis refused XADD to stream {self.stream_for(message)!r}: {reply}",
+                        retryable=reply_is_retryable(reply),
+                    )
+                    error.__cause__ = reply
+                    results[index] = error
+            reusable = True
+        except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
+            for index in sent:
+                results[index] = exc
+        finally:
+            if reusable and self._client is client:
+                self._idle.append(connection)
+            else:  # broken, replies left unread by a cancelled wave, or closed: not reused
+                with contextlib.suppress(rexc.RedisError, OSError):
+                    await connection.disconnect(nowait=True)
         return results
 
     def is_connection_error(self, exc: BaseException) -> bool:
