@@ -567,13 +567,21 @@ class HttpApi:
         reasons: list[str] = []
         for name, (_, problems) in sections.items():
             reasons += [f"{name}: {reason}" if self.sectioned else reason for reason in problems]
-        body: dict[str, object] = {"status": "unavailable" if reasons else "ok"}
+        # Of several databases, one that is down is "degraded", still 200: the others
+        # publish on, and a probe that failed would take the process's HTTP API (and the
+        # operator's admin calls for the healthy databases) out of service, or, used as a
+        # liveness probe, restart every database's relay for one outage. Per database:
+        # the body, and outboxer_relay_healthy / outboxer_store_up{database}.
+        healthy = sum(not problems for _, problems in sections.values())
+        state = "ok" if not reasons else "degraded" if healthy else "unavailable"
+        body: dict[str, object] = {"status": state}
         if self.sectioned:
             body["databases"] = {name: section for name, (section, _) in sections.items()}
         else:
             body.update(next(iter(sections.values()))[0])
         if reasons:
             body["reasons"] = reasons
+        if state == "unavailable":
             return json_response(http.HTTPStatus.SERVICE_UNAVAILABLE, body)
         return json_response(http.HTTPStatus.OK, body)
 
