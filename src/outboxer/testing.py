@@ -183,27 +183,29 @@ class PublisherContract(ABC):
         topic = self.fresh_topic()
         publisher = self.make_publisher()
         await publisher.connect()
-        warmup = await self.start_consumer(topic)  # a broker may refuse what nobody consumes
-        first = await publisher.publish_batch([make_message(topic, {"n": 0})])
-        assert first[0].published, first
-        await warmup.close()
-        await self.restart_server()
-        consumer = await self.start_consumer(topic)
-        message = make_message(topic, {"n": 1})
-        deadline = time.monotonic() + 60
-        outcome = None
-        while time.monotonic() < deadline:
-            if not publisher.connected:
-                try:
-                    await publisher.connect()
-                except Exception:  # noqa: BLE001 -- the server is still restarting
-                    await asyncio.sleep(0.5)
-                    continue
-            [outcome] = await publisher.publish_batch([message])
-            if outcome.published:
-                break
-            await asyncio.sleep(0.5)
-        await publisher.close()
+        try:  # closed whatever happens: a restart_server that skips leaves it connected
+            warmup = await self.start_consumer(topic)  # a broker may refuse what nobody consumes
+            first = await publisher.publish_batch([make_message(topic, {"n": 0})])
+            assert first[0].published, first
+            await warmup.close()
+            await self.restart_server()
+            consumer = await self.start_consumer(topic)
+            message = make_message(topic, {"n": 1})
+            deadline = time.monotonic() + 60
+            outcome = None
+            while time.monotonic() < deadline:
+                if not publisher.connected:
+                    try:
+                        await publisher.connect()
+                    except Exception:  # noqa: BLE001 -- the server is still restarting
+                        await asyncio.sleep(0.5)
+                        continue
+                [outcome] = await publisher.publish_batch([message])
+                if outcome.published:
+                    break
+                await asyncio.sleep(0.5)
+        finally:
+            await publisher.close()
         assert outcome is not None and outcome.published, outcome
         received = await consumer.receive(1, self.receive_timeout)
         await consumer.close()
