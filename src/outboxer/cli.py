@@ -24,6 +24,7 @@ from outboxer.config import (
 )
 from outboxer.errors import AdminRequestError, ConfigError, OutboxerError, PayloadError
 from outboxer.logjson import JsonFormatter
+from outboxer.malloc import tune_malloc
 from outboxer.redact import RedactingFilter, get_logger, redact_text
 from outboxer.relay import cleanup
 from outboxer.relay_group import RelayGroup
@@ -774,6 +775,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # An orchestrator may stop a process the moment it starts; without this, SIGTERM's
         # default action kills it (exit -15) until the relay's own handler is installed.
         signal.signal(signal.SIGTERM, _stop_before_started)
+        tune_malloc()  # small socket reads without a system call each (see outboxer.malloc)
     _configure_logging(args.log_level, getattr(args, "log_format", "text"))
     run: Command = args.func
     try:
