@@ -315,3 +315,13 @@ async def test_driver_options_in_the_url_reach_redis_py() -> None:
     topic = f"opts.{uuid.uuid4().hex[:8]}"
     async with RedisPublisher(f"{URL}?stream_prefix={PREFIX}&socket_timeout=3") as publisher:
         assert (await publisher.publish_batch([make_message(topic)]))[0].published
+
+
+def test_encoded_stream_heads_stay_bounded_with_endless_topics() -> None:
+    from outboxer.brokers import redis as redis_broker
+
+    publisher = RedisPublisher(URL, maxlen=10)
+    for n in range(redis_broker._HEADS_KEPT * 3):
+        count, head = publisher._head(f"s{n}")
+        assert count == 6 and head.endswith(b"$1\r\n*\r\n")
+    assert len(publisher._heads) <= redis_broker._HEADS_KEPT

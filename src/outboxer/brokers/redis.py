@@ -60,6 +60,9 @@ def _bulk(value: bytes) -> bytes:
     return b"$%d\r\n%b\r\n" % (len(value), value)
 
 
+#: The most streams whose XADD head a publisher keeps encoded.
+_HEADS_KEPT = 1024
+
 #: The bulk strings of the entry's field names.
 _FIELD_NAMES = {
     name: _bulk(name.encode())
@@ -180,6 +183,8 @@ class RedisPublisher(Publisher):
             if self.maxlen is not None:
                 args += [b"MAXLEN", b"~", str(self.maxlen).encode()]
             args.append(b"*")
+            if len(self._heads) >= _HEADS_KEPT:  # topics without end: memory stays bounded
+                self._heads.clear()
             head = self._heads[stream] = (len(args), b"".join(_bulk(arg) for arg in args))
         return head
 
