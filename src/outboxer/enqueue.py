@@ -430,7 +430,12 @@ class _Driver:
         """The statements that insert ``messages``, each with its rows of parameters."""
         if dialect == "mysql":
             # Each key's slot locked before any row takes its seq; see queries.sql, key_lock.
+            # The list is padded to a power of two with its last slot (locked once all the
+            # same), so the statement takes one of 17 shapes, not one per key count: the
+            # formatted statements are cached.
             slots = mysql_key_slots(m.key for m in messages)
+            if slots:
+                slots += [slots[-1]] * ((1 << (len(slots) - 1).bit_length()) - len(slots))
             locks = (
                 [
                     (

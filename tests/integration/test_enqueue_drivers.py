@@ -640,6 +640,24 @@ def test_mysql_key_slots_are_sorted_distinct_and_match_crc32_in_sql(mysql_url: s
         conn.close()
 
 
+def test_mysql_key_lock_statements_take_few_shapes_whatever_the_key_count() -> None:
+    """Formatted statements are cached: one shape per key count would grow without end."""
+    from outboxer.enqueue import DEFAULT_OUTBOX, _Driver
+
+    shapes = set()
+    for count in range(1, 301):
+        messages = [
+            copy
+            for n in range(count)
+            for copy in DEFAULT_OUTBOX.build("t", {"n": n}, key=f"key-{n}")
+        ]
+        [(lock, [params]), _insert] = _Driver.statements(DEFAULT_OUTBOX, "mysql", messages)
+        shapes.add(lock)
+        slots = set(params.values())
+        assert len(slots) == count, "every key's slot (these 300 keys share none)"
+    assert len(shapes) == 10, "1, 2, 4 ... 512 placeholders"
+
+
 def _waiting_for_key_locks(url: str, dialect: str) -> int:
     """Transactions of the test database waiting for a key lock now."""
     if dialect == "postgres":
