@@ -446,3 +446,19 @@ class DeadLetterTests(ConsumeTestCase):
         self.assertContains(response, f"Replayed 1 dead letter(s) of &#x27;{self.group}&#x27;")
         self.assertEqual(self.shipped(), [(0, kept), (1, refused)])
         self.assertEqual((self.count("inbox"), self.count("dead_letters")), (2, 0))
+
+    def test_the_admin_purges_the_selected_dead_letters_only(self) -> None:
+        self.place({"order": 0, "refuse": True}, {"order": 1, "refuse": True})
+        self.assertIn("dead letters 2", self.consume_refusing())
+        user = get_user_model().objects.create_superuser("admin", "a@example.com", "pw")
+        self.client.force_login(user)
+        first, second = self.client.get("/admin/outboxer/deadletter/").context["cl"].result_list
+        response = self.client.post(
+            "/admin/outboxer/deadletter/",
+            {"action": "purge", "_selected_action": [first.seq]},
+            follow=True,
+        )
+        self.assertContains(response, "Purged 1 dead letter(s).")
+        [left] = self.client.get("/admin/outboxer/deadletter/").context["cl"].result_list
+        self.assertEqual(left.seq, second.seq)
+        self.assertEqual((self.count("dead_letters"), self.shipped()), (1, []))
