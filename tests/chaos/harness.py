@@ -698,21 +698,27 @@ class WebhookSink(Sink):
 
 
 def pid_of_peer(peer_port: int, candidates: Iterable[int]) -> int | None:
-    """Which of ``candidates`` owns the local TCP socket on 127.0.0.1:``peer_port``."""
+    """Which of ``candidates`` owns the local TCP socket on 127.0.0.1:``peer_port``.
+
+    Every live socket on that address counts, not the first line that names it: a closed
+    connection that used the same ephemeral port lingers in TIME_WAIT (inode 0) while the
+    kernel hands the port to a new connection to another address. Under a busy suite the
+    first line was such a ghost, the sender went unfound, and the test's "kill the relay
+    that delivers this" did not happen.
+    """
     wanted = f"0100007F:{peer_port:04X}"
-    inode = None
+    inodes = set()
     for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
         fields = line.split()
-        if fields[1] == wanted:
-            inode = fields[9]
-            break
-    if inode is None:
+        if fields[1] == wanted and fields[9] != "0":
+            inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
         return None
     for pid in candidates:
         with contextlib.suppress(OSError):
             for fd in Path(f"/proc/{pid}/fd").iterdir():
                 with contextlib.suppress(OSError):
-                    if os.readlink(fd) == f"socket:[{inode}]":
+                    if os.readlink(fd) in inodes:
                         return pid
     return None
 
