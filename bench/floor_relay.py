@@ -1,12 +1,16 @@
 """The floor of a batched relay on the same drivers: the control for relay CPU per message.
 
-    python bench/floor_relay.py DB_URL AMQP_URL EXCHANGE   # runs until SIGTERM or SIGINT
+    python bench/floor_relay.py DB_URL AMQP_URL EXCHANGE [waves|aiormq]   # until SIGTERM
 
 What any batched outbox relay on asyncpg and aiormq must do, and nothing more: one loop
 claims up to 200 PENDING rows with one UPDATE (PROCESSING, a lock owner and deadline),
 writes them to RabbitMQ on one channel with publisher confirms and waits for the
 confirms, marks them PUBLISHED with one UPDATE, and when the claim was not full sleeps
-5 ms (outboxer's poll interval under load) before the next. No per-key order, no lease
+5 ms (outboxer's poll interval under load) before the next. ``waves`` (the default)
+publishes through outboxer's own RabbitMQ publisher, the cheapest way to these drivers
+this project knows (a batch's frames written in one go, confirms read by aiormq), so
+the floor is as low as the drivers allow; ``aiormq`` calls ``basic_publish`` once per
+message, as a relay written straight on aiormq would. No per-key order, no lease
 renewal, no retry or backoff, no metrics, no tracing, no NOTIFY, no handling of a
 refused message: a relay that lacks them is not fit for use, which is why this is a
 floor. ``bench/paced_relay.py --floor`` runs it under the same paced writers as the
@@ -26,6 +30,9 @@ import asyncpg
 from pamqp import commands as spec
 
 BATCH = 200
+#: Batches and messages published so far; SIGUSR1 prints them (bench/paced_relay.py reads
+#: them before and after its window, for messages per batch).
+COUNTS = [0, 0]
 POLL_SECONDS = 0.005
 CLAIM = f"""
 UPDATE outboxer.outbox SET status = 'PROCESSING', attempts = attempts + 1,
@@ -40,12 +47,51 @@ RETURNING seq, id, topic, key, payload, content_type, headers::text AS headers
 SETTLE = """
 UPDATE outboxer.outbox SET status = 'PUBLISHED', published_at = now(),
        locked_by = NULL, locked_until = NULL
-WHERE seq = ANY($1::bigint[])
+WHERE destination = 'default' AND status = 'PROCESSING' AND seq = ANY($1::bigint[])
 """
 
 
+async def relay_waves(db_url: str, amqp_url: str, exchange: str, stop: asyncio.Event) -> None:
+    """The same loop, publishing through outboxer's RabbitMQ publisher (one wave a batch)."""
+    from outboxer.brokers.rabbitmq import RabbitMQPublisher
+    from outboxer.message import Message
+
+    # As the relay: its claims and settles do not wait for the WAL flush (a crash repeats
+    # a batch, never loses one).
+    db = await asyncpg.connect(db_url, server_settings={"synchronous_commit": "off"})
+    publisher = RabbitMQPublisher(amqp_url, exchange=exchange, declare_exchange=False)
+    await publisher.connect()
+    try:
+        while not stop.is_set():
+            rows = await db.fetch(CLAIM)
+            if rows:
+                messages = [
+                    Message(
+                        id=row["id"],
+                        topic=row["topic"],
+                        payload=bytes(row["payload"]),
+                        key=row["key"],
+                        headers=json.loads(row["headers"]),
+                        content_type=row["content_type"],
+                        seq=row["seq"],
+                    )
+                    for row in rows
+                ]
+                await publisher.publish_batch(messages)
+                await db.execute(SETTLE, [row["seq"] for row in rows])
+                COUNTS[0] += 1
+                COUNTS[1] += len(rows)
+            if len(rows) < BATCH:
+                await asyncio.sleep(POLL_SECONDS)
+    finally:
+        await publisher.close()
+        await db.close()
+
+
 async def relay(db_url: str, amqp_url: str, exchange: str, stop: asyncio.Event) -> None:
-    db = await asyncpg.connect(db_url)
+    # As the relay: its claims and settles do not wait for the WAL flush (a crash repeats
+    # a batch, never loses one).
+    db = await asyncpg.connect(db_url, server_settings={"synchronous_commit": "off"})
     broker = await aiormq.connect(amqp_url)
     try:
         channel = await broker.channel(publisher_confirms=True)
@@ -72,6 +118,8 @@ async def relay(db_url: str, amqp_url: str, exchange: str, stop: asyncio.Event) 
                     )
                 await asyncio.gather(*confirms)
                 await db.execute(SETTLE, [row["seq"] for row in rows])
+                COUNTS[0] += 1
+                COUNTS[1] += len(rows)
             if len(rows) < BATCH:
                 await asyncio.sleep(POLL_SECONDS)
     finally:
@@ -79,13 +127,16 @@ async def relay(db_url: str, amqp_url: str, exchange: str, stop: asyncio.Event) 
         await db.close()
 
 
-async def main(db_url: str, amqp_url: str, exchange: str) -> None:
+async def main(db_url: str, amqp_url: str, exchange: str, mode: str = "waves") -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    await relay(db_url, amqp_url, exchange, stop)
+    loop.add_signal_handler(
+        signal.SIGUSR1, lambda: print(f"floor-counts {COUNTS[0]} {COUNTS[1]}", flush=True)
+    )
+    await (relay_waves if mode == "waves" else relay)(db_url, amqp_url, exchange, stop)
 
 
 if __name__ == "__main__":
-    asyncio.run(main(*sys.argv[1:4]))
+    asyncio.run(main(*sys.argv[1:5]))

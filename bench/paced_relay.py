@@ -19,8 +19,9 @@ than its rate says). Rounds alternate which tree runs first. ``--profile DIR`` r
 flamegraphs or ``sort | uniq``): its figures then include py-spy's sampling, so compare
 only profiled runs with each other. ``--floor`` runs ``bench/floor_relay.py`` as a third tree
 under the same load: a minimal batched relay on the same drivers (no key order, lease,
-retry, metrics or tracing), the control for what a relay costs per message on this box
-whatever it does.
+retry, metrics or tracing) that publishes through outboxer's own wave publisher, the
+control for what a relay costs per message on this box whatever it does;
+``--floor-aiormq`` runs it with aiormq's ``basic_publish`` per message instead.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import asyncio
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -48,21 +50,44 @@ from harness import Databases, RelayProcess, cpu_of, log, percentile, wait_liste
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
 KEYS = 10_000
-FLOOR = Path("floor")  # the tree name of bench/floor_relay.py
+FLOOR = Path("floor")  # the tree names of bench/floor_relay.py: outboxer's wave publisher,
+FLOOR_AIORMQ = Path("floor-aiormq")  # and aiormq's basic_publish per message
 
 
 class FloorProcess(RelayProcess):
     """bench/floor_relay.py in a subprocess, with the interface of RelayProcess."""
 
-    def __init__(self, db_url: str, exchange: str) -> None:
-        self.argv = [sys.executable, str(HERE / "floor_relay.py"), db_url, AMQP_URL, exchange]
+    def __init__(self, db_url: str, exchange: str, mode: str) -> None:
+        self.argv = [
+            sys.executable,
+            str(HERE / "floor_relay.py"),
+            db_url,
+            AMQP_URL,
+            exchange,
+            mode,
+        ]
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 -- closed in close()
             "w+", prefix="outboxer-bench-floor-", suffix=".log", delete=False
         )
+        self._last = ""
         self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT)
         self.cpu_at_start = 0.0
         self.cpu_total: float | None = None
         self.status: int | None = None
+
+    def counts(self) -> tuple[int, int]:
+        """Batches and messages the floor published so far (it prints them on SIGUSR1)."""
+        self.proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            self.log.flush()
+            lines = Path(self.log.name).read_text().splitlines()
+            if lines and lines[-1].startswith("floor-counts ") and lines[-1] != self._last:
+                self._last = lines[-1]
+                batches, messages = lines[-1].split()[1:]
+                return int(batches), int(messages)
+            time.sleep(0.01)
+        raise RuntimeError("the floor relay did not print its counts")
 
 
 def sys_cpu_of(pid: int) -> float:
@@ -103,8 +128,8 @@ async def paced_run(
     loop = asyncio.get_running_loop()
     try:
         await target.consume(on_message)
-        if tree == FLOOR:
-            relay = FloorProcess(db, target.tag)
+        if tree in (FLOOR, FLOOR_AIORMQ):
+            relay = FloorProcess(db, target.tag, "waves" if tree == FLOOR else "aiormq")
         else:
             relay = RelayProcess(
                 db, target.url, exit_when_idle=False, env=env, extra=("--log-level", "INFO")
@@ -145,6 +170,7 @@ async def paced_run(
         await paced(20, 1, 1.0, 1000)  # warm up: relay awake, connections in use
         await asyncio.sleep(1.0)
         before = await asyncio.to_thread(calls_so_far, db)
+        floor_before = relay.counts() if isinstance(relay, FloorProcess) else (0, 0)
         if args.profile:
             out = Path(args.profile) / f"{tag}.txt"
             command = [args.py_spy, "record", "--gil", "-r", "1000", "-f", "raw", "-o", str(out)]
@@ -158,9 +184,12 @@ async def paced_run(
         await asyncio.sleep(1.0)
         after = await asyncio.to_thread(calls_so_far, db)
         claims, settles = after[0] - before[0], after[1] - before[1]
-        # The floor calls no function: no batch count for it.
         got["per_settle"] = got["rate"] * args.seconds / settles if settles else math.nan
         got["empty_claims"] = (claims - settles) / args.seconds
+        if isinstance(relay, FloorProcess):  # it calls no function: it counts for itself
+            batches, messages = (now - then for now, then in zip(relay.counts(), floor_before))
+            got["per_settle"] = messages / batches if batches else math.nan
+            got["empty_claims"] = math.nan
         return got
     except Exception:
         if relay is not None:
@@ -188,12 +217,19 @@ def main() -> int:
         "--floor", action="store_true", help="also run bench/floor_relay.py (the control)"
     )
     parser.add_argument(
+        "--floor-aiormq",
+        action="store_true",
+        help="also run bench/floor_relay.py with aiormq's basic_publish per message",
+    )
+    parser.add_argument(
         "--py-spy", default=shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     )
     args = parser.parse_args()
     trees = {"this": SRC} | ({"base": args.base.resolve()} if args.base else {})
     if args.floor:
         trees["floor"] = FLOOR
+    if args.floor_aiormq:
+        trees["floor-aiormq"] = FLOOR_AIORMQ
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
     figures: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
@@ -225,11 +261,11 @@ def main() -> int:
             return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
         print(
-            f"{name:5} ({trees[name]}): relay CPU us/msg {med('cpu_us_per_msg')}, "
+            f"{name:12} ({trees[name]}): relay CPU us/msg {med('cpu_us_per_msg')}, "
             f"consumer p50 ms {med('p50_ms')}, p99 ms {med('p99_ms')}, load {med('load')}"
         )
     this = statistics.median(run["cpu_us_per_msg"] for run in figures["this"])
-    for other in ("base", "floor"):
+    for other in ("base", "floor", "floor-aiormq"):
         if other in figures:
             cpu = statistics.median(run["cpu_us_per_msg"] for run in figures[other])
             print(f"relay CPU this / {other}: {this / cpu:.2f}")
