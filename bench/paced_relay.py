@@ -5,7 +5,8 @@ trees side by side in one session, alternating.
         [--rounds 2] [--profile DIR]
 
 ``--base`` is the ``src`` directory of another commit (``git archive <commit> src | tar -x``);
-without it only this tree runs. Per round and tree: a fresh database (this tree's schema),
+without it only this tree runs. ``--base-setting NAME=VALUE`` runs the base relay with a
+setting changed (this tree's, without ``--base``): a knob against its default. Per round and tree: a fresh database (this tree's schema),
 a fresh RabbitMQ exchange and queue that a consumer here drains, one relay (the tree's
 CLI, defaults, ``PYTHONPATH`` put in front of the venv's editable install), idle and
 listening first; then ``--writers`` writers commit ``--rate`` transactions/s in all, one
@@ -110,7 +111,12 @@ def calls_so_far(db: str) -> tuple[int, int]:
 
 
 async def paced_run(
-    dbs: Databases, pool: ProcessPoolExecutor, tree: Path, args: argparse.Namespace, tag: str
+    dbs: Databases,
+    pool: ProcessPoolExecutor,
+    tree: Path,
+    args: argparse.Namespace,
+    tag: str,
+    settings: dict[str, str],
 ) -> dict[str, float]:
     db = dbs.empty("paced")
     writers.create_business_table(db)
@@ -122,7 +128,7 @@ async def paced_run(
     async def on_message(message: Any) -> None:
         arrived.setdefault(str(message.message_id), time.time())
 
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env = {**os.environ, **settings, "PYTHONPATH": str(tree)}
     relay: RelayProcess | None = None
     spy: subprocess.Popen[bytes] | None = None
     loop = asyncio.get_running_loop()
@@ -187,7 +193,9 @@ async def paced_run(
         got["per_settle"] = got["rate"] * args.seconds / settles if settles else math.nan
         got["empty_claims"] = (claims - settles) / args.seconds
         if isinstance(relay, FloorProcess):  # it calls no function: it counts for itself
-            batches, messages = (now - then for now, then in zip(relay.counts(), floor_before))
+            batches, messages = (
+                now - then for now, then in zip(relay.counts(), floor_before, strict=True)
+            )
             got["per_settle"] = messages / batches if batches else math.nan
             got["empty_claims"] = math.nan
         return got
@@ -208,6 +216,14 @@ async def paced_run(
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", type=Path, help="src directory of the tree to compare with")
+    parser.add_argument(
+        "--base-setting",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="run the base relay with this setting (OUTBOXER_NAME=VALUE); without --base, "
+        "the base is this tree: one setting against its default, side by side",
+    )
     parser.add_argument("--rate", type=float, default=1000.0, help="commits/s in all")
     parser.add_argument("--writers", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=6.0)
@@ -225,7 +241,12 @@ def main() -> int:
         "--py-spy", default=shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     )
     args = parser.parse_args()
-    trees = {"this": SRC} | ({"base": args.base.resolve()} if args.base else {})
+    base_settings = {}
+    for item in args.base_setting:
+        name, _, value = item.partition("=")
+        base_settings[f"OUTBOXER_{name.upper().replace('-', '_')}"] = value
+    base = args.base.resolve() if args.base else SRC if base_settings else None
+    trees = {"this": SRC} | ({"base": base} if base is not None else {})
     if args.floor:
         trees["floor"] = FLOOR
     if args.floor_aiormq:
@@ -239,7 +260,10 @@ def main() -> int:
             for n in range(args.rounds):
                 order = list(trees) if n % 2 == 0 else list(reversed(trees))
                 for name in order:
-                    got = asyncio.run(paced_run(dbs, pool, trees[name], args, f"{name}-{n}"))
+                    settings = base_settings if name == "base" else {}
+                    got = asyncio.run(
+                        paced_run(dbs, pool, trees[name], args, f"{name}-{n}", settings)
+                    )
                     load = os.getloadavg()[0]
                     got["load"] = load
                     figures[name].append(got)

@@ -499,7 +499,10 @@ class Relay:
         #: The same counters per destination; ``stats`` holds their sums plus what no
         #: destination owns (connecting to the database, cleanup).
         self.destination_stats = {name: RelayStats() for name in self.publishers}
-        self.store.configure_wakeups(wake_on_commit_below=self.settings.wake_on_commit_below)
+        self.store.configure_wakeups(
+            wake_on_commit_below=self.settings.wake_on_commit_below,
+            busy_poll_interval=self.settings.busy_poll_interval,
+        )
         self._stopping = asyncio.Event()
         #: Loops waiting for work (see _wait_for_work), and whether stop() ended the wait.
         self._waiting: dict[asyncio.Task[Any], bool] = {}

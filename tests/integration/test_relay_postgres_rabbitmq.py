@@ -256,6 +256,46 @@ async def test_writers_do_not_notify_a_relay_that_keeps_up(pg_url: str) -> None:
     assert notifies <= 5, f"{notifies} of 300 writers sent a NOTIFY"
 
 
+async def test_under_load_the_relay_polls_every_busy_poll_interval(pg_url: str) -> None:
+    """Above wake_on_commit_below the relay looks again every busy_poll_interval: a long one
+    gathers a steady stream into few, large batches; a short one publishes it in many."""
+    batches, streamed = {}, {}
+    for busy_poll in (0.001, 0.15):
+        relay = Relay.from_settings(
+            settings(
+                pg_url,
+                f"memory://busy-{busy_poll}",
+                poll_interval=30,
+                wake_on_commit_below=0,  # any work is load
+                busy_poll_interval=busy_poll,
+                concurrency=1,
+            )
+        )
+        task = await start(relay)
+        try:
+            await asyncio.sleep(0.3)  # idle and registered
+            began = time.monotonic()
+            with psycopg.connect(pg_url, autocommit=True) as conn:
+                for n in range(100):
+                    with conn.transaction():
+                        outboxer.enqueue(conn, "t", {"n": n})
+                    await asyncio.sleep(0.005)
+            streamed[busy_poll] = time.monotonic() - began
+            await eventually(
+                lambda b=busy_poll: _true(len(memory_broker(f"busy-{b}").messages) == 100),
+                timeout=10,
+            )
+        finally:
+            await stop(relay, task)
+        batches[busy_poll] = relay.stats.batches
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            conn.execute("DELETE FROM outboxer.outbox")
+    # At most one batch per 0.15 s of the stream (plus the one the first commit woke and
+    # the last one after it), against about one a commit (5 ms apart) with a 1 ms poll.
+    assert batches[0.15] <= streamed[0.15] / 0.15 + 3, (batches, streamed)
+    assert batches[0.001] >= 3 * batches[0.15], (batches, streamed)
+
+
 async def test_below_the_threshold_each_commit_wakes_the_relay(pg_url: str) -> None:
     """A moderate stream of commits (below wake_on_commit_below): the relay stays
     registered while it works, so each writer notifies and each commit wakes it, instead

@@ -175,6 +175,17 @@ def test_settings_built_in_python_pass_the_same_checks() -> None:
     assert settings.poll_interval == 0.5
 
 
+def test_the_busy_poll_is_a_short_duration() -> None:
+    assert Settings().busy_poll_interval == 0.003
+    settings = load_settings(
+        {"broker": "memory://busy"}, environ={"OUTBOXER_BUSY_POLL_INTERVAL": "5ms"}
+    )
+    assert settings.busy_poll_interval == 0.005
+    for wrong, fragment in (("0.5ms", "at least 1ms"), ("2s", "at most 1s"), ("0", "greater")):
+        with pytest.raises(ConfigError, match=f"busy-poll-interval must be .*{fragment}"):
+            load_settings({"broker": "memory://busy", "busy_poll_interval": wrong}, environ={})
+
+
 def test_an_unknown_flag_name_is_an_error_not_ignored() -> None:
     with pytest.raises(ConfigError, match=r"unknown settings \['batchsize'\]"):
         load_settings({"batchsize": 3}, environ={})

@@ -85,6 +85,26 @@ async def test_after_work_one_loop_per_destination_chases_the_others_wait_for_a_
     assert not wakeups.busy, "quiet: register and wait for a NOTIFY"
 
 
+async def test_the_chase_looks_again_after_the_configured_busy_poll() -> None:
+    loop = asyncio.get_running_loop()
+    timings = {}
+    for busy_poll in (0.002, 0.03):
+        wakeups = WakeUps(wake_on_commit_below=0, busy_poll=busy_poll)
+        wakeups.worked()
+        started = loop.time()
+        assert await wakeups.chase("a", 30) is True
+        timings[busy_poll] = loop.time() - started
+    # A timer never fires early; it may fire late on a busy box, so only the long one is
+    # bounded from below, and the short one must not wait as long.
+    assert timings[0.03] >= 0.03 * 0.95
+    assert timings[0.002] < 0.03
+    wakeups = WakeUps(wake_on_commit_below=0, busy_poll=0.03)
+    wakeups.worked()
+    started = loop.time()
+    assert await wakeups.chase("a", 0.002) is True, "a shorter wait asked for wins"
+    assert loop.time() - started < 0.03
+
+
 def test_the_registration_is_renewed_before_it_lapses_and_withdrawn_when_busy() -> None:
     clock = Clock()
     wakeups = WakeUps(clock)

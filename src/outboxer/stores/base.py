@@ -439,9 +439,12 @@ class Store(ABC):
     # each destination's loops must hear of it (one destination's loop taking the only
     # wake-up would leave the others asleep until their poll interval).
 
-    def configure_wakeups(self, *, wake_on_commit_below: float) -> None:
-        """The relay's ``wake_on_commit_below`` setting, for stores that can be woken by a
-        commit (PostgreSQL's NOTIFY) and would rather poll under load."""
+    def configure_wakeups(
+        self, *, wake_on_commit_below: float, busy_poll_interval: float | None = None
+    ) -> None:
+        """The relay's ``wake_on_commit_below`` and ``busy_poll_interval`` settings, for
+        stores that can be woken by a commit (PostgreSQL's NOTIFY) and would rather poll
+        under load (None: the store's default poll)."""
         return None
 
     def reset_wakeup(self, destination: str) -> None:

@@ -102,7 +102,7 @@ def asyncpg_dsn(url: str) -> str:
 
 class PostgresStore(Store):
     dialect = "postgres"
-    gathers_batches = True  # under load, wait_for_wakeup polls every wakeups.CHASE_POLL seconds
+    gathers_batches = True  # under load, wait_for_wakeup polls every busy_poll_interval
     migrations_table_sql = _MIGRATIONS_TABLE
 
     def __init__(
@@ -638,8 +638,12 @@ class PostgresStore(Store):
 
     # ----- wake-ups ------------------------------------------------------------------------
 
-    def configure_wakeups(self, *, wake_on_commit_below: float) -> None:
+    def configure_wakeups(
+        self, *, wake_on_commit_below: float, busy_poll_interval: float | None = None
+    ) -> None:
         self._wakeups.wake_on_commit_below = wake_on_commit_below
+        if busy_poll_interval is not None:
+            self._wakeups.busy_poll = busy_poll_interval
 
     def reset_wakeup(self, destination: str) -> None:
         # The claim that follows sees everything committed before this point.
