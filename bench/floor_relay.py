@@ -1,12 +1,13 @@
 """The floor of a batched relay on the same drivers: the control for relay CPU per message.
 
-    python bench/floor_relay.py DB_URL AMQP_URL EXCHANGE [waves|aiormq]   # until SIGTERM
+    python bench/floor_relay.py DB_URL AMQP_URL EXCHANGE [waves|aiormq [POLL_SECONDS]]
 
 What any batched outbox relay on asyncpg and aiormq must do, and nothing more: one loop
 claims up to 200 PENDING rows with one UPDATE (PROCESSING, a lock owner and deadline),
 writes them to RabbitMQ on one channel with publisher confirms and waits for the
 confirms, marks them PUBLISHED with one UPDATE, and when the claim was not full sleeps
-5 ms (outboxer's poll interval under load) before the next. ``waves`` (the default)
+POLL_SECONDS (by default outboxer's poll under load, ``busy_poll_interval``) before the
+next; it runs until SIGTERM or SIGINT. ``waves`` (the default)
 publishes through outboxer's own RabbitMQ publisher, the cheapest way to these drivers
 this project knows (a batch's frames written in one go, confirms read by aiormq), so
 the floor is as low as the drivers allow; ``aiormq`` calls ``basic_publish`` once per
@@ -29,20 +30,25 @@ import aiormq
 import asyncpg
 from pamqp import commands as spec
 
+from outboxer.config import Settings
+
 BATCH = 200
-#: Batches and messages published so far; SIGUSR1 prints them (bench/paced_relay.py reads
-#: them before and after its window, for messages per batch).
+#: Batches and messages published so far; SIGUSR1 prints them, numbered (harness.FloorProcess
+#: reads them before and after a measured window, for messages per batch).
 COUNTS = [0, 0]
-POLL_SECONDS = 0.005
+POLL_SECONDS = Settings().busy_poll_interval
+#: The rows are found through the partial ready index and updated by ctid (a TID scan): seq
+#: has no index of its own, so ``WHERE seq IN (…)`` would scan the published history.
 CLAIM = f"""
-UPDATE outboxer.outbox SET status = 'PROCESSING', attempts = attempts + 1,
+UPDATE outboxer.outbox AS o SET status = 'PROCESSING', attempts = o.attempts + 1,
        locked_by = 'floor', locked_until = now() + interval '30 seconds'
-WHERE seq IN (
-    SELECT seq FROM outboxer.outbox
+FROM (
+    SELECT ctid AS row_id FROM outboxer.outbox
     WHERE destination = 'default' AND status = 'PENDING'
     ORDER BY seq LIMIT {BATCH}
-    FOR UPDATE SKIP LOCKED)
-RETURNING seq, id, topic, key, payload, content_type, headers::text AS headers
+    FOR UPDATE SKIP LOCKED) AS due
+WHERE o.ctid = due.row_id
+RETURNING o.seq, o.id, o.topic, o.key, o.payload, o.content_type, o.headers::text AS headers
 """
 SETTLE = """
 UPDATE outboxer.outbox SET status = 'PUBLISHED', published_at = now(),
@@ -51,7 +57,9 @@ WHERE destination = 'default' AND status = 'PROCESSING' AND seq = ANY($1::bigint
 """
 
 
-async def relay_waves(db_url: str, amqp_url: str, exchange: str, stop: asyncio.Event) -> None:
+async def relay_waves(
+    db_url: str, amqp_url: str, exchange: str, stop: asyncio.Event, poll: float
+) -> None:
     """The same loop, publishing through outboxer's RabbitMQ publisher (one wave a batch)."""
     from outboxer.brokers.rabbitmq import RabbitMQPublisher
     from outboxer.message import Message
@@ -82,13 +90,15 @@ async def relay_waves(db_url: str, amqp_url: str, exchange: str, stop: asyncio.E
                 COUNTS[0] += 1
                 COUNTS[1] += len(rows)
             if len(rows) < BATCH:
-                await asyncio.sleep(POLL_SECONDS)
+                await asyncio.sleep(poll)
     finally:
         await publisher.close()
         await db.close()
 
 
-async def relay(db_url: str, amqp_url: str, exchange: str, stop: asyncio.Event) -> None:
+async def relay(
+    db_url: str, amqp_url: str, exchange: str, stop: asyncio.Event, poll: float
+) -> None:
     # As the relay: its claims and settles do not wait for the WAL flush (a crash repeats
     # a batch, never loses one).
     db = await asyncpg.connect(db_url, server_settings={"synchronous_commit": "off"})
@@ -121,22 +131,30 @@ async def relay(db_url: str, amqp_url: str, exchange: str, stop: asyncio.Event) 
                 COUNTS[0] += 1
                 COUNTS[1] += len(rows)
             if len(rows) < BATCH:
-                await asyncio.sleep(POLL_SECONDS)
+                await asyncio.sleep(poll)
     finally:
         await broker.close()
         await db.close()
 
 
-async def main(db_url: str, amqp_url: str, exchange: str, mode: str = "waves") -> None:
+async def main(
+    db_url: str, amqp_url: str, exchange: str, mode: str = "waves", poll: str = ""
+) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    loop.add_signal_handler(
-        signal.SIGUSR1, lambda: print(f"floor-counts {COUNTS[0]} {COUNTS[1]}", flush=True)
-    )
-    await (relay_waves if mode == "waves" else relay)(db_url, amqp_url, exchange, stop)
+    asked = 0
+
+    def report() -> None:
+        nonlocal asked
+        asked += 1
+        print(f"floor-counts {asked} {COUNTS[0]} {COUNTS[1]}", flush=True)
+
+    loop.add_signal_handler(signal.SIGUSR1, report)
+    seconds = float(poll) if poll else POLL_SECONDS
+    await (relay_waves if mode == "waves" else relay)(db_url, amqp_url, exchange, stop, seconds)
 
 
 if __name__ == "__main__":
-    asyncio.run(main(*sys.argv[1:5]))
+    asyncio.run(main(*sys.argv[1:6]))

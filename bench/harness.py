@@ -504,6 +504,41 @@ class RelayProcess:
         Path(self.log.name).unlink(missing_ok=True)
 
 
+class FloorProcess(RelayProcess):
+    """bench/floor_relay.py in a subprocess, with the interface of RelayProcess: the control
+    for relay CPU per message (``mode`` "waves": outboxer's publisher; "aiormq": aiormq's
+    ``basic_publish`` per message)."""
+
+    def __init__(self, db_url: str, amqp_url: str, exchange: str, mode: str = "waves") -> None:
+        floor = Path(__file__).resolve().parent / "floor_relay.py"
+        self.argv = [sys.executable, str(floor), db_url, amqp_url, exchange, mode]
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 -- closed in close()
+            "w+", prefix="outboxer-bench-floor-", suffix=".log", delete=False
+        )
+        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT)
+        self.cpu_at_start = 0.0
+        self.cpu_total: float | None = None
+        self.status: int | None = None
+        self._asked = 0
+
+    def counts(self) -> tuple[int, int]:
+        """Batches and messages the floor published so far (it prints them on SIGUSR1,
+        numbered, so that each answer is told from the one before)."""
+        self._asked += 1
+        self.proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            self.log.flush()
+            for line in reversed(Path(self.log.name).read_text().splitlines()):
+                words = line.split()
+                if len(words) == 4 and words[0] == "floor-counts":
+                    if int(words[1]) == self._asked:
+                        return int(words[2]), int(words[3])
+                    break
+            time.sleep(0.01)
+        raise RuntimeError("the floor relay did not print its counts")
+
+
 def waiting_for_lock(conn: psycopg.Connection[Any]) -> int:
     row = conn.execute(
         "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "

@@ -20,8 +20,9 @@ than its rate says). Rounds alternate which tree runs first. ``--profile DIR`` r
 flamegraphs or ``sort | uniq``): its figures then include py-spy's sampling, so compare
 only profiled runs with each other. ``--floor`` runs ``bench/floor_relay.py`` as a third tree
 under the same load: a minimal batched relay on the same drivers (no key order, lease,
-retry, metrics or tracing) that publishes through outboxer's own wave publisher, the
-control for what a relay costs per message on this box whatever it does;
+retry, metrics or tracing) that publishes through outboxer's own wave publisher and
+polls every ``busy_poll_interval`` (its default), the control for what a relay costs per
+message on this box whatever it does;
 ``--floor-aiormq`` runs it with aiormq's ``basic_publish`` per message instead.
 """
 
@@ -32,11 +33,9 @@ import asyncio
 import math
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -46,49 +45,21 @@ import psycopg
 
 import writers
 from brokers import AMQP_URL, RabbitSink
-from harness import Databases, RelayProcess, cpu_of, log, percentile, wait_listening
+from harness import (
+    Databases,
+    FloorProcess,
+    RelayProcess,
+    cpu_of,
+    log,
+    percentile,
+    wait_listening,
+)
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
 KEYS = 10_000
 FLOOR = Path("floor")  # the tree names of bench/floor_relay.py: outboxer's wave publisher,
 FLOOR_AIORMQ = Path("floor-aiormq")  # and aiormq's basic_publish per message
-
-
-class FloorProcess(RelayProcess):
-    """bench/floor_relay.py in a subprocess, with the interface of RelayProcess."""
-
-    def __init__(self, db_url: str, exchange: str, mode: str) -> None:
-        self.argv = [
-            sys.executable,
-            str(HERE / "floor_relay.py"),
-            db_url,
-            AMQP_URL,
-            exchange,
-            mode,
-        ]
-        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 -- closed in close()
-            "w+", prefix="outboxer-bench-floor-", suffix=".log", delete=False
-        )
-        self._last = ""
-        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT)
-        self.cpu_at_start = 0.0
-        self.cpu_total: float | None = None
-        self.status: int | None = None
-
-    def counts(self) -> tuple[int, int]:
-        """Batches and messages the floor published so far (it prints them on SIGUSR1)."""
-        self.proc.send_signal(signal.SIGUSR1)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            self.log.flush()
-            lines = Path(self.log.name).read_text().splitlines()
-            if lines and lines[-1].startswith("floor-counts ") and lines[-1] != self._last:
-                self._last = lines[-1]
-                batches, messages = lines[-1].split()[1:]
-                return int(batches), int(messages)
-            time.sleep(0.01)
-        raise RuntimeError("the floor relay did not print its counts")
 
 
 def sys_cpu_of(pid: int) -> float:
@@ -135,7 +106,7 @@ async def paced_run(
     try:
         await target.consume(on_message)
         if tree in (FLOOR, FLOOR_AIORMQ):
-            relay = FloorProcess(db, target.tag, "waves" if tree == FLOOR else "aiormq")
+            relay = FloorProcess(db, AMQP_URL, target.tag, "waves" if tree == FLOOR else "aiormq")
         else:
             relay = RelayProcess(
                 db, target.url, exit_when_idle=False, env=env, extra=("--log-level", "INFO")

@@ -47,6 +47,7 @@ from harness import (
     BoxMeter,
     Databases,
     Figure,
+    FloorProcess,
     RelayProcess,
     RelayRun,
     Report,
@@ -80,6 +81,9 @@ HALF_LOAD_TRANSACTIONS = 250
 #: The latency sweep's loads: commits/s (one message each) from SWEEP_WRITERS writers.
 SWEEP_RATES = (100, 200, 500, 1000, 2000)
 SWEEP_WRITERS = 4
+#: The load at which the sweep also runs the floor relay (bench/floor_relay.py), the control
+#: for the relay CPU target there.
+SWEEP_FLOOR_RATE = 1000
 #: What the sweep measures per load (figure sweep.<rate>.<what>).
 SWEEP_FIGURES = (
     ("rate", "msg/s"),
@@ -254,7 +258,12 @@ FIGURES: dict[str, list[tuple[str, str]]] = {
         ],
     ],
     "sweep": [
-        (f"sweep.{rate}.{what}", unit) for rate in SWEEP_RATES for what, unit in SWEEP_FIGURES
+        *[(f"sweep.{rate}.{what}", unit) for rate in SWEEP_RATES for what, unit in SWEEP_FIGURES],
+        (f"sweep.{SWEEP_FLOOR_RATE}.per_batch", "msg"),
+        (f"sweep.floor.{SWEEP_FLOOR_RATE}.relay_cpu_us_per_msg", "CPU us/msg"),
+        (f"sweep.floor.{SWEEP_FLOOR_RATE}.per_batch", "msg"),
+        (f"sweep.floor.{SWEEP_FLOOR_RATE}.consumer_p50_ms", "ms"),
+        (f"sweep.{SWEEP_FLOOR_RATE}.relay_over_floor", "x"),
     ],
 }
 
@@ -925,15 +934,19 @@ class Bench:
                     f"p99 {percentile(control, 99):.2f} ms, box {_cores(got['broker_box'])}"
                 )
 
-    def latency_once(self, plan: Sequence[Load]) -> dict[str, dict[str, Any]]:
+    def latency_once(
+        self, plan: Sequence[Load], floor: Load | None = None
+    ) -> dict[str, dict[str, Any]]:
         db = self.dbs.empty("latency")
         try:
             writers.create_business_table(db)
-            return asyncio.run(self._latency_run(db, plan))
+            return asyncio.run(self._latency_run(db, plan, floor))
         finally:
             self.dbs.drop(db)
 
-    async def _latency_run(self, db: str, plan: Sequence[Load]) -> dict[str, dict[str, Any]]:
+    async def _latency_run(
+        self, db: str, plan: Sequence[Load], floor: Load | None = None
+    ) -> dict[str, dict[str, Any]]:
         """One relay (CLI, defaults) to a fresh exchange and queue, which a consumer drains;
         for each load of ``plan`` (name, transactions/s, writers, messages per transaction,
         seconds) in turn, latencies to the confirm and to the consumer. Then the control, without the relay:
@@ -945,6 +958,10 @@ class Bench:
         The confirm, as the relay sees it: ``published_at`` is the start of the settle that
         the relay runs once RabbitMQ confirmed the message, so it errs late (it includes the
         settle call's own wait), never early.
+
+        ``floor``: one more load, after the relay is stopped, with the floor relay
+        (bench/floor_relay.py) in its place, named ``floor.<name>``. ``per_batch``: messages
+        per settle, each settle's rows sharing one ``published_at``.
         """
         target = await RabbitSink().open()
         arrived: dict[str, float] = {}
@@ -1031,21 +1048,31 @@ class Bench:
                 await asyncio.sleep(max(0.0, start_at - time.time()))
                 meter = BoxMeter().start()
                 control, *_ = await asyncio.gather(publisher, *control_writers)
+                # A settle sets one published_at (its transaction's now()) on its whole batch.
+                batches = len(set(confirmed.values()))
                 return {
                     "rate": len(committed) / seconds,
                     "box": box,
                     "broker": control["latencies"],
                     "broker_box": meter.stop(),
                     "relay_cpu_us_per_msg": 1e6 * relay_cpu / len(committed),
+                    "per_batch": len(committed) / batches if batches else math.nan,
                     "latencies": [(confirmed[mid] - at) * 1000.0 for mid, at in committed],
                     "consumer": [(arrived[mid] - at) * 1000.0 for mid, at in committed],
                 }
 
             await paced(20, 1, 1, 1.0)  # warm up: relay awake, connections in use
-            return {
+            loads = {
                 name: await paced(rate, count, messages, seconds)
                 for name, rate, count, messages, seconds in plan
             }
+            if floor is not None:
+                relay.close()
+                relay = FloorProcess(db, AMQP_URL, target.tag)
+                await paced(20, 1, 1, 1.0)
+                name, rate, count, messages, seconds = floor
+                loads[f"floor.{name}"] = await paced(rate, count, messages, seconds)
+            return loads
         finally:
             if relay is not None:
                 relay.close()
@@ -1059,9 +1086,36 @@ class Bench:
             (str(rate), float(rate), SWEEP_WRITERS, 1, self.sizes.sweep_seconds)
             for rate in SWEEP_RATES
         ]
+        floor = (
+            f"{SWEEP_FLOOR_RATE}",
+            float(SWEEP_FLOOR_RATE),
+            SWEEP_WRITERS,
+            1,
+            self.sizes.sweep_seconds,
+        )
         for run in range(1, self.runs + 1):
-            log(f"sweep run {run}: {', '.join(map(str, SWEEP_RATES))} commits/s")
-            loads = attempt("sweep", functools.partial(self.latency_once, plan))
+            log(f"sweep run {run}: {', '.join(map(str, SWEEP_RATES))} commits/s, then the floor")
+            loads = attempt("sweep", functools.partial(self.latency_once, plan, floor))
+            floor_got = loads.pop(f"floor.{SWEEP_FLOOR_RATE}")
+            relay_got = loads[str(SWEEP_FLOOR_RATE)]
+            for what, value in (
+                ("relay_cpu_us_per_msg", floor_got["relay_cpu_us_per_msg"]),
+                ("per_batch", floor_got["per_batch"]),
+                ("consumer_p50_ms", percentile(floor_got["consumer"], 50)),
+            ):
+                unit = dict(FIGURES["sweep"])[f"sweep.floor.{SWEEP_FLOOR_RATE}.{what}"]
+                self.report.add(f"sweep.floor.{SWEEP_FLOOR_RATE}.{what}", unit, value)
+            self.report.add(f"sweep.{SWEEP_FLOOR_RATE}.per_batch", "msg", relay_got["per_batch"])
+            self.report.add(
+                f"sweep.{SWEEP_FLOOR_RATE}.relay_over_floor",
+                "x",
+                relay_got["relay_cpu_us_per_msg"] / floor_got["relay_cpu_us_per_msg"],
+            )
+            log(
+                f"  floor at {SWEEP_FLOOR_RATE}/s: {floor_got['relay_cpu_us_per_msg']:.0f} CPU "
+                f"us/msg at {floor_got['per_batch']:.1f} msg/batch (the relay: "
+                f"{relay_got['relay_cpu_us_per_msg']:.0f} at {relay_got['per_batch']:.1f})"
+            )
             for load, got in loads.items():
                 figures = {
                     "rate": got["rate"],
