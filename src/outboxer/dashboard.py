@@ -146,7 +146,8 @@ def newest_problems(rows: Iterable[Mapping[str, Any]], shown: int = PROBLEMS_SHO
         if isinstance(moment, datetime):
             aware = moment if moment.tzinfo else moment.replace(tzinfo=UTC)
             return aware.timestamp()
-        if isinstance(moment, int | float):  # SQLite's rows hold Unix seconds
+        # Unix seconds: rows handed in by other code (every store now gives datetimes).
+        if isinstance(moment, int | float):
             return float(moment)
         return -math.inf
 
@@ -188,7 +189,8 @@ def _problems_table(rows: Sequence[Mapping[str, Any]]) -> str:
     lines = []
     for row in rows:
         changed = row.get("updated_at")
-        if isinstance(changed, int | float):  # SQLite's rows hold Unix seconds
+        # Unix seconds: rows handed in by other code (every store now gives datetimes).
+        if isinstance(changed, int | float):
             changed = datetime.fromtimestamp(changed, UTC)
         when = changed.isoformat(sep=" ", timespec="seconds") if changed else ""
         # A relay of several databases tags each row with its database (outboxer.http).

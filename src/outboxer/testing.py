@@ -17,6 +17,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -822,6 +823,14 @@ class StoreContract(ABC):
         assert ids(await store.list_messages(["PENDING", "ABANDONED"], 3)) == newest[:3]
         assert ids(await store.list_messages(["PENDING"], 1)) == newest[2:3]
         assert await store.list_messages(["PUBLISHED", "FAILED"], 10) == []
+        # Every store gives the same types: a UUID, and aware UTC datetimes (None if unset).
+        for row in await store.list_messages(["ABANDONED", "PENDING"], 10):
+            assert isinstance(row["id"], uuid.UUID), row
+            assert row["published_at"] is None, row
+            for column in ("created_at", "updated_at", "next_attempt_at"):
+                when = row[column]
+                assert isinstance(when, datetime) and when.utcoffset() == timedelta(0), row
+                assert abs((datetime.now(UTC) - when).total_seconds()) < 300, row
         await asyncio.sleep(0.01)  # a later clock reading than the settle's
         assert await store.requeue(["default"], ["ABANDONED"], [str(sent[0].id)]) == 1
         assert ids(await store.list_messages(["PENDING", "ABANDONED"], 2)) == [

@@ -83,6 +83,10 @@ def _timestamp(value: float | None) -> datetime | None:
     return datetime.fromtimestamp(value, UTC) if value is not None else None
 
 
+#: The time columns of a listed row (list in queries.sql), stored as Unix seconds.
+_LISTED_TIMES = ("created_at", "updated_at", "next_attempt_at", "published_at")
+
+
 class SqliteStore(Store):
     dialect = "sqlite"
     migrations_table_sql = _MIGRATIONS_TABLE
@@ -356,7 +360,15 @@ class SqliteStore(Store):
             wanted = {f"list_{status.lower()}": status in statuses for status in Status}
             cursor = conn.execute(self._sql["list"], {**wanted, "limit": limit})
             names = [d[0] for d in cursor.description]
-            return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+            rows = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+            # As the other stores give them (and /messages, `outboxer messages --json` print
+            # them): a UUID, and aware UTC datetimes, not the Unix seconds SQLite holds.
+            for row in rows:
+                row["id"] = uuid.UUID(row["id"])
+                for column in _LISTED_TIMES:
+                    seconds = row[column]
+                    row[column] = None if seconds is None else datetime.fromtimestamp(seconds, UTC)
+            return rows
 
         return await self._run(work)
 
