@@ -916,7 +916,7 @@ class Settings:
     db: str | None = setting(
         kind=DatabaseUrl("postgresql://host/db or sqlite:///file.db"),
         help="database URL; `relay`: repeat it (`--db URL --db URL`, or `--db NAME=URL`) to "
-        "serve several databases in one process",
+        "serve several databases in one process (the variable: the same, separated by spaces)",
         commands=TABLE_COMMANDS,
         repeatable=True,
     )
@@ -1350,17 +1350,17 @@ def _destinations(raw: object, origin: str | None) -> dict[str, DestinationSetti
 parse_destinations = _destinations  # public: outboxer.contrib.django reads OUTBOXER's
 
 
-def _database_flags(values: object) -> dict[str, str] | str | None:
+def _database_flags(values: object, source: str = "--db") -> dict[str, str] | str | None:
     """The ``--db`` flags: one URL (str), several databases by name, or None (not given).
 
     ``--db NAME=URL`` names its database; a plain ``--db URL`` among several is named by its
-    place, ``db1``, ``db2``, …
+    place, ``db1``, ``db2``, … ``source`` names where they came from in errors.
     """
     if values is None:
         return None
     texts = [values] if isinstance(values, str) else values
     if not isinstance(texts, list | tuple) or not all(isinstance(t, str) for t in texts):
-        raise ConfigError(f"--db must be a URL or NAME=URL; got {redact_text(repr(values))}")
+        raise ConfigError(f"{source} must be a URL or NAME=URL; got {redact_text(repr(values))}")
     if not texts:
         return None
     named = [split_named_url(text) for text in texts]
@@ -1370,9 +1370,35 @@ def _database_flags(values: object) -> dict[str, str] | str | None:
     for place, (name, url) in enumerate(named, start=1):
         name = name or f"db{place}"
         if name in urls:
-            raise ConfigError(f"--db: two databases are named {name!r}")
-        urls[name] = DatabaseUrl("postgresql://host/db").parse(url, f"--db {name}")
+            raise ConfigError(f"{source}: two databases are named {name!r}")
+        urls[name] = DatabaseUrl("postgresql://host/db").parse(url, f"{source} {name}")
     return urls
+
+
+def _environment_databases(
+    environ: Mapping[str, str],
+) -> tuple[dict[str, str] | None, Mapping[str, str]]:
+    """Databases named by the database variable (``OUTBOXER_DB``), as a repeated ``--db``
+    names them: several ``NAME=URL`` (or plain URLs, named ``db1``, ``db2``, … by place)
+    separated by white space, which a URL never holds unencoded; or one ``NAME=URL``.
+    Returns them (None when the variable holds one plain URL, or nothing) and the
+    environment without the variable, which then must not be read as one URL."""
+    variable = _db_variable()
+    entries = environ.get(variable, "").split()
+    if not entries or (len(entries) == 1 and split_named_url(entries[0])[0] is None):
+        return None, environ
+    urls = _database_flags(entries, variable)
+    assert isinstance(urls, dict)  # several entries, or one named: never a single URL
+    return urls, _without_db_variable(environ)
+
+
+def _db_variable() -> str:
+    return next(d.env for d in declarations(Settings) if d.name == "db")
+
+
+def _without_db_variable(environ: Mapping[str, str]) -> Mapping[str, str]:
+    variable = _db_variable()
+    return {key: value for key, value in environ.items() if key != variable}
 
 
 def _databases(
@@ -1440,12 +1466,17 @@ def load_settings(
         )
     given = dict(flags or {})
     db_flags = _database_flags(given.pop("db", None))
+    if db_flags is None:
+        db_flags, environ = _environment_databases(environ)
+    else:
+        environ = _without_db_variable(environ)  # the flags name the database(s)
     if isinstance(db_flags, str):
         given["db"] = db_flags
     values = declared_values(Settings, given, environ, file_values, path)
     destinations = _destinations(file_values.get("destinations", {}), path)
     # The strongest source that names databases decides which: several --db flags, else
-    # one --db or OUTBOXER_DB, else the file's db or its [databases.NAME] tables.
+    # one --db, else OUTBOXER_DB (databases by name, or one URL), else the file's db or
+    # its [databases.NAME] tables.
     databases: dict[str, DatabaseSettings] = {}
     if isinstance(db_flags, dict):
         values.pop("db", None)

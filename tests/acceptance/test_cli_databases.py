@@ -136,3 +136,35 @@ def test_status_answers_for_each_database_and_one_down_fails_the_command(
     assert capsys.readouterr().out == "the outbox is empty\n", "one database: the old output"
     assert main(["enqueue", "--config", str(config), "--topic", "t", "--payload", "{}"]) == 2
     assert "choose one with --database NAME" in capsys.readouterr().err
+
+
+def test_the_environment_names_the_databases_of_a_relay(
+    tmp_path: Path, stream_prefix: str
+) -> None:
+    """OUTBOXER_DB holds NAME=URL entries separated by spaces, as a repeated --db: a
+    container configured by its environment alone serves several databases."""
+    urls = {name: f"sqlite:///{tmp_path / name}.db" for name in ("north", "south")}
+    env = {
+        "OUTBOXER_DB": " ".join(f"{name}={url}" for name, url in urls.items()),
+        "OUTBOXER_BROKER": f"{REDIS}?stream_prefix={stream_prefix}",
+    }
+    applied = cli("schema", "apply", env=env)
+    assert applied.returncode == 0, applied.stderr
+    assert "database north: applied: " in applied.stdout
+    assert "database south: applied: " in applied.stdout
+    for name in urls:
+        with contextlib.closing(sqlite3.connect(tmp_path / f"{name}.db")) as conn:
+            for n in range(3):
+                outboxer.enqueue(conn, "t", {"db": name, "n": n}, key="k")
+            conn.commit()
+    ran = cli("relay", "--exit-when-idle", "--poll-interval", "0.1", env=env)
+    assert ran.returncode == 0, ran.stderr
+    assert "database north: relay " in ran.stderr and "database south: relay " in ran.stderr
+    entries = redis.Redis.from_url(REDIS).xrange(stream_prefix + "t")
+    by_database: dict[str, list[int]] = {}
+    for _, fields in entries:
+        payload = json.loads(fields[b"payload"])
+        by_database.setdefault(payload["db"], []).append(payload["n"])
+    assert by_database == {"north": [0, 1, 2], "south": [0, 1, 2]}
+    report = cli("status", "--database", "south", env=env)
+    assert report.returncode == 0 and "PUBLISHED" in report.stdout, report.stdout + report.stderr

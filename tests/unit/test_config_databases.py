@@ -147,9 +147,40 @@ def test_bad_database_tables_are_clear_errors(tmp_path: Path, text: str, message
         load_settings({}, config_file=toml(tmp_path, text), environ={})
 
 
-def test_a_named_url_is_for_the_repeated_flag_only() -> None:
-    with pytest.raises(ConfigError, match="OUTBOXER_DB: NAME=URL names a database of the"):
-        load_settings({}, environ={"OUTBOXER_DB": "main=sqlite:///a.db"})
+def test_a_named_url_is_for_the_repeated_flag_and_the_environment_only(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="db: NAME=URL names a database of the"):
+        load_settings({}, config_file=toml(tmp_path, 'db = "main=sqlite:///a.db"\n'), environ={})
+
+
+def test_the_environment_names_databases_as_a_repeated_db_flag_does(tmp_path: Path) -> None:
+    env = {"OUTBOXER_DB": " orders=postgresql://relay:pw@h/orders\n billing=sqlite:///b.db "}
+    settings = load_settings({}, environ=env)
+    assert {name: db.url for name, db in settings.databases.items()} == {
+        "orders": "postgresql://relay:pw@h/orders",
+        "billing": "sqlite:///b.db",
+    }
+    assert settings.db is None and settings.several_databases
+    by_place = load_settings({}, environ={"OUTBOXER_DB": "sqlite:///a.db sqlite:///b.db"})
+    assert list(by_place.databases) == ["db1", "db2"]
+    one_named = load_settings({}, environ={"OUTBOXER_DB": "main=sqlite:///a.db"})
+    assert list(one_named.databases) == ["main"], "a name makes it a named database"
+    one_url = load_settings({}, environ={"OUTBOXER_DB": " sqlite:///a.db "})
+    assert not one_url.databases, "one plain URL is the single database of old"
+    # Stronger than the file, whose tables still add their overrides to the names given.
+    path = toml(tmp_path, FILE)
+    from_env = load_settings({}, config_file=path, environ={"OUTBOXER_DB": "orders=sqlite:///o"})
+    assert list(from_env.databases) == ["orders"]
+    assert from_env.for_database("orders").batch_size == 50
+    assert from_env.for_database("orders").db == "sqlite:///o"
+    # Weaker than the flags.
+    flags = load_settings({"db": ["x=sqlite:///x"]}, environ={"OUTBOXER_DB": "y=sqlite:///y"})
+    assert list(flags.databases) == ["x"]
+    one_flag = load_settings({"db": "sqlite:///x"}, environ={"OUTBOXER_DB": "y=sqlite:///y"})
+    assert one_flag.db == "sqlite:///x" and not one_flag.databases
+    with pytest.raises(ConfigError, match="OUTBOXER_DB: two databases are named 'a'"):
+        load_settings({}, environ={"OUTBOXER_DB": "a=sqlite:///a a=sqlite:///b"})
+    with pytest.raises(ConfigError, match="OUTBOXER_DB b must be a URL"):
+        load_settings({}, environ={"OUTBOXER_DB": "a=sqlite:///a b=nonsense"})
 
 
 def test_settings_built_in_python_check_their_databases() -> None:
