@@ -138,9 +138,7 @@ def test_status_answers_for_each_database_and_one_down_fails_the_command(
     assert "choose one with --database NAME" in capsys.readouterr().err
 
 
-def test_the_environment_names_the_databases_of_a_relay(
-    tmp_path: Path, stream_prefix: str
-) -> None:
+def test_the_environment_names_the_databases_of_a_relay(tmp_path: Path, stream_prefix: str) -> None:
     """OUTBOXER_DB holds NAME=URL entries separated by spaces, as a repeated --db: a
     container configured by its environment alone serves several databases."""
     urls = {name: f"sqlite:///{tmp_path / name}.db" for name in ("north", "south")}
