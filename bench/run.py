@@ -169,6 +169,8 @@ def _write_names() -> list[tuple[str, str]]:
                 (f"{base}.control_p50_ratio", "x"),
                 (f"{base}.control_p99_ratio", "x"),
                 (f"{base}.enqueue_over_control", "x"),
+                (f"{base}.table_over_control", "x"),
+                (f"{base}.enqueue_over_table", "x"),
             ]
             if relay == "relay_off":  # where the time goes: CPU per transaction
                 names += [
@@ -857,6 +859,21 @@ class Bench:
                             note="enqueue / control throughput: what outboxer costs beyond writing"
                             " the event row (key lock, trigger, indexes, Python)"
                             + (" and the relay draining meanwhile" if relay_on else ""),
+                        )
+                        report.add(
+                            f"{base}.table_over_control",
+                            "x",
+                            rate["table"] / rate["control"],
+                            note="table / control throughput: the same INSERT into the outbox"
+                            " table itself, no key lock, no outboxer code: what the table's"
+                            " indexes, defaults and trigger cost",
+                        )
+                        report.add(
+                            f"{base}.enqueue_over_table",
+                            "x",
+                            rate["enqueue"] / rate["table"],
+                            note="enqueue / table throughput: what the key lock and outboxer's"
+                            " Python cost beyond the table's own INSERT",
                         )
                         log(
                             f"{base} run {run}: "
