@@ -72,7 +72,7 @@ async def test_after_work_one_loop_per_destination_chases_the_others_wait_for_a_
         return woken, loop.time() - started
 
     chaser, other, elsewhere = await asyncio.gather(timed("a"), timed("a"), timed("b"))
-    assert chaser[0] is True, "no nudge, yet it looks again (after CHASE_POLL)"
+    assert chaser[0] is True, "no nudge, yet it looks again (after its busy poll)"
     assert elsewhere[0] is True, "each destination has its own chaser"
     assert other[0] is False and other[1] >= CHASE_SECONDS * 0.9, "waited for a nudge"
     nudged = asyncio.create_task(wakeups.chase("a", 30))

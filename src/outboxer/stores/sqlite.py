@@ -366,8 +366,7 @@ class SqliteStore(Store):
             for row in rows:
                 row["id"] = uuid.UUID(row["id"])
                 for column in _LISTED_TIMES:
-                    seconds = row[column]
-                    row[column] = None if seconds is None else datetime.fromtimestamp(seconds, UTC)
+                    row[column] = _timestamp(row[column])
             return rows
 
         return await self._run(work)

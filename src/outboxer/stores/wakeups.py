@@ -22,8 +22,8 @@ do not wait for each other. Four parts:
   NOTIFYs such writers speed up past the threshold, and the relay stays under load.
 * **The chase**, under load only. For ``CHASE_SECONDS`` after a claim (of any
   destination) found work, one loop of each destination looks again every
-  ``busy_poll`` seconds (the ``busy_poll_interval`` setting, ``CHASE_POLL`` by default)
-  instead of waiting for a NOTIFY; the destination's other loops wait to be nudged, as
+  ``busy_poll`` seconds (the ``busy_poll_interval`` setting) instead of waiting for a
+  NOTIFY; the destination's other loops wait to be nudged, as
   for a NOTIFY. The poll sets both the latency and the CPU per message under load: a
   commit waits half a poll for its claim on average, and every claim costs the relay
   about a millisecond of CPU, whatever it takes.
@@ -45,14 +45,8 @@ from outboxer.config import Settings
 #: Seconds a listener registration outlives the wait it was made for.
 REGISTRATION_MARGIN = 2.0
 #: For this long after a claim found work, a relay under load polls every ``busy_poll``
-#: seconds (CHASE_POLL unless configured) instead of registering for NOTIFYs.
+#: seconds instead of registering for NOTIFYs.
 CHASE_SECONDS = 0.05
-#: 3 ms, not 5: at 1,000 commits/s, consumer p50 3.8 against 5.7 ms for 1.19 x the relay's
-#: CPU per message (bench/paced_relay.py --base-setting busy_poll_interval=5ms); 4 ms gave
-#: 4.7 ms for 1.09 x. Even a relay with no guarantees at all on the same drivers spends
-#: over 100 us of CPU a message at a 5 ms poll (bench/floor_relay.py), so the latency is
-#: the figure a poll can still buy.
-CHASE_POLL = 0.003
 #: Time constant of the claim rate's moving average: short, so that a relay goes from
 #: listening to polling a few claims into a burst (each commit notifies meanwhile).
 RATE_SECONDS = 0.1
@@ -75,7 +69,7 @@ class WakeUps:
         clock: Callable[[], float] = time.monotonic,
         *,
         wake_on_commit_below: float = Settings.wake_on_commit_below,
-        busy_poll: float = CHASE_POLL,
+        busy_poll: float = Settings.busy_poll_interval,
     ) -> None:
         self._clock = clock
         #: Messages/s claimed from which the relay polls (chases) instead of listening.
