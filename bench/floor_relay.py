@@ -33,9 +33,6 @@ from pamqp import commands as spec
 from outboxer.config import Settings
 
 BATCH = 200
-#: Batches and messages published so far; SIGUSR1 prints them, numbered (harness.FloorProcess
-#: reads them before and after a measured window, for messages per batch).
-COUNTS = [0, 0]
 POLL_SECONDS = Settings().busy_poll_interval
 #: The rows are found through the partial ready index and updated by ctid (a TID scan): seq
 #: has no index of its own, so ``WHERE seq IN (…)`` would scan the published history.
@@ -87,8 +84,6 @@ async def relay_waves(
                 ]
                 await publisher.publish_batch(messages)
                 await db.execute(SETTLE, [row["seq"] for row in rows])
-                COUNTS[0] += 1
-                COUNTS[1] += len(rows)
             if len(rows) < BATCH:
                 await asyncio.sleep(poll)
     finally:
@@ -128,8 +123,6 @@ async def relay(
                     )
                 await asyncio.gather(*confirms)
                 await db.execute(SETTLE, [row["seq"] for row in rows])
-                COUNTS[0] += 1
-                COUNTS[1] += len(rows)
             if len(rows) < BATCH:
                 await asyncio.sleep(poll)
     finally:
@@ -144,14 +137,6 @@ async def main(
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    asked = 0
-
-    def report() -> None:
-        nonlocal asked
-        asked += 1
-        print(f"floor-counts {asked} {COUNTS[0]} {COUNTS[1]}", flush=True)
-
-    loop.add_signal_handler(signal.SIGUSR1, report)
     seconds = float(poll) if poll else POLL_SECONDS
     await (relay_waves if mode == "waves" else relay)(db_url, amqp_url, exchange, stop, seconds)
 

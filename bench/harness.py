@@ -519,24 +519,6 @@ class FloorProcess(RelayProcess):
         self.cpu_at_start = 0.0
         self.cpu_total: float | None = None
         self.status: int | None = None
-        self._asked = 0
-
-    def counts(self) -> tuple[int, int]:
-        """Batches and messages the floor published so far (it prints them on SIGUSR1,
-        numbered, so that each answer is told from the one before)."""
-        self._asked += 1
-        self.proc.send_signal(signal.SIGUSR1)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            self.log.flush()
-            for line in reversed(Path(self.log.name).read_text().splitlines()):
-                words = line.split()
-                if len(words) == 4 and words[0] == "floor-counts":
-                    if int(words[1]) == self._asked:
-                        return int(words[2]), int(words[3])
-                    break
-            time.sleep(0.01)
-        raise RuntimeError("the floor relay did not print its counts")
 
 
 def waiting_for_lock(conn: psycopg.Connection[Any]) -> int:
