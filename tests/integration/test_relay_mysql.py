@@ -163,3 +163,37 @@ async def test_wait_for_wakeup_sees_commits_made_while_it_was_not_waiting(mysql_
             await store.wait_for_wakeup("default", 0.2) is True
         )  # a change all the same: one extra look
         assert await store.wait_for_wakeup("default", 0.2) is False
+
+
+async def test_retention_never_waits_for_a_row_a_claim_holds(mysql_url: str) -> None:
+    """Retention deletes finished rows only, and must not lock, nor wait for, any other. On
+    a small table ``DELETE … ORDER BY updated_at LIMIT`` read (and locked) rows it did not
+    delete, so it waited for the rows a claim held, and could deadlock with the claim."""
+    conn = mysql_connect(mysql_url)
+    holder = mysql_connect(mysql_url)
+    try:
+        outboxer.enqueue_many(conn, [{"topic": "t", "payload": {"n": n}} for n in range(6)])
+        conn.commit()
+        with conn.cursor() as cursor:
+            cursor.execute(
+                "UPDATE outbox SET status = 'PUBLISHED',"
+                " updated_at = UTC_TIMESTAMP(6) - INTERVAL 1 DAY ORDER BY seq LIMIT 4"
+            )
+        conn.commit()
+        with holder.cursor() as cursor:  # a claim in progress: its rows locked until it ends
+            cursor.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")  # a relay's
+            cursor.execute("SELECT seq FROM outbox WHERE status = 'PENDING'")
+            pending = [row[0] for row in cursor.fetchall()]
+            assert len(pending) == 2
+            # Exactly these rows, as a claim locks the rows it takes.
+            cursor.execute(
+                "SELECT seq FROM outbox FORCE INDEX (PRIMARY) WHERE seq IN (%s, %s) FOR UPDATE",
+                pending,
+            )
+        async with outboxer.create_store(mysql_url) as store:
+            deleted = await asyncio.wait_for(store.cleanup("PUBLISHED", 3600.0, 1000), 10)
+        assert deleted == 4
+    finally:
+        holder.rollback()
+        holder.close()
+        conn.close()

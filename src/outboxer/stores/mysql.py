@@ -513,10 +513,14 @@ class MySQLStore(Store):
         return result
 
     async def cleanup(self, status: str, retention: float, limit: int) -> int:
+        params = {"status": status, "retention": float(retention), "limit": limit}
         async with self._transaction() as cursor:
-            return await self._execute(
-                cursor, "cleanup", {"status": status, "retention": float(retention), "limit": limit}
-            )
+            # Two statements: see cleanup_candidates in queries.sql.
+            await self._execute(cursor, "cleanup_candidates", params)
+            seqs = [row["seq"] for row in await cursor.fetchall()]
+            if not seqs:
+                return 0
+            return await self._execute(cursor, "cleanup", {**params, "seqs": seqs})
 
     async def cleanup_inbox(self, retention: float, limit: int) -> int:
         async with self._transaction() as cursor:

@@ -215,15 +215,28 @@ SET status = IF(attempts > 0, 'FAILED', 'PENDING'),
 WHERE seq IN (:seqs) AND destination = :destination
   AND status = 'PROCESSING' AND lease = :lease AND locked_by = :relay_id
 
--- name: cleanup
--- PUBLISHED | ABANDONED -> deleted once older than the retention; at most :limit rows a
--- statement, oldest first (finished_idx), so no statement runs long or holds many locks.
--- Relays never lock finished rows; a requeue that is changing one makes this wait for it.
-DELETE FROM {outbox}
+-- name: cleanup_candidates
+-- Retention, step 1: the seqs of at most :limit PUBLISHED | ABANDONED rows older than the
+-- retention, oldest first, read through finished_idx without a lock (a consistent read).
+-- Not one `DELETE … ORDER BY updated_at LIMIT`: on a small table InnoDB chose a full scan
+-- for it and locked every row it read, so it waited for the rows a claim held and could
+-- deadlock with the claim; a single-table DELETE takes no index hint.
+SELECT seq FROM {outbox} FORCE INDEX (finished_idx)
 WHERE status = :status
   AND updated_at < UTC_TIMESTAMP(6) - INTERVAL :retention SECOND
 ORDER BY updated_at
 LIMIT :limit
+
+-- name: cleanup
+-- Retention, step 2, in the same transaction: PUBLISHED | ABANDONED -> deleted, through the
+-- primary key (the multi-table form, which takes the index hint), so it reads and locks
+-- only the rows it deletes: through finished_idx InnoDB read on past them. Each row is
+-- checked again: one a requeue made PENDING since step 1 stays. Relays never lock finished
+-- rows; a requeue that is changing one makes this wait for it.
+DELETE finished FROM {outbox} AS finished FORCE INDEX (PRIMARY)
+WHERE finished.seq IN (:seqs)
+  AND finished.status = :status
+  AND finished.updated_at < UTC_TIMESTAMP(6) - INTERVAL :retention SECOND
 
 -- name: requeue
 -- ABANDONED | FAILED -> PENDING, due now, attempts reset: an operator's decision. Runs under
