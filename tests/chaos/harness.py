@@ -580,9 +580,11 @@ class RabbitSink(Sink):
     async def _consume(self) -> None:
         import aio_pika
 
+        from outboxer.brokers.rabbitmq import connect_amqp
+
         while not self._stopping.is_set():
             try:
-                connection = await aio_pika.connect(self.amqp_url, timeout=5)
+                connection = await connect_amqp(self.amqp_url, 5)
             except (TimeoutError, OSError, aio_pika.exceptions.AMQPError):
                 await asyncio.sleep(0.2)  # the broker is down: it comes back
                 continue
@@ -617,12 +619,12 @@ class RabbitSink(Sink):
         self._stopping.set()
 
         async def close() -> None:
-            import aio_pika
+            from outboxer.brokers.rabbitmq import connect_amqp
 
             if self._task is not None:
                 self._task.cancel()
             with contextlib.suppress(Exception):
-                connection = await aio_pika.connect(self.amqp_url, timeout=5)
+                connection = await connect_amqp(self.amqp_url, 5)
                 channel = await connection.channel()
                 await channel.queue_delete(self.queue)
                 await channel.exchange_delete(self.exchange)

@@ -272,6 +272,20 @@ def _takes_frames(channel: aiormq.abc.AbstractChannel) -> bool:
     return not channel.is_closed and channel.connection.channels.get(channel.number) is channel
 
 
+async def connect_amqp(url: str, timeout: float | None) -> AbstractConnection:
+    """``aio_pika.connect``, but a connection whose connect fails is closed here. aio-pika
+    leaves it to the garbage collector, whose ``__del__`` schedules a ``close()`` that no
+    loop may run: "coroutine 'Connection.close' was never awaited", once per broker outage."""
+    connection = aio_pika.Connection(aio_pika.connection.make_url(url))
+    try:
+        await connection.connect(timeout=timeout)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await connection.close()
+        raise
+    return connection
+
+
 @functools.lru_cache(maxsize=4096)
 def _publish_method(exchange: str, routing_key: str, mandatory: bool) -> bytes:
     """The payload of a ``basic.publish`` method frame; pamqp validates the names once."""
@@ -452,7 +466,7 @@ class RabbitMQPublisher(Publisher):
 
     async def _reconnect(self) -> None:
         await self._close()
-        connection = await aio_pika.connect(self._driver_url, timeout=self.connect_timeout)
+        connection = await connect_amqp(self._driver_url, self.connect_timeout)
         try:
             channel = await self._open_channel(connection)
             if self.declare_exchange and self.exchange and not self.exchange.startswith("amq."):

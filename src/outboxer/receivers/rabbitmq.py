@@ -25,12 +25,11 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-import aio_pika
 import aiormq
 from aio_pika.abc import AbstractConnection, AbstractIncomingMessage
 
 from outboxer.brokers.base import option_bool
-from outboxer.brokers.rabbitmq import RabbitMQPublisher
+from outboxer.brokers.rabbitmq import RabbitMQPublisher, connect_amqp
 from outboxer.errors import ConfigError
 from outboxer.receivers.base import Incoming, Receiver, decode, take
 
@@ -79,9 +78,7 @@ class RabbitMQReceiver(Receiver):
         self._lost = asyncio.Event()
         self._arrived = asyncio.Queue()
         publisher = self._rabbit
-        connection = await aio_pika.connect(
-            publisher._driver_url, timeout=publisher.connect_timeout
-        )
+        connection = await connect_amqp(publisher._driver_url, publisher.connect_timeout)
         self._connection = connection
         connection.close_callbacks.add(self._on_close)
         channel = await connection.channel()
