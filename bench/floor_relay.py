@@ -22,9 +22,11 @@ drivers and the interpreter cost whatever the relay does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import sys
+from collections.abc import Awaitable, Callable, Sequence
 
 import aiormq
 import asyncpg
@@ -54,80 +56,88 @@ WHERE destination = 'default' AND status = 'PROCESSING' AND seq = ANY($1::bigint
 """
 
 
-async def relay_waves(
-    db_url: str, amqp_url: str, exchange: str, stop: asyncio.Event, poll: float
-) -> None:
-    """The same loop, publishing through outboxer's RabbitMQ publisher (one wave a batch)."""
+Publish = Callable[[Sequence[asyncpg.Record]], Awaitable[object]]
+
+
+async def waves_publisher(
+    amqp_url: str, exchange: str, stack: contextlib.AsyncExitStack
+) -> Publish:
+    """A batch as one wave of outboxer's RabbitMQ publisher."""
     from outboxer.brokers.rabbitmq import RabbitMQPublisher
     from outboxer.message import Message
 
-    # As the relay: its claims and settles do not wait for the WAL flush (a crash repeats
-    # a batch, never loses one).
-    db = await asyncpg.connect(db_url, server_settings={"synchronous_commit": "off"})
     publisher = RabbitMQPublisher(amqp_url, exchange=exchange, declare_exchange=False)
     await publisher.connect()
-    try:
-        while not stop.is_set():
-            rows = await db.fetch(CLAIM)
-            if rows:
-                messages = [
-                    Message(
-                        id=row["id"],
-                        topic=row["topic"],
-                        payload=bytes(row["payload"]),
-                        key=row["key"],
-                        headers=json.loads(row["headers"]),
-                        content_type=row["content_type"],
-                        seq=row["seq"],
-                    )
-                    for row in rows
-                ]
-                await publisher.publish_batch(messages)
-                await db.execute(SETTLE, [row["seq"] for row in rows])
-            if len(rows) < BATCH:
-                await asyncio.sleep(poll)
-    finally:
-        await publisher.close()
-        await db.close()
+    stack.push_async_callback(publisher.close)
+
+    async def publish(rows: Sequence[asyncpg.Record]) -> object:
+        return await publisher.publish_batch(
+            [
+                Message(
+                    id=row["id"],
+                    topic=row["topic"],
+                    payload=bytes(row["payload"]),
+                    key=row["key"],
+                    headers=json.loads(row["headers"]),
+                    content_type=row["content_type"],
+                    seq=row["seq"],
+                )
+                for row in rows
+            ]
+        )
+
+    return publish
+
+
+async def aiormq_publisher(
+    amqp_url: str, exchange: str, stack: contextlib.AsyncExitStack
+) -> Publish:
+    """A batch as one aiormq ``basic_publish`` per message, the confirms gathered."""
+    broker = await aiormq.connect(amqp_url)
+    stack.push_async_callback(broker.close)
+    channel = await broker.channel(publisher_confirms=True)
+
+    async def publish(rows: Sequence[asyncpg.Record]) -> object:
+        confirms = []
+        for row in rows:
+            headers = json.loads(row["headers"])
+            headers["outboxer-key"] = row["key"] or ""
+            properties = spec.Basic.Properties(
+                content_type=row["content_type"],
+                delivery_mode=2,
+                message_id=str(row["id"]),
+                headers=headers,
+            )
+            confirms.append(
+                channel.basic_publish(
+                    bytes(row["payload"]),
+                    exchange=exchange,
+                    routing_key=row["topic"],
+                    properties=properties,
+                )
+            )
+        return await asyncio.gather(*confirms)
+
+    return publish
 
 
 async def relay(
-    db_url: str, amqp_url: str, exchange: str, stop: asyncio.Event, poll: float
+    db_url: str, amqp_url: str, exchange: str, mode: str, stop: asyncio.Event, poll: float
 ) -> None:
-    # As the relay: its claims and settles do not wait for the WAL flush (a crash repeats
-    # a batch, never loses one).
-    db = await asyncpg.connect(db_url, server_settings={"synchronous_commit": "off"})
-    broker = await aiormq.connect(amqp_url)
-    try:
-        channel = await broker.channel(publisher_confirms=True)
+    async with contextlib.AsyncExitStack() as stack:
+        # As the relay: its claims and settles do not wait for the WAL flush (a crash
+        # repeats a batch, never loses one).
+        db = await asyncpg.connect(db_url, server_settings={"synchronous_commit": "off"})
+        stack.push_async_callback(db.close)
+        make = waves_publisher if mode == "waves" else aiormq_publisher
+        publish = await make(amqp_url, exchange, stack)
         while not stop.is_set():
             rows = await db.fetch(CLAIM)
             if rows:
-                confirms = []
-                for row in rows:
-                    headers = json.loads(row["headers"])
-                    headers["outboxer-key"] = row["key"] or ""
-                    properties = spec.Basic.Properties(
-                        content_type=row["content_type"],
-                        delivery_mode=2,
-                        message_id=str(row["id"]),
-                        headers=headers,
-                    )
-                    confirms.append(
-                        channel.basic_publish(
-                            bytes(row["payload"]),
-                            exchange=exchange,
-                            routing_key=row["topic"],
-                            properties=properties,
-                        )
-                    )
-                await asyncio.gather(*confirms)
+                await publish(rows)
                 await db.execute(SETTLE, [row["seq"] for row in rows])
             if len(rows) < BATCH:
                 await asyncio.sleep(poll)
-    finally:
-        await broker.close()
-        await db.close()
 
 
 async def main(
@@ -138,7 +148,7 @@ async def main(
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     seconds = float(poll) if poll else POLL_SECONDS
-    await (relay_waves if mode == "waves" else relay)(db_url, amqp_url, exchange, stop, seconds)
+    await relay(db_url, amqp_url, exchange, mode, stop, seconds)
 
 
 if __name__ == "__main__":
