@@ -101,6 +101,11 @@ class Outbox:
     #: Offload payloads over its threshold (after encryption) to its object store before
     #: the INSERT (outboxer.claimcheck); the row then carries a reference.
     claim_check: ClaimCheck | None = None
+    #: PostgreSQL: the most key locks one write takes (distinct keys of an enqueue_many, or
+    #: of a replay). A write with more locks the table instead (queries.sql: table_lock):
+    #: each key lock is an entry of the cluster's shared lock table, which a few thousand
+    #: fill, and then every session's next lock fails.
+    max_key_locks: int = 1000
     _cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -116,6 +121,9 @@ class Outbox:
             raise ConfigError(
                 f"max_payload_bytes must be None or a whole number of bytes >= 1; got {limit!r}"
             )
+        limit = self.max_key_locks
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ConfigError(f"max_key_locks must be a whole number >= 1; got {limit!r}")
         self._check_protection()
 
     def _check_protection(self) -> None:
@@ -380,9 +388,10 @@ def mysql_errno(exc: BaseException) -> int | None:
 # ----- drivers ------------------------------------------------------------------------------
 
 
-def _many_params(messages: Sequence[Message]) -> dict[str, list[Any]]:
+def _many_params(messages: Sequence[Message], *, lock_keys: bool) -> dict[str, Any]:
     rows = [_Row(m).params("postgres") for m in messages]
     return {
+        "lock_keys": lock_keys,
         "ids": [r["id"] for r in rows],
         "destinations": [r["destination"] for r in rows],
         "topics": [r["topic"] for r in rows],
@@ -425,9 +434,13 @@ class _Driver:
 
     @staticmethod
     def statements(
-        outbox: Outbox, dialect: str, messages: Sequence[Message]
+        outbox: Outbox, dialect: str, messages: Sequence[Message], *, key_locks: bool = True
     ) -> list[tuple[str, list[dict[str, Any]]]]:
-        """The statements that insert ``messages``, each with its rows of parameters."""
+        """The statements that insert ``messages``, each with its rows of parameters.
+
+        ``key_locks=False`` (PostgreSQL): the transaction holds the table lock already
+        (a replay of many keys), so the rows take no key lock.
+        """
         if dialect == "mysql":
             # Each key's slot locked before any row takes its seq; see queries.sql, key_lock.
             # The list is padded to a power of two with its last slot (locked once all the
@@ -452,9 +465,16 @@ class _Driver:
                 *locks,
                 (outbox._sql(dialect, "insert"), [_Row(m).params(dialect) for m in messages]),
             ]
-        if dialect == "sqlite" or len(messages) == 1:  # SQLite has no arrays: one row a statement
+        if dialect == "sqlite" or (len(messages) == 1 and key_locks):
+            # SQLite has no arrays (one row a statement) and no key locks (one writer at once).
             return [(outbox._sql(dialect, "insert"), [_Row(m).params(dialect) for m in messages])]
-        return [(outbox._sql(dialect, "insert_many"), [_many_params(messages)])]
+        insert = outbox._sql(dialect, "insert_many")
+        if key_locks and _more_keys_than(messages, outbox.max_key_locks):
+            return [
+                (outbox._sql(dialect, "table_lock"), [{}]),
+                (insert, [_many_params(messages, lock_keys=False)]),
+            ]
+        return [(insert, [_many_params(messages, lock_keys=key_locks)])]
 
     def write(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> None:
         dialect = self.dialect(conn)
@@ -466,15 +486,24 @@ class _Driver:
             else:
                 self.execute_many(conn, sql, rows)
 
-    async def write_async(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> None:
+    async def write_async(
+        self, outbox: Outbox, conn: Any, messages: Sequence[Message], *, key_locks: bool = True
+    ) -> None:
         dialect = self.dialect(conn)
         if dialect == "mysql":
             _refuse_autocommit(self.name, await self.driver_connection_async(conn))
-        for sql, rows in self.statements(outbox, dialect, messages):
+        for sql, rows in self.statements(outbox, dialect, messages, key_locks=key_locks):
             if len(rows) == 1:
                 await self.execute_async(conn, sql, rows[0])
             else:
                 await self.execute_many_async(conn, sql, rows)
+
+
+def _more_keys_than(messages: Sequence[Message], limit: int) -> bool:
+    """Whether ``messages`` carry more than ``limit`` distinct keys."""
+    if len(messages) <= limit:  # the common case: no set built
+        return False
+    return len({m.key for m in messages if m.key is not None}) > limit
 
 
 def _refuse_autocommit(name: str, raw: Any) -> None:
@@ -576,8 +605,9 @@ class _Asyncpg(_Driver):
 
     async def execute_async(self, conn: Any, sql: str, params: dict[str, Any]) -> int:
         numbered, names = _numbered(sql)
-        tag = await conn.execute(numbered, *(params[name] for name in names))
-        return int(str(tag).rsplit(" ", 1)[-1])
+        tag = str(await conn.execute(numbered, *(params[name] for name in names)))
+        count = tag.rsplit(" ", 1)[-1]  # "INSERT 0 3"; "LOCK TABLE" counts no rows
+        return int(count) if count.isdigit() else 0
 
 
 class _Sqlite(_Driver):

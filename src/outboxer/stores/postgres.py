@@ -795,12 +795,18 @@ class PostgresStore(Store):
         inserted = 0
         async with self._pool.acquire() as conn, conn.transaction():
             await _durably(conn)
-            await conn.execute(*self._admin("replay_key_locks", where))
+            keys = await conn.fetchrow(
+                *self._admin("replay_key_locks", where, max_key_locks=outbox.max_key_locks)
+            )
+            # Too many keys to lock one by one (admin.sql: replay_key_locks): lock the table.
+            key_locks = keys["keys"] == keys["locked"]
+            if not key_locks:
+                await conn.execute(outbox._sql("postgres", "table_lock"))
             originals = await conn.cursor(*self._admin("replay_originals", where))
             while rows := await originals.fetch(REPLAY_PAGE):
                 copies = await asyncio.to_thread(copy, [_original(row) for row in rows])
                 if copies:
-                    await detect(conn).write_async(outbox, conn, copies)
+                    await detect(conn).write_async(outbox, conn, copies, key_locks=key_locks)
                     inserted += len(copies)
         return inserted
 

@@ -65,11 +65,18 @@ WHERE {filter}
 -- list runs after the sort), so a replay and writers that share keys never deadlock. The
 -- inserts lock each key again, which costs nothing: the transaction holds it already.
 -- Writers of these keys wait for the replay's commit: their rows come after the copies.
-SELECT pg_advisory_xact_lock(ids.lock_id)
-FROM (SELECT DISTINCT hashtextextended('outboxer-key:' || key, 0) AS lock_id
-      FROM {outbox}
-      WHERE {filter} AND status = 'PUBLISHED' AND key IS NOT NULL) AS ids
-ORDER BY ids.lock_id
+-- With more keys than :max_key_locks it locks none and says how many there are: the
+-- replay then takes queries.sql's table_lock instead and its inserts lock no key.
+WITH ids AS MATERIALIZED (
+    SELECT DISTINCT hashtextextended('outboxer-key:' || key, 0) AS lock_id
+    FROM {outbox}
+    WHERE {filter} AND status = 'PUBLISHED' AND key IS NOT NULL),
+locked AS MATERIALIZED (
+    SELECT pg_advisory_xact_lock(ids.lock_id)
+    FROM ids
+    WHERE (SELECT count(*) FROM ids) <= :max_key_locks
+    ORDER BY ids.lock_id)
+SELECT (SELECT count(*) FROM ids) AS keys, (SELECT count(*) FROM locked) AS locked
 
 -- name: replay_originals
 -- The PUBLISHED originals in seq order (a key's publish order), read through a cursor a

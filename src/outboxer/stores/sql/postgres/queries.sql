@@ -22,10 +22,12 @@ LEFT JOIN LATERAL (
 -- subquery is an InitPlan, evaluated before the first row is produced). It takes the
 -- locks in one global order (by lock id: a volatile function in a sorted SELECT list runs
 -- after the sort), so two calls sharing keys never deadlock, whatever their callers' order.
+-- With :lock_keys false it takes none: the transaction holds table_lock instead.
 WITH key_locks AS MATERIALIZED (
     SELECT pg_advisory_xact_lock(ids.lock_id)
     FROM (SELECT DISTINCT hashtextextended('outboxer-key:' || k.key, 0) AS lock_id
-          FROM unnest(CAST(:keys AS text[])) AS k(key) WHERE k.key IS NOT NULL) AS ids
+          FROM unnest(CAST(:keys AS text[])) AS k(key)
+          WHERE k.key IS NOT NULL AND CAST(:lock_keys AS boolean)) AS ids
     ORDER BY ids.lock_id)
 INSERT INTO {outbox} (id, destination, topic, key, payload, content_type, headers)
 SELECT m.id, m.destination, m.topic, m.key, m.payload, m.content_type, CAST(m.headers AS jsonb)
@@ -35,6 +37,19 @@ FROM unnest(CAST(:ids AS uuid[]), CAST(:destinations AS text[]), CAST(:topics AS
      WITH ORDINALITY AS m(id, destination, topic, key, payload, content_type, headers, position)
 WHERE (SELECT count(*) FROM key_locks) >= 0
 ORDER BY m.position
+
+-- name: table_lock
+-- In place of the key locks of a write with more keys than Outbox.max_key_locks: one
+-- advisory lock per key would fill the cluster's shared lock table (a few thousand
+-- entries by default; once it is full, every session's next lock fails, not only this
+-- one's). SHARE ROW EXCLUSIVE conflicts with the ROW EXCLUSIVE lock every INSERT, claim,
+-- settle and DELETE of the table takes, and with itself. Invariant: once it is granted,
+-- every other transaction that wrote a row here has committed or rolled back, and none
+-- writes one until this one ends, so this transaction's rows take their seqs after every
+-- row committed before it and before every row committed after it: for every key, seq
+-- order is commit order, as the key locks would keep it. The price: writers of any key,
+-- and the relays' claims and settles, wait for this transaction's commit.
+LOCK TABLE {outbox} IN SHARE ROW EXCLUSIVE MODE
 
 -- name: destination_lock
 -- Operators' changes (requeue) take the destination lock shared, like a settle: a claim
