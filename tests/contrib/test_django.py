@@ -233,3 +233,62 @@ def test_django_test_runner(
         django(url, "test", "tests.contrib.django_project.shop", "--noinput", test_database=name)
     )
     assert "OK" in output
+
+
+# ----- outboxer_consume --http ------------------------------------------------------------------
+
+
+def test_outboxer_consume_serves_its_group_s_metrics_over_http(pg_url: str) -> None:
+    """``manage.py outboxer_consume --http`` (a subprocess: SIGTERM stops it as a deployment
+    would) applies the messages with the ORM and counts them on ``/metrics``."""
+    import signal
+    import time
+    import urllib.request
+
+    import redis
+
+    import outboxer
+    from outboxer import Relay, load_settings
+    from tests.services import require
+
+    require("redis")
+    broker = "redis://127.0.0.1:6379/0"
+    check(django(pg_url, "migrate"))  # the shop's tables; outboxer's are there already
+    topic = f"django-http-{uuid.uuid4().hex[:12]}"
+    group = f"g-{topic}"
+    with psycopg.connect(pg_url) as conn:
+        for order in range(3):
+            outboxer.enqueue(conn, topic, {"order": order}, key=f"c-{order}")
+    settings = load_settings({"db": pg_url, "broker": broker}, environ={})
+    assert asyncio.run(Relay.from_settings(settings).drain()).published == 3
+    port = 20000 + uuid.uuid4().int % 20000
+    env = dict(os.environ, OUTBOXER_TEST_DJANGO_DB=pg_url, PYTHONPATH=str(ROOT))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "django", "outboxer_consume", f"--settings={SETTINGS}",
+         "--broker", broker, "--group", group, "--topic", topic, "--http", f"127.0.0.1:{port}",
+         "tests.contrib.django_project.shop.handlers:ship"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        text = ""
+        while f'outboxer_consumer_acked_total{{group="{group}"}} 3.0' not in text:
+            assert process.poll() is None and time.monotonic() < deadline, text
+            time.sleep(0.2)
+            with (
+                contextlib.suppress(OSError),  # not listening yet
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as got,
+            ):
+                text = got.read().decode()
+    finally:
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=30)
+        with redis.Redis.from_url(broker) as client:
+            client.delete(topic)
+    assert process.returncode == 0, output
+    assert f"consumer {group}: applied 3, duplicates 0, dead letters 0" in output
+    assert f'outboxer_consumer_applied_total{{group="{group}"}} 3.0' in text
+    assert f'outboxer_consumer_dead_lettered_total{{group="{group}"}} 0.0' in text
+    with psycopg.connect(pg_url) as conn:
+        shipped = conn.execute('SELECT "order" FROM shop_shipment').fetchall()
+    assert sorted(shipped) == [(0,), (1,), (2,)]
