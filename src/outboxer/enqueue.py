@@ -832,9 +832,10 @@ def configure(
     encryption: KeyRing | None = None,
     seal_headers: bool | tuple[str, ...] = False,
     claim_check: ClaimCheck | None = None,
+    max_key_locks: int = 1000,
 ) -> Outbox:
-    """Set the names, destinations, payload limit and payload protection that the
-    module-level ``enqueue`` functions use."""
+    """Set the names, destinations, payload limit, payload protection and key-lock limit
+    that the module-level ``enqueue`` functions use."""
     global DEFAULT_OUTBOX
     DEFAULT_OUTBOX = Outbox(
         schema=schema,
@@ -845,6 +846,7 @@ def configure(
         encryption=encryption,
         seal_headers=seal_headers,
         claim_check=claim_check,
+        max_key_locks=max_key_locks,
     )
     return DEFAULT_OUTBOX
 

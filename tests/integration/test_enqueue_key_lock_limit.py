@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 import time
 import uuid
@@ -219,3 +220,15 @@ def _waiting_writer(url: str) -> int:
             return 1
         time.sleep(0.02)
     return 0
+
+
+def test_configure_sets_the_limit_of_the_module_level_functions(pg_url: str) -> None:
+    outboxer.configure(max_key_locks=2)
+    try:
+        with psycopg.connect(pg_url) as conn:
+            outboxer.enqueue_many(conn, _messages(3, "configured"))
+            assert _locks_held(conn) == {"relation:ShareRowExclusiveLock": 1}
+    finally:
+        outboxer.configure()
+    # outboxer.enqueue is the function: the module is reached through sys.modules.
+    assert sys.modules["outboxer.enqueue"].DEFAULT_OUTBOX.max_key_locks == 1000
