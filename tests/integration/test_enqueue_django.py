@@ -185,3 +185,27 @@ def test_psycopg2_commit_rollback_and_duplicates(pg_url: str) -> None:
     assert [m.id for m in messages] == [first.id] + [m.id for m in many]
     assert [(m.key, m.payload) for m in messages] == [(m.key, m.payload) for m in [first, *many]]
     assert dict(messages[0].headers) == {"h": "v"}
+
+
+def test_django_enqueue_many_over_the_key_lock_limit_locks_the_table(
+    pg_url: str, django_setup: None
+) -> None:
+    from django.db import connections, transaction
+
+    from outboxer.enqueue import Outbox
+
+    outbox = Outbox(max_key_locks=2)
+    with django_database("postgresql", pg_url) as alias:
+        connection = connections[alias]
+        with transaction.atomic(using=alias):
+            outbox.enqueue_many(
+                connection, [{"topic": "t", "payload": {"n": n}, "key": f"k{n}"} for n in range(3)]
+            )
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT locktype, mode FROM pg_locks WHERE pid = pg_backend_pid() "
+                    "AND (locktype = 'advisory' OR mode = 'ShareRowExclusiveLock')"
+                )
+                held = cursor.fetchall()
+    assert held == [("relation", "ShareRowExclusiveLock")]
+    assert sorted(str(row["key"]) for row in pending(pg_url)) == ["k0", "k1", "k2"]
