@@ -30,10 +30,13 @@ SETTINGS = "tests.contrib.django_project.settings"
 
 
 def django(
-    url: str, *args: str, test_database: str | None = None
+    url: str,
+    *args: str,
+    test_database: str | None = None,
+    environ: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``python -m django ARGS`` in the test project, on the database at ``url``."""
-    env = dict(os.environ, OUTBOXER_TEST_DJANGO_DB=url, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OUTBOXER_TEST_DJANGO_DB=url, PYTHONPATH=str(ROOT), **(environ or {}))
     if test_database:
         env["OUTBOXER_TEST_DJANGO_TEST_DB"] = test_database
     return subprocess.run(
@@ -219,6 +222,46 @@ def test_the_django_migrations_bring_every_outboxer_migration() -> None:
 
 
 # ----- the app's own tests, under Django's test runner ------------------------------------------
+
+
+def test_migrate_creates_the_partitioned_outbox_that_schema_apply_creates(
+    empty_pg_url: str,
+) -> None:
+    """OUTBOXER["partitioned"] (here OUTBOXER_PARTITIONED): migrate creates the partitioned
+    layout; the relay's upkeep (schema apply runs the same) then makes its partitions."""
+    url = empty_pg_url
+
+    def partitioned_apply() -> list[str]:
+        async def apply() -> list[str]:
+            async with create_store(url) as store:
+                return await store.apply_schema(partitioned=True)
+
+        return asyncio.run(apply())
+
+    check(django(url, "migrate", "outboxer", environ={"OUTBOXER_PARTITIONED": "true"}))
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SELECT relkind FROM pg_class WHERE oid = 'outboxer.outbox'::regclass")
+        assert row.fetchone() == ("p",)
+    assert partitioned_apply() == [], "every migration of the layout applied and recorded"
+    by_django = pg_catalog(url)
+    drop_outboxer("postgres", url)
+    assert partitioned_apply()
+    assert pg_catalog(url) == by_django
+    # A later migrate finds the partitioned table and keeps its layout, setting or not.
+    with psycopg.connect(url) as conn:
+        conn.execute("DELETE FROM outboxer.outbox_migrations WHERE version = 8")
+        conn.execute("DROP INDEX outboxer.outbox_status_idx")
+        conn.execute("DELETE FROM django_migrations WHERE name = '0005_status_index'")
+    check(django(url, "migrate", "outboxer"))
+    assert pg_catalog(url) == by_django
+
+
+def test_migrate_refuses_to_make_a_plain_outbox_partitioned(empty_pg_url: str) -> None:
+    check(django(empty_pg_url, "migrate", "outboxer", "0001"))
+    result = django(empty_pg_url, "migrate", "outboxer", environ={"OUTBOXER_PARTITIONED": "true"})
+    assert result.returncode != 0
+    assert "exists as a plain table" in result.stderr
+    assert "outboxer schema migrate-partitioned" in result.stderr
 
 
 @pytest.mark.parametrize("vendor", ["postgres", "mysql", "sqlite"])

@@ -19,7 +19,9 @@ from django.db import router
 from django.db.migrations.operations.base import Operation
 
 from outboxer.contrib.django import conf
+from outboxer.errors import SchemaError
 from outboxer.stores import Store, create_store
+from outboxer.stores.pgpartitions import PARTITIONED
 from outboxer.stores.sqlfiles import migrations, render, statements
 
 #: A URL of each dialect: only names and SQL are taken from these stores, never a connection.
@@ -77,7 +79,8 @@ class ApplyOutboxerSchema(Operation):
         for sql in split(render(store.migrations_table_sql, tokens)):
             run(sql)
         done = set() if schema_editor.collect_sql else self._recorded(connection, tokens)
-        for migration in migrations(dialect):
+        layout = _postgres_layout(schema_editor) if dialect == "postgres" else None
+        for migration in migrations(dialect, layout):
             if migration.version in done or migration.version > self.versions[dialect]:
                 continue
             for sql in split(render(migration.sql, tokens)):
@@ -94,3 +97,28 @@ class ApplyOutboxerSchema(Operation):
         self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
     ) -> None:
         raise NotImplementedError("outboxer's schema is never dropped by a migration")
+
+
+def _postgres_layout(schema_editor: Any) -> str | None:
+    """The outbox's table layout, as ``outboxer schema apply`` picks it: the existing
+    table's, or for a new one, partitioned when ``OUTBOXER["partitioned"]`` says so. A new
+    partitioned table has its default partition only: the relay's cleanup (or ``outboxer
+    cleanup``) makes the ranges, moving any rows written meanwhile into them."""
+    current = conf.outboxer_settings()
+    if schema_editor.collect_sql:  # sqlmigrate: no database to look at
+        return PARTITIONED if current.partitioned else None
+    with schema_editor.connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT c.relkind FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = %s AND c.relname = %s",
+            [current.schema, current.table],
+        )
+        row = cursor.fetchone()
+    kind = row[0] if row else None
+    if kind == "r" and current.partitioned:
+        raise SchemaError(
+            f"the outbox {current.schema}.{current.table} exists as a plain table; "
+            'OUTBOXER["partitioned"] creates a new table only. To move this one: '
+            "`outboxer schema migrate-partitioned` (README: Partitioned outbox)"
+        )
+    return PARTITIONED if kind == "p" or (kind is None and current.partitioned) else None
