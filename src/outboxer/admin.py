@@ -232,7 +232,10 @@ def _seconds(value: object, name: str) -> float:
 def _utc(value: object, name: str) -> datetime:
     if not isinstance(value, datetime):
         raise AdminRequestError(f"{name} must be a datetime; got {type(value).__name__}")
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    try:
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    except OverflowError:  # 9999-12-31T23:59-01:00 is past year 9999 in UTC
+        raise AdminRequestError(f"{name} is out of range in UTC; got {value.isoformat()}") from None
 
 
 def check_statuses(values: Sequence[str], allowed: Sequence[str], name: str) -> tuple[str, ...]:

@@ -32,7 +32,7 @@ from outboxer.stores import create_store
 
 logger = get_logger("outboxer.cli")
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 #: ``text`` for people, ``json`` (one object per line, outboxer.logjson) for log shippers.
 LOG_FORMATS = ("text", "json")
@@ -790,7 +790,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         _fail(f"outboxer: {exc}")
         return EXIT_ERROR
     except KeyboardInterrupt:
-        return EXIT_OK
+        if args.command in DAEMONS:  # Ctrl-C is how a foreground relay is stopped
+            return EXIT_OK
+        # A purge, replay or key rotation cut short may have done part of its work: a
+        # script must not read that as success (130: the shell's code for SIGINT).
+        _fail(f"outboxer {args.command}: interrupted; it may have done part of its work")
+        return EXIT_INTERRUPTED
     except Exception as exc:  # a database that refuses, a disk that is full, or a bug
         logger.debug("outboxer %s failed", args.command, exc_info=True)
         _fail(

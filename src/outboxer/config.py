@@ -60,6 +60,7 @@ from outboxer.redact import (
     redact_url,
     register_secret,
     register_url_secrets,
+    split_unencoded_userinfo,
 )
 from outboxer.retry import Backoff
 
@@ -305,6 +306,12 @@ def check_url(url: str, name: str) -> None:
         netloc = urlsplit(url).netloc
     except ValueError as exc:
         raise ConfigError(f"{name} is not a valid URL ({exc}): {redact_url(url)!r}") from None
+    if split_unencoded_userinfo(url) is not None:
+        # Left alone, the driver would read part of the password as a host or port and echo it.
+        raise ConfigError(
+            f"{name}: the password in {redact_url(url)!r} holds a '/', '?' or '#': "
+            "percent-encode it (%2F, %3F, %23)"
+        )
     for host in netloc.rpartition("@")[2].split(","):
         if host.startswith("["):
             closing = host.find("]")

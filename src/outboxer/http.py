@@ -118,6 +118,16 @@ def _require(module: str) -> Any:
 # ----- errors that become responses --------------------------------------------------------
 
 
+class _PartlyDone(Exception):
+    """A change failed on database ``failed`` after the databases in ``done`` committed."""
+
+    def __init__(
+        self, cause: Exception, failed: str, done: Mapping[str, admin.AdminResult]
+    ) -> None:
+        super().__init__(str(cause))
+        self.cause, self.failed, self.done = cause, failed, dict(done)
+
+
 class HttpError(Exception):
     """A request the API answers with an error status and ``{"error", "type"}``."""
 
@@ -504,26 +514,36 @@ class HttpApi:
             if request.method == "POST":
                 require_json(request)
             return await handler(request)
-        except HttpError as exc:
+        except _PartlyDone as exc:
+            # Earlier databases committed: say which, so that nobody retries the whole
+            # request and replays (or requeues) those databases' messages a second time.
+            answer = self._failure(request, exc.cause)
+            payload = json.loads(answer.body)
+            payload["failed_database"] = exc.failed
+            payload["committed"] = {name: result.as_json() for name, result in exc.done.items()}
+            return json_response(answer.status, payload, answer.headers)
+        except Exception as exc:  # noqa: BLE001 -- _failure answers each kind; logs the unknown
+            return self._failure(request, exc)
+
+    def _failure(self, request: Request, exc: Exception) -> Response:
+        """The error answer for ``exc``; unexpected errors are logged with their traceback."""
+        if isinstance(exc, HttpError):
             return error_response(exc)
-        except AdminRequestError as exc:  # a filter or an option of purge, replay, requeue
+        if isinstance(exc, AdminRequestError):  # a filter or an option of purge, replay …
             return error_response(BadRequest(str(exc)))
-        except ReplayError as exc:  # rolled back: nothing written
+        if isinstance(exc, ReplayError):  # rolled back: nothing written
             return error_response(Conflict(str(exc)))
-        except Exception as exc:
-            if not _is_database_error(exc):
-                logger.exception("%s %s failed", request.method, request.path)
-                return json_response(
-                    http.HTTPStatus.INTERNAL_SERVER_ERROR,
-                    {
-                        "error": "internal server error; the traceback is in the server's log",
-                        "type": type(exc).__name__,
-                    },
-                )
-            logger.warning(
-                "%s %s: database error: %s", request.method, request.path, _describe(exc)
+        if not _is_database_error(exc):
+            logger.error("%s %s failed", request.method, request.path, exc_info=exc)
+            return json_response(
+                http.HTTPStatus.INTERNAL_SERVER_ERROR,
+                {
+                    "error": "internal server error; the traceback is in the server's log",
+                    "type": type(exc).__name__,
+                },
             )
-            return error_response(ServiceUnavailable(f"database error: {_describe(exc)}"))
+        logger.warning("%s %s: database error: %s", request.method, request.path, _describe(exc))
+        return error_response(ServiceUnavailable(f"database error: {_describe(exc)}"))
 
     def _authorize(self, request: Request) -> None:
         if self.token is None:  # only allowed on a loopback address (see check_exposure)
@@ -682,7 +702,10 @@ class HttpApi:
             destinations = self.database_settings[name].destination_names
             return await admin.requeue(store, where, destinations=destinations, dry_run=dry_run)
 
-        return await self._each_database(body, requeue)
+        def check(name: str) -> None:  # a destination one database lacks: before any change
+            admin.requeue_filter(where, destinations=self.database_settings[name].destination_names)
+
+        return await self._each_database(body, requeue, check)
 
     async def purge(self, request: Request) -> Response:
         body = _json_object(request, '{"topics": ["order.placed"], "statuses": ["ABANDONED"]}')
@@ -715,8 +738,12 @@ class HttpApi:
                 dry_run=dry_run,
             )
 
+        def check(name: str) -> None:
+            if to is not None:
+                admin.check_destination(to, self.database_settings[name].destination_names)
+
         try:
-            return await self._each_database(body, replay)
+            return await self._each_database(body, replay, check)
         finally:
             await asyncio.to_thread(copier.close)
 
@@ -724,14 +751,31 @@ class HttpApi:
         self,
         body: Mapping[str, Any],
         action: Callable[[str, Store], Awaitable[admin.AdminResult]],
+        check: Callable[[str], object] | None = None,
     ) -> Response:
-        """``action`` on the database the body names, else on each; one answer for all."""
+        """``action`` on the database the body names, else on each; one answer for all.
+
+        Each database changes in its own transaction, one after the other, so ``check``
+        (a request error for a database, e.g. a destination it lacks) runs on every one
+        before any changes. A failure after some databases committed answers with the
+        failure and what those databases did (see ``_PartlyDone``).
+        """
         database = body.get("database")
         if database is not None and not isinstance(database, str):
             raise BadRequest("database must be the name of a database (a string)")
+        names = self._databases(database)
+        if check is not None:
+            for name in names:
+                check(name)
         results: dict[str, admin.AdminResult] = {}
-        for name in self._databases(database):
-            result = results[name] = await action(name, await self._connected_store(name))
+        for name in names:
+            try:
+                result = results[name] = await action(name, await self._connected_store(name))
+            except Exception as exc:
+                done = {name: result for name, result in results.items() if not result.dry_run}
+                if done:
+                    raise _PartlyDone(exc, name, done) from exc
+                raise
             if not result.dry_run:
                 self.status_caches[name].invalidate()  # the next page or scrape shows it
         if not self.sectioned:

@@ -72,6 +72,11 @@ def redact_url(url: str) -> str:
         netloc = parts.netloc
     except ValueError:
         return _mask_registered(re.sub(r"//[^/?#]*@", f"//{MASK}@", url))
+    mangled = split_unencoded_userinfo(url)
+    if mangled is not None:
+        user, _, rest = mangled
+        head = f"{user}:{MASK}@" if user else f"{MASK}@"
+        return redact_url(f"{parts.scheme}://{rest}").replace("://", f"://{head}", 1)
     userinfo, at, hosts = netloc.rpartition("@")
     if at:
         user, has_password, _ = userinfo.partition(":")
@@ -88,6 +93,29 @@ def redact_url(url: str) -> str:
     return _mask_registered(
         urlunsplit(parts._replace(netloc=netloc, query=query, fragment=fragment))
     )
+
+
+def split_unencoded_userinfo(url: str) -> tuple[str, str, str] | None:
+    """``(user, secret, rest)`` when ``url``'s password (or token) holds an unencoded ``/``,
+    ``?`` or ``#``, else None.
+
+    ``urlsplit`` ends the host part at the first of those, so ``postgres://app:Ab/cd@db/app``
+    parses as host ``app``, port ``Ab`` and path ``/cd@db/app``: no ``@`` in the netloc, and
+    the password would go unmasked. Such a URL is taken to hold a secret up to its last
+    ``@`` (generated base64 passwords often contain ``/``); ``rest`` is what follows it.
+    """
+    scheme, sep, after = url.partition("://")
+    if not sep or not scheme:
+        return None
+    netloc_end = min((i for i in (after.find(c) for c in "/?#") if i >= 0), default=len(after))
+    netloc, remainder = after[:netloc_end], after[netloc_end:]
+    if "@" in netloc or "@" not in remainder:
+        return None
+    if ":" not in netloc and scheme.lower() not in TOKEN_USER_SCHEMES:
+        return None  # a plain host: an "@" in the path or query is just data
+    userinfo, _, rest = after.rpartition("@")
+    user, has_password, secret = userinfo.partition(":")
+    return (user, secret, rest) if has_password else ("", userinfo, rest)
 
 
 def redact_text(text: str) -> str:
@@ -112,6 +140,11 @@ def register_url_secrets(url: str | None) -> None:
         parts = urlsplit(url)
         userinfo, at, _ = parts.netloc.rpartition("@")
     except ValueError:
+        return
+    mangled = split_unencoded_userinfo(url)
+    if mangled is not None:
+        register_secret(mangled[1])
+        register_secret(unquote(mangled[1]))
         return
     if at:
         user, has_password, password = userinfo.partition(":")

@@ -316,12 +316,7 @@ async def test_the_api_lists_and_requeues_per_database(tmp_path: Path) -> None:
         assert unknown.status == 400 and b"this API serves east, west" in unknown.body
 
         def requeue(body: dict[str, object]) -> Request:
-            return Request(
-                "POST",
-                "/messages/requeue",
-                headers={"content-type": "application/json"},
-                body=json.dumps(body).encode(),
-            )
+            return _post("/messages/requeue", body)
 
         one = json.loads((await api.handle(requeue({"database": "east"}))).body)
         assert one == {"requeued": 2, "databases": {"east": {"requeued": 2}}}
@@ -348,3 +343,80 @@ async def test_a_database_whose_schema_is_behind_stops_the_process_with_its_name
     with pytest.raises(SchemaError, match=r"^database bare: the outbox schema .* lacks"):
         await asyncio.wait_for(group.run(), 20)
     assert group.relays["good"].stopping, "the other relay was stopped, not left running"
+
+
+async def _published_sqlite_databases(tmp_path: Path, names: tuple[str, ...]) -> dict[str, str]:
+    """SQLite outboxes named ``names``, each holding two PUBLISHED messages."""
+    from outboxer.stores import create_store
+    from tests.integration.test_http_api import enqueue as enqueue_numbered
+
+    urls = {name: f"sqlite:///{tmp_path / name}.db" for name in names}
+    for url in urls.values():
+        async with create_store(url) as store:
+            await store.apply_schema()
+        enqueue_numbered(url, 2)
+        async with create_store(url) as store:
+            claimed = await store.claim("default", "relay-test", 2, 60.0, False)
+            await store.settle("default", claimed.lease, [m.stored_seq for m in claimed], [], [], 9)
+    return urls
+
+
+def _post(path: str, body: dict[str, object]) -> Request:
+    return Request(
+        "POST", path, headers={"content-type": "application/json"}, body=json.dumps(body).encode()
+    )
+
+
+def _replay_request(body: dict[str, object]) -> Request:
+    return _post("/messages/replay", body)
+
+
+async def test_a_replay_to_a_destination_one_database_lacks_changes_no_database(
+    tmp_path: Path,
+) -> None:
+    """Databases change one after another, each in its own transaction: the destination is
+    checked on every one before the first writes, or east would keep copies that the 400
+    answer denies (and a retry would replay them twice)."""
+    urls = await _published_sqlite_databases(tmp_path, ("east", "west"))
+    (tmp_path / "outboxer.toml").write_text(
+        'broker = "memory://"\n'
+        f'[databases.east]\nurl = "{urls["east"]}"\n'
+        '[databases.east.destinations.partner]\nbroker = "memory://partner"\n'
+        f'[databases.west]\nurl = "{urls["west"]}"\n'
+    )
+    settings = load_settings(config_file=tmp_path / "outboxer.toml", environ={})
+    api = HttpApi(api_stores(settings), settings)
+    try:
+        answer = await api.handle(_replay_request({"all": True, "to": "partner"}))
+        assert answer.status == 400, answer.body
+        assert b"partner" in answer.body
+        for url in urls.values():
+            assert [row["status"] for row in await rows(url)] == ["PUBLISHED"] * 2
+    finally:
+        await api.close()
+
+
+async def test_a_change_that_fails_on_a_later_database_says_what_the_earlier_ones_did(
+    tmp_path: Path,
+) -> None:
+    """east commits its replay, then west fails: the error answer names west and carries
+    east's result, so the operator retries west alone instead of replaying east twice."""
+    import sqlite3
+
+    urls = await _published_sqlite_databases(tmp_path, ("east", "west"))
+    settings = load_settings({"db": [f"{n}={u}" for n, u in urls.items()]}, environ={})
+    api = HttpApi(api_stores(settings), settings)
+    try:
+        with sqlite3.connect(tmp_path / "west.db") as conn:  # west's outbox is gone
+            conn.execute("DROP TABLE outbox")
+        answer = await api.handle(_replay_request({"all": True}))
+        assert answer.status == 503, answer.body
+        body = json.loads(answer.body)
+        assert body["failed_database"] == "west"
+        assert body["committed"] == {"east": {"replayed": 2, "to": None, "shredded": 0}}
+        assert "database error" in body["error"]
+        assert sorted(row["status"] for row in await rows(urls["east"])) == (
+            ["PENDING"] * 2 + ["PUBLISHED"] * 2
+        )
+    finally:
+        await api.close()

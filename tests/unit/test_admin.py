@@ -100,6 +100,9 @@ def test_times_and_ages_as_operators_write_them() -> None:
         parse_time("yesterday", "--created-after")
     with pytest.raises(AdminRequestError, match="must be an ISO 8601 time as a string"):
         parse_time(20240501, "created_after")
+    for edge in ("9999-12-31T23:59:59-01:00", "0001-01-01T00:00:00+01:00"):  # past UTC's range
+        with pytest.raises(AdminRequestError, match="created_after is out of range in UTC"):
+            parse_time(edge, "created_after")
     assert parse_age("7d", "--older-than") == 7 * 86400
     assert parse_age(90, "older_than") == 90
     with pytest.raises(AdminRequestError, match="--older-than must be a duration"):

@@ -43,3 +43,17 @@ def test_other_commands_keep_the_default_sigterm(
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     cli.main(["schema", "sql", "--db", f"sqlite:///{tmp_path / 'o.db'}"])
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_ctrl_c_in_a_one_shot_command_is_not_reported_as_success(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A purge or replay cut short may have done part of its work: exit 130, not 0."""
+
+    async def interrupted(args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_purge", interrupted)
+    code = cli.main(["purge", "--all", "--db", f"sqlite:///{tmp_path / 'o.db'}"])
+    assert code == cli.EXIT_INTERRUPTED == 130
+    assert "outboxer purge: interrupted" in capsys.readouterr().err

@@ -39,6 +39,39 @@ def test_redact_url_hides_every_kind_of_credential(url: str, secret: str, kept: 
     assert MASK in shown
 
 
+@pytest.mark.parametrize(
+    ("url", "secret", "kept"),
+    [
+        # urlsplit ends the host at the first '/', '?' or '#', inside the password.
+        ("postgresql://app:Ab/cd+ef==@db:5432/app", "Ab/cd+ef==", "@db:5432/app"),
+        ("postgresql://app:Ab?cd@db/app", "Ab?cd", "@db/app"),
+        ("postgresql://app:Ab#cd@db/app", "Ab#cd", "@db/app"),
+        ("postgresql://app:12/34@db/app?password=zz", "12/34", "@db/app"),
+        ("nats://tok/en-9@host:4222", "tok/en-9", "@host:4222"),
+    ],
+)
+def test_a_password_with_an_unencoded_slash_question_mark_or_hash_is_hidden(
+    url: str, secret: str, kept: str
+) -> None:
+    for shown in (redact_url(url), redact_text(f"cannot connect to {url}: refused")):
+        assert secret not in shown
+        assert secret.split("/")[0].split("?")[0].split("#")[0] not in shown.split("://")[1][:8]
+        assert kept in shown
+    assert "zz" not in redact_url("postgresql://app:12/34@db/app?password=zz")
+
+
+def test_an_at_sign_in_a_plain_url_s_query_is_only_data() -> None:
+    assert redact_url("https://hooks.example/n?to=a@b.c") == "https://hooks.example/n?to=a@b.c"
+
+
+def test_a_db_url_with_an_unencoded_slash_in_its_password_is_refused_without_echoing_it() -> None:
+    with pytest.raises(ConfigError) as error:
+        load_settings({"db": "postgresql://app:Xy/zw-pass+9==@db:5432/app"}, environ={})
+    message = str(error.value)
+    assert "Xy" not in message and "zw-pass" not in message
+    assert "percent-encode" in message
+
+
 def test_a_user_name_without_password_stays_visible_outside_token_schemes() -> None:
     assert redact_url("amqp://reporting@host/") == "amqp://reporting@host/"
 
