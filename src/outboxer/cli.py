@@ -25,7 +25,7 @@ from outboxer.config import (
 from outboxer.errors import AdminRequestError, ConfigError, OutboxerError, PayloadError
 from outboxer.logjson import JsonFormatter
 from outboxer.malloc import tune_malloc
-from outboxer.redact import RedactingFilter, get_logger, redact_text
+from outboxer.redact import RedactingFilter, TextFormatter, get_logger, printable, redact_text
 from outboxer.relay import cleanup
 from outboxer.relay_group import RelayGroup
 from outboxer.stores import create_store
@@ -565,9 +565,11 @@ async def _messages(args: argparse.Namespace) -> int:
         for row in rows:
             where = f"{row['database']}/" if "database" in row else ""
             print(
-                f"{row['id']}  {row['status']:<10} {where}{row['destination']:<10} "
-                f"{row['topic']:<24} key={row['key']} attempts={row['attempts']} "
-                f"error={row['last_error']}"
+                printable(
+                    f"{row['id']}  {row['status']:<10} {where}{row['destination']:<10} "
+                    f"{row['topic']:<24} key={row['key']} attempts={row['attempts']} "
+                    f"error={row['last_error']}"
+                )
             )
     return EXIT_OK
 
@@ -744,13 +746,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _fail(text: str) -> None:
     """``text`` on one line of stderr, secrets masked (driver messages span several lines)."""
-    print(redact_text(" ".join(line.strip() for line in text.splitlines())), file=sys.stderr)
+    one_line = " ".join(line.strip() for line in text.splitlines())
+    print(printable(redact_text(one_line)), file=sys.stderr)
 
 
 def _configure_logging(level: str, log_format: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
-        JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_LOG_FORMAT)
+        JsonFormatter() if log_format == "json" else TextFormatter(TEXT_LOG_FORMAT)
     )
     logging.basicConfig(level=getattr(logging, level), handlers=[handler])
     # Drivers log too (aio-pika, asyncpg, httpx): their lines pass the same redaction.

@@ -47,6 +47,7 @@ from outboxer.config import (
     setting,
 )
 from outboxer.errors import ConfigError
+from outboxer.redact import printable
 
 if TYPE_CHECKING:
     from outboxer.consumer import Consumer, ConsumerStats
@@ -376,8 +377,10 @@ def _print_letters(rows: Sequence[dict[str, Any]], *, as_json: bool) -> None:
     for row in rows:
         state = "held" if row["held"] else f"attempts={row['attempts']}"
         print(
-            f"{row['message_id']}  {row['consumer']:<16} {row['topic']:<24} key={row['key']} "
-            f"{state} at {row['failed_at']} error={row['error']}"
+            printable(
+                f"{row['message_id']}  {row['consumer']:<16} {row['topic']:<24} key={row['key']} "
+                f"{state} at {row['failed_at']} error={row['error']}"
+            )
         )
 
 

@@ -125,6 +125,25 @@ def redact_text(text: str) -> str:
     return _mask_registered(text)
 
 
+#: C0 controls, DEL, C1 controls and the invisible bidirectional marks and overrides.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: object) -> str:
+    """``text`` for a terminal or a text log line, its control characters escaped (``\\x1b``).
+
+    Topics, keys, error text and dead letters come from applications, brokers and remote
+    servers: raw, an ESC could clear the screen or retitle the window, a newline could forge
+    a log line, a bidirectional override could reorder what an operator reads.
+    """
+    return _UNPRINTABLE.sub(_escape_char, str(text))
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    code = ord(match.group(0))
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
 def register_secret(value: str | None) -> None:
     """Mask ``value`` wherever it appears in redacted text from now on (process-wide)."""
     if value and len(value) >= MIN_REGISTERED_SECRET:
@@ -204,3 +223,12 @@ __all__ = [
     "register_secret",
     "register_url_secrets",
 ]
+
+
+class TextFormatter(logging.Formatter):
+    """The text log format, one line per record: the message's control characters escaped
+    (see ``printable``); a traceback keeps its lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = printable(record.message)
+        return super().formatMessage(record)

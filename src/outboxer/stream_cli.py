@@ -39,7 +39,7 @@ from outboxer.config import (
 )
 from outboxer.errors import ConfigError
 from outboxer.message import DEFAULT_DESTINATION
-from outboxer.redact import get_logger, redact_url
+from outboxer.redact import get_logger, printable, redact_url
 
 logger = get_logger("outboxer.stream_cli")
 
@@ -431,8 +431,10 @@ async def _list(args: argparse.Namespace) -> int:
     for row in rows:
         state = "held" if row["held"] else f"attempts={row['attempts']}"
         print(
-            f"{row['message_id']}  {row['destination']:<16} {row['topic']:<24} key={row['key']} "
-            f"{state} at {row['failed_at']} error={_one_line(row['error'])}"
+            printable(
+                f"{row['message_id']}  {row['destination']:<16} {row['topic']:<24} "
+                f"key={row['key']} {state} at {row['failed_at']} error={_one_line(row['error'])}"
+            )
         )
     return 0
 

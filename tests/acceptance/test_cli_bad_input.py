@@ -173,3 +173,23 @@ def test_an_unexpected_error_is_one_line_unless_debugging(tmp_path: Path) -> Non
     assert line.endswith("(run with --log-level DEBUG for the traceback)")
     loud = cli("demo", "--dir", a_file, "--log-level", "DEBUG")
     assert loud.returncode == 1 and "Traceback" in loud.stderr and "FileExistsError" in loud.stderr
+
+
+def test_hostile_topic_key_and_error_text_reach_the_terminal_escaped(sqlite_url: str) -> None:
+    """Topics, keys and error text are data from applications and remote servers: an ESC
+    would clear the operator's screen and retitle the window, a newline would forge a line."""
+    conn = sqlite3.connect(sqlite_path(sqlite_url))
+    with conn:
+        outboxer.enqueue(conn, "order\x1b[2J\x1b]0;owned\x07", {"n": 1}, key="k\nFAKE ABANDONED")
+        conn.execute(
+            "UPDATE outbox SET status = 'ABANDONED', last_error = ?",
+            ("refused \u202egnp.exe\u202c\r\n\x9b31m",),
+        )
+    conn.close()
+    result = cli("messages", "--db", sqlite_url)
+    assert result.returncode == 0, result.stderr
+    (line,) = result.stdout.splitlines()
+    assert not any(ch in line for ch in "\x1b\x07\r\x9b\u202e\u202c")
+    assert "order\\x1b[2J\\x1b]0;owned\\x07" in line
+    assert "key=k\\x0aFAKE ABANDONED" in line
+    assert "refused \\u202egnp.exe\\u202c\\x0d\\x0a\\x9b31m" in line

@@ -127,3 +127,16 @@ def test_a_relay_of_one_of_several_databases_names_it_on_each_line() -> None:
     line = json.loads(JsonFormatter().format(record))
     assert line["message"] == "database billing: destination default: broker unreachable"
     assert (line["database"], line["destination"]) == ("billing", "default")
+
+
+def test_the_text_log_format_escapes_control_characters_in_the_message() -> None:
+    import logging
+
+    from outboxer.redact import TextFormatter
+
+    record = logging.LogRecord(
+        "outboxer.relay", logging.ERROR, __file__, 1, "message %s abandoned: %s", None, None
+    )
+    record.args = ("k\nFAKE line", "\x1b[2Jcleared")
+    line = TextFormatter("%(levelname)s %(name)s: %(message)s").format(record)
+    assert line == "ERROR outboxer.relay: message k\\x0aFAKE line abandoned: \\x1b[2Jcleared"
