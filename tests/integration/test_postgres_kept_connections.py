@@ -78,3 +78,32 @@ async def test_close_while_a_statement_runs_waits_for_it_and_does_not_hang(pg_ur
         await asyncio.wait_for(closing, 10)
     assert await late == []
     assert store._kept == []
+
+
+async def test_more_loops_than_connections_all_go_on(pg_url: str) -> None:
+    """Twelve loops running statements back to back on a pool of ten: a statement that waits
+    for the pool gets the next connection that ends its statement. Kept instead, the ten
+    connections went round the ten loops that had one, for as long as the load lasted
+    (no quiet wait returns them), and the other two (a settle, a lease renewal) waited for
+    ever."""
+    store = PostgresStore(pg_url, pool_size=10)
+    await store.connect()
+    done = [0] * 12
+    stop = asyncio.Event()
+
+    async def loop(n: int) -> None:
+        while not stop.is_set():
+            await store.claim("default", f"r{n}", 10, 30, False)
+            done[n] += 1
+
+    loops = [asyncio.create_task(loop(n)) for n in range(12)]
+    try:
+        await asyncio.sleep(3)
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*loops), 10)
+        assert min(done) > 0, f"statements per loop: {done}"
+        assert store._acquiring == 0
+    finally:
+        for task in loops:
+            task.cancel()
+        await asyncio.wait_for(store.close(), 10)

@@ -113,6 +113,8 @@ class PostgresStore(Store):
         self._pool: Any = None
         #: Pool connections the relay's claims, settles and renewals reuse (see _statement).
         self._kept: list[Any] = []
+        #: Statements waiting for the pool: while one waits, a statement that ends releases.
+        self._acquiring = 0
         self._closing = False
         self._listener: Any = None
         #: When the relay's waiting loops wake (nudges, the chase, the registration's timing).
@@ -188,15 +190,26 @@ class PostgresStore(Store):
         interval, and on close: idle, the pool's own lifetime rules apply again.
         """
         pool = self._pool
-        conn = self._kept.pop() if self._kept else await pool.acquire()
+        if self._kept:
+            conn = self._kept.pop()
+        else:
+            self._acquiring += 1
+            try:
+                conn = await pool.acquire()
+            finally:
+                self._acquiring -= 1
         try:
             result = await run(conn)
         except BaseException:
             await pool.release(conn)
             raise
-        if self._closing or pool is not self._pool:
+        if self._closing or pool is not self._pool or self._acquiring:
             # close() began while this statement ran (a lease renewal finishing late): kept,
             # the connection would never go back, and the pool's close would wait for it.
+            # Or a statement waits for the pool, every connection being kept or in use: kept
+            # again, this one would go to the loops that already have one, and under load
+            # (no quiet wait returns the kept ones) the waiter, a settle or a lease renewal,
+            # would wait for ever while its lease ran out.
             await pool.release(conn)
         else:
             self._kept.append(conn)
