@@ -678,6 +678,21 @@ class StoreContract(ABC):
         assert [m.stored_seq for m in again] == sorted(m.stored_seq for m in again)
         assert next(m.id for m in again) == head[0].id and len(again) == 2
 
+    async def test_an_earlier_row_not_yet_due_holds_back_its_key(
+        self, url: str, store: Any
+    ) -> None:
+        """A PENDING row whose next_attempt_at lies ahead (released by a settle that read a
+        later clock, or written before the clock stepped back) keeps its key's later rows
+        waiting: key order must not rest on every relay's clock agreeing."""
+        [first] = self.enqueue(url, ("t", "k"))
+        self.execute(url, self.shift_sql("next_attempt_at", -30))  # due in 30 s
+        later, other = self.enqueue(url, ("t", "k"), ("t", "other"))
+        claimed = await self.claim(store, "relay-a")
+        assert [m.id for m in claimed] == [other.id], "k's later row waits for its first"
+        self.execute(url, self.shift_sql("next_attempt_at", 31))
+        again = await self.claim(store, "relay-b")
+        assert [m.id for m in again] == [first.id, later.id]
+
     async def test_a_key_never_overtakes_a_row_another_transaction_holds(
         self, url: str, store: Any
     ) -> None:

@@ -213,6 +213,10 @@ class SqliteStore(Store):
 
         def work(conn: sqlite3.Connection) -> tuple[list[Any], list[Any], bool]:
             conn.execute("BEGIN IMMEDIATE")
+            # The clock is read under the write lock, so claims and settles see times in
+            # the order they ran: read before it, a claim could run after a settle that
+            # released a row at a later time, find it not yet due, and take its key's next.
+            params["now"] = time.time()
             abandoned = conn.execute(self._sql["abandon_expired"], params).fetchall()
             head = conn.execute(self._sql["expired_head"], params).fetchone()
             if head is not None and recover:
@@ -272,12 +276,12 @@ class SqliteStore(Store):
         released: Sequence[int],
         max_attempts: int,
     ) -> SettleResult:
-        now = time.time()
-        holder = {"relay_id": lease.relay_id, "lease": lease.token, "now": now}
+        holder = {"relay_id": lease.relay_id, "lease": lease.token, "now": time.time()}
 
         def work(conn: sqlite3.Connection) -> SettleResult:
             result = SettleResult()
             conn.execute("BEGIN IMMEDIATE")
+            holder["now"] = time.time()  # under the write lock, as the claim's (see there)
             cursor = conn.executemany(
                 self._sql["settle_published"], [{**holder, "seq": seq} for seq in published]
             )

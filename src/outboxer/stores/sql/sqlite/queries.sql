@@ -61,7 +61,9 @@ RETURNING seq, id, destination, topic, key, payload, content_type, headers,
 -- name: claim
 -- 3. PENDING | FAILED (due) -> PROCESSING under this claim's lease. A row in flight is
 -- never taken here (step 2 recovers it, alone) and holds back its key's later rows even
--- once its lease expired.
+-- once its lease expired. An earlier PENDING row not yet due (a released row whose
+-- next_attempt_at a settle set from a later clock reading, or a clock stepped back) holds
+-- them back too: key order does not rest on every relay's clock agreeing.
 UPDATE {outbox}
 SET status = 'PROCESSING',
     locked_by = :relay_id,
@@ -77,9 +79,10 @@ WHERE seq IN (
             SELECT 1 FROM {outbox} AS b
             WHERE b.destination = o.destination
               AND b.key = o.key
-              AND b.status IN ('PROCESSING', 'FAILED', 'ABANDONED')
+              AND b.status IN ('PROCESSING', 'PENDING', 'FAILED', 'ABANDONED')
               AND b.seq < o.seq
               AND CASE b.status WHEN 'PROCESSING' THEN 1
+                                WHEN 'PENDING' THEN b.next_attempt_at > :now
                                 WHEN 'FAILED' THEN b.next_attempt_at > :now
                                 ELSE :abandoned_blocks END))
     ORDER BY o.seq
