@@ -678,6 +678,24 @@ class StoreContract(ABC):
         assert [m.stored_seq for m in again] == sorted(m.stored_seq for m in again)
         assert next(m.id for m in again) == head[0].id and len(again) == 2
 
+    async def test_a_row_that_does_not_read_as_a_message_is_abandoned_not_its_batch(
+        self, url: str, store: Any
+    ) -> None:
+        """A hand-written row whose headers are not a JSON object of strings: the claim
+        abandons it (its error says why) and hands out the rest of its batch, instead of
+        failing as if the database were down and leaving the batch PROCESSING."""
+        bad, good, keyless = self.enqueue(url, ("t", "k1"), ("t", "k2"), ("t", None))
+        self.execute(url, f"UPDATE {self.table} SET headers = '[1, 2]' WHERE id = '{bad.id}'")
+        claimed = await self.claim(store, "relay-a")
+        assert [m.id for m in claimed] == [good.id, keyless.id]
+        [abandoned] = claimed.abandoned
+        assert abandoned.id == bad.id and abandoned.key == "k1"
+        assert "unreadable row" in abandoned.error and "JSON object" in abandoned.error
+        by_id = {str(row["id"]): row for row in self.rows(url)}
+        assert by_id[str(bad.id)]["status"] == "ABANDONED"
+        assert "unreadable row" in by_id[str(bad.id)]["last_error"]
+        assert {by_id[str(m.id)]["status"] for m in claimed} == {"PROCESSING"}
+
     async def test_an_earlier_row_not_yet_due_holds_back_its_key(
         self, url: str, store: Any
     ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import itertools
+import json
 import random
 import re
 import uuid
@@ -12,7 +13,7 @@ import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from outboxer.config import Settings
 from outboxer.errors import ConfigError, SchemaError, StoreError
@@ -20,6 +21,8 @@ from outboxer.message import Message
 from outboxer.redact import register_url_secrets
 from outboxer.stores.pgpartitions import PARTITIONED, PartitionPolicy, PartitionReport
 from outboxer.stores.sqlfiles import migrations, quote_ident, render
+
+R = TypeVar("R")
 
 if TYPE_CHECKING:
     from outboxer.admin import MessageFilter
@@ -102,6 +105,47 @@ class AbandonedRow:
     key: str | None
     attempts: int
     error: str
+
+
+#: What reading a claimed row raises when the row was not written by ``enqueue`` (a hand
+#: written INSERT, another language's writer): a malformed id, headers or JSON.
+UNREADABLE_ROW = (ValueError, TypeError, KeyError, AttributeError, UnicodeError)
+
+
+def parse_headers(text: str | bytes) -> dict[str, str]:
+    """A row's headers: a JSON object of strings, or ValueError."""
+    if text == "{}":  # most messages carry no headers: no JSON parser (hot path, once a row)
+        return {}
+    value = json.loads(text)
+    if not isinstance(value, dict) or not all(
+        isinstance(name, str) and isinstance(item, str) for name, item in value.items()
+    ):
+        raise ValueError(f"headers must be a JSON object of strings; got {str(text)[:80]}")
+    return value
+
+
+def read_rows(
+    rows: Iterable[R], build: Callable[[R], Message], describe: Callable[[R, str], AbandonedRow]
+) -> tuple[list[Message], list[AbandonedRow]]:
+    """The messages of claimed ``rows``, and the rows that do not read as one (see
+    ``Store.abandon_unreadable``): one bad row must not fail its whole batch."""
+    messages: list[Message] = []
+    unreadable: list[AbandonedRow] = []
+    for row in rows:
+        try:
+            messages.append(build(row))
+        except UNREADABLE_ROW as exc:
+            unreadable.append(describe(row, f"unreadable row: {type(exc).__name__}: {exc}"))
+    return messages, unreadable
+
+
+def row_id(value: object) -> uuid.UUID:
+    """A claimed row's id as a UUID; the nil UUID for one that is not (it says which row
+    only through its seq, in the error that abandons it)."""
+    try:
+        return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
+    except ValueError:
+        return uuid.UUID(int=0)
 
 
 class Claim(list[Message]):
@@ -387,6 +431,22 @@ class Store(ABC):
     ) -> SettleResult:
         """Record a batch's outcomes in one transaction, one statement per outcome, on the
         rows that still hold ``lease``."""
+
+    async def abandon_unreadable(
+        self, destination: str, claim: Claim, unreadable: Sequence[AbandonedRow], max_attempts: int
+    ) -> None:
+        """PROCESSING -> ABANDONED for claimed rows that do not read as a message (see
+        ``read_rows``), under the claim's lease, in one settle; they join ``claim.abandoned``,
+        which the relay logs. Never published: retried, a malformed row fails the same way,
+        and failing its claim instead would hold its batch-mates until their lease ran out.
+        """
+        if not unreadable:
+            return
+        failures = [Failure(row.seq, row.error, 0.0, True) for row in unreadable]
+        await self.settle(destination, claim.lease, [], failures, [], max_attempts)
+        claim.abandoned.extend(unreadable)
+        if not claim:  # the recovered row was the bad one: nothing is held alone any more
+            claim.recovered = False
 
     @abstractmethod
     async def cleanup(self, status: str, retention: float, limit: int) -> int:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -47,6 +46,9 @@ from outboxer.stores.base import (
     StoreDataError,
     estimate_from_sample,
     fold_counts,
+    parse_headers,
+    read_rows,
+    row_id,
     sample_seqs,
     with_published_estimates,
 )
@@ -162,11 +164,6 @@ def expand_lists(sql: str, params: Mapping[str, Any]) -> tuple[str, dict[str, An
 def _utc(value: datetime | None) -> datetime | None:
     """DATETIME(6) values come back naive; they are UTC."""
     return value.replace(tzinfo=UTC) if value is not None else None
-
-
-def _headers(text: str | bytes) -> dict[str, str]:
-    # Most messages carry no headers: skip the JSON parser for them (hot path, once per row).
-    return {} if text == "{}" else dict(json.loads(text))
 
 
 def without_overtaking(
@@ -404,23 +401,32 @@ class MySQLStore(Store):
                     rows
                 ):  # cannot happen under the locks; never hand out a row we lack
                     raise StoreError(f"claim locked {len(rows)} rows but updated {updated}")
-        messages = (
-            Message(
+
+        def attempts(row: Mapping[str, Any]) -> int:
+            # As claim_update counted it: taking over an expired lease counts the attempt.
+            return int(row["attempts"]) + (1 if row["status"] == "PROCESSING" else 0)
+
+        messages, unreadable = read_rows(
+            rows,
+            lambda row: Message(
                 id=uuid.UUID(row["id"]),
                 topic=row["topic"],
                 payload=bytes(row["payload"]),
                 key=row["key"],
-                headers=_headers(row["headers"]),
+                headers=parse_headers(row["headers"]),
                 content_type=row["content_type"],
                 destination=row["destination"],
                 created_at=_utc(row["created_at"]),
-                # As claim_update counted it: taking over an expired lease counts the attempt.
-                attempts=row["attempts"] + (1 if row["status"] == "PROCESSING" else 0),
+                attempts=attempts(row),
                 seq=row["seq"],
-            )
-            for row in rows
+            ),
+            lambda row, error: AbandonedRow(
+                row_id(row["id"]), row["seq"], row["topic"], row["key"], attempts(row), error
+            ),
         )
-        return Claim(messages, lease=lease, recovered=recovered, abandoned=abandoned)
+        claim = Claim(messages, lease=lease, recovered=recovered, abandoned=abandoned)
+        await self.abandon_unreadable(destination, claim, unreadable, max_attempts)
+        return claim
 
     async def _due(
         self, cursor: Any, destination: str, limit: int, abandoned_blocks: bool
@@ -446,7 +452,7 @@ class MySQLStore(Store):
         await self._execute(cursor, "abandoned_rows", {"seqs": list(seqs)})
         return [
             AbandonedRow(
-                uuid.UUID(row["id"]),
+                row_id(row["id"]),
                 row["seq"],
                 row["topic"],
                 row["key"],
@@ -730,7 +736,7 @@ def _original(row: Mapping[str, Any]) -> Message:
         topic=row["topic"],
         payload=bytes(row["payload"]),
         key=row["key"],
-        headers=_headers(row["headers"]),
+        headers=parse_headers(row["headers"]),
         content_type=row["content_type"],
         destination=row["destination"],
         created_at=_utc(row["created_at"]),

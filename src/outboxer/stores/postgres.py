@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import datetime as dt
 import functools
-import json
 import os
 import socket
 import uuid
@@ -32,6 +31,9 @@ from outboxer.stores.base import (
     Store,
     StoreDataError,
     fold_counts,
+    parse_headers,
+    read_rows,
+    row_id,
     with_published_estimates,
 )
 from outboxer.stores.pgpartitions import (
@@ -474,22 +476,26 @@ class PostgresStore(Store):
             self._wakeups.worked(len(taken))
             if self._wakeups.registered and self._wakeups.busy:  # under load: poll
                 self._stop_listening()
-        return Claim(
-            (
-                Message(
-                    id=row["id"],
-                    topic=row["topic"],
-                    payload=bytes(row["payload"]),
-                    key=row["key"],
-                    headers=_headers(row["headers"]),
-                    content_type=row["content_type"],
-                    destination=row["destination"],
-                    created_at=row["created_at"],
-                    attempts=row["attempts"],
-                    seq=row["seq"],
-                )
-                for row in taken
+        messages, unreadable = read_rows(
+            taken,
+            lambda row: Message(
+                id=row["id"],
+                topic=row["topic"],
+                payload=bytes(row["payload"]),
+                key=row["key"],
+                headers=parse_headers(row["headers"]),
+                content_type=row["content_type"],
+                destination=row["destination"],
+                created_at=row["created_at"],
+                attempts=row["attempts"],
+                seq=row["seq"],
             ),
+            lambda row, error: AbandonedRow(
+                row_id(row["id"]), row["seq"], row["topic"], row["key"], row["attempts"], error
+            ),
+        )
+        claim = Claim(
+            messages,
             lease=lease,
             recovered="recovered" in kinds,
             recovery_waiting="recovery_waiting" in kinds,
@@ -505,6 +511,8 @@ class PostgresStore(Store):
                 for row in sorted((row for row in rows if row["taken"] == "abandoned"), key=_by_seq)
             ],
         )
+        await self.abandon_unreadable(destination, claim, unreadable, max_attempts)
+        return claim
 
     async def renew(
         self, destination: str, lease: Lease, seqs: Sequence[int], lock_seconds: float
@@ -896,11 +904,6 @@ def _by_seq(row: Any) -> int:
     return int(row["seq"])
 
 
-def _headers(text: str) -> dict[str, str]:
-    # Most messages carry no headers: skip the JSON parser for them (hot path, once per row).
-    return {} if text == "{}" else dict(json.loads(text))
-
-
 def _count(command_tag: str) -> int:
     """Rows affected, from a command tag like ``UPDATE 12`` or ``DELETE 3``."""
     return int(command_tag.rsplit(" ", 1)[-1])
@@ -913,7 +916,7 @@ def _original(row: Any) -> Message:
         topic=row["topic"],
         payload=bytes(row["payload"]),
         key=row["key"],
-        headers=_headers(row["headers"]),
+        headers=parse_headers(row["headers"]),
         content_type=row["content_type"],
         destination=row["destination"],
         created_at=row["created_at"],

@@ -34,6 +34,9 @@ from outboxer.stores.base import (
     StoreDataError,
     estimate_from_sample,
     fold_counts,
+    parse_headers,
+    read_rows,
+    row_id,
     sample_seqs,
     with_published_estimates,
 )
@@ -229,31 +232,34 @@ class SqliteStore(Store):
             return abandoned, rows, head is not None
 
         abandoned, rows, expired = await self._run(work)
-        messages = (
-            Message(
+        messages, unreadable = read_rows(
+            sorted(rows, key=lambda row: row[0]),
+            lambda row: Message(
                 id=uuid.UUID(row[1]),
                 destination=row[2],
                 topic=row[3],
                 key=row[4],
                 payload=bytes(row[5]),
                 content_type=row[6],
-                headers=json.loads(row[7]),
+                headers=parse_headers(row[7]),
                 attempts=row[8],
                 created_at=_timestamp(row[9]),
                 seq=row[0],
-            )
-            for row in sorted(rows, key=lambda row: row[0])
+            ),
+            lambda row, error: AbandonedRow(row_id(row[1]), row[0], row[3], row[4], row[8], error),
         )
-        return Claim(
+        claim = Claim(
             messages,
             lease=lease,
             recovered=expired and recover,
             recovery_waiting=expired and not recover,
             abandoned=[
-                AbandonedRow(uuid.UUID(row[1]), row[0], row[2], row[3], row[4], row[5])
+                AbandonedRow(row_id(row[1]), row[0], row[2], row[3], row[4], row[5])
                 for row in sorted(abandoned, key=lambda row: row[0])
             ],
         )
+        await self.abandon_unreadable(destination, claim, unreadable, max_attempts)
+        return claim
 
     async def renew(
         self, destination: str, lease: Lease, seqs: Sequence[int], lock_seconds: float
