@@ -1069,6 +1069,11 @@ class Settings:
     publish_timeout: float = _interval(
         "how long to wait for broker confirms and connects", 30.0, (*RELAY, *STREAM_PUBLISHING)
     )
+    shutdown_timeout: float = _interval(
+        "how long a stopping relay lets its batches in flight finish; then it cuts them "
+        "short and gives their rows back (a second SIGTERM or Ctrl-C does so at once)",
+        20.0,
+    )
     abandoned_blocks_key: bool = setting(
         False,
         kind=Boolean(),

@@ -73,6 +73,10 @@ REFUSAL_SHOWN_SECONDS = 300.0
 RENEW_EVERY = 1 / 3
 #: ... and its publishing stops once a tenth of the lease is left without a renewal.
 LEASE_MARGIN = 1 / 10
+#: A recovered row given back unpublished: the relay stopped before it was alone.
+NOT_ALONE = Outcome(
+    OutcomeKind.SKIPPED, "not attempted: the relay stopped before the recovered row was alone"
+)
 #: After a batch whose keys a claim may have passed over: how long the batch's loop leaves
 #: the claim that takes their next rows to another loop (see Relay._loop).
 FREED_KEY_GRACE = 0.01
@@ -185,7 +189,9 @@ class RecoveryGate:
       relay drains, claiming nothing more until the batches it holds are settled;
     * while a recovered row is held, nobody claims, in any database, and it is published
       only once every batch claimed before it, in any database, is settled (``alone``).
-      One recovered row at a time.
+      One recovered row at a time: one claim in the process at a time may recover
+      (``recovery_claim``), so two databases cannot each recover a row at once and then
+      wait for each other in ``alone``.
 
     A batch whose settle waits for an unreachable database is *parked*: its publishing is
     over, and it no longer counts as held. Otherwise one database that is down with a batch
@@ -205,6 +211,11 @@ class RecoveryGate:
         self._parked: dict[str, int] = {}
         #: A recovered row is held (and not parked).
         self.recovering = False
+        #: A claim allowed to recover is under way (from ``enter_claim`` to ``claimed``).
+        #: Counted per process, not per database: two databases each allowed a recovery at
+        #: once (both woken by one settle) would each hold a recovered row, and each
+        #: ``alone`` would wait for the other's forever.
+        self.recovery_claim = False
         #: Databases where a row waits to be recovered: their relays drain.
         self._waiting: set[str] = set()
 
@@ -228,14 +239,26 @@ class RecoveryGate:
     ) -> bool | None:
         """Wait until a claim in ``database`` may run; return whether it may recover (None:
         ``stopping`` was set)."""
-        while self.recovering or (database in self._waiting and self.active(database)):
+        while self.recovering or (
+            # A database that drains for a recovery waits until it holds nothing and no
+            # other claim of the process may recover: then its next claim may.
+            database in self._waiting and (self.active(database) or self.recovery_claim)
+        ):
             if not await self._wait_for_change(stopping or self._stopping):
                 return None
         self._held[database] = self._held.get(database, 0) + 1
-        return self.active(database) == 1
+        recover = self.active(database) == 1 and not self.recovery_claim
+        if recover:
+            self.recovery_claim = True
+        return recover
 
     def claimed(self, batch: Claim | None, recover: bool, database: str = DEFAULT_DATABASE) -> None:
-        """After a claim that was allowed to recover or not (``batch`` None: it failed)."""
+        """After a claim that was allowed to recover or not (``batch`` None: it failed or
+        was cancelled). Every claim ``enter_claim`` let run reports here, exactly once."""
+        if recover:
+            self.recovery_claim = False
+            if not (batch is not None and batch.recovered):
+                self._notify()  # a draining database may recover now
         if batch is not None and batch.recovery_waiting:
             self._waiting.add(database)
         elif recover:
@@ -267,10 +290,14 @@ class RecoveryGate:
             self.recovering = False
         self._notify()
 
-    async def alone(self) -> None:
-        """Wait until the recovered row is the only batch the process holds."""
+    async def alone(self, stopping: asyncio.Event | None = None) -> bool:
+        """Wait until the recovered row is the only batch the process holds (True), or
+        until ``stopping`` is set (False: the caller gives the row back unpublished)."""
+        stopping = stopping or self._stopping
         while self.active() > 1:
-            await self._changed.wait()
+            if not await self._wait_for_change(stopping):
+                return False
+        return True
 
     def _notify(self) -> None:
         self._changed.set()
@@ -518,6 +545,13 @@ class Relay:
         #: Per destination, when the database last refused a settle, and why.
         self._refusals: dict[str, tuple[float, str]] = {}
         self._loops_running = False
+        #: The claim-publish-settle loops while ``run`` runs (``force_stop`` cancels them).
+        self._loops: list[asyncio.Task[None]] = []
+        #: ``force_stop`` was called: a loop cancelled by it ends quietly once its batch
+        #: has been given back.
+        self._forced = False
+        #: Cuts the batches in flight short ``shutdown_timeout`` after ``stop``.
+        self._deadline: asyncio.TimerHandle | None = None
         self._gate = gate if gate is not None else RecoveryGate(self._stopping)
         #: Prometheus histograms and gauges (outboxer[metrics]); None without prometheus_client.
         self.metrics = metrics
@@ -584,14 +618,60 @@ class Relay:
     # ----- lifecycle -------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Stop claiming; batches in flight are published and settled, then ``run`` returns."""
+        """Stop claiming; batches in flight are published and settled, then ``run`` returns.
+
+        Those still in flight ``shutdown_timeout`` later are cut short (``force_stop``): a
+        batch may take several ``publish_timeout`` to publish, longer than an orchestrator
+        waits before SIGKILL, which would leave its rows in flight until their lease
+        expires, and charge them an attempt."""
         if not self._stopping.is_set():
-            self.log.info("relay %s stopping: finishing batches in flight", self.relay_id)
+            self.log.info(
+                "relay %s stopping: finishing batches in flight (at most %.0fs)",
+                self.relay_id,
+                self.settings.shutdown_timeout,
+            )
+            with contextlib.suppress(RuntimeError):  # no event loop: nothing runs to cut short
+                self._deadline = asyncio.get_running_loop().call_later(
+                    self.settings.shutdown_timeout, self._shutdown_timed_out
+                )
         self._stopping.set()
         for task, interrupted in self._waiting.items():
             if not interrupted:
                 self._waiting[task] = True
                 task.cancel()
+
+    def force_stop(self) -> None:
+        """Stop at once: the batches in flight are cut short and their rows given back
+        unpublished, with no attempt counted (what the broker got of them may be
+        published again, as at-least-once allows); then ``run`` returns."""
+        self.stop()
+        if self._forced:
+            return
+        self._forced = True
+        busy = [task for task in self._loops if not task.done()]
+        if busy:
+            self.log.warning(
+                "relay %s: shutting down now; batches in flight go back to the queue",
+                self.relay_id,
+            )
+        for task in busy:
+            task.cancel()
+
+    def _shutdown_timed_out(self) -> None:
+        if any(not task.done() for task in self._loops):
+            self.log.warning(
+                "relay %s: batches still in flight %.0fs after stopping (shutdown_timeout)",
+                self.relay_id,
+                self.settings.shutdown_timeout,
+            )
+        self.force_stop()
+
+    def signalled(self) -> None:
+        """SIGTERM or SIGINT: the first stops the relay, the next one forces it."""
+        if self.stopping:
+            self.force_stop()
+        else:
+            self.stop()
 
     @property
     def stopping(self) -> bool:
@@ -623,7 +703,7 @@ class Relay:
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stop)
+            loop.add_signal_handler(sig, self.signalled)
 
     async def run(self) -> RelayStats:
         """Run until ``stop()`` (or, with ``exit_when_idle``, until nothing is due)."""
@@ -642,12 +722,18 @@ class Relay:
             for n in range(self.settings.concurrency)
         ]
         cleanup = asyncio.create_task(self._cleanup_loop(), name="outboxer-cleanup")
+        self._loops = loops
         self._loops_running = True
+        if self._forced:  # forced before the loops started
+            for task in loops:
+                task.cancel()
         try:
             await asyncio.gather(*loops)
         finally:
             self._loops_running = False
             self._stopping.set()
+            if self._deadline is not None:
+                self._deadline.cancel()
             for task in loops:
                 task.cancel()
             cleanup.cancel()
@@ -736,6 +822,18 @@ class Relay:
         return True
 
     async def _loop(self, destination: str) -> None:
+        try:
+            await self._claim_publish_settle(destination)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._forced and task is not None and task.cancelling() == 1:
+                # Cut short by force_stop, its batch given back (_process): this loop is
+                # done. Ending quietly lets run() wait for the other loops' releases too.
+                task.uncancel()
+                return
+            raise
+
+    async def _claim_publish_settle(self, destination: str) -> None:
         settings = self.settings
         claims = self._database_outage(destination, "claim failed")
         while not self.stopping:
@@ -758,6 +856,10 @@ class Relay:
                     max_attempts=settings.max_attempts,
                     recover=recover,
                 )
+            except asyncio.CancelledError:
+                # A forced shutdown: the gate must not keep this claim's recovery slot.
+                self._gate.claimed(None, recover, self.database)
+                raise
             except Exception as exc:  # noqa: BLE001 -- database outage: log, back off, resume by itself
                 self._gate.claimed(None, recover, self.database)
                 await claims.back_off(exc)
@@ -921,14 +1023,25 @@ class Relay:
                 ],
                 database=self.database,
             )
-        await self._settle(destination, batch, outcomes, held)
+        settle = asyncio.ensure_future(self._settle(destination, batch, outcomes, held))
+        try:
+            await asyncio.shield(settle)
+        except asyncio.CancelledError:
+            # Cut short once the batch was published (force_stop): its outcomes are known,
+            # so they are recorded rather than left in flight until the lease expires.
+            # (A settle that waits for a database that is down ends once stopping.)
+            await settle
+            raise
 
     async def _publish(
         self, destination: str, recovered: bool, outgoing: Sequence[Message]
     ) -> list[Outcome]:
         """Publish a batch; a recovered row once it is all this relay holds (RecoveryGate)."""
-        if recovered:
-            await self._gate.alone()
+        if recovered and not await self._gate.alone(self._stopping):
+            # Stopping while other batches were still held: publishing the recovered row
+            # beside them would defeat its isolation, and waiting for them need not end.
+            # It goes back to the queue unpublished, no attempt counted for this relay.
+            return [NOT_ALONE] * len(outgoing)
         started = time.perf_counter()
         # Decrypted (or forwarded) and enveloped per destination; a key error fails its
         # message, never the batch.
@@ -949,7 +1062,9 @@ class Relay:
         released: list[int] = []
         retrying: dict[str, list[Message]] = {}
         for message, outcome in zip(batch, outcomes, strict=True):
-            if outcome is None or outcome.kind is OutcomeKind.SKIPPED:
+            if outcome is None or outcome.kind is OutcomeKind.SKIPPED or not outcome.attempted:
+                # Never sent (an earlier row of its key failed, the publisher was not
+                # connected, the publish was cut short): back to the queue, no attempt counted.
                 released.append(message.stored_seq)
             elif outcome.kind is OutcomeKind.PUBLISHED:
                 published.append(message.stored_seq)

@@ -13,7 +13,9 @@ holds up its own relay only. What they share:
   alone in the process, whichever database it comes from (a row that kills its relay
   kills every database's relay);
 * one :class:`~outboxer.metrics.Metrics`, its series labelled by database;
-* the signals: SIGTERM stops every relay; each finishes its batches in flight.
+* the signals: SIGTERM stops every relay; each finishes its batches in flight, for at
+  most ``shutdown_timeout``, then cuts them short and gives their rows back. A second
+  SIGTERM (or Ctrl-C) does so at once.
 
 A relay that fails for good (a schema that lacks a migration, a broker that refuses its
 configuration) stops the others, and ``run`` raises its error once they have finished.
@@ -87,10 +89,22 @@ class RelayGroup:
         for relay in self.relays.values():
             relay.stop()
 
+    def force_stop(self) -> None:
+        """Stop every relay now: their batches in flight are cut short and given back."""
+        for relay in self.relays.values():
+            relay.force_stop()
+
+    def signalled(self) -> None:
+        """SIGTERM or SIGINT: the first stops the relays, the next one forces them."""
+        if any(relay.stopping for relay in self.relays.values()):
+            self.force_stop()
+        else:
+            self.stop()
+
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stop)
+            loop.add_signal_handler(sig, self.signalled)
 
     def health_problems(self) -> dict[str, list[str]]:
         """Each database's problems (see ``Relay.health_problems``); empty lists when fine."""

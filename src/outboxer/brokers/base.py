@@ -52,6 +52,9 @@ class Outcome:
     retryable: bool = True
     #: For FAILED: the least wait before the next attempt that the broker asked for, if any.
     retry_after: float | None = None
+    #: For FAILED: False when the message never reached the broker (the publisher was not
+    #: connected): the relay gives it back with no attempt counted, as it does SKIPPED.
+    attempted: bool = True
 
     @property
     def published(self) -> bool:
@@ -214,10 +217,17 @@ class Publisher(ABC):
         outcomes: list[Outcome | None] = [None] * len(messages)
         failed_keys: set[str] = set()
         started = time.perf_counter()
-        if not self._connected:
-            for index in range(len(messages)):
-                outcomes[index] = Outcome(OutcomeKind.FAILED, f"not connected to {self.safe_url}")
-        for wave in waves(messages) if self._connected else []:
+        for wave in waves(messages):
+            if not self._connected:
+                # The connection broke (in this batch, or in another loop's batch): the
+                # rest of this batch is not sent. Failed but not attempted: the relay gives
+                # these rows back with no attempt counted, and reconnects before its next
+                # claim (a flapping broker must not use up attempts of messages it never got).
+                not_sent = self._not_connected()
+                for index, outcome in enumerate(outcomes):
+                    if outcome is None:
+                        outcomes[index] = not_sent
+                break
             todo: list[int] = []
             for index in wave:
                 key = messages[index].key
@@ -257,6 +267,12 @@ class Publisher(ABC):
             else:
                 self.stats.skipped += 1
         return final
+
+    def _not_connected(self) -> Outcome:
+        """The outcome of a message not sent because the publisher is not connected."""
+        return Outcome(
+            OutcomeKind.FAILED, f"not connected to {self.safe_url}", retryable=True, attempted=False
+        )
 
     async def _publish_wave_with_timeout(
         self, messages: Sequence[Message]
