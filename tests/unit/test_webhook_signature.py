@@ -14,11 +14,16 @@ from outboxer.webhook_signature import (
     DEFAULT_TOLERANCE,
     HEADER_ID,
     HEADER_SIGNATURE,
+    HEADER_SIGNED_HEADERS,
     HEADER_TIMESTAMP,
     TIMESTAMP_DIGITS,
     WebhookSignatureError,
+    envelope_digest,
     sign,
+    sign_headers,
     signed_bytes,
+    signed_bytes_v2,
+    verify_request,
     verify_signature,
 )
 
@@ -111,7 +116,7 @@ def test_rotation_several_secrets_and_several_signatures() -> None:
     assert verify_signature(["new", "old"], sent, BODY, now=NOW) == MESSAGE_ID
     both = f"{sign('new', NOW, MESSAGE_ID, BODY)}, {sign('old', NOW, MESSAGE_ID, BODY)}"
     assert verify_signature("old", {**sent, HEADER_SIGNATURE: both}, BODY, now=NOW) == MESSAGE_ID
-    future = f"v2=abcdef,{sign('old', NOW, MESSAGE_ID, BODY)}"  # unknown schemes are ignored
+    future = f"v3=abcdef,{sign('old', NOW, MESSAGE_ID, BODY)}"  # unknown schemes are ignored
     assert verify_signature("old", {**sent, HEADER_SIGNATURE: future}, BODY, now=NOW) == MESSAGE_ID
 
 
@@ -234,3 +239,79 @@ def test_any_request_gives_an_id_or_a_signature_error(
         assert exc.reason in ("missing", "malformed", "expired", "mismatch")
     else:
         assert message_id == MESSAGE_ID and body in (BODY, BODY.decode())
+
+
+def signed_v2(secret: str = "s3cret", **extra: str) -> dict[str, str]:
+    """A request's headers as the webhook publisher sends them, signed with v1 and v2."""
+    sent = {
+        "Content-Type": "application/json",
+        HEADER_ID: MESSAGE_ID,
+        "Outboxer-Topic": "order.placed",
+        "Outboxer-Key": "customer-7",
+        HEADER_TIMESTAMP: str(NOW),
+        **extra,
+    }
+    return {**sent, **sign_headers(secret, NOW, MESSAGE_ID, sent, BODY)}
+
+
+def test_v2_covers_the_topic_key_content_type_and_user_headers() -> None:
+    sent = signed_v2(traceparent="00-abc-01")
+    verified = verify_request("s3cret", sent, BODY, now=NOW, require_signed_headers=True)
+    assert verified.message_id == MESSAGE_ID
+    assert verified.signed_headers == {
+        "content-type",
+        "outboxer-id",
+        "outboxer-key",
+        "outboxer-timestamp",
+        "outboxer-topic",
+        "traceparent",
+    }
+    assert verify_signature("s3cret", sent, BODY, now=NOW) == MESSAGE_ID
+    # The v1 part still verifies for a receiver that knows v1 only.
+    v1_only = {**sent, HEADER_SIGNATURE: sent[HEADER_SIGNATURE].split(",")[0]}
+    assert verify_signature("s3cret", v1_only, BODY, now=NOW) == MESSAGE_ID
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("Outboxer-Topic", "order.cancelled"),
+        ("Outboxer-Key", "customer-8"),
+        ("Content-Type", "text/plain"),
+        ("traceparent", "00-evil-01"),
+        (HEADER_SIGNED_HEADERS, "outboxer-id;outboxer-timestamp"),
+    ],
+)
+def test_a_covered_header_changed_on_the_way_does_not_verify(name: str, value: str) -> None:
+    tampered = {**signed_v2(traceparent="00-abc-01"), name: value}
+    with pytest.raises(WebhookSignatureError) as raised:
+        verify_request("s3cret", tampered, BODY, now=NOW)
+    assert raised.value.reason == "mismatch"
+
+
+def test_a_header_added_on_the_way_is_not_among_the_covered_ones() -> None:
+    added = {**signed_v2(), "Outboxer-Header-Role": "admin", "X-Forwarded-For": "10.0.0.1"}
+    verified = verify_request("s3cret", added, BODY, now=NOW)
+    assert verified.signed_headers is not None
+    assert "outboxer-header-role" not in verified.signed_headers
+    assert "x-forwarded-for" not in verified.signed_headers
+
+
+def test_a_request_stripped_of_its_v2_signature_is_refused_when_headers_must_be_signed() -> None:
+    sent = signed_v2()
+    stripped = {**sent, HEADER_SIGNATURE: sent[HEADER_SIGNATURE].split(",")[0]}
+    del stripped[HEADER_SIGNED_HEADERS]
+    with pytest.raises(WebhookSignatureError) as raised:
+        verify_request("s3cret", stripped, BODY, now=NOW, require_signed_headers=True)
+    assert raised.value.reason == "missing"
+    assert verify_request("s3cret", stripped, BODY, now=NOW).signed_headers is None
+
+
+def test_v2_signed_bytes_split_one_way_only() -> None:
+    digest = envelope_digest(["outboxer-id"], {HEADER_ID: MESSAGE_ID})
+    assert len(digest) == 64
+    assert signed_bytes_v2(NOW, MESSAGE_ID, digest, BODY) == (
+        f"{NOW}.{MESSAGE_ID}.{digest}.".encode() + BODY
+    )
+    lines = f"outboxer-signed-headers:outboxer-id\noutboxer-id:{MESSAGE_ID}"
+    assert digest == hashlib.sha256(lines.encode()).hexdigest()

@@ -35,7 +35,11 @@ from outboxer.config import float_option, int_option
 from outboxer.errors import BrokerUnavailableError, ConfigError, PublishError
 from outboxer.message import Message
 from outboxer.redact import redact_url
-from outboxer.webhook_signature import HEADER_ID, HEADER_SIGNATURE, HEADER_TIMESTAMP, sign
+from outboxer.webhook_signature import (
+    HEADER_ID,
+    HEADER_TIMESTAMP,
+    sign_headers,
+)
 
 HEADER_TOPIC = "Outboxer-Topic"
 HEADER_KEY = "Outboxer-Key"
@@ -328,8 +332,9 @@ class WebhookPublisher(Publisher):
         if self.secret is not None:
             signed_at = int(time.time()) if timestamp is None else timestamp
             headers[HEADER_TIMESTAMP] = str(signed_at)
-            headers[HEADER_SIGNATURE] = sign(
-                self.secret, signed_at, str(message.id), message.payload
+            # v1 (the body) for receivers that know no better, v2 over every header sent.
+            headers.update(
+                sign_headers(self.secret, signed_at, str(message.id), headers, message.payload)
             )
         return headers
 
