@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -40,8 +39,11 @@ from outboxer.message import (
     HEADER_TOPIC,
     uuid7,
 )
+from outboxer.redact import get_logger
 
-logger = logging.getLogger("outboxer.receiver")
+# Redacting: a driver's error text may carry a broker URL with its password, and these
+# lines reach the application's handlers when a receiver runs inside its process.
+logger = get_logger("outboxer.receiver")
 
 #: Header names of the envelope: not the user's, so not in ``Delivery.headers``.
 ENVELOPE_HEADERS = frozenset(
@@ -151,6 +153,25 @@ def decode(
         body=body,
         content_type=kind,
         created_at=_created_at(headers.get(HEADER_CREATED_AT)),
+    )
+    return Incoming(delivery, malformed=problem)
+
+
+def unreadable(problem: str, body: bytes = b"", *, topic: str = "") -> Incoming:
+    """A malformed Incoming for a message an adapter could not even take apart.
+
+    An adapter returns this instead of raising out of ``_receive``: a raise reads as a lost
+    connection, and after the reconnect the broker hands over the same message again, so
+    one bad message would stop the receiver for good. Marked malformed, it is dead-lettered
+    by the runner (under an id of its own: it has no readable one) and acknowledged."""
+    delivery = Delivery(
+        id=uuid7(),
+        topic=topic,
+        key=None,
+        headers={},
+        payload=body,
+        body=body,
+        content_type=BINARY,
     )
     return Incoming(delivery, malformed=problem)
 
@@ -427,4 +448,5 @@ __all__ = [
     "decode_payload",
     "split_url",
     "take",
+    "unreadable",
 ]

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from outboxer.brokers.base import parse_options
+from outboxer.brokers.base import describe, parse_options
 from outboxer.errors import ConfigError
 from outboxer.message import (
     HEADER_CONTENT_TYPE,
@@ -25,7 +25,7 @@ from outboxer.message import (
     HEADER_KEY,
     HEADER_TOPIC,
 )
-from outboxer.receivers.base import Incoming, Receiver, Watermark, decode
+from outboxer.receivers.base import Incoming, Receiver, Watermark, decode, unreadable
 
 _POLL = 0.05
 
@@ -59,7 +59,8 @@ class FileReceiver(Receiver):
     async def _connect(self) -> None:
         await self._close()
         done = int(self.offset_path.read_text()) if self.offset_path.exists() else 0
-        self._file = self.path.open(encoding="utf-8")
+        # Bytes that are not UTF-8 make that line unreadable, not the whole file.
+        self._file = self.path.open(encoding="utf-8", errors="replace")
         for _ in range(done):
             self._file.readline()
         self._line, self._acks = done, Watermark(done)
@@ -84,11 +85,23 @@ class FileReceiver(Receiver):
                     break
                 await asyncio.sleep(_POLL)
                 continue
-            received.append(self._incoming(line))
+            try:
+                incoming = self._incoming(line)
+            except Exception as exc:  # noqa: BLE001 -- one bad line must not fail the rest
+                # Raised, it would read as a lost connection, and the reconnect reads on from
+                # the offset: this line would come first every time, forever.
+                incoming = unreadable(
+                    f"line {self._line + 1} cannot be read: {describe(exc)}", line.encode()
+                )
+            incoming.token = self._line
+            self._line += 1
+            received.append(incoming)
         return received
 
     def _incoming(self, line: str) -> Incoming:
         record = json.loads(line)
+        if not isinstance(record, dict):
+            raise TypeError(f"a line holds a JSON object, not {type(record).__name__}")
         headers = {**record.get("headers", {})}
         for name, field in (
             (HEADER_ID, "id"),
@@ -99,10 +112,7 @@ class FileReceiver(Receiver):
         ):
             if record.get(field) is not None:
                 headers[name] = str(record[field])
-        incoming = decode(headers, _body(record))
-        incoming.token = self._line
-        self._line += 1
-        return incoming
+        return decode(headers, _body(record))
 
     async def _ack(self, incomings: Sequence[Incoming]) -> None:
         moved = False

@@ -6,7 +6,11 @@ group's clients. Acknowledgement is manual (paho's ``manual_ack``): a message's 
 goes out once the transaction that applied it committed, and PUBACKs go out in the order
 the messages arrived, as MQTT requires (a message done early waits for those before it).
 The broker sends at most ``prefetch`` unacknowledged messages at a time (the CONNECT's
-Receive Maximum).
+Receive Maximum), those whose PUBACK waits for an earlier message included: a message
+retrying holds back every PUBACK after it, and once ``prefetch`` are held back the broker
+sends nothing more until it is done (applied or dead-lettered). A message a foreign
+publisher sent at QoS 0 gets no PUBACK and keeps no place in that order; at most
+``prefetch`` of them wait to be received, later ones are dropped (at most once, as QoS 0).
 
 Sessions. A client connects with Clean Start off and a session expiry (``session_expiry``,
 default one day) under a stable client id, ``outboxer-<group>-<name>`` (``name`` defaults
@@ -25,8 +29,8 @@ from __future__ import annotations
 
 import ssl
 from collections import deque
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import aiomqtt
 import paho.mqtt.client as paho
@@ -36,9 +40,48 @@ from paho.mqtt.properties import Properties
 from outboxer.brokers.mqtt import QOS, MqttPublisher, _Client, disconnect
 from outboxer.config import int_option
 from outboxer.receivers.base import Incoming, Receiver, decode, take
+from outboxer.redact import get_logger
+
+logger = get_logger("outboxer.receiver")
 
 #: The largest Receive Maximum MQTT allows.
 _RECEIVE_MAXIMUM = 65_535
+
+
+class _Token(NamedTuple):
+    """What a message is acknowledged with."""
+
+    #: Arrival order on its connection (packet ids are reused once acknowledged).
+    seq: int
+    mid: int
+    #: The QoS it was delivered at: a foreign publisher's QoS 0 message gets no PUBACK
+    #: (one for packet id 0 is a protocol error: the broker drops the connection).
+    qos: int
+
+
+class _ReceivingClient(_Client):
+    """The client, with its QoS 0 messages waiting to be received bounded.
+
+    Receive Maximum bounds only QoS 1 messages: a foreign publisher's QoS 0 messages come
+    as fast as the broker has them, and would pile up without end in the client's queue
+    while the consumer is slower. Past ``qos0_limit`` waiting ones they are dropped, as
+    QoS 0 (at most once) allows and as the broker itself does with a slow client."""
+
+    def __init__(
+        self, *args: Any, qos0_limit: int, on_drop: Callable[[], None], **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.qos0_limit = qos0_limit
+        self.qos0_waiting = 0
+        self._on_drop = on_drop
+
+    def _on_message(self, client: paho.Client, userdata: Any, message: paho.MQTTMessage) -> None:
+        if message.qos == 0:
+            if self.qos0_waiting >= self.qos0_limit:
+                self._on_drop()
+                return
+            self.qos0_waiting += 1
+        super()._on_message(client, userdata, message)
 
 
 class MqttReceiver(Receiver):
@@ -56,10 +99,14 @@ class MqttReceiver(Receiver):
         self.session_expiry = int_option(
             self.settings.get("session_expiry", 86_400), "mqtt option session_expiry", 1, 2**32 - 1
         )
-        self._client: _Client | None = None
-        #: Messages received on this connection, in order, until their PUBACK went out.
-        self._unacked: deque[Incoming] = deque()
+        self._client: _ReceivingClient | None = None
+        #: QoS 1 messages received on this connection, in order, until their PUBACK went out.
+        self._unacked: deque[_Token] = deque()
+        #: Arrival numbers (``_Token.seq``) of those done, waiting for the ones before them.
         self._done: set[int] = set()
+        self._arrivals = 0
+        #: QoS 0 messages dropped because too many were waiting (see ``_ReceivingClient``).
+        self.qos0_dropped = 0
 
     @property
     def _mqtt(self) -> MqttPublisher:
@@ -75,7 +122,7 @@ class MqttReceiver(Receiver):
         properties = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
         properties.SessionExpiryInterval = self.session_expiry
         properties.ReceiveMaximum = min(self.prefetch, _RECEIVE_MAXIMUM)
-        client = _Client(
+        client = _ReceivingClient(
             mqtt.hostname,
             mqtt.port,
             username=mqtt.username,
@@ -88,9 +135,11 @@ class MqttReceiver(Receiver):
             tls_context=ssl.create_default_context() if mqtt.tls else None,
             clean_start=False,
             properties=properties,
+            qos0_limit=self.prefetch,
+            on_drop=self._dropped,
         )
         client._client.manual_ack_set(True)
-        self._unacked, self._done = deque(), set()
+        self._unacked, self._done, self._arrivals = deque(), set(), 0
         await client.__aenter__()
         self._client = client
         for topic in self.topics:
@@ -106,9 +155,22 @@ class MqttReceiver(Receiver):
         if client is None:
             raise ConnectionError("the MQTT receiver is not connected")
         messages = await take(client._queue, client.lost, limit, timeout, "the MQTT broker")
+        client.qos0_waiting -= sum(1 for message in messages if message.qos == 0)
         received = [self._incoming(message) for message in messages]
-        self._unacked.extend(received)
+        # Only QoS 1 messages get a PUBACK, so only they keep their place in the PUBACK order.
+        self._unacked.extend(i.token for i in received if i.token.qos > 0)
         return received
+
+    def _dropped(self) -> None:
+        self.qos0_dropped += 1
+        if self.qos0_dropped == 1 or self.qos0_dropped % 1000 == 0:
+            logger.warning(
+                "%s: dropped %d QoS 0 message(s) in all: more than prefetch (%d) were waiting "
+                "(publish at QoS 1 to have the broker hold them back instead)",
+                self.safe_url,
+                self.qos0_dropped,
+                self.prefetch,
+            )
 
     def _incoming(self, message: aiomqtt.Message) -> Incoming:
         properties = message.properties
@@ -122,19 +184,21 @@ class MqttReceiver(Receiver):
             content_type=getattr(properties, "ContentType", None),
             fallback_topic=message.topic.value.removeprefix(self._mqtt.topic_prefix),
         )
-        incoming.token = message.mid
+        self._arrivals += 1
+        incoming.token = _Token(self._arrivals, message.mid, message.qos)
         return incoming
 
     async def _ack(self, incomings: Sequence[Incoming]) -> None:
         client = self._client
         if client is None:
             raise ConnectionError("the MQTT receiver is not connected")
-        self._done.update(id(incoming) for incoming in incomings)
+        # A QoS 0 message is done once committed: there is nothing to send for it.
+        self._done.update(i.token.seq for i in incomings if i.token.qos > 0)
         # PUBACKs in the order the messages came (MQTT 5, 4.6): up to the first not done.
-        while self._unacked and id(self._unacked[0]) in self._done:
-            incoming = self._unacked.popleft()
-            self._done.discard(id(incoming))
-            code = client._client.ack(incoming.token, QOS)
+        while self._unacked and self._unacked[0].seq in self._done:
+            token = self._unacked.popleft()
+            self._done.discard(token.seq)
+            code = client._client.ack(token.mid, token.qos)
             if code != paho.MQTT_ERR_SUCCESS:
                 raise ConnectionError(f"PUBACK not sent: {paho.error_string(code)}")
 

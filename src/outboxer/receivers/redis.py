@@ -28,10 +28,11 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis import exceptions as rexc
 
+from outboxer.brokers.base import describe
 from outboxer.brokers.redis import RedisPublisher
 from outboxer.config import float_option
 from outboxer.errors import ConfigError
-from outboxer.receivers.base import Incoming, Receiver, decode
+from outboxer.receivers.base import Incoming, Receiver, decode, unreadable
 
 #: Entries taken over per XAUTOCLAIM call.
 _CLAIM_COUNT = 100
@@ -39,6 +40,12 @@ _CLAIM_COUNT = 100
 
 def _text(value: bytes | None) -> str | None:
     return value.decode("utf-8", "replace") if value is not None else None
+
+
+def _field(fields: Any, name: bytes) -> bytes:
+    """A field's bytes from an entry whose layout may be anything, or b"" if it has none."""
+    value = fields.get(name) if isinstance(fields, dict) else None
+    return value if isinstance(value, bytes) else b""
 
 
 class RedisReceiver(Receiver):
@@ -149,13 +156,25 @@ class RedisReceiver(Receiver):
                 if not fields:  # trimmed away while pending (MAXLEN): nothing to apply
                     gone.append((stream, entry_id))
                     continue
-                received.append(self._incoming(stream, entry_id, fields))
+                try:
+                    incoming = self._incoming(stream, entry_id, fields)
+                except Exception as exc:  # noqa: BLE001 -- one bad entry must not fail the rest
+                    # Raised, it would read as a lost connection, and the reconnect reads the
+                    # pending list from 0 again: this entry would come first every time, forever.
+                    incoming = unreadable(
+                        f"stream entry {_text(entry_id)} cannot be read: {describe(exc)}",
+                        _field(fields, b"payload"),
+                        topic=self.streams.get(stream, stream),
+                    )
+                    incoming.token = (stream, entry_id)
+                received.append(incoming)
         for stream, entry_id in gone:
             await self._client_now().xack(stream, self.group, entry_id)
         return received
 
     def _incoming(self, stream: str, entry_id: bytes, fields: dict[bytes, bytes]) -> Incoming:
-        field = {name.decode(): value for name, value in fields.items()}
+        # Another writer may XADD anything: a field name that is not UTF-8 is nobody's field.
+        field = {name.decode("utf-8", "replace"): value for name, value in fields.items()}
         try:
             headers = json.loads(field.get("headers") or b"{}")
         except ValueError:
