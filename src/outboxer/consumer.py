@@ -25,7 +25,12 @@ dead letters too, *held* behind it, until ``outboxer dead-letters replay`` appli
 order. A message that cannot be read (no outboxer id, a JSON payload that does not parse)
 is dead-lettered at once. Database outages are not the message's fault: the worker opens a
 new connection with the relay's outage backoff and applies the batch again, no attempt
-counted.
+counted. An outage is a connection that is gone (its driver says so, or the rollback fails):
+whatever the handler raised while the connection is fine (an OSError of its own included) is
+its failure. So is a failure of the consumer's own statements for a message applied alone
+(the inbox claim, the dead-letter check, the held record), which retrying at once would
+repeat for ever. A handler that returns a coroutine without being a coroutine function
+(a plain decorator around one) fails the same way: nothing awaited it, nothing is applied.
 
 Shutdown (SIGTERM, ``stop()``): stop fetching; batches in flight commit and are acked
 (given ``shutdown_timeout``, after which they are cancelled and roll back); messages held
@@ -51,7 +56,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from outboxer.brokers.base import describe
-from outboxer.consumer_db import BatchFailed, Result, Session, session_factory
+from outboxer.consumer_db import (
+    BatchFailed,
+    HandlerReturnedAwaitable,
+    Result,
+    Session,
+    call_sync_handler,
+    is_async_handler,
+    session_factory,
+)
 from outboxer.errors import BrokerUnavailableError, ConfigError, PayloadError, SchemaError
 from outboxer.receivers import create_receiver
 from outboxer.receivers.base import Delivery, Incoming, MalformedMessage, Receiver, decode_payload
@@ -176,7 +189,17 @@ class Consumer:
         self.handler: Handler = load_handler(handler) if isinstance(handler, str) else handler
         if not callable(self.handler):
             raise ConfigError("handler must be a function taking (message, connection)")
-        self.is_async = inspect.iscoroutinefunction(self.handler)
+        self.is_async = is_async_handler(self.handler)
+        if not self.is_async and _wraps_a_coroutine_function(self.handler):
+            # A sync adapter (asgiref's async_to_sync) is fine; a plain decorator that returns
+            # the coroutine is not, and only its first call can tell: that fails the message.
+            logger.warning(
+                "consumer %s: handler %r wraps a coroutine function but is not one itself: it "
+                "runs as a plain function, and any message for which it returns a coroutine "
+                "fails (HandlerReturnedAwaitable)",
+                group,
+                self.handler,
+            )
         self.db = db
         self.group = group
         self.concurrency = concurrency
@@ -501,7 +524,6 @@ class Consumer:
             else:
                 todo.append(lane)
         todo.sort(key=lambda lane: lane.head.delivery.id)  # one lock order for every consumer
-        troubles = 0
         while todo and not self.stopping:
             deliveries = [
                 dataclasses.replace(lane.head.delivery, attempt=lane.failures + 1)
@@ -514,7 +536,7 @@ class Consumer:
                     self.group, deliveries, self._timed_handler, hold_keys=self.abandoned_blocks_key
                 )
             except BatchFailed as failure:
-                if session.lost(failure.cause):  # an outage, wherever it struck: no attempt
+                if session.lost(failure):  # an outage, wherever it struck: no attempt
                     self.stats.database_errors += 1
                     logger.warning("database connection lost (%s); reconnecting", failure)
                     if not await self._open(session):
@@ -530,13 +552,21 @@ class Consumer:
                     for lane in todo:
                         await self._apply(session, [lane], alone=True)
                     return
-                if failure.stage == "commit":  # alone, its commit failed: the message's doing
-                    await self._failed(session, todo.pop(), failure.cause)
-                    continue
-                troubles += 1
-                delay = OUTAGE_BACKOFF.delay(troubles)
-                logger.warning("consumer statement failed (%s); retrying in %.1fs", failure, delay)
-                await self._sleep(delay)
+                # Alone, and the connection is fine: its commit or one of the consumer's
+                # statements for it (the dead-letter check, the held record, the inbox claim)
+                # failed for what it holds. Charged to it like a handler's failure: retried
+                # with its backoff, then dead-lettered, where retrying at once for ever would
+                # stop this worker and the message's key for good.
+                logger.warning(
+                    "consumer %s: message %s (topic %s, key %s): the consumer's %s failed: %s",
+                    self.group,
+                    todo[0].head.delivery.id,
+                    todo[0].head.delivery.topic,
+                    todo[0].head.delivery.key,
+                    failure.stage,
+                    describe(failure.cause),
+                )
+                await self._failed(session, todo.pop(), failure.cause)
                 continue
             self.stats.transactions += 1
             for result in results:
@@ -613,7 +643,7 @@ class Consumer:
         def timed(delivery: Delivery, conn: Any) -> Any:
             started = time.perf_counter()
             try:
-                return handler(delivery, conn)
+                return call_sync_handler(handler, delivery, conn)  # names the user's handler
             finally:
                 add(started)
 
@@ -659,10 +689,21 @@ class Consumer:
             except Exception as exc:  # noqa: BLE001 -- database trouble: the message waits
                 failures += 1
                 self.stats.database_errors += 1
-                if session.lost(exc) and not await self._open(session):
+                lost = session.lost(exc)
+                if lost and not await self._open(session):
                     return  # stopping: not acked, delivered again later
                 delay = OUTAGE_BACKOFF.delay(failures)
-                logger.warning("recording a dead letter failed (%s); retrying in %.1fs", exc, delay)
+                # Not lost: even the bare record (record_dead_letter's fallback) was refused,
+                # so the table, not the message, is at fault; an operator has to act.
+                logger.log(
+                    logging.WARNING if lost else logging.ERROR,
+                    "consumer %s: recording message %s as a dead letter failed (%s); retrying "
+                    "in %.1fs",
+                    self.group,
+                    delivery.id,
+                    describe(exc),
+                    delay,
+                )
                 if await self._sleep(delay):
                     return
         self.stats.dead_lettered += 1
@@ -730,12 +771,12 @@ class Consumer:
                     counts["replayed" if result is Result.APPLIED else "duplicates"] += 1
                     continue
                 except BatchFailed as failure:
-                    if session.lost(failure.cause):
+                    if session.lost(failure):
                         raise failure.cause from failure
                     cause: BaseException = failure.cause
                 except Exception as exc:  # noqa: BLE001 -- unwrapping failed: recorded below
                     cause = exc
-                error = {"error": describe(cause)[:4000]}
+                error = {"error": session.text(describe(cause))[:4000]}
                 await session.run(
                     "failed_again", {**session.id_params(self.group, delivery.id), **error}
                 )
@@ -751,6 +792,13 @@ class Consumer:
 
 class Unreadable(Exception):
     """A payload no retry will make readable: the message is dead-lettered at once."""
+
+
+def _wraps_a_coroutine_function(handler: Handler) -> bool:
+    try:
+        return inspect.iscoroutinefunction(inspect.unwrap(handler))
+    except ValueError:  # a __wrapped__ chain that loops: nothing to warn about
+        return False
 
 
 def _permanent(exc: BaseException) -> bool:
@@ -863,6 +911,7 @@ __all__ = [
     "ConsumerStats",
     "Delivery",
     "Handler",
+    "HandlerReturnedAwaitable",
     "SessionFactory",
     "Unreadable",
     "load_handler",

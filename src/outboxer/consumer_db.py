@@ -5,8 +5,9 @@ dead-letter table.
 Which connection a handler gets follows the handler: a plain function gets a sync
 connection (psycopg for PostgreSQL, sqlite3, PyMySQL for MySQL/MariaDB), run in a thread of
 the consumer's own pool; a coroutine function gets an async one (asyncpg, or psycopg's
-``AsyncConnection`` with ``async_driver="psycopg"``) on the event loop. Either way the
-handler writes on that connection and never commits: the runner does, once per batch.
+``AsyncConnection`` with ``async_driver="psycopg"``) on the event loop, and so does an
+object whose ``__call__`` is a coroutine function. Either way the handler writes on that
+connection and never commits: the runner does, once per batch.
 
 One transaction, several messages. A batch holds messages of different keys (never two of
 one key), sorted by message id so that two consumers claiming the same redelivered messages
@@ -19,7 +20,9 @@ at once, without counting an attempt for them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
+import inspect
 import json
 import logging
 import uuid
@@ -31,9 +34,11 @@ from enum import StrEnum
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from outboxer.enqueue import _numbered, _pyformat  # the same conversions, cached once
+from outboxer.brokers.base import describe
+from outboxer.enqueue import _numbered, _pyformat, mysql_errno  # the same conversions, cached once
 from outboxer.errors import ConfigError, MissingDependencyError
 from outboxer.inbox import Inbox
+from outboxer.message import MAX_KEY_LENGTH
 from outboxer.receivers.base import Delivery, decode_payload
 from outboxer.stores.sqlfiles import queries, render, table_name
 
@@ -88,8 +93,92 @@ def _finish(results: list[Result | None]) -> list[Result]:
     return [result or Result.APPLIED for result in results]
 
 
-def held_query(group: str, delivery: Delivery) -> dict[str, Any]:
-    return {"consumer": group, "key": delivery.key}
+#: What stands for a character a column cannot hold (a NUL in PostgreSQL, a lone surrogate).
+REPLACEMENT = "\ufffd"
+#: The dead-letter table's VARCHAR(255) columns (MySQL); the same bound everywhere.
+_COLUMN_LENGTH = 255
+#: PostgreSQL's SQLSTATEs for a server that is shutting down or not yet accepting connections
+#: (class 08, connection exceptions, is tested by its prefix).
+_PG_GONE = frozenset({"57P01", "57P02", "57P03"})
+#: MySQL/MariaDB error numbers of a connection that is gone: CR_CONN_HOST_ERROR,
+#: CR_SERVER_GONE_ERROR, CR_SERVER_LOST, CR_SERVER_LOST_EXTENDED, ER_SERVER_SHUTDOWN,
+#: ER_CONNECTION_KILLED (MariaDB), ER_CLIENT_INTERACTION_TIMEOUT (MySQL 8).
+_MYSQL_GONE = frozenset({2003, 2006, 2013, 2055, 1053, 1927, 4031})
+
+
+def storable(value: str, dialect: str) -> str:
+    """``value`` as the database can store it: a lone surrogate (which no driver can encode
+    as UTF-8) and, on PostgreSQL (whose text and jsonb refuse it), a NUL become U+FFFD.
+
+    Only the dead-letter bookkeeping needs this: a message from another producer than
+    outboxer (which refuses such text at enqueue) may carry them, and a record the database
+    refuses would be tried again and again."""
+    if value.isascii() and "\x00" not in value:
+        return value
+    text = value.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    return text.replace("\x00", REPLACEMENT) if dialect == "postgres" else text
+
+
+def _created_at_param(created: datetime | None, dialect: str) -> Any:
+    """``created`` as the dialect's column takes it, or None if it cannot be converted: it
+    is informative only, and a date next to the calendar's ends (0001-01-01T00:00:00+14:00)
+    overflows when moved to UTC."""
+    if created is None:
+        return None
+    try:
+        if dialect == "sqlite":
+            return created.timestamp()
+        utc = created.astimezone(UTC) if created.tzinfo is not None else created
+        # MySQL's DATETIME has no time zone: naive UTC. asyncpg converts to UTC itself, and
+        # would overflow where this did not check.
+        return utc.replace(tzinfo=None) if dialect == "mysql" else utc
+    except (OverflowError, ValueError, OSError) as exc:
+        logger.warning("created_at %s cannot be stored (%s): recorded as unknown", created, exc)
+        return None
+
+
+def is_async_handler(handler: object) -> bool:
+    """Whether calling ``handler`` gives a coroutine to await: a coroutine function, an
+    object whose class's ``__call__`` is one, or a ``functools.partial`` of either.
+
+    ``inspect.iscoroutinefunction`` alone misses the callable objects: their handler would
+    run on the sync path, and the coroutine it returned would never be awaited."""
+    while isinstance(handler, functools.partial):
+        handler = handler.func
+    if inspect.iscoroutinefunction(handler):
+        return True
+    if inspect.isroutine(handler) or inspect.isclass(handler):
+        return False
+    # The class's __call__, not callable(): that it is a coroutine function is the question.
+    call = getattr(type(handler), "__call__", None)  # noqa: B004
+    return inspect.iscoroutinefunction(call)
+
+
+def call_sync_handler(handler: Callable[..., Any], delivery: Delivery, conn: Any) -> Any:
+    """``handler(delivery, conn)``; HandlerReturnedAwaitable if that gives an awaitable (a
+    plain decorator around a coroutine function, say): what the handler meant to write never
+    ran, and its transaction must not commit as if the message were applied."""
+    result = handler(delivery, conn)
+    if inspect.isawaitable(result):
+        if inspect.iscoroutine(result):
+            result.close()  # never to run: closed, Python does not warn it was never awaited
+        raise HandlerReturnedAwaitable(handler, result)
+    return result
+
+
+class HandlerReturnedAwaitable(TypeError):
+    """A handler called as a plain function returned an awaitable: a failure of the message
+    (rolled back, retried, dead-lettered), never an applied one."""
+
+    def __init__(self, handler: object, result: object) -> None:
+        name = getattr(handler, "__qualname__", None) or type(handler).__qualname__
+        super().__init__(
+            f"handler {name} returned {type(result).__name__} instead of running: it is "
+            "asynchronous but does not look it (a plain function wrapping a coroutine "
+            "function?), so it ran on the sync path and nothing awaited it; make it an "
+            "`async def` function, or an object whose __call__ is one, to run it on an async "
+            "connection"
+        )
 
 
 class Session(ABC):
@@ -117,9 +206,25 @@ class Session(ABC):
         """Whether the connection is gone (the runner opens a new one)."""
 
     def lost(self, exc: BaseException) -> bool:
-        """Whether ``exc`` means the connection is gone (an outage, not the message's fault:
-        no attempt is counted), whatever statement it interrupted, the handler's included."""
-        return self.broken() or isinstance(exc, ConnectionError | OSError)
+        """Whether ``exc`` (a BatchFailed, or what one of the session's own calls raised)
+        means the connection is gone: an outage, not the message's fault, no attempt counted.
+
+        What the handler raised says nothing of the connection: a FileNotFoundError, a
+        timeout or a ``requests`` error of its own is its failure, counted, or the message
+        would be retried at once and for ever. So for the handler's exceptions only the
+        connection's state counts, read after the rollback (which a dead connection fails,
+        and the driver then marks it closed). The consumer's own statements only talk to the
+        database: there the driver's errors of a lost connection count as well."""
+        if isinstance(exc, BatchFailed):
+            if exc.stage == "handler":
+                return self.broken()
+            exc = exc.cause
+        return self.broken() or self.disconnected(exc)
+
+    def disconnected(self, exc: BaseException) -> bool:
+        """Whether ``exc``, raised by one of the session's own database calls, is the
+        driver's word that the connection is gone (drivers add theirs to the socket's)."""
+        return isinstance(exc, ConnectionError | OSError)
 
     @abstractmethod
     async def apply(
@@ -150,24 +255,33 @@ class Session(ABC):
     def sql(self, name: str) -> str:
         return _sql(self.dialect, self.schema, name)
 
+    def text(self, value: str) -> str:
+        """``value`` as this database can store it (see :func:`storable`)."""
+        return storable(value, self.dialect)
+
+    def stored_key(self, key: str | None) -> str | None:
+        """A message key as the dead-letter table holds it, and as ``key_blocked`` looks it
+        up: storable, and cut to the column's length (MySQL's VARCHAR(255), an index entry
+        in PostgreSQL), which outboxer's own keys never exceed."""
+        return None if key is None else self.text(key)[:MAX_KEY_LENGTH]
+
+    def held_query(self, group: str, delivery: Delivery) -> dict[str, Any]:
+        return {"consumer": group, "key": self.stored_key(delivery.key)}
+
     def dead_letter_params(
         self, group: str, delivery: Delivery, error: str, attempts: int, held: bool = False
     ) -> dict[str, Any]:
-        created: Any = delivery.created_at
-        if created is not None and self.dialect == "sqlite":
-            created = created.timestamp()
-        elif created is not None and self.dialect == "mysql":
-            created = created.astimezone(UTC).replace(tzinfo=None) if created.tzinfo else created
+        headers = {self.text(name): self.text(value) for name, value in delivery.headers.items()}
         return {
             "consumer": group,
             "message_id": delivery.id if self.dialect == "postgres" else str(delivery.id),
-            "topic": delivery.topic[:255],
-            "key": delivery.key,
-            "headers": json.dumps(dict(delivery.headers), ensure_ascii=False),
-            "content_type": delivery.content_type[:255],
+            "topic": self.text(delivery.topic)[:_COLUMN_LENGTH],
+            "key": self.stored_key(delivery.key),
+            "headers": json.dumps(headers, ensure_ascii=False),
+            "content_type": self.text(delivery.content_type)[:_COLUMN_LENGTH],
             "payload": delivery.body,
-            "created_at": created,
-            "error": error[:4000],
+            "created_at": _created_at_param(delivery.created_at, self.dialect),
+            "error": self.text(error)[:4000],
             "attempts": attempts,
             "held": held,
         }
@@ -185,7 +299,28 @@ class Session(ABC):
     async def record_dead_letter(
         self, group: str, delivery: Delivery, error: str, attempts: int
     ) -> None:
-        await self.run("insert", self.dead_letter_params(group, delivery, error, attempts))
+        """Write the dead letter. If the database refuses it for what the message holds (a
+        value it cannot store that :meth:`dead_letter_params` did not foresee), write it
+        without its key, headers and creation time, the refusal in its error: a dead
+        letter that can never be written would stop its worker for good. A lost connection,
+        or a second refusal (the table itself is at fault then), is raised."""
+        try:
+            await self.run("insert", self.dead_letter_params(group, delivery, error, attempts))
+            return
+        except Exception as exc:
+            if self.lost(exc):
+                raise
+            refusal = describe(exc)
+        logger.error(
+            "consumer %s: the database refuses the dead letter of message %s (%s); recording "
+            "it without its key, headers and created_at",
+            group,
+            delivery.id,
+            refusal,
+        )
+        bare = dataclasses.replace(delivery, key=None, headers={}, created_at=None)
+        note = f"[recorded without key, headers and created_at: {refusal[:500]}] {error}"
+        await self.run("insert", self.dead_letter_params(group, bare, note, attempts))
 
     async def dead_letters(self, group: str | None, limit: int) -> list[DeadLetter]:
         rows = await self.fetch("list", {"consumer": group, "limit": limit})
@@ -302,7 +437,7 @@ class SyncSession(Session):
 
     def _hold(self, group: str, delivery: Delivery) -> bool:
         """Record a keyed message as held if its key has a dead letter; whether it did."""
-        if delivery.key is None or not self._fetch("key_blocked", held_query(group, delivery)):
+        if delivery.key is None or not self._fetch("key_blocked", self.held_query(group, delivery)):
             return False
         self._execute("insert", self.held_params(group, delivery))
         return True
@@ -352,7 +487,7 @@ class SyncSession(Session):
                     results[index] = Result.DUPLICATE
                     continue
                 try:
-                    handler(deliveries[index], self.conn)
+                    call_sync_handler(handler, deliveries[index], self.conn)
                 except Exception as exc:
                     raise BatchFailed("handler", exc, index) from exc
             return _finish(results)
@@ -389,6 +524,20 @@ def _close_quietly(conn: Any) -> None:
         logger.debug("closing a consumer connection failed: %s", exc)
 
 
+def _psycopg_disconnected(exc: BaseException) -> bool:
+    """psycopg's errors of a lost connection: InterfaceError ("the connection is closed"), or
+    an OperationalError from libpq itself (no SQLSTATE), of class 08, or of a server that is
+    going down. Not the other OperationalErrors: a statement timeout, a lock not available."""
+    import psycopg
+
+    if isinstance(exc, psycopg.InterfaceError):
+        return True
+    if not isinstance(exc, psycopg.OperationalError):
+        return False
+    state = exc.sqlstate
+    return state is None or state.startswith("08") or state in _PG_GONE
+
+
 def _refuse_aborted(conn: Any) -> None:
     """psycopg commits an aborted transaction without a word (PostgreSQL rolls it back)."""
     from psycopg.pq import TransactionStatus
@@ -418,6 +567,9 @@ class PsycopgSession(SyncSession):
 
     def broken(self) -> bool:
         return self.conn is None or bool(self.conn.closed) or bool(self.conn.broken)
+
+    def disconnected(self, exc: BaseException) -> bool:
+        return super().disconnected(exc) or _psycopg_disconnected(exc)
 
 
 class SqliteSession(SyncSession):
@@ -465,6 +617,17 @@ class PyMySQLSession(SyncSession):
     def broken(self) -> bool:
         return self.conn is None or not self.conn.open
 
+    def disconnected(self, exc: BaseException) -> bool:
+        import pymysql
+
+        # MariaDB answers KILL with an error and leaves the socket to close after it: the
+        # connection still looks open when the error arrives.
+        return (
+            super().disconnected(exc)
+            or isinstance(exc, pymysql.err.InterfaceError)
+            or (isinstance(exc, pymysql.err.OperationalError) and mysql_errno(exc) in _MYSQL_GONE)
+        )
+
 
 # ----- async connections, on the event loop -------------------------------------------------
 
@@ -484,7 +647,7 @@ class AsyncSession(Session):
     async def _hold(self, group: str, delivery: Delivery) -> bool:
         """Record a keyed message as held if its key has a dead letter; whether it did."""
         if delivery.key is None or not await self._fetch(
-            "key_blocked", held_query(group, delivery)
+            "key_blocked", self.held_query(group, delivery)
         ):
             return False
         await self._execute("insert", self.held_params(group, delivery))
@@ -548,11 +711,14 @@ class AsyncSession(Session):
 
 
 class AbortedTransaction(RuntimeError):
-    """COMMIT of a transaction an earlier statement aborted: PostgreSQL rolls it back."""
+    """A transaction that was rolled back where the runner would have committed it: COMMIT of
+    a transaction an earlier statement aborted (PostgreSQL rolls it back), or a framework's
+    block marked for rollback (Django's ``atomic()``). The batch failed: never acked."""
 
-    def __init__(self) -> None:
+    def __init__(self, reason: str | None = None) -> None:
         super().__init__(
-            "the transaction was aborted by a failed statement (did the handler catch a "
+            reason
+            or "the transaction was aborted by a failed statement (did the handler catch a "
             "database error and go on?); it was rolled back"
         )
 
@@ -593,7 +759,7 @@ class AsyncpgSession(AsyncSession):
     def broken(self) -> bool:
         return self.conn is None or bool(self.conn.is_closed())
 
-    def lost(self, exc: BaseException) -> bool:
+    def disconnected(self, exc: BaseException) -> bool:
         from asyncpg import exceptions as pg
 
         # After the server ended it mid-statement, asyncpg may report a confused protocol
@@ -606,7 +772,7 @@ class AsyncpgSession(AsyncSession):
             pg.CrashShutdownError,
             pg.CannotConnectNowError,
         )
-        return super().lost(exc) or isinstance(exc, gone)
+        return super().disconnected(exc) or isinstance(exc, gone)
 
     async def _begin(self) -> Any:
         await self.conn.execute("BEGIN")
@@ -657,6 +823,9 @@ class PsycopgAsyncSession(AsyncSession):
 
     def broken(self) -> bool:
         return self.conn is None or bool(self.conn.closed) or bool(self.conn.broken)
+
+    def disconnected(self, exc: BaseException) -> bool:
+        return super().disconnected(exc) or _psycopg_disconnected(exc)
 
     async def _begin(self) -> Any:
         return _PsycopgTransaction(self.conn)
@@ -745,11 +914,16 @@ def _libpq_url(url: str) -> str:
 
 
 __all__ = [
+    "AbortedTransaction",
     "AsyncSession",
     "BatchFailed",
     "DeadLetter",
+    "HandlerReturnedAwaitable",
     "Result",
     "Session",
     "SyncSession",
+    "call_sync_handler",
+    "is_async_handler",
     "session_factory",
+    "storable",
 ]

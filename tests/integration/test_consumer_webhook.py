@@ -194,3 +194,49 @@ async def test_handle_refuses_what_is_not_an_outboxer_webhook(db: str) -> None:
     finally:
         await receiver.close()
     assert status == 400 and "not an outboxer webhook" in body["error"]
+
+
+async def test_only_what_the_signature_covers_reaches_the_handler(db: str) -> None:
+    """Scheme v2 covers the topic, the key, the content type and the user headers: one of
+    them changed on the way is refused (401); a header added on the way (a second key, a
+    proxy's) never reaches the handler; a request stripped down to the v1 signature (the
+    body only) is refused unless the receiver accepts relays older than v2."""
+    from outboxer.brokers.webhook import WebhookPublisher
+
+    seen: list[Delivery] = []
+
+    def handler(message: Delivery, conn: Any) -> None:
+        seen.append(message)
+        record(message, conn)
+
+    publisher = WebhookPublisher("http://127.0.0.1:9/hooks", secret=SECRET)
+
+    def request(n: int, key: str | None) -> tuple[dict[str, str], bytes]:
+        [message] = outboxer.Outbox().build("hook.t", {"n": n}, key=key, headers={"tr": "x"})
+        sent = publisher.request_headers(message)
+        return {name.lower(): value for name, value in sent.items()}, message.payload
+
+    strict = WebhookReceiver(db=db, group="hooks", handler=handler, secret=SECRET)
+    lenient = WebhookReceiver(
+        db=db, group="hooks-v1", handler=handler, secret=SECRET, require_signed_headers=False
+    )
+    try:
+        headers, body = request(0, "k0")
+        for name, value in (("outboxer-topic", "hook.evil"), ("outboxer-key", "k9"), ("tr", "y")):
+            status, answer, _ = await strict.handle({**headers, name: value}, body)
+            assert (status, "mismatch" in answer["error"]) == (401, True), name
+        headers, body = request(1, None)
+        added = {**headers, "outboxer-key": "k-added", "x-forwarded-for": "10.0.0.1"}
+        assert (await strict.handle(added, body))[0] == 200
+        assert seen[-1].key is None and seen[-1].headers == {"tr": "x"}
+        headers, body = request(2, "k2")
+        v1_only = {**headers, "outboxer-signature": headers["outboxer-signature"].split(",")[0]}
+        del v1_only["outboxer-signed-headers"]
+        status, answer, _ = await strict.handle(v1_only, body)
+        assert status == 401 and "not signed" in answer["error"]
+        assert (await lenient.handle(v1_only, body))[0] == 200
+        assert seen[-1].payload == {"n": 2} and seen[-1].key == "k2"
+    finally:
+        await strict.close()
+        await lenient.close()
+    assert sorted(r[0] for r in rows(db, "SELECT n FROM applied")) == [1, 2]

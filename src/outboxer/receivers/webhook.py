@@ -4,8 +4,11 @@
 mount it in any ASGI app (Starlette's ``app.mount("/hooks", receiver)``, FastAPI, Django's
 ASGI router) or serve it alone (``uvicorn module:receiver``). For each POST it
 
-1. checks the signature with :func:`outboxer.webhook_signature.verify_signature` (401 if
-   it does not check out; ``secret=None`` accepts unsigned requests, for trusted networks);
+1. checks the signature with :func:`outboxer.webhook_signature.verify_request` (401 if
+   it does not check out, or if it covers the body only: scheme v1, which a request
+   stripped of its v2 signature looks like; ``require_signed_headers=False`` accepts that
+   from relays older than v2; ``secret=None`` accepts unsigned requests, for trusted
+   networks); only the headers the signature covers reach the handler;
 2. applies the message in the consumer's transaction, as ``outboxer consume`` does: the
    inbox claim and the handler's writes commit together (``consumer_db``);
 3. answers 200 once that committed, or for a duplicate (the inbox had it), or for a
@@ -30,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -50,23 +52,26 @@ from outboxer.message import HEADER_CREATED_AT as ENVELOPE_CREATED_AT
 from outboxer.message import HEADER_KEY as ENVELOPE_KEY
 from outboxer.message import HEADER_TOPIC as ENVELOPE_TOPIC
 from outboxer.receivers.base import decode
+from outboxer.redact import get_logger, redact_text
 from outboxer.retry import Backoff
 from outboxer.stores import create_store
 from outboxer.webhook_signature import (
     DEFAULT_TOLERANCE,
     HEADER_ID,
     HEADER_SIGNATURE,
+    HEADER_SIGNED_HEADERS,
     HEADER_TIMESTAMP,
     Secret,
     WebhookSignatureError,
-    verify_signature,
+    verify_request,
 )
 
 if TYPE_CHECKING:
     from outboxer.claimcheck import ObjectStore
     from outboxer.crypto import KeyRing
 
-logger = logging.getLogger("outboxer.consumer.webhook")
+# Redacting: this runs inside the user's ASGI app, whose handlers see these lines as they are.
+logger = get_logger("outboxer.consumer.webhook")
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -94,7 +99,7 @@ _TRANSPORT = frozenset(
 _ENVELOPE = frozenset(
     name.lower()
     for name in (HEADER_ID, HEADER_TOPIC, HEADER_KEY, HEADER_CREATED_AT, HEADER_TIMESTAMP)
-) | {HEADER_SIGNATURE.lower()}
+) | {HEADER_SIGNATURE.lower(), HEADER_SIGNED_HEADERS.lower()}
 #: Messages whose failures are remembered (oldest forgotten first).
 _REMEMBERED = 10_000
 
@@ -120,6 +125,7 @@ class WebhookReceiver:
         async_driver: str | None = None,
         keyring: KeyRing | None = None,
         object_store: ObjectStore | None = None,
+        require_signed_headers: bool = True,
     ) -> None:
         self.consumer = Consumer(
             db=db,
@@ -138,6 +144,9 @@ class WebhookReceiver:
         )
         self.secret = secret
         self.tolerance = tolerance
+        #: Refuse requests signed with v1 only (the body), whose topic, key, content type
+        #: and user headers nobody vouches for; False accepts relays older than scheme v2.
+        self.require_signed_headers = require_signed_headers
         self.max_body = max_body
         self._sessions: asyncio.Queue[Session] | None = None
         self._all: list[Session] = []
@@ -202,12 +211,22 @@ class WebhookReceiver:
         body = bytearray()
         while True:
             event = await receive()
+            if event.get("type") == "http.disconnect":
+                # The client went away mid-body: applied and recorded in the inbox, a part of
+                # the message would make the sender's full retry a duplicate, never applied.
+                return
             body += event.get("body", b"")
             if len(body) > self.max_body:
                 await _respond(send, 413, {"error": f"body over {self.max_body} bytes"})
                 return
             if not event.get("more_body"):
                 break
+        length = headers.get("content-length")
+        if length is not None and not (length.isdigit() and len(body) >= int(length)):
+            # A server that hands over a short body as complete: the same partial message.
+            error = f"body of {len(body)} bytes, not the {length[:20]!r} of its Content-Length"
+            await _respond(send, 400, {"error": error})
+            return
         status, answer, extra = await self.handle(headers, bytes(body))
         await _respond(send, status, answer, extra)
 
@@ -234,9 +253,20 @@ class WebhookReceiver:
         """The answer to one POST (status, JSON body, extra headers); ``headers`` lowercased."""
         if self.secret is not None:
             try:
-                verify_signature(self.secret, headers, body, self.tolerance)
+                verified = verify_request(
+                    self.secret,
+                    headers,
+                    body,
+                    self.tolerance,
+                    require_signed_headers=self.require_signed_headers,
+                )
             except WebhookSignatureError as exc:
                 return 401, {"error": str(exc)}, {}
+            if verified.signed_headers is not None:
+                # Only what the signature covers is the message's: a header added on the
+                # way (a proxy's, or an attacker's Outboxer-Key) reaches no handler.
+                signed = verified.signed_headers
+                headers = {name: value for name, value in headers.items() if name in signed}
         incoming = decode(_envelope(headers), body, content_type=headers.get("content-type"))
         if incoming.malformed is not None and HEADER_ID.lower() not in headers:
             return 400, {"error": f"not an outboxer webhook: {incoming.malformed}"}, {}
@@ -248,13 +278,14 @@ class WebhookReceiver:
         assert self._sessions is not None
         session = await self._sessions.get()
         try:
-            return await self._apply(session, incoming)
+            return _redacted(await self._apply(session, incoming))
         except Exception as exc:  # noqa: BLE001 -- recording a dead letter failed: retried
             self.consumer.stats.database_errors += 1
             logger.warning("webhook %s: database error: %s", incoming.delivery.id, describe(exc))
             if session.broken():
                 await _reopen(session)
-            return 503, {"error": f"database error: {describe(exc)}"}, {"retry-after": "1"}
+            error = redact_text(f"database error: {describe(exc)}")
+            return 503, {"error": error}, {"retry-after": "1"}
         finally:
             self._sessions.put_nowait(session)
 
@@ -286,9 +317,9 @@ class WebhookReceiver:
                 hold_keys=consumer.abandoned_blocks_key,
             )
         except BatchFailed as failure:
-            if failure.index is None or session.lost(failure.cause):
+            if failure.index is None or session.lost(failure):
                 stats.database_errors += 1
-                if session.lost(failure.cause):
+                if session.lost(failure):
                     await _reopen(session)
                 return 503, {"error": f"database error: {failure}"}, {"retry-after": "1"}
             failures += 1
@@ -328,6 +359,17 @@ class WebhookReceiver:
         self._failures.move_to_end(message_id)
         while len(self._failures) > _REMEMBERED:
             self._failures.popitem(last=False)
+
+
+def _redacted(
+    answer: tuple[int, dict[str, Any], dict[str, str]],
+) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """``answer`` with its error text redacted: a handler's or driver's error may carry a
+    URL with its password, and the answer goes to whoever sent the request."""
+    status, body, extra = answer
+    if isinstance(body.get("error"), str):
+        body = {**body, "error": redact_text(body["error"])}
+    return status, body, extra
 
 
 async def _reopen(session: Session) -> None:

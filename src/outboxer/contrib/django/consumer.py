@@ -18,7 +18,6 @@ synchronous: a coroutine handler is refused.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -27,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from django.db import connections, transaction
 
-from outboxer.consumer_db import AbortedTransaction, SyncSession
+from outboxer.consumer_db import AbortedTransaction, SyncSession, is_async_handler
 from outboxer.enqueue import _pyformat
 from outboxer.errors import ConfigError
 
@@ -38,6 +37,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("outboxer.consumer")
 T = TypeVar("T")
+
+#: Why a batch whose atomic() block Django rolled back on its own did not count as applied.
+_MARKED_FOR_ROLLBACK = (
+    "the transaction was marked for rollback (transaction.set_rollback(True), or an "
+    "exception caught from an inner atomic(savepoint=False) block) and Django rolled it back "
+    "instead of committing"
+)
 
 #: libpq's PQTransactionStatus for a transaction a failed statement aborted (psycopg 3's
 #: ``TransactionStatus.INERROR`` and psycopg2's ``TRANSACTION_STATUS_INERROR`` alike).
@@ -115,10 +121,9 @@ class DjangoSession(SyncSession):
                 transaction.on_commit(mark_committed, using=self.alias)
                 try:
                     result = work()
-                except Exception:
+                finally:
                     # Read before the rollback, which clears it.
                     database_error = bool(self.conn.errors_occurred)
-                    raise
                 self._refuse_aborted()
         except Exception:
             if not committed:
@@ -127,6 +132,12 @@ class DjangoSession(SyncSession):
             # The commit happened; an on_commit callback of the handler raised after it.
             # Failing the batch now would only bring a redelivery the inbox skips.
             logger.exception("an on_commit callback failed after the consumer's commit")
+        if not committed:
+            # The outermost atomic() rolls back without raising when the block was marked
+            # for rollback (or the connection closed in it): returning would have the batch
+            # acked as applied with nothing of it in the database.
+            self._lost = self._lost_during(raw, database_error)
+            raise AbortedTransaction(_MARKED_FOR_ROLLBACK)
         return result
 
     def _lost_during(self, raw: Any, database_error: bool) -> bool:
@@ -191,10 +202,11 @@ def django_consumer(
     from outboxer.consumer import load_handler
 
     handler = load_handler(own.require("handler"))
-    if inspect.iscoroutinefunction(handler):
+    if is_async_handler(handler):
         raise ConfigError(
             "a Django consumer's handler is a plain function (Django's ORM is synchronous); "
-            f"{getattr(handler, '__qualname__', handler)!r} is a coroutine function"
+            f"{getattr(handler, '__qualname__', handler)!r} is a coroutine function (or an "
+            "object whose __call__ is one)"
         )
     return build_consumer(
         settings,
