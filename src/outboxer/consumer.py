@@ -620,6 +620,7 @@ class Consumer:
             payload=payload,
             body=message.payload,
             content_type=message.content_type,
+            received=delivery.received or delivery,
         )
 
     def _timed(self, handler: Handler) -> Handler:

@@ -271,15 +271,18 @@ class Session(ABC):
     def dead_letter_params(
         self, group: str, delivery: Delivery, error: str, attempts: int, held: bool = False
     ) -> dict[str, Any]:
-        headers = {self.text(name): self.text(value) for name, value in delivery.headers.items()}
+        # As it arrived: an encrypted message stays encrypted at rest here too (a replay
+        # decrypts it again), a claim-checked one keeps its reference.
+        stored = delivery.received or delivery
+        headers = {self.text(name): self.text(value) for name, value in stored.headers.items()}
         return {
             "consumer": group,
             "message_id": delivery.id if self.dialect == "postgres" else str(delivery.id),
             "topic": self.text(delivery.topic)[:_COLUMN_LENGTH],
             "key": self.stored_key(delivery.key),
             "headers": json.dumps(headers, ensure_ascii=False),
-            "content_type": self.text(delivery.content_type)[:_COLUMN_LENGTH],
-            "payload": delivery.body,
+            "content_type": self.text(stored.content_type)[:_COLUMN_LENGTH],
+            "payload": stored.body,
             "created_at": _created_at_param(delivery.created_at, self.dialect),
             "error": self.text(error)[:4000],
             "attempts": attempts,
@@ -318,7 +321,9 @@ class Session(ABC):
             delivery.id,
             refusal,
         )
-        bare = dataclasses.replace(delivery, key=None, headers={}, created_at=None)
+        bare = dataclasses.replace(
+            delivery.received or delivery, key=None, headers={}, created_at=None
+        )
         note = f"[recorded without key, headers and created_at: {refusal[:500]}] {error}"
         await self.run("insert", self.dead_letter_params(group, bare, note, attempts))
 

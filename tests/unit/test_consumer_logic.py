@@ -278,3 +278,38 @@ def test_encrypted_and_claim_checked_payloads_reach_the_handler_as_plaintext(
     [letter] = dead_letters(db)
     assert letter[0] == "b" and letter[1].startswith("DecryptionError") and letter[2] == 0
     assert (stats.applied, stats.dead_lettered, stats.malformed) == (3, 1, 1)
+
+
+def test_an_encrypted_message_s_dead_letter_stays_encrypted_and_replays_decrypted(
+    db: str, broker: str
+) -> None:
+    """Encryption at rest holds in the dead-letter table too: a message the handler keeps
+    failing is stored as it arrived (ciphertext, its key-id header), not as the plaintext
+    the handler saw; a replay decrypts it again."""
+    import os
+
+    from outboxer.crypto import KeyRing, encrypt_message
+
+    keyring = KeyRing({"k1": os.urandom(32)})
+    secret = "card-4111-1111-1111-1111"
+    sealed = encrypt_message(make_message("t", {"n": 1, "card": secret}, key="a"), keyring)
+    publish(broker, sealed)
+
+    def fails(delivery: Delivery, conn: sqlite3.Connection) -> None:
+        assert delivery.payload["card"] == secret  # the handler sees plaintext
+        raise RuntimeError("downstream refused")
+
+    consumer, stats = consume(db, broker, fails, keyring=keyring, max_attempts=2)
+    assert stats.dead_lettered == 1
+    with sqlite3.connect(db.removeprefix("sqlite:///")) as conn:
+        [(payload, headers, content_type)] = conn.execute(
+            "SELECT payload, headers, content_type FROM dead_letters"
+        ).fetchall()
+    assert secret.encode() not in bytes(payload) and bytes(payload) == sealed.payload
+    assert secret not in headers and "outboxer-key-id" in headers.lower()
+    assert content_type == sealed.content_type
+    replayed = Consumer(
+        db=db, broker=None, group="g", handler=record, keyring=keyring, backoff=FAST
+    )
+    assert asyncio.run(replayed.replay_dead_letters())["replayed"] == 1
+    assert applied(db) == [(str(sealed.id), "a", 1)]

@@ -68,6 +68,10 @@ class Delivery:
     created_at: datetime | None = None
     #: 1 on the first attempt in this consumer, 2 after one failure, and so on.
     attempt: int = 1
+    #: The delivery as it arrived, when the consumer decrypted it or fetched its claim-checked
+    #: payload (else None): what its dead letter stores, so that encryption at rest holds
+    #: in the dead-letter table too. A replay decrypts it again.
+    received: Delivery | None = field(default=None, repr=False, compare=False)
 
 
 class MalformedMessage(ValueError):
