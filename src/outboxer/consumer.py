@@ -462,7 +462,10 @@ class Consumer:
     def _dispatch(self, incoming: Incoming) -> None:
         self.stats.received += 1
         self._held += 1
-        key = None if incoming.malformed else incoming.delivery.key
+        # A malformed message whose key could be read takes its key's turn too: dead-lettered
+        # ahead of an earlier message of its key still retrying, it would hold that one back
+        # (abandoned_blocks_key) behind a later one, and a replay would go out of order.
+        key = incoming.delivery.key
         lane = self._lanes.get(key) if key is not None else None
         if lane is not None:
             lane.queue.append(incoming)  # it becomes the head once those before it are done

@@ -299,7 +299,7 @@ def test_an_encrypted_message_s_dead_letter_stays_encrypted_and_replays_decrypte
         assert delivery.payload["card"] == secret  # the handler sees plaintext
         raise RuntimeError("downstream refused")
 
-    consumer, stats = consume(db, broker, fails, keyring=keyring, max_attempts=2)
+    _, stats = consume(db, broker, fails, keyring=keyring, max_attempts=2)
     assert stats.dead_lettered == 1
     with sqlite3.connect(db.removeprefix("sqlite:///")) as conn:
         [(payload, headers, content_type)] = conn.execute(
@@ -313,3 +313,23 @@ def test_an_encrypted_message_s_dead_letter_stays_encrypted_and_replays_decrypte
     )
     assert asyncio.run(replayed.replay_dead_letters())["replayed"] == 1
     assert applied(db) == [(str(sealed.id), "a", 1)]
+
+
+def test_an_unreadable_message_waits_for_the_earlier_ones_of_its_key(db: str, broker: str) -> None:
+    """Dead-lettered at once but in its key's turn: ahead of an earlier message of its key
+    still retrying, its dead letter would (with abandoned_blocks_key) hold that earlier
+    message back behind a later one, and a replay would apply them out of order."""
+    first = make_message("t", {"n": 1}, key="k")
+    bad = Message(id=uuid.uuid4(), topic="t", payload=b"{not json", key="k")
+    publish(broker, first, bad)
+
+    def once_refused(delivery: Delivery, conn: sqlite3.Connection) -> None:
+        if delivery.attempt == 1:
+            raise RuntimeError("not yet")
+        record(delivery, conn)
+
+    _, stats = consume(db, broker, once_refused, abandoned_blocks_key=True, max_attempts=3)
+    assert [(key, n) for _, key, n in applied(db)] == [("k", 1)], "applied, not held"
+    [letter] = dead_letters(db)
+    assert letter[0] == "k" and letter[1].startswith("payload is not the JSON")
+    assert (stats.applied, stats.malformed, stats.dead_lettered) == (1, 1, 1)
