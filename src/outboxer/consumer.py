@@ -112,6 +112,11 @@ class ConsumerStats:
         return dict(self.__dict__)
 
 
+class HandlerCancelled(Exception):
+    """An async handler raised CancelledError while its worker was not being cancelled (it
+    awaited a task or future that was): a failure of the message, retried, dead-lettered."""
+
+
 @dataclass(eq=False)
 class _Lane:
     """A key's messages in delivery order (or one keyless message); the head is next."""
@@ -639,6 +644,15 @@ class Consumer:
                 started = time.perf_counter()
                 try:
                     return await handler(delivery, conn)
+                except asyncio.CancelledError as exc:
+                    task = asyncio.current_task()
+                    if task is None or task.cancelling():
+                        raise  # this worker is being cancelled (shutdown)
+                    # The handler's own (it awaited something cancelled): escaping as it is,
+                    # it would end the worker and leave its lanes held until shutdown.
+                    raise HandlerCancelled(
+                        "the handler raised CancelledError without being cancelled"
+                    ) from exc
                 finally:
                     add(started)
 

@@ -526,3 +526,29 @@ def test_a_dead_letter_the_table_refuses_is_recorded_without_key_headers_and_cre
     assert error.endswith("] ValueError: poison k")
     assert [row[0] for row in applied(pg_db)] == [1]
     assert (stats.dead_lettered, stats.applied) == (1, 1)
+
+
+@pytest.mark.parametrize("kind", ["postgres-asyncpg", "postgres-psycopg-async"])
+def test_a_cancelled_error_the_handler_raises_is_its_failure_not_the_worker_s_end(
+    request: pytest.FixtureRequest, kind: str
+) -> None:
+    """An async handler that awaits something cancelled raises CancelledError while its
+    worker is not being cancelled. Escaping as it was, it ended the worker and left its
+    lanes held until shutdown (the consumer never went idle); now it is a failed attempt,
+    then a dead letter, and the key's next message is applied."""
+    db = database(request, kind)
+    record_it = KINDS[kind][2]
+
+    async def handler(message: Delivery, conn: Any) -> None:
+        if message.payload["n"] == 0:
+            gone = asyncio.get_running_loop().create_future()
+            gone.cancel()
+            await gone
+        await record_it(message, conn)
+
+    poison, after = make_message("t", {"n": 0}, key="k"), make_message("t", {"n": 1}, key="k")
+    _, stats = consume(db, handler, poison, after, async_driver=KINDS[kind][1], max_attempts=2)
+    assert [row[0] for row in applied(db)] == [1]
+    [letter] = dead_letters(db)
+    assert "HandlerCancelled" in letter[1] and letter[2] == 2
+    assert (stats.applied, stats.dead_lettered) == (1, 1)
