@@ -178,3 +178,27 @@ async def test_acked_wave_without_a_connection_sends_nothing() -> None:
     results = await (await wave_awaiting_acks(publisher, b"a", b"b", sent=0))
     assert [str(r) for r in results] == ["the connection is not open"] * 2
     assert publisher.acks == {}
+
+
+async def test_acked_batch_counts_no_attempt_for_messages_the_wave_never_sent() -> None:
+    """NATS and MQTT publish through AckedPublisher: a message behind a connection failure in
+    its wave was never sent, so the relay must give it back untried; one that was sent and
+    lost its ack was attempted."""
+    publisher = ScriptedAcks()
+    await publisher.connect()
+    messages = [
+        Message(id=uuid.uuid4(), topic="t", payload=payload, key=key)
+        for payload, key in ((b"a", "k1"), (b"b", "k2"), (b"cut", "k3"), (b"d", "k4"))
+    ]
+    batch = asyncio.ensure_future(publisher.publish_batch(messages))
+    while len(publisher.acks) < 2:
+        await asyncio.sleep(0)
+    publisher.acks[b"a"].set_result("ok")
+    assert publisher.lost is not None
+    publisher.lost.set()
+    a, b, cut, d = await asyncio.wait_for(batch, 1)
+    assert a.kind is OutcomeKind.PUBLISHED
+    assert (b.kind, b.attempted) == (OutcomeKind.FAILED, True), "sent: its ack was lost"
+    assert (cut.kind, cut.attempted) == (OutcomeKind.FAILED, True), "the send itself failed"
+    assert (d.kind, d.attempted) == (OutcomeKind.FAILED, False), "never sent"
+    assert d.error is not None and "lost before publishing" in d.error

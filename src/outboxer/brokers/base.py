@@ -242,6 +242,9 @@ class Publisher(ABC):
                 if error is None:
                     outcomes[index] = PUBLISHED
                     continue
+                attempted = not isinstance(error, NotSent)
+                if isinstance(error, NotSent):
+                    error = error.cause
                 key = messages[index].key
                 if key is not None:
                     failed_keys.add(key)
@@ -255,6 +258,7 @@ class Publisher(ABC):
                     describe(error),
                     self.is_retryable(error),
                     error.retry_after if isinstance(error, PublishError) else None,
+                    attempted=attempted,
                 )
         final = [outcome or SKIPPED for outcome in outcomes]
         self.stats.batches += 1
@@ -295,6 +299,18 @@ class Publisher(ABC):
         return results
 
 
+class NotSent(Exception):
+    """Wraps the error of a message a wave never sent (the connection was not open, or broke
+    before its turn): the relay gives it back with no attempt counted."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+    def __str__(self) -> str:
+        return str(self.cause)
+
+
 class AckedPublisher(Publisher, Generic[AckT]):
     """A publisher for brokers that answer each publish with an ack of its own (NATS
     JetStream's PubAck, MQTT's PUBACK): a wave's messages are all sent, then their acks
@@ -326,7 +342,7 @@ class AckedPublisher(Publisher, Generic[AckT]):
     async def _publish_wave(self, messages: Sequence[Message]) -> list[BaseException | None]:
         lost = self._connection_lost_event()
         if lost is None or lost.is_set():
-            return [self._connection_error("is not open")] * len(messages)
+            return [NotSent(self._connection_error("is not open"))] * len(messages)
         results: list[BaseException | None] = [None] * len(messages)
         pending: dict[int, asyncio.Future[AckT]] = {}
         try:
@@ -350,7 +366,7 @@ class AckedPublisher(Publisher, Generic[AckT]):
         for index, message in enumerate(messages):
             if index not in pending:
                 if results[index] is None:  # not sent: the connection broke before its turn
-                    results[index] = self._connection_error("was lost before publishing")
+                    results[index] = NotSent(self._connection_error("was lost before publishing"))
             elif (ack := pending[index]).cancelled():
                 results[index] = self._connection_error("was lost before the ack")
             else:
