@@ -516,8 +516,14 @@ class KeyRing:
         *,
         content_type: str | None = None,
         sealed_headers: Mapping[str, str] | None = None,
+        create_subject: bool = True,
     ) -> tuple[bytes, dict[str, str]]:
-        """``payload`` sealed for one row; returns the stored bytes and the headers to add."""
+        """``payload`` sealed for one row; returns the stored bytes and the headers to add.
+
+        ``create_subject=False`` when re-encrypting what was already encrypted for the
+        subject: a subject shredded since the plaintext was read must raise
+        SubjectKeyDeletedError, not get a new secret that makes its data readable again.
+        """
         headers = {HEADER_ENCRYPTION: ALGORITHM, HEADER_KEY_ID: self.current_key_id}
         if subject is not None:
             headers[HEADER_SUBJECT] = check_subject(subject)
@@ -530,7 +536,7 @@ class KeyRing:
                 dict(sealed_headers), separators=(",", ":"), ensure_ascii=False
             ).encode("utf-8")
             plaintext = _SEALED_LENGTH.pack(len(packed)) + packed + payload
-        cipher = self._cipher(self.current_key_id, subject, create=True)
+        cipher = self._cipher(self.current_key_id, subject, create=create_subject)
         nonce = os.urandom(NONCE_BYTES)
         sealed = cipher.encrypt(nonce, plaintext, associated_data(message_id, destination, headers))
         return nonce + sealed, headers
@@ -625,10 +631,12 @@ def encrypt_message(
     *,
     subject: str | None = None,
     seal_headers: bool | Collection[str] = False,
+    create_subject: bool = True,
 ) -> Message:
     """``message`` as it is stored encrypted: payload sealed, content type octet-stream,
     encryption headers added; ``seal_headers`` (True for every user header, or some names)
-    moves those headers inside the ciphertext."""
+    moves those headers inside the ciphertext. ``create_subject``: see
+    :meth:`KeyRing.encrypt` (False for a message that was encrypted for its subject before)."""
     if any(name in ENCRYPTION_HEADERS for name in message.headers):
         raise PayloadError(
             f"message {message.id} already carries outboxer encryption headers; "
@@ -650,6 +658,7 @@ def encrypt_message(
         subject,
         content_type=message.content_type,
         sealed_headers=sealed,
+        create_subject=create_subject,
     )
     return _with_payload(message, stored, BINARY, {**kept, **added})
 
@@ -700,13 +709,18 @@ def reencrypt(message: Message, keyring: KeyRing) -> Message | None:
     if not is_encrypted(message) or message.headers.get(HEADER_KEY_ID) == keyring.current_key_id:
         return None
     sealed_before = message.headers.get(HEADER_SEALED_HEADERS) == "1"
-    plain = decrypt(message, keyring)
+    # The row's own destination, never an ``outboxer-destination`` header: whoever can write
+    # a row could otherwise copy another destination's ciphertext into it, name that
+    # destination in the header, and have it re-encrypted here as genuinely this row's.
+    plain = decrypt(message, keyring, destination=message.destination)
     user_headers = {name for name in plain.headers if name not in message.headers}
     return encrypt_message(
         plain,
         keyring,
         subject=message.headers.get(HEADER_SUBJECT),
         seal_headers=user_headers if sealed_before else False,
+        # Shredded between the decryption above and this encryption: stay shredded.
+        create_subject=False,
     )
 
 

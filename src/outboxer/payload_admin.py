@@ -43,6 +43,7 @@ from outboxer.crypto import (
 from outboxer.enqueue import Outbox
 from outboxer.errors import ConfigError, OutboxerError
 from outboxer.message import Message
+from outboxer.stores.pgmodes import tokens as mode_tokens
 from outboxer.stores.sqlfiles import queries, render, table_name, to_pyformat
 
 if TYPE_CHECKING:
@@ -177,6 +178,12 @@ class PayloadTable:
         self._sql = {
             name: render(sql, tokens) for name, sql in queries(dialect, "payload.sql").items()
         }
+        # PostgreSQL's log mode keeps its messages in the table ``<table>_log``, whose rows
+        # refer to claim-check objects too (Outbox(mode="log", claim_check=...)). The
+        # sweep must count them, or it deletes the objects of messages the stream readers
+        # have still to publish, and consumers of published ones still fetch.
+        self._log_table = mode_tokens(schema, table)["log"] if dialect == "postgres" else None
+        self._log_exists: bool | None = None
 
     # ----- statements ------------------------------------------------------------------------
 
@@ -217,7 +224,27 @@ class PayloadTable:
         value: Any = json.dumps(plain) if self.dialect == "sqlite" else plain
         with self._transaction():
             rows = self._run("referenced", {"names": value}).fetchall()
+            if self._log_table is not None and self._has_log_table():
+                rows += self._log_referenced(plain)
         return [str(row[0]) for row in rows]
+
+    def _has_log_table(self) -> bool:
+        if self._log_exists is None:
+            cursor = self.conn.cursor()
+            cursor.execute("SELECT to_regclass(%s) IS NOT NULL", (self._log_table,))
+            self._log_exists = bool(cursor.fetchone()[0])
+        return self._log_exists
+
+    def _log_referenced(self, names: list[str]) -> list[Any]:
+        # payload.sql's "referenced" on the log table: the same question, its partitions
+        # included (a query on the partitioned parent reads them all).
+        cursor = self.conn.cursor()
+        cursor.execute(
+            f"SELECT headers->>'outboxer-claim-check' FROM {self._log_table} "
+            "WHERE headers->>'outboxer-claim-check' = ANY(%s)",
+            (names,),
+        )
+        return list(cursor.fetchall())
 
     def sweep(self, store: ObjectStore, *, grace: float) -> int:
         """Delete the objects older than ``grace`` seconds that no row refers to."""

@@ -75,7 +75,10 @@ class PayloadHandling:
         if key_id and key_id not in self.keyring.key_ids:
             # A callable ring fetches from a KMS: off the event loop, once per key.
             await asyncio.to_thread(self.keyring.key, key_id)
-        return decrypt(message, self.keyring)
+        # The row's destination, never an ``outboxer-destination`` header from the row: that
+        # header would let another destination's ciphertext, copied into this row, decrypt
+        # here and go out in plaintext to a party it was not encrypted for.
+        return decrypt(message, self.keyring, destination=message.destination)
 
     async def publish(self, publisher: Publisher, batch: Sequence[Message]) -> list[Outcome]:
         """Prepare each message, publish those prepared; one Outcome per message, in order."""

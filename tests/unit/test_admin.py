@@ -270,3 +270,28 @@ def test_a_claim_checked_copy_gets_an_object_of_its_own(tmp_path: Path) -> None:
         ReplayCopier(object_store=objects)([stored])
     with pytest.raises(ReplayError, match="configure claim_check_store"):
         ReplayCopier()([stored])
+
+
+def test_a_replay_never_recreates_the_key_of_a_subject_shredded_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """``keys shred`` landing between the copy's decrypt and its encrypt: a new secret for the
+    subject would make its data readable again; the copy is counted as shredded instead."""
+
+    class ShredDuringRead(FileSubjectKeys):
+        shred_after_read = False
+
+        def get(self, subject: str) -> bytes | None:
+            secret = super().get(subject)
+            if self.shred_after_read and secret is not None:
+                self.delete(subject)
+            return secret
+
+    subjects = ShredDuringRead(tmp_path)
+    ring = KeyRing({"k": generate_key()}, subjects=subjects)
+    stored = encrypt_message(published({"email": "ann@example.com"}), ring, subject="ann")
+    subjects.shred_after_read = True
+    copier = ReplayCopier(ring)
+    assert copier([stored]) == [] and copier.shredded == 1
+    subjects.shred_after_read = False
+    assert subjects.get("ann") is None, "no new secret was made"
