@@ -13,7 +13,6 @@ from outboxer import Outbox
 from outboxer.crypto import (
     HEADER_DESTINATION,
     DecryptionError,
-    FileSubjectKeys,
     KeyRing,
     SubjectKeyDeletedError,
     decrypt,
@@ -24,6 +23,7 @@ from outboxer.payload_admin import payload_table
 from outboxer.payload_relay import PayloadHandling
 from tests.integration.test_enqueue_protection import raw_rows, writer
 from tests.integration.test_keys_rotate import execute
+from tests.subjects import ShredDuringRead
 
 K1, K2 = generate_key(), generate_key()
 
@@ -88,18 +88,6 @@ def test_rotation_does_not_rebind_a_ciphertext_to_another_destination(db_url: st
     assert partner.headers == forged.headers
     with pytest.raises(DecryptionError):
         decrypt(partner, new_ring, destination="partner")
-
-
-class ShredDuringRead(FileSubjectKeys):
-    """``outboxer keys shred`` landing just after someone read the subject's secret."""
-
-    shred_after_read = False
-
-    def get(self, subject: str) -> bytes | None:
-        secret = super().get(subject)
-        if self.shred_after_read and secret is not None:
-            self.delete(subject)
-        return secret
 
 
 def test_rotation_never_recreates_the_key_of_a_subject_shredded_meanwhile(

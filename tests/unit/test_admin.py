@@ -278,14 +278,7 @@ def test_a_replay_never_recreates_the_key_of_a_subject_shredded_meanwhile(
     """``keys shred`` landing between the copy's decrypt and its encrypt: a new secret for the
     subject would make its data readable again; the copy is counted as shredded instead."""
 
-    class ShredDuringRead(FileSubjectKeys):
-        shred_after_read = False
-
-        def get(self, subject: str) -> bytes | None:
-            secret = super().get(subject)
-            if self.shred_after_read and secret is not None:
-                self.delete(subject)
-            return secret
+    from tests.subjects import ShredDuringRead
 
     subjects = ShredDuringRead(tmp_path)
     ring = KeyRing({"k": generate_key()}, subjects=subjects)
