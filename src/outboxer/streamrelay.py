@@ -54,6 +54,9 @@ class Entry:
 
     message: Message | None
     checkpoint: object | None
+    #: Why ``message`` cannot be published (a WAL outbox message whose envelope cannot be
+    #: read): the relay dead-letters it at its turn, untried, instead of stopping for ever.
+    poison: str | None = None
 
 
 class StreamSource(Protocol):
@@ -167,6 +170,8 @@ class _Round:
     cleared: list[int] = field(default_factory=list)
     #: The message the stream stopped at, its outcome and attempts (None: no failure).
     stopped: tuple[Message, Outcome, int] | None = None
+    #: The stream stopped at a message the publisher never sent (no attempt counted).
+    unsent: bool = False
 
 
 class StreamRelay:
@@ -299,6 +304,11 @@ class StreamRelay:
             if done.stopped is not None:
                 await self._wait_after_failure(stop, *done.stopped)
                 continue
+            if done.unsent:
+                # The publisher reconnects at the top of the loop; the pause keeps a
+                # publisher that gives messages back unsent while connected from spinning.
+                await _sleep(stop, self.poll_interval)
+                continue
             if not any(entry.message is not None for entry in entries):
                 try:
                     await self.source.idle()
@@ -343,13 +353,23 @@ class StreamRelay:
         """Publish the messages of ``entries`` that are not dead already, walk the outcomes
         in stream order, and store the checkpoint past what is done."""
         messages = [entry.message for entry in entries if entry.message is not None]
+        poisoned = {
+            _seq(entry.message): entry.poison
+            for entry in entries
+            if entry.message is not None and entry.poison is not None
+        }
         held_now = await self._held_among(messages)
         decided: dict[int, DeadLetter] = {}
         outgoing: list[Message] = []
         for message in messages:
             seq = _seq(message)
             known = self._failures.get(seq)
-            if known is not None and (known.permanent or known.attempts >= self.max_attempts):
+            if seq in poisoned:
+                # Unreadable: publishing it cannot succeed, and retrying it would stop the
+                # stream (and keep the slot's WAL) for good. Its key, if readable, is held.
+                decided[seq] = DeadLetter(message, poisoned[seq], 0)
+                self._hold(held_now, message)
+            elif known is not None and (known.permanent or known.attempts >= self.max_attempts):
                 # Given up before (this process, or one that died before moving past it).
                 decided[seq] = DeadLetter(message, known.last_error, known.attempts)
                 self._hold(held_now, message)
@@ -373,6 +393,7 @@ class StreamRelay:
                 done.cleared += pending.cleared
                 pending = _Round(stopped=pending.stopped)
         done.stopped = pending.stopped
+        done.unsent = pending.unsent
         if done.checkpoint is not None:
             await self.source.commit(done.checkpoint, done.letters, done.cleared)
             self._committed(done)
@@ -406,6 +427,13 @@ class StreamRelay:
                 pending.letters.append(_held_letter(message))
                 return True
             return False  # published next round, at once
+        if not outcome.attempted:
+            # Never sent: the publisher's connection was not open or broke before its turn.
+            # Not the message's failure, so no attempt is counted (a flapping broker must
+            # not dead-letter messages it never got); the stream stops here and the loop
+            # reconnects the publisher before the next read.
+            pending.unsent = True
+            return False
         error = outcome.error or "unknown error"
         attempts = await self.source.record_failure(message, error)
         self.stats.failed += 1
@@ -652,9 +680,12 @@ async def replay_dead_letters(
                 counts.skipped += 1
                 continue
             error = outcome.error or "unknown error"
-            await book.execute(
-                conn, "letter_failed_again", seq=message.seq, error=storable_error(error)
-            )
+            if outcome.attempted:
+                await book.execute(
+                    conn, "letter_failed_again", seq=message.seq, error=storable_error(error)
+                )
+            # else never sent (the connection was not open): the letter stays as it was,
+            # without an attempt the broker never saw; it still holds its key's later ones.
             counts.failed += 1
             if message.key is not None:
                 blocked.add(message.key)

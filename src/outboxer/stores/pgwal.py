@@ -32,7 +32,7 @@ from outboxer.errors import ConfigError, StoreError
 from outboxer.message import Message
 from outboxer.redact import get_logger
 from outboxer.stores.pgmodes import ModeSchema, open_connection, wal_prefix
-from outboxer.stores.pgoutput import Begin, Commit, DecodeError, LogicalMessage, decode
+from outboxer.stores.pgoutput import Begin, Commit, LogicalMessage, decode
 from outboxer.stores.pgstream import Backlog, DeadLetter, StreamBook, StreamFailure
 from outboxer.stores.sqlfiles import queries, to_numbered
 from outboxer.streamrelay import Entry
@@ -199,8 +199,13 @@ class WalReader:
             try:
                 return await call()
             except Exception as exc:
-                if getattr(exc, "sqlstate", None) != "55006" or time.monotonic() > deadline:
+                if getattr(exc, "sqlstate", None) != "55006":
                     raise
+                if time.monotonic() > deadline:
+                    # Held longer than a moment (a long status peek, a pg_recvlogical left
+                    # running): a StoreError, which the relay waits out and retries, where
+                    # the driver's error stopped the relay at every restart until released.
+                    raise StoreError(f"{self.name} is in use by another session: {exc}") from exc
                 await asyncio.sleep(0.05)
 
     async def _peek(self, limit: int) -> list[Any]:
@@ -222,7 +227,7 @@ class WalReader:
 
     def _entries(self, rows: Sequence[Any]) -> list[Entry]:
         entries: list[Entry] = []
-        pending: list[Message] = []
+        pending: list[Entry] = []
         committed_at: dt.datetime | None = None
         for row in rows:
             item = decode(bytes(row["data"]))
@@ -233,33 +238,83 @@ class WalReader:
                 if not item.transactional:  # a keepalive: the slot may move up to here
                     entries.append(Entry(None, item.lsn))
                 elif item.prefix == self.wal.prefix:
-                    message = self._message(item, committed_at)
-                    if message is not None:
-                        pending.append(message)
+                    entry = self._entry(item, committed_at)
+                    if entry is not None:
+                        pending.append(entry)
             elif isinstance(item, Commit):
                 # Every message of the transaction, then the place after its commit.
-                entries.extend(Entry(m, None) for m in pending)
+                entries.extend(pending)
                 entries.append(Entry(None, item.end_lsn))
                 pending = []
         return entries
 
-    def _message(self, item: LogicalMessage, committed_at: dt.datetime | None) -> Message | None:
+    def _entry(self, item: LogicalMessage, committed_at: dt.datetime | None) -> Entry | None:
+        """The entry of an outbox message for this destination (None: not for it).
+
+        One whose envelope cannot be read (a writer of another version, a hand-made
+        ``pg_logical_emit_message`` with the outbox's prefix) becomes a *poison* entry,
+        dead-lettered at its turn: raising here would stop every relay of the slot at
+        each restart, and the slot would keep the WAL from there on for ever.
+        """
         head, _, payload = item.content.partition(b"\n")
+        envelope: Any = None
         try:
             envelope = json.loads(head)
-        except ValueError as exc:
-            raise DecodeError(
-                f"WAL outbox message at {lsn_text(item.lsn)} has no envelope: {exc}"
-            ) from exc
-        if self.destination not in envelope["destinations"]:
-            return None
+            if not isinstance(envelope, dict):
+                raise TypeError(f"the envelope is a JSON {type(envelope).__name__}, not an object")
+            destinations = envelope["destinations"]
+            if not isinstance(destinations, list):
+                raise TypeError("its destinations are not a list")
+            if self.destination not in destinations:
+                return None
+            headers = envelope["headers"]
+            fields = (envelope["topic"], envelope["content_type"], *headers, *headers.values())
+            if not all(isinstance(value, str) for value in fields) or not (
+                envelope["key"] is None or isinstance(envelope["key"], str)
+            ):
+                raise TypeError("a topic, key, content type or header is not a string")
+            message = Message(
+                id=uuid.UUID(envelope["id"]),
+                topic=envelope["topic"],
+                payload=payload,
+                key=envelope["key"],
+                headers=headers,
+                content_type=envelope["content_type"],
+                destination=self.destination,
+                created_at=committed_at,
+                seq=item.lsn,
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            reason = (
+                f"WAL outbox message at {lsn_text(item.lsn)} has no readable envelope: "
+                f"{type(exc).__name__}: {exc}"
+            )
+            logger.error("%s: %s; it becomes a dead letter", self.name, reason)
+            return Entry(self._unreadable(item, committed_at, envelope), None, poison=reason)
+        return Entry(message, None)
+
+    def _unreadable(
+        self, item: LogicalMessage, committed_at: dt.datetime | None, envelope: Any
+    ) -> Message:
+        """A dead letter's message for an unreadable WAL message: its whole content as the
+        payload, and whatever of the envelope can be read (an id stable across reads)."""
+        readable = envelope if isinstance(envelope, dict) else {}
+
+        def text(name: str) -> str | None:
+            value = readable.get(name)
+            # A NUL (valid in JSON) cannot be stored in a text column of the dead letter.
+            return value.replace("\x00", "\ufffd") if isinstance(value, str) else None
+
+        try:
+            message_id = uuid.UUID(text("id") or "")
+        except ValueError:
+            message_id = uuid.uuid5(uuid.NAMESPACE_URL, f"outboxer-wal:{self.slot}:{item.lsn}")
         return Message(
-            id=uuid.UUID(envelope["id"]),
-            topic=envelope["topic"],
-            payload=payload,
-            key=envelope["key"],
-            headers=envelope["headers"],
-            content_type=envelope["content_type"],
+            id=message_id,
+            topic=text("topic") or "",
+            payload=item.content,
+            key=text("key"),
+            content_type="application/octet-stream",
             destination=self.destination,
             created_at=committed_at,
             seq=item.lsn,
