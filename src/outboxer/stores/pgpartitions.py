@@ -9,21 +9,25 @@ runs this with its cleanup (every ``cleanup_interval``), and so does ``outboxer 
 * **ahead**: partitions ``partitions_ahead`` widths past now, each as wide as the newest
   partition (``partition_interval`` for the first ones). Rows that arrived in the default
   partition meanwhile (the upkeep stopped for longer than that) move into the partitions
-  made for their time, in the transaction that attaches them;
+  made for their time, in the transaction that attaches them, a gap retention left
+  between two partitions included (a partition made for the slots holding such rows);
 * **retention**: a partition whose upper bound is older than the retention is dropped once
   it holds no unfinished row and no finished row younger than its status's retention,
   checked under the lock the DROP takes (``partitions.sql``: lock_table has the invariant).
   A partition kept by one unfinished row waits for it; no row is ever deleted one by one.
 
-Every change runs in a transaction of its own with a short lock_timeout: DDL waiting for a
-lock holds every later statement on the table (writers too) behind it, so it gives up and
-the next round tries again.
+Every change runs in a READ COMMITTED transaction of its own (whatever the database's
+default: its checks read the rows as its locks find them) with a short lock_timeout: DDL
+waiting for a lock holds every later statement on the table (writers too) behind it, so
+it gives up and the next round tries again.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +40,8 @@ logger = get_logger("outboxer.partitions")
 PARTITIONED = "partitioned"
 DAY = 86400.0
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+#: timestamptz's resolution: the last instant before a range's upper bound is upper - _TICK.
+_TICK = dt.timedelta(microseconds=1)
 #: How long an upkeep statement waits for a lock before it leaves the change to the next
 #: round: what it can add to a writer's statement that queues behind it.
 LOCK_TIMEOUT = "1s"
@@ -45,6 +51,12 @@ MAX_CREATED_PER_ROUND = 100
 #: A range starting sooner than this after now may receive rows before its partition is
 #: attached (the attach may wait for locks): it is attached with the writers held back.
 SOON = dt.timedelta(minutes=5)
+#: The isolation of every upkeep transaction, whatever the database's default
+#: (default_transaction_isolation): each statement must read the rows as they are once the
+#: locks taken before it were granted. At REPEATABLE READ or SERIALIZABLE the snapshot is
+#: taken by the transaction's first query, before those locks: the drop's check missed a
+#: requeue that committed while it waited for the table's lock, and dropped a PENDING row.
+ISOLATION = "read_committed"
 #: SQLSTATEs: lock_timeout ran out; ATTACH found rows for the range in the default
 #: partition; a partition listed a moment ago is gone.
 _LOCK_NOT_AVAILABLE = "55P03"
@@ -118,6 +130,7 @@ def plan_ranges(
     now: dt.datetime,
     ahead: int,
     default_span: tuple[dt.datetime, dt.datetime] | None,
+    default_slots: Sequence[dt.datetime] = (),
 ) -> list[tuple[dt.datetime, dt.datetime]]:
     """The ranges to create, nearest first, at most MAX_CREATED_PER_ROUND: partitions must
     reach past ``now`` plus ``ahead`` widths, and cover the times of the default
@@ -125,7 +138,15 @@ def plan_ranges(
     ranges there are, by lower bound. New ranges continue them, forward from the newest
     and backward from the oldest, so a changed width or a hand-made partition leaves no
     gap; with none yet, they start at the slot (counted from the Unix epoch) holding the
-    earliest of now and the default partition's oldest row."""
+    earliest of now and the default partition's oldest row.
+
+    Retention leaves gaps between the ranges: it drops a partition while an older one is
+    kept by an unfinished row. A row can still arrive in a gap (a writer whose transaction
+    began before the drop, created_at being its start): ``default_slots``, the starts of
+    the ``width``-wide slots (from the Unix epoch) holding the default partition's rows,
+    say where. The gap gets ranges for those slots only, stepping from the gap's start and
+    ending at the next partition; an empty range made there would be past retention, dropped
+    and made again every round."""
     step = dt.timedelta(seconds=width)
     if existing:
         upper = existing[-1][1]
@@ -138,6 +159,22 @@ def plan_ranges(
     while upper <= target and len(ranges) < MAX_CREATED_PER_ROUND:
         ranges.append((upper, upper + step))
         upper += step
+    for (_, gap_start), (gap_end, _) in itertools.pairwise(existing):
+        if gap_start >= gap_end:
+            continue
+        steps: set[int] = set()
+        for slot in default_slots:
+            first, last = max(slot, gap_start), min(slot + step, gap_end)
+            if first < last:
+                # Every step of the gap that the slot [first, last) overlaps.
+                steps.update(
+                    range((first - gap_start) // step, (last - gap_start - _TICK) // step + 1)
+                )
+        for index in sorted(steps):
+            if len(ranges) >= MAX_CREATED_PER_ROUND:
+                break
+            lower = gap_start + step * index
+            ranges.append((lower, min(lower + step, gap_end)))
     if existing and default_span is not None:
         lower = existing[0][0]
         while lower > default_span[0] and len(ranges) < MAX_CREATED_PER_ROUND:
@@ -217,7 +254,12 @@ class Partitions:
             f"FROM {self.names['default_partition']}"
         )
         default_span = (span["oldest"], span["newest"]) if span["oldest"] is not None else None
-        for lower, upper in plan_ranges(ranged, width, now, policy.ahead, default_span):
+        slots = (
+            [row["lower"] for row in await self._fetch(conn, "default_rows", {"width": width})]
+            if default_span is not None
+            else []
+        )
+        for lower, upper in plan_ranges(ranged, width, now, policy.ahead, default_span, slots):
             soon = lower <= now + SOON
             await self._create(conn, lower, upper, report, soon=soon, move=default_span is not None)
         if default_span is not None:
@@ -250,7 +292,7 @@ class Partitions:
             "upper": _literal(upper),
         }
         try:
-            async with conn.transaction():
+            async with conn.transaction(isolation=ISOLATION):
                 await self._begin(conn)
                 # Under the upkeep lock: another relay may have made it since we looked.
                 if any(
@@ -325,7 +367,7 @@ class Partitions:
                 report.kept.append(partition.name)
                 continue
             try:
-                async with conn.transaction():
+                async with conn.transaction(isolation=ISOLATION):
                     await self._begin(conn)
                     await conn.execute(self._sql("lock_table"))
                     if partition.name not in {p.name for p in await self.list(conn)}:

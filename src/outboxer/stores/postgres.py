@@ -36,6 +36,7 @@ from outboxer.stores.base import (
     row_id,
     with_published_estimates,
 )
+from outboxer.stores.pgpartitions import ISOLATION as PARTITION_ISOLATION
 from outboxer.stores.pgpartitions import (
     PARTITIONED,
     Partition,
@@ -322,7 +323,10 @@ class PostgresStore(Store):
                 )
 
         try:
-            async with conn.transaction():
+            # READ COMMITTED whatever the database's default: move_unfinished must read the
+            # old table as the lock (lock_plain) finds it, rows of the writers it waited for
+            # included; a snapshot taken before the lock (REPEATABLE READ) left them behind.
+            async with conn.transaction(isolation=PARTITION_ISOLATION):
                 await _durably(conn)
                 await conn.execute("SET LOCAL lock_timeout = '5s'")
                 await conn.execute("SELECT pg_advisory_xact_lock($1)", self.lock_key("schema"))

@@ -8,7 +8,9 @@
 --    the old one, or changes nothing;
 --  * writers wait, then go on: they wait for the lock on the old table; when the
 --    transaction commits, their statement looks the name up again and writes to the new
---    table. A row committed before the lock was granted is in the old table, and moved;
+--    table. A row committed before the lock was granted is in the old table, and moved
+--    (the transaction is READ COMMITTED whatever the database's default: a snapshot taken
+--    before the lock, at REPEATABLE READ, would not see it);
 --  * seq goes on: the new table's sequence continues where the old one stopped, so a key's
 --    rows written after the move sort after its rows written before it;
 --  * no relay runs: its claim function, running when the names change, would go on with
