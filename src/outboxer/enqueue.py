@@ -144,6 +144,26 @@ class Outbox:
             object.__setattr__(self, "seal_headers", names)
         if sealed and self.encryption is None:
             raise ConfigError("seal_headers needs encryption= (a KeyRing)")
+        if self.claim_check is not None and self.mode not in ("table", "log"):
+            # No table row of these modes refers to the object, so the orphan sweep (the
+            # relay's cleanup, `outboxer claim-check sweep`) would delete it unread.
+            raise ConfigError(
+                f"claim_check needs mode 'table' or 'log': the {self.mode} mode keeps no "
+                "row that refers to the object, and the orphan sweep would delete it"
+            )
+        self._check_one_copy(self.destinations)
+
+    def _check_one_copy(self, destinations: Sequence[str]) -> None:
+        """The log, WAL and Debezium modes store one copy of a message for every destination,
+        while encryption and claim-check make a copy per destination (each bound to its own):
+        every destination but the first would get a copy it cannot read."""
+        protected = self.encryption is not None or self.claim_check is not None
+        if protected and self.mode != "table" and len(destinations) > 1:
+            raise ConfigError(
+                f"the {self.mode} mode stores one copy of a message for every destination, "
+                "and encryption or claim_check binds each copy to its own destination: "
+                "use one destination, or mode 'table'"
+            )
 
     # ----- building rows ------------------------------------------------------------------
 
@@ -173,6 +193,8 @@ class Outbox:
         body, kind = encode_payload(payload, content_type, self.max_payload_bytes)
         identifier = coerce_message_id(message_id)
         targets = self.destinations if destinations is None else _destination_names(destinations)
+        if destinations is not None:
+            self._check_one_copy(targets)
         return [
             Message(
                 id=identifier,

@@ -236,3 +236,25 @@ def test_protection_options_are_checked_at_the_boundary(sqlite_url: str) -> None
     forged = Outbox().build("t", {}, headers={"outboxer-key-id": "forged"})
     with pytest.raises(PayloadError, match="encryption headers"):
         Outbox(encryption=keyring()).protect(forged)
+
+
+def test_modes_that_store_one_copy_refuse_what_binds_copies_to_their_destination(
+    tmp_path: Path,
+) -> None:
+    """The log, WAL and Debezium modes store one copy of a message for all its destinations;
+    encryption and claim-check bind each copy to its own, so every destination but the
+    first would get a copy it cannot read. And only the table and log modes keep a row that
+    refers to a claim-checked object: in the others the orphan sweep would delete it."""
+    checked = ClaimCheck(FileObjectStore(tmp_path), threshold=10)
+    for mode in ("log", "wal", "debezium"):
+        with pytest.raises(ConfigError, match="stores one copy of a message"):
+            Outbox(mode=mode, encryption=keyring(), destinations=("a", "b"))
+        one = Outbox(mode=mode, encryption=keyring())
+        with pytest.raises(ConfigError, match="stores one copy of a message"):
+            one.build("t", {}, destinations=["a", "b"])
+        assert [m.destination for m in one.build("t", {}, destinations=["b"])] == ["b"]
+    for mode in ("wal", "debezium"):
+        with pytest.raises(ConfigError, match="claim_check needs mode 'table' or 'log'"):
+            Outbox(mode=mode, claim_check=checked)
+    Outbox(mode="log", claim_check=checked)  # one destination: its row refers to the object
+    Outbox(mode="log", destinations=("a", "b"))  # no protection: one copy serves them all
