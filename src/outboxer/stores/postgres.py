@@ -156,7 +156,15 @@ class PostgresStore(Store):
                 # flush: one lost in a crash only makes its rows publish again, in order,
                 # which at-least-once allows. The writers' commits, which make the rows exist,
                 # keep their own setting; operators' changes ask for a flush (_durably).
-                server_settings={"application_name": "outboxer-relay", "synchronous_commit": "off"},
+                # READ COMMITTED whatever the database's default: the claim function's
+                # steps and the settles take a fresh snapshot per statement, after their
+                # locks (see queries.sql); a REPEATABLE READ default made every claim that
+                # waited for another fail with a serialization error (an outage, backed off).
+                server_settings={
+                    "application_name": "outboxer-relay",
+                    "synchronous_commit": "off",
+                    "default_transaction_isolation": "read committed",
+                },
             )
         except (OSError, asyncpg.PostgresError) as exc:
             raise StoreError(f"cannot connect to PostgreSQL: {exc}") from exc
