@@ -214,7 +214,7 @@ class PostgresStore(Store):
         except BaseException:
             await pool.release(conn)
             raise
-        if self._closing or pool is not self._pool or self._acquiring:
+        if self._closing or pool is not self._pool or self._starving(pool):
             # close() began while this statement ran (a lease renewal finishing late): kept,
             # the connection would never go back, and the pool's close would wait for it.
             # Or a statement waits for the pool, every connection being kept or in use: kept
@@ -225,6 +225,16 @@ class PostgresStore(Store):
         else:
             self._kept.append(conn)
         return result
+
+    def _starving(self, pool: Any) -> bool:
+        """A statement waits for the pool and the pool has nothing to give it: no idle
+        connection, no room for a new one. (A waiter the pool can serve is no reason to
+        give up a kept connection: the next statement would pay for an acquire.)"""
+        return (
+            self._acquiring > 0
+            and pool.get_idle_size() == 0
+            and pool.get_size() >= pool.get_max_size()
+        )
 
     async def _return_kept(self) -> None:
         kept, self._kept = self._kept, []
