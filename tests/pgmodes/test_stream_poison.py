@@ -183,3 +183,32 @@ async def test_slot_held_by_another_session_is_waited_out(
         if holder.returncode is None:
             holder.terminate()
             await holder.wait()
+
+
+async def test_log_row_whose_headers_do_not_read_is_dead_lettered_not_fatal(
+    pg_url: str,
+) -> None:
+    """A log row written by hand with headers that are not a JSON object of strings made
+    the read raise: the relay stopped at that row after every restart. It is a dead letter
+    at its turn, and the stream goes on in order."""
+    async with PgLog(pg_url) as log:
+        await log.apply_schema()
+    harness = LogHarness(pg_url, Outbox(mode="log"))
+    _enqueue(harness, 1)
+    _enqueue(harness, 2)
+    with psycopg.connect(pg_url) as conn:
+        conn.execute(
+            "UPDATE outboxer.outbox_log SET headers = '[1, 2]' WHERE payload = %s",
+            (b'{"n":2}',),
+        )
+    _enqueue(harness, 3)
+    async with running_stream_relay(harness, "default", max_attempts=3, backoff=FAST) as (
+        broker,
+        relay,
+    ):
+        assert await wait_until(lambda: numbers(broker.messages) == [1, 3], VISIBLE)
+        assert relay.health_problems() == []
+    assert relay.stats.dead_lettered == 1
+    letters, _ = await stream_book(harness, "default")
+    [letter] = letters
+    assert "unreadable row" in letter.error and letter.message.payload == b'{"n":2}'

@@ -10,7 +10,6 @@ Retention drops whole daily partitions: no DELETE, no dead rows, no vacuum of th
 from __future__ import annotations
 
 import datetime as dt
-import json
 import math
 import re
 import time
@@ -21,6 +20,7 @@ from typing import Any
 from outboxer.errors import ConfigError, StoreError
 from outboxer.message import Message
 from outboxer.redact import get_logger
+from outboxer.stores.base import UNREADABLE_ROW, parse_headers
 from outboxer.stores.pgmodes import ModeSchema, open_connection
 from outboxer.stores.pgstream import Backlog, DeadLetter, StreamBook, StreamFailure
 from outboxer.stores.sqlfiles import quote_ident, to_numbered
@@ -266,23 +266,29 @@ class LogReader:
             "after_position": self._offset.position,
         }
         rows = await self.log.conn.fetch(sql, *(params[n] for n in names))
-        return [
-            Entry(
-                Message(
-                    id=row["id"],
-                    topic=row["topic"],
-                    payload=row["payload"],
-                    key=row["key"],
-                    headers={} if row["headers"] == "{}" else dict(json.loads(row["headers"])),
-                    content_type=row["content_type"],
-                    destination=self.destination,
-                    created_at=row["created_at"],
-                    seq=row["position"],
-                ),
-                _offset(row),
-            )
-            for row in rows
-        ]
+        return [self._entry(row) for row in rows]
+
+    def _entry(self, row: Any) -> Entry:
+        """A log row as an entry; one whose headers are not a JSON object of strings (a row
+        written by hand) is poison: dead-lettered at its turn, where failing the read would
+        stop the relay at this row after every restart."""
+        poison = None
+        try:
+            headers = parse_headers(row["headers"])
+        except UNREADABLE_ROW as exc:
+            headers, poison = {}, f"unreadable row: {type(exc).__name__}: {exc}"
+        message = Message(
+            id=row["id"],
+            topic=row["topic"],
+            payload=row["payload"],
+            key=row["key"],
+            headers=headers,
+            content_type=row["content_type"],
+            destination=self.destination,
+            created_at=row["created_at"],
+            seq=row["position"],
+        )
+        return Entry(message, _offset(row), poison)
 
     async def commit(
         self,
