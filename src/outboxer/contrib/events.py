@@ -131,6 +131,21 @@ def forget_events(entity: object, written: Iterable[RecordedEvent] | None = None
         events[:] = [event for event in events if id(event) not in done]
 
 
+def recording_mark() -> int:
+    """A point in the order of recording: events recorded from now on have a greater
+    ``order``, those recorded before it a smaller one (a savepoint's start, say)."""
+    return next(_recording_order)
+
+
+def restore_events(entity: object, events: Iterable[RecordedEvent]) -> None:
+    """Make ``events`` pending again on ``entity``, in recording order: the savepoint that
+    wrote them rolled back, and the transaction that recorded them still stands."""
+    pending = entity.__dict__.setdefault(EVENTS_ATTRIBUTE, [])
+    present = {id(event) for event in pending}
+    pending.extend(event for event in events if id(event) not in present)
+    pending.sort(key=lambda event: event.order)
+
+
 def in_recording_order(
     entities: Iterable[object],
 ) -> list[tuple[object, RecordedEvent]]:

@@ -27,9 +27,14 @@ How it holds:
   A session with no changed rows does not flush at all, so ``before_commit`` writes the
   events of entities that changed nothing.
 * A written event is forgotten at once, so flushing again never writes it twice.
-* Any rollback of the session (``after_soft_rollback``: ``Session.rollback()``, a failed
-  flush, a rolled-back savepoint) forgets the recorded events that were not written:
-  the changes they describe are gone too. Written ones vanish with the transaction.
+* A rollback of the whole transaction (``after_soft_rollback``: ``Session.rollback()``,
+  a failed flush outside any savepoint) forgets the recorded events that were not
+  written: the changes they describe are gone too. Written ones vanish with it.
+* A rolled-back savepoint (``begin_nested()``, or a failed flush inside one) forgets only
+  the events recorded since it began. Those recorded before it stay pending, and the ones
+  among them that the savepoint wrote are pending again (its rollback removed their rows),
+  so the outer transaction still commits them: an entity that changed no row is not
+  flushed when the savepoint begins, so its events may still be unwritten then.
 * The events of one flush are written in the order they were recorded, across entities.
 * ``AsyncSession`` runs its flush on a sync ``Session`` (``sync_session``) in a greenlet;
   the listener sits on that session, and its SQL goes through the async driver.
@@ -44,6 +49,8 @@ from outboxer.contrib.events import (
     forget_events,
     in_recording_order,
     pending_events,
+    recording_mark,
+    restore_events,
 )
 from outboxer.contrib.events import RecordsEvents as _RecordsEvents
 from outboxer.contrib.events import record_event as _record_event
@@ -53,7 +60,13 @@ from outboxer.errors import MissingDependencyError
 try:
     from sqlalchemy import event, inspect
     from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
-    from sqlalchemy.orm import Session, object_session, scoped_session, sessionmaker
+    from sqlalchemy.orm import (
+        Session,
+        SessionTransaction,
+        object_session,
+        scoped_session,
+        sessionmaker,
+    )
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise MissingDependencyError("sqlalchemy", "sqlalchemy") from exc
 
@@ -61,6 +74,11 @@ __all__ = ["RecordedEvent", "RecordsEvents", "listen", "record_event"]
 
 #: ``session.info`` key: the entities of this session that hold unwritten events, by id().
 _RECORDING = "outboxer.recording"
+#: ``session.info`` key: events written while a savepoint was open, in writing order, as
+#: (entity, event); a rolled-back savepoint takes back the ones written since it began.
+_WRITTEN = "outboxer.written"
+#: ``session.info`` key: per savepoint (by id()), its start: (recording mark, len(_WRITTEN)).
+_SAVEPOINTS = "outboxer.savepoints"
 
 
 def _track(entity: object) -> None:
@@ -130,16 +148,54 @@ class _Writer:
                 self.outbox.enqueue_many(connection, items)
             for entity, recorded in pairs:
                 forget_events(entity, [recorded])
+            if session.in_nested_transaction():  # a rollback of it may take these back
+                session.info.setdefault(_WRITTEN, []).extend(pairs)
         # Only now: had a write failed, the rollback that follows must find these entities.
         tracked.clear()
 
-    def after_soft_rollback(self, session: Session, previous_transaction: object) -> None:
-        tracked: dict[int, object] | None = session.info.get(_RECORDING)
-        if not tracked:
+    def after_transaction_create(self, session: Session, transaction: SessionTransaction) -> None:
+        if transaction.nested:
+            start = (recording_mark(), len(session.info.get(_WRITTEN, ())))
+            session.info.setdefault(_SAVEPOINTS, {})[id(transaction)] = start
+
+    def after_transaction_end(self, session: Session, transaction: SessionTransaction) -> None:
+        # A savepoint's start stays until its whole transaction ends: its rollback is
+        # reported (after_soft_rollback) after its end. Released ones cost a tuple each.
+        if transaction.parent is None:
+            session.info.pop(_WRITTEN, None)
+            session.info.pop(_SAVEPOINTS, None)
+
+    def after_soft_rollback(
+        self, session: Session, previous_transaction: SessionTransaction
+    ) -> None:
+        # What the database rolled back: the innermost savepoint or the whole transaction
+        # (a failed flush reports its own subtransaction).
+        boundary = previous_transaction
+        while not boundary.nested and boundary.parent is not None:
+            boundary = boundary.parent
+        start = session.info.get(_SAVEPOINTS, {}).get(id(boundary)) if boundary.nested else None
+        tracked: dict[int, object] = session.info.setdefault(_RECORDING, {})
+        if start is None:
+            for entity in tracked.values():
+                forget_events(entity)
+            tracked.clear()
+            session.info.pop(_WRITTEN, None)
             return
-        for entity in tracked.values():
-            forget_events(entity)
-        tracked.clear()
+        mark, first_written = start
+        written: list[tuple[object, RecordedEvent]] = session.info.get(_WRITTEN, [])
+        taken_back = written[first_written:]
+        del written[first_written:]
+        # Recorded inside the savepoint: the changes they describe are gone with it.
+        for entity in list(tracked.values()):
+            forget_events(entity, [e for e in pending_events(entity) if e.order > mark])
+            if not pending_events(entity):
+                del tracked[id(entity)]
+        # Recorded before it but written inside it: their rows are gone, not their changes.
+        for entity, recorded in taken_back:
+            if recorded.order < mark:
+                restore_events(entity, [recorded])
+                if object_session(entity) is session:
+                    tracked[id(entity)] = entity
 
 
 def _session_target(target: object) -> Any:
@@ -174,4 +230,6 @@ def listen(target: object, *, outbox: Outbox | None = None) -> None:
     event.listen(where, "after_attach", writer.after_attach)
     event.listen(where, "after_flush", writer.after_flush)
     event.listen(where, "before_commit", writer.before_commit)
+    event.listen(where, "after_transaction_create", writer.after_transaction_create)
+    event.listen(where, "after_transaction_end", writer.after_transaction_end)
     event.listen(where, "after_soft_rollback", writer.after_soft_rollback)

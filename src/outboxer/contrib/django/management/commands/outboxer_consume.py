@@ -5,7 +5,8 @@ handler, the topics …, as ``outboxer.toml``'s ``[consumer]`` table does) and t
 here override them for one run; they are the flags of ``outboxer consume``, but the
 database's, which is Django's (``--database`` names the alias). The handler runs on that
 alias's Django connection inside ``transaction.atomic()``, with the inbox claim: see
-``outboxer.contrib.django.consumer``. SIGTERM/SIGINT stop it as they stop the CLI's.
+``outboxer.contrib.django.consumer``. SIGTERM/SIGINT stop it cleanly as they stop the
+CLI's, even while it starts.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from django.core.management.base import BaseCommand, CommandParser
 
 from outboxer.config import Settings, add_flags, flags_from_args
 from outboxer.consume_cli import ConsumerSettings, run_consumer
+from outboxer.consumer import ConsumerStats
 from outboxer.contrib.django import conf
 from outboxer.contrib.django.consumer import django_consumer
-from outboxer.contrib.django.management import command_errors
+from outboxer.contrib.django.management import command_errors, stopped_cleanly
 from outboxer.errors import ConfigError
 
 #: Django's connection of the alias replaces these (``--database`` names the alias, not
@@ -45,7 +47,8 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         given = argparse.Namespace(**options)
         consumer_flags = flags_from_args(given, ConsumerSettings)
-        with command_errors():
+        stats: ConsumerStats | None = None  # None: stopped before it ran
+        with stopped_cleanly(), command_errors():
             if options["handler_argument"] is not None:
                 if "handler" in consumer_flags:
                     raise ConfigError("give the handler once: as the argument or as --handler")
@@ -56,7 +59,7 @@ class Command(BaseCommand):
             settings = conf.settings_with(database=alias, **shared)
             consumer = django_consumer(settings, conf.consumer_settings(**consumer_flags), alias)
             stats = asyncio.run(run_consumer(consumer, settings))
-        if options["verbosity"] >= 1:
+        if stats is not None and options["verbosity"] >= 1:
             self.stdout.write(
                 f"consumer {consumer.group}: applied {stats.applied}, duplicates "
                 f"{stats.duplicates}, dead letters {stats.dead_lettered}, failed attempts "

@@ -1,7 +1,8 @@
 """``manage.py outboxer_relay``: ``outboxer relay`` with the project's settings.
 
 Settings come from ``settings.OUTBOXER`` (see ``outboxer.contrib.django.conf``); the
-options here override them for one run. SIGTERM/SIGINT stop it as they stop the CLI's.
+options here override them for one run. SIGTERM/SIGINT stop it cleanly as they stop the
+CLI's, even while it starts.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from django.core.management.base import BaseCommand, CommandParser
 
 from outboxer.cli import run_relay
 from outboxer.contrib.django import conf
-from outboxer.contrib.django.management import command_errors
+from outboxer.contrib.django.management import command_errors, stopped_cleanly
 
 
 class Command(BaseCommand):
@@ -31,6 +32,6 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         names = ("database", "broker", "concurrency", "http", "relay_id", "exit_when_idle")
-        with command_errors():
+        with stopped_cleanly(), command_errors():
             settings = conf.settings_with(**{name: options[name] for name in names})
             asyncio.run(run_relay(settings))
