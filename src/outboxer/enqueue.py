@@ -52,6 +52,8 @@ SUPPORTED = (
 #: MySQL's duplicate-key error, and its server status bits (autocommit on, transaction open).
 _ER_DUP_ENTRY = 1062
 _STATUS_IN_TRANS, _STATUS_AUTOCOMMIT = 1, 2
+#: libpq's PQTRANS_IDLE: connected, no transaction open (psycopg and psycopg2 report it).
+_PG_IDLE = 0
 
 
 @dataclass(frozen=True)
@@ -498,10 +500,20 @@ class _Driver:
             ]
         return [(insert, [_many_params(messages, lock_keys=key_locks)])]
 
+    def check_transaction(self, conn: Any) -> None:
+        """TypeError unless ``conn`` is inside a transaction (or commits only when told)."""
+        _refuse_autocommit(self.name, self.driver_connection(conn))
+
+    async def check_transaction_async(self, conn: Any) -> None:
+        _refuse_autocommit(self.name, await self.driver_connection_async(conn))
+
     def write(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> None:
         dialect = self.dialect(conn)
-        if dialect == "mysql":
-            _refuse_autocommit(self.name, self.driver_connection(conn))
+        if dialect in ("mysql", "sqlite"):
+            # SQLite and MySQL in autocommit commit each statement apart (SQLAlchemy's
+            # AUTOCOMMIT isolation included). PostgreSQL's insert is one statement, key
+            # lock and rows together, so an autocommit enqueue there stays allowed.
+            self.check_transaction(conn)
         for sql, rows in self.statements(outbox, dialect, messages):
             if len(rows) == 1:
                 self.execute(conn, sql, rows[0])
@@ -512,8 +524,8 @@ class _Driver:
         self, outbox: Outbox, conn: Any, messages: Sequence[Message], *, key_locks: bool = True
     ) -> None:
         dialect = self.dialect(conn)
-        if dialect == "mysql":
-            _refuse_autocommit(self.name, await self.driver_connection_async(conn))
+        if dialect in ("mysql", "sqlite"):
+            await self.check_transaction_async(conn)
         for sql, rows in self.statements(outbox, dialect, messages, key_locks=key_locks):
             if len(rows) == 1:
                 await self.execute_async(conn, sql, rows[0])
@@ -529,23 +541,46 @@ def _more_keys_than(messages: Sequence[Message], limit: int) -> bool:
 
 
 def _refuse_autocommit(name: str, raw: Any) -> None:
-    """MySQL in autocommit would commit the key lock and the row apart: refuse, as for sqlite3.
+    """Refuse a connection that would commit each statement on its own: the row (and on MySQL
+    the key lock) would commit apart from the caller's rows, and an inbox record apart from
+    the work it records, so a failed apply would still mark the message as applied."""
+    if _outside_transaction(raw):
+        raise _autocommit_error(name)
+
+
+def _autocommit_error(name: str) -> TypeError:
+    return TypeError(
+        f"{name} is in autocommit mode and no transaction is open: begin a "
+        "transaction first (conn.begin()) or turn autocommit off; outboxer never "
+        "commits for you"
+    )
+
+
+def _outside_transaction(raw: Any) -> bool:
+    """Whether the driver connection ``raw`` is in autocommit with no transaction open.
 
     PyMySQL and aiomysql report whether a transaction is open; mysqlclient does not, so an
-    autocommit mysqlclient connection is refused even inside BEGIN.
+    autocommit mysqlclient connection counts as outside even inside BEGIN. A connection
+    of a driver not named here (Django's wrapper, aiosqlite) is checked elsewhere or not.
     """
-    status = getattr(raw, "server_status", None)
-    if isinstance(status, int):
-        refused = bool(status & _STATUS_AUTOCOMMIT) and not status & _STATUS_IN_TRANS
-    else:
+    root = type(raw).__module__.split(".", 1)[0]
+    if root == "sqlite3":
+        # Python 3.12's autocommit=True ignores isolation_level; LEGACY (-1) or absent keeps it.
+        autocommit = getattr(raw, "autocommit", None) is True or raw.isolation_level is None
+        return autocommit and not raw.in_transaction
+    if root in ("pymysql", "aiomysql", "MySQLdb"):
+        status = getattr(raw, "server_status", None)
+        if isinstance(status, int):
+            return bool(status & _STATUS_AUTOCOMMIT) and not status & _STATUS_IN_TRANS
         get_autocommit = getattr(raw, "get_autocommit", None)
-        refused = bool(get_autocommit()) if get_autocommit is not None else False
-    if refused:
-        raise TypeError(
-            f"{name} is in autocommit mode and no transaction is open: begin a "
-            "transaction first (conn.begin()) or turn autocommit off; outboxer never "
-            "commits for you"
-        )
+        return bool(get_autocommit()) if get_autocommit is not None else False
+    if root == "psycopg":  # autocommit=True inside conn.transaction() is INTRANS, not IDLE
+        return bool(raw.autocommit) and int(raw.info.transaction_status) == _PG_IDLE
+    if root == "psycopg2":
+        return bool(raw.autocommit) and int(raw.get_transaction_status()) == _PG_IDLE
+    if root == "asyncpg":  # asyncpg commits every statement outside conn.transaction()
+        return not raw.is_in_transaction()
+    return False
 
 
 class _Psycopg(_Driver):
@@ -603,13 +638,16 @@ class _Django(_Driver):
         with conn.cursor() as cursor:  # on MySQL, INSERTs become one multi-row statement
             cursor.executemany(_pyformat(sql), rows)
 
-    def write(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> None:
+    def check_transaction(self, conn: Any) -> None:
         if conn.get_autocommit():
             raise TypeError(
                 f"the {conn.alias!r} Django connection is in autocommit mode: "
                 "enqueue inside transaction.atomic(), with the rows it announces; "
                 "outboxer never commits for you"
             )
+
+    def write(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> None:
+        self.check_transaction(conn)  # on PostgreSQL too: outside atomic() is a mistake
         super().write(outbox, conn, messages)
 
 
@@ -769,9 +807,33 @@ class _SqlAlchemy(_Driver):
         connection = conn.connection() if hasattr(conn, "get_bind") else conn  # Session
         return connection.connection.driver_connection
 
+    def check_transaction(self, conn: Any) -> None:
+        connection = conn.connection() if hasattr(conn, "get_bind") else conn  # Session
+        if _sqlalchemy_outside_transaction(connection.connection):
+            raise _autocommit_error(self.name)
+
+    async def check_transaction_async(self, conn: Any) -> None:
+        connection = await conn.connection() if hasattr(conn, "get_bind") else conn
+        if _sqlalchemy_outside_transaction(await connection.get_raw_connection()):
+            raise _autocommit_error(self.name)
+
     async def driver_connection_async(self, conn: Any) -> Any:
         connection = await conn.connection() if hasattr(conn, "get_bind") else conn  # AsyncSession
         return (await connection.get_raw_connection()).driver_connection
+
+
+def _sqlalchemy_outside_transaction(pooled: Any) -> bool:
+    """``_outside_transaction`` for the pool's connection under a SQLAlchemy connection.
+
+    asyncpg has no autocommit switch: SQLAlchemy's adapter opens the asyncpg transaction at
+    the block's first statement, unless its AUTOCOMMIT isolation turned that off; so before
+    the first statement of a block asyncpg itself reports no transaction.
+    """
+    raw = pooled.driver_connection
+    if type(raw).__module__.split(".", 1)[0] == "asyncpg":
+        adapter = pooled.dbapi_connection
+        return bool(getattr(adapter, "autocommit", False)) and not raw.is_in_transaction()
+    return _outside_transaction(raw)
 
 
 MYSQL_KEY_SLOTS = 65536  # rows of <table>_key_slots (MySQL migration 0005)

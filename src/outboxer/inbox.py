@@ -75,6 +75,9 @@ class Inbox:
         driver, dialect, sql, params = self._params(conn, consumer, message_id)
         if driver.is_async:
             raise TypeError(f"{driver.name} is an async connection: use `await claim_async(...)`")
+        # In autocommit the record would commit at once, apart from the consumer's work: a
+        # failed apply would leave the message recorded, and every redelivery skipped.
+        driver.check_transaction(conn)
         try:
             return bool(driver.execute(conn, sql, params) == 1)
         except Exception as exc:
@@ -86,6 +89,7 @@ class Inbox:
         driver, dialect, sql, params = self._params(conn, consumer, message_id)
         if not driver.is_async:
             raise TypeError(f"{driver.name} is a sync connection: use `claim(...)`")
+        await driver.check_transaction_async(conn)
         try:
             return bool(await driver.execute_async(conn, sql, params) == 1)
         except Exception as exc:

@@ -63,7 +63,8 @@ async def test_async_drivers(pg_url: str) -> None:
     conn = await asyncpg.connect(pg_url)
     async with conn.transaction():
         assert await inbox.claim_async(conn, "c", message_id) is True
-    assert await inbox.claim_async(conn, "c", message_id) is False
+    async with conn.transaction():  # outside one, asyncpg would commit the record on its own
+        assert await inbox.claim_async(conn, "c", message_id) is False
     await conn.close()
     with pytest.raises(TypeError, match=r"use `claim\("), psycopg.connect(pg_url) as sync_conn:
         await inbox.claim_async(sync_conn, "c", message_id)
