@@ -156,3 +156,9 @@ def test_health_problems_show_an_outage_without_the_nats_token() -> None:
     (problem,) = relay.health_problems()[:1]
     assert "health-tok-5" not in problem
     assert "h:4222" in problem
+
+
+def test_an_mqtt_url_without_a_host_is_refused_without_its_password() -> None:
+    with pytest.raises(ConfigError) as error:
+        create_publisher("mqtt://user:mqtt-pass-123@/topic")
+    assert "mqtt-pass-123" not in str(error.value) and "needs a host" in str(error.value)

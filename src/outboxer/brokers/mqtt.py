@@ -30,6 +30,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 from outboxer.brokers.base import AckedPublisher, option_bool, parse_options
 from outboxer.errors import ConfigError, PublishError
 from outboxer.message import Message
+from outboxer.redact import redact_url
 
 #: PUBACK reason codes that may clear up later (broker busy, over quota); the rest are final.
 RETRYABLE_REASONS = frozenset({0x80, 0x83, 0x91, 0x97})
@@ -128,6 +129,14 @@ async def disconnect(client: _Client) -> None:
         client.disconnected.exception()  # retrieved: a lost connection was already reported
 
 
+def abandon(client: _Client) -> None:
+    """Release what a client whose connect failed still holds: its socket (unregistered
+    from the event loop, which also stops aiomqtt's housekeeping task) and paho's socket
+    pair. aiomqtt's own ``__aexit__`` would wait its whole timeout for a DISCONNECT
+    acknowledgement that a never-connected client does not get."""
+    client._client._reset_sockets()  # paho has no public close for a client never connected
+
+
 def publish_properties(message: Message) -> Properties:
     """MQTT v5 PUBLISH properties carrying ``message``'s envelope."""
     properties = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
@@ -157,7 +166,7 @@ class MqttPublisher(AckedPublisher[ReasonCode]):
         super().__init__(url, routes=routes, publish_timeout=publish_timeout)
         parts, options = parse_options(url)
         if not parts.hostname:
-            raise ConfigError(f"MQTT URL needs a host: {url!r} (mqtt://127.0.0.1:1883)")
+            raise ConfigError(f"MQTT URL needs a host: {redact_url(url)!r} (mqtt://127.0.0.1:1883)")
         self.hostname: str = parts.hostname
         self.tls = parts.scheme == "mqtts"
         self.port = parts.port or (8883 if self.tls else 1883)
@@ -193,7 +202,14 @@ class MqttPublisher(AckedPublisher[ReasonCode]):
             max_inflight=self.max_inflight,
             tls_context=ssl.create_default_context() if self.tls else None,
         )
-        await client.__aenter__()
+        try:
+            await client.__aenter__()
+        except BaseException:
+            # A broker that takes the TCP connection but never sends the CONNACK (hung,
+            # partitioned) makes aiomqtt give up with the socket still open and its
+            # housekeeping task running: one of each leaked per reconnect attempt.
+            abandon(client)
+            raise
         self._client = client
 
     async def _close(self) -> None:

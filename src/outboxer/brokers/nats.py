@@ -4,6 +4,10 @@ A message is confirmed once JetStream answered its publish with a PubAck: the
 stream stored it (replicated as the stream's ``num_replicas`` says). Every
 publish carries ``Nats-Msg-Id: <outbox id>``, so a re-publish inside the
 stream's duplicate window is acknowledged as a duplicate and stored once.
+A PubAck marked duplicate counts only once the stored message it names is read
+back as this message on this subject: the same outbox message for another
+destination, on another subject of the same stream, is dropped by JetStream as a
+duplicate and is retried after the window (``NatsPublisher._publish_wave``).
 
 The messages of a wave are all sent before their PubAcks are awaited together;
 the PubAcks come back on one reply subscription of this publisher (nats-py's
@@ -21,6 +25,7 @@ import itertools
 import json
 import ssl
 from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any
 from urllib.parse import urlunsplit
 
@@ -43,6 +48,13 @@ MSG_ID_HEADER = "Nats-Msg-Id"
 #: The stream's duplicate window when outboxer creates the stream (NATS's own default).
 DEFAULT_DUPLICATE_WINDOW = 120.0
 
+#: The PubAcks of the running wave that JetStream answered as duplicates (see
+#: ``NatsPublisher._publish_wave``); a context variable, as the relay's loops publish at once.
+_DUPLICATES: ContextVar[list[tuple[Message, PubAck]] | None] = ContextVar(
+    "outboxer_nats_duplicates", default=None
+)
+#: Seconds a client whose connect failed gets to close its socket.
+_ABANDON_TIMEOUT = 2.0
 #: Refusals that the same publish will meet again (the message itself is at fault).
 _PERMANENT = (nats.errors.MaxPayloadError, nats.errors.BadSubjectError, nats.errors.BadHeaderError)
 #: The connection is gone: reconnect before going on.
@@ -92,6 +104,13 @@ def api_error(error: object) -> nats.js.errors.APIError:
         description=str(error.get("description", error)),
         err_code=err_code if isinstance(err_code, int) else None,
     )
+
+
+async def abandon(nc: Client) -> None:
+    """Close the socket of a client whose connect failed (nats-py leaves it open); bounded,
+    since the server may be the one that never answered."""
+    with contextlib.suppress(nats.errors.Error, OSError, asyncio.TimeoutError):
+        await asyncio.wait_for(nc.close(), _ABANDON_TIMEOUT)
 
 
 class NatsPublisher(AckedPublisher[Msg]):
@@ -178,12 +197,20 @@ class NatsPublisher(AckedPublisher[Msg]):
         async def on_error(error: Exception) -> None:
             logger.warning("nats: %s: %s", type(error).__name__, error)
 
-        nc = await nats.connect(
-            **self.connection_options(),
-            error_cb=on_error,
-            disconnected_cb=on_disconnect,
-            closed_cb=on_disconnect,
-        )
+        nc = Client()
+        try:
+            await nc.connect(
+                **self.connection_options(),
+                error_cb=on_error,
+                disconnected_cb=on_disconnect,
+                closed_cb=on_disconnect,
+            )
+        except BaseException:
+            # With reconnects off, nats-py gives up a server that took the TCP connection
+            # but never answered (hung, partitioned) without closing it: one socket leaked
+            # per reconnect attempt.
+            await abandon(nc)
+            raise
         self._nc, self._js = nc, nc.jetstream(timeout=self.publish_timeout)
         self._inbox = nc.new_inbox()
         await nc.subscribe(f"{self._inbox}.*", cb=self._on_reply)
@@ -283,7 +310,79 @@ class NatsPublisher(AckedPublisher[Msg]):
             return PublishError(f"unexpected PubAck for {subject!r}: {reply.data[:200]!r} ({exc})")
         if ack.duplicate:
             logger.debug("message %s was already in stream %s (duplicate)", message.id, ack.stream)
+            duplicates = _DUPLICATES.get()
+            if duplicates is not None:  # checked once the wave's acks are all in
+                duplicates.append((message, ack))
         return None
+
+    async def _publish_wave(self, messages: Sequence[Message]) -> list[BaseException | None]:
+        """The base class's wave, then a check of each PubAck that says "duplicate".
+
+        JetStream drops a publish whose ``Nats-Msg-Id`` it stored within the duplicate
+        window and answers it as a duplicate, on whatever subject it came. That is a
+        relay's retry when the stored message is on the same subject; when it is not, it
+        is the same outbox message for another destination (several destinations copy a
+        message under one id) whose subject the same stream captures, and it was never
+        stored: it must not count as published.
+        """
+        found: list[tuple[Message, PubAck]] = []
+        token = _DUPLICATES.set(found)
+        try:
+            results = await super()._publish_wave(messages)
+        finally:
+            _DUPLICATES.reset(token)
+        if found:
+            position = {id(message): index for index, message in enumerate(messages)}
+            checks = await asyncio.gather(
+                *(self._duplicate_error(message, ack) for message, ack in found)
+            )
+            for (message, _), error in zip(found, checks, strict=True):
+                if error is not None:
+                    results[position[id(message)]] = error
+        return results
+
+    async def _duplicate_error(self, message: Message, ack: PubAck) -> PublishError | None:
+        """None if the message JetStream answered ``ack`` (a duplicate) for is ``message``
+        on its own subject, else why it does not count as published.
+
+        Retryable, after the duplicate window: a publish after it is stored. A stored
+        message that cannot be read back (deleted since, as a work-queue stream does once
+        consumed, or no permission to read it) cannot tell a retry from another
+        destination's copy, so it takes that path too: at worst a consumer sees the
+        message once more, and deduplicates it on ``outboxer-id``.
+        """
+        subject = self.subject_for(message)
+        js = self._js
+        stored_subject: str | None = None
+        reason = ""
+        if js is not None:
+            try:
+                stored = await js.get_msg(ack.stream, ack.seq)
+            except (TimeoutError, nats.errors.Error) as exc:
+                reason = f"; the stored message cannot be read back: {type(exc).__name__}: {exc}"
+            else:
+                stored_id = (stored.headers or {}).get(MSG_ID_HEADER)
+                if stored.subject == subject and stored_id == str(message.id):
+                    return None
+                stored_subject = stored.subject
+        if stored_subject is not None:
+            reason = f"; sequence {ack.seq} holds it on subject {stored_subject!r}"
+        return PublishError(
+            f"JetStream stream {ack.stream!r} dropped the publish to {subject!r} as a duplicate "
+            f"of Nats-Msg-Id {message.id}{reason}: not stored on {subject!r}, published again "
+            "once the stream's duplicate window is over",
+            retry_after=await self._window_of(ack.stream),
+        )
+
+    async def _window_of(self, stream: str) -> float:
+        """The duplicate window of ``stream``, in seconds (outboxer's default if unknown)."""
+        js = self._js
+        if js is not None:
+            with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+                window = (await js.stream_info(stream)).config.duplicate_window
+                if window:
+                    return float(window)
+        return self.duplicate_window
 
     # ----- primitives of AckedPublisher -----------------------------------------------------
 
