@@ -37,7 +37,7 @@ import paho.mqtt.client as paho
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from outboxer.brokers.mqtt import QOS, MqttPublisher, _Client, disconnect
+from outboxer.brokers.mqtt import QOS, MqttPublisher, _Client, abandon, disconnect
 from outboxer.config import int_option
 from outboxer.receivers.base import Incoming, Receiver, decode, take
 from outboxer.redact import get_logger
@@ -140,7 +140,13 @@ class MqttReceiver(Receiver):
         )
         client._client.manual_ack_set(True)
         self._unacked, self._done, self._arrivals = deque(), set(), 0
-        await client.__aenter__()
+        try:
+            await client.__aenter__()
+        except BaseException:
+            # As for the publisher: a broker that never sends the CONNACK leaves the socket
+            # open and aiomqtt's housekeeping task running, one of each per attempt.
+            abandon(client)
+            raise
         self._client = client
         for topic in self.topics:
             await client.subscribe(f"$share/{self.group}/{mqtt.topic_prefix}{topic}", qos=QOS)
