@@ -24,7 +24,7 @@ import contextlib
 import itertools
 import json
 import ssl
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any
 from urllib.parse import urlunsplit
@@ -187,15 +187,14 @@ class NatsPublisher(AckedPublisher[Msg]):
     def subject_for(self, message: Message) -> str:
         return self.subject_prefix + self.destination_for(message)
 
-    async def _connect(self) -> None:
-        await self._close()
-        lost = self._lost = asyncio.Event()
+    async def open_client(
+        self, lost: asyncio.Event, on_error: Callable[[Exception], Awaitable[None]]
+    ) -> Client:
+        """A client connected with this URL's options; ``lost`` is set once it disconnects
+        or closes. The publisher and the receiver connect through here."""
 
         async def on_disconnect() -> None:
             lost.set()
-
-        async def on_error(error: Exception) -> None:
-            logger.warning("nats: %s: %s", type(error).__name__, error)
 
         nc = Client()
         try:
@@ -211,6 +210,16 @@ class NatsPublisher(AckedPublisher[Msg]):
             # per reconnect attempt.
             await abandon(nc)
             raise
+        return nc
+
+    async def _connect(self) -> None:
+        await self._close()
+        lost = self._lost = asyncio.Event()
+
+        async def on_error(error: Exception) -> None:
+            logger.warning("nats: %s: %s", type(error).__name__, error)
+
+        nc = await self.open_client(lost, on_error)
         self._nc, self._js = nc, nc.jetstream(timeout=self.publish_timeout)
         self._inbox = nc.new_inbox()
         await nc.subscribe(f"{self._inbox}.*", cb=self._on_reply)

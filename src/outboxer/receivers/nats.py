@@ -41,7 +41,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from outboxer.brokers.nats import MSG_ID_HEADER, NatsPublisher, abandon
+from outboxer.brokers.nats import MSG_ID_HEADER, NatsPublisher
 from outboxer.config import float_option
 from outboxer.errors import ConfigError
 from outboxer.receivers.base import Incoming, Receiver, decode
@@ -109,25 +109,10 @@ class NatsReceiver(Receiver):
         await self._close()
         lost = self._lost = asyncio.Event()
 
-        async def on_disconnect() -> None:
-            lost.set()
-
         async def on_error(error: Exception) -> None:
             lost.set()
 
-        nc = Client()
-        try:
-            await nc.connect(
-                **self._nats.connection_options(),
-                error_cb=on_error,
-                disconnected_cb=on_disconnect,
-                closed_cb=on_disconnect,
-            )
-        except BaseException:
-            # As for the publisher: nats-py leaves the socket of a server that took the TCP
-            # connection but never answered open, one more per reconnect attempt.
-            await abandon(nc)
-            raise
+        nc = await self._nats.open_client(lost, on_error)
         self._nc = nc
         js = nc.jetstream(timeout=self.connect_timeout)
         if self._nats.create_stream:
