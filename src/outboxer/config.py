@@ -54,8 +54,10 @@ from outboxer.errors import ConfigError
 from outboxer.message import DEFAULT_DESTINATION
 from outboxer.options import parse_bool
 from outboxer.redact import (
+    LONGEST_PORT,
     MASK,
     is_secret_option,
+    redact_malformed_url,
     redact_text,
     redact_url,
     register_secret,
@@ -321,8 +323,14 @@ def check_url(url: str, name: str) -> None:
         if port and not (
             port.isascii() and port.isdigit() and len(port) <= 5 and int(port) <= 65535
         ):
+            # Without a user part, a long "port" that is no number may be a password whose
+            # "@host" was left out: redact_url masks it, and so does this message.
+            visible = (
+                "@" in netloc or host.startswith("[") or port.isdigit() or len(port) <= LONGEST_PORT
+            )
+            shown = f" {port!r}" if visible else ""
             raise ConfigError(
-                f"{name}: the port {port!r} in {redact_url(url)!r} is not a number from 0 to 65535"
+                f"{name}: the port{shown} in {redact_url(url)!r} is not a number from 0 to 65535"
             )
 
 
@@ -333,9 +341,13 @@ class Url(Kind[str]):
 
     def parse(self, value: object, name: str) -> str:
         if not isinstance(value, str) or "://" not in value:
-            raise ConfigError(
-                f"{name} must be a URL such as {self.example}; got {redact_text(repr(value))}"
+            # redact_text finds URLs by their "://": a mistyped one needs its own masking.
+            shown = (
+                repr(redact_malformed_url(value))
+                if isinstance(value, str)
+                else redact_text(repr(value))
             )
+            raise ConfigError(f"{name} must be a URL such as {self.example}; got {shown}")
         check_url(value, name)
         return value
 
@@ -418,6 +430,14 @@ class TextList(Kind[tuple[str, ...]]):
         return "one or more, comma-separated"
 
 
+class MaskedPairs(dict[str, Any]):
+    """Named options (``--option sasl_password=…``) whose repr() masks the secret ones: the
+    settings dataclass that holds them prints them in its own repr."""
+
+    def __repr__(self) -> str:
+        return repr({name: _shown_option(name, value) for name, value in self.items()})
+
+
 @dataclass(frozen=True)
 class Pairs(Kind[dict[str, Any]]):
     """Named values: a TOML table, or ``NAME=VALUE`` texts (comma-separated or repeated)."""
@@ -425,14 +445,17 @@ class Pairs(Kind[dict[str, Any]]):
     metavar: ClassVar[str] = "NAME=VALUE"
 
     def parse(self, value: object, name: str) -> dict[str, Any]:
+        pairs = MaskedPairs()
         if isinstance(value, Mapping):
-            return {str(key): item for key, item in value.items()}
-        pairs: dict[str, Any] = {}
-        for text in _comma_separated(value, name, "a table or NAME=VALUE texts"):
-            key, sep, item = text.partition("=")
-            if not sep or not key.strip():
-                raise ConfigError(f"{name} needs NAME=VALUE, got {text!r}")
-            pairs[key.strip()] = item.strip()
+            pairs.update((str(key), item) for key, item in value.items())
+        else:
+            for text in _comma_separated(value, name, "a table or NAME=VALUE texts"):
+                key, sep, item = text.partition("=")
+                if not sep or not key.strip():
+                    raise ConfigError(f"{name} needs NAME=VALUE, got {redact_text(repr(text))}")
+                pairs[key.strip()] = item.strip()
+        for key, item in pairs.items():
+            _register_option_secrets(key, item)
         return pairs
 
     def show(self, value: dict[str, Any]) -> str:
@@ -826,6 +849,35 @@ OTHER_COMMANDS_TABLES = frozenset({"consumer", "stream_relay"})
 PASSED_BY_THE_RELAY = frozenset({"routes", "publish_timeout"})
 
 
+def _shown_option(name: str, value: Any) -> Any:
+    """A destination option's value for repr(): secret names masked at any depth (Kafka's
+    ``config = { "sasl.password" = … }``), URLs redacted."""
+    if is_secret_option(name):
+        return MASK
+    if isinstance(value, Mapping):
+        return {key: _shown_option(str(key), item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_shown_option(name, item) for item in value]
+    if isinstance(value, str):
+        return redact_text(value)
+    return value
+
+
+def _register_option_secrets(name: str, value: Any) -> None:
+    """Register what ``_shown_option`` hides, so a library's error echoing it is masked too."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            _register_option_secrets(str(key), item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _register_option_secrets(name, item)
+    elif isinstance(value, str):
+        if is_secret_option(name):
+            register_secret(value)
+        elif "://" in value:
+            register_url_secrets(value)
+
+
 @dataclass(frozen=True)
 class DestinationSettings:
     """Where one destination's copies go."""
@@ -841,9 +893,7 @@ class DestinationSettings:
     payload: Literal["decrypt", "forward"] = "decrypt"
 
     def __repr__(self) -> str:
-        options = {
-            name: MASK if is_secret_option(name) else value for name, value in self.options.items()
-        }
+        options = {name: _shown_option(name, value) for name, value in self.options.items()}
         return (
             f"DestinationSettings(name={self.name!r}, broker={redact_url(self.broker)!r}, "
             f"envelope={self.envelope!r}, routes={dict(self.routes)!r}, options={options!r}, "
@@ -853,8 +903,7 @@ class DestinationSettings:
     def __post_init__(self) -> None:
         register_url_secrets(self.broker)
         for name, value in self.options.items():
-            if is_secret_option(name) and isinstance(value, str):
-                register_secret(value)
+            _register_option_secrets(name, value)
         if self.envelope not in ("full", "stripped"):
             raise ConfigError(f"destination {self.name!r}: envelope must be 'full' or 'stripped'")
         if self.payload not in ("decrypt", "forward"):

@@ -26,6 +26,14 @@ from outboxer.redact import redact_text
 #: The structured fields a record may carry (``extra=``), in the order lines show them.
 FIELDS = ("message_id", "database", "destination", "topic", "attempt", "error_class", "relay_id")
 
+#: What json.dumps(ensure_ascii=False) leaves raw but a line must not hold: C1 controls
+#: (U+009B is a terminal's CSI), line and paragraph separators, bidirectional marks and
+#: overrides, and lone surrogates (from surrogateescape or a JSON "\udc80"), which a UTF-8
+#: stream cannot encode: logging would drop the line. Written as \uXXXX, each reads back.
+_RAW_UNSAFE = re.compile(
+    "[\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
+)
+
 #: ``describe()`` writes errors as ``Type: text``; this finds the type again.
 _ERROR_CLASS = re.compile(r"^([A-Za-z_][\w.]{0,99}): ")
 
@@ -90,7 +98,11 @@ class JsonFormatter(logging.Formatter):
             entry["exception"] = redact_text(record.exc_text)
         if record.stack_info:
             entry["stack"] = redact_text(self.formatStack(record.stack_info))
-        return json.dumps(entry, ensure_ascii=False, default=str)
+        # Every such character is inside a string of the JSON text: its escape is valid there.
+        return _RAW_UNSAFE.sub(
+            lambda match: f"\\u{ord(match.group(0)):04x}",
+            json.dumps(entry, ensure_ascii=False, default=str),
+        )
 
 
 __all__ = ["FIELDS", "JsonFormatter", "error_class", "fields"]

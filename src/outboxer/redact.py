@@ -47,6 +47,9 @@ TOKEN_USER_SCHEMES = frozenset({"nats", "tls", "ws", "wss"})
 #: "test" or "guest" in every line would garble logs, and URL redaction already covers them.
 MIN_REGISTERED_SECRET = 8
 
+#: The longest port (65535): a longer "port" that is no number may be a password.
+LONGEST_PORT = 5
+
 _URL_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.\-]{1,30}://[^\s'\"<>`]+")
 #: ``user:password@host`` without a scheme (a mistyped URL): the password is hidden too.
 _BARE_CREDENTIALS = re.compile(r"(?<![\w/:])([\w.%+\-]+):([^\s@/:'\"]+)@")
@@ -78,21 +81,72 @@ def redact_url(url: str) -> str:
         head = f"{user}:{MASK}@" if user else f"{MASK}@"
         return redact_url(f"{parts.scheme}://{rest}").replace("://", f"://{head}", 1)
     userinfo, at, hosts = netloc.rpartition("@")
+    if not at:
+        netloc = hosts = _mask_non_numeric_ports(hosts)
     if at:
         user, has_password, _ = userinfo.partition(":")
         if has_password:
             netloc = f"{user}:{MASK}@{hosts}"
         elif parts.scheme.lower() in TOKEN_USER_SCHEMES:
             netloc = f"{MASK}@{hosts}"
-    query = "&".join(
-        f"{pair.partition('=')[0]}={MASK}" if is_secret_option(pair.partition("=")[0]) else pair
-        for pair in parts.query.split("&")
-        if pair
-    )
     fragment = MASK if parts.fragment else ""
     return _mask_registered(
-        urlunsplit(parts._replace(netloc=netloc, query=query, fragment=fragment))
+        urlunsplit(parts._replace(netloc=netloc, query=_mask_query(parts.query), fragment=fragment))
     )
+
+
+def _mask_query(query: str) -> str:
+    return "&".join(
+        f"{pair.partition('=')[0]}={MASK}" if is_secret_option(pair.partition("=")[0]) else pair
+        for pair in query.split("&")
+        if pair
+    )
+
+
+def _mask_non_numeric_ports(hosts: str) -> str:
+    """``hosts`` of a URL without user part (``h:5432,h2:x``), every port that is no number
+    masked.
+
+    ``amqp://guest:PASSWORD`` (its ``@host`` forgotten, or an ``OUTBOXER_DB`` list cut at a
+    space in a password) parses as host ``guest``, port ``PASSWORD``. A mistyped port
+    (``h:abc``, at most five characters like any port) stays, to be seen and fixed; a bracketed
+    IPv6 host cannot be a user name, so its port stays too.
+    """
+    shown = []
+    for host in hosts.split(","):
+        name, colon, port = host.rpartition(":")
+        # Free text may end the URL with punctuation: "(cannot connect to amqp://h:5672)".
+        digits = port.rstrip(")]}>.,;:!'\"")
+        if colon and len(digits) > LONGEST_PORT and "]" not in host and not digits.isdigit():
+            host = f"{name}:{MASK}"
+        shown.append(host)
+    return ",".join(shown)
+
+
+#: The scheme and slashes a value meant as a URL starts with (``postgres:/``, ``s3//``).
+_URL_HEAD = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*:?/*|/*")
+
+
+def redact_malformed_url(text: str) -> str:
+    """A value meant as a URL that is none (``postgres:/app:PW@db``, ``s3//b?secret_key=…``):
+    what would be its user part, its secret query values and its fragment masked.
+
+    ``redact_text`` finds URLs by their ``://``; without it, a mistyped URL would be echoed
+    whole by the error that refuses it.
+    """
+    rest, hash_sign, _ = text.partition("#")
+    rest, question, query = rest.partition("?")
+    head = _URL_HEAD.match(rest)
+    start = head.end() if head else 0
+    userinfo, at, hosts = rest[start:].rpartition("@")
+    if at:
+        user, has_password, _ = userinfo.partition(":")
+        rest = f"{rest[:start]}{f'{user}:{MASK}' if has_password else MASK}@{hosts}"
+    if question:
+        rest = f"{rest}?{_mask_query(query)}"
+    if hash_sign:
+        rest = f"{rest}#{MASK}"
+    return _mask_registered(rest)
 
 
 def split_unencoded_userinfo(url: str) -> tuple[str, str, str] | None:
@@ -125,8 +179,9 @@ def redact_text(text: str) -> str:
     return _mask_registered(text)
 
 
-#: C0 controls, DEL, C1 controls and the invisible bidirectional marks and overrides.
-_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+#: C0 controls, DEL, C1 controls, the Unicode line and paragraph separators (a line break
+#: for str.splitlines() and JavaScript) and the invisible bidirectional marks and overrides.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 
 
 def printable(text: object) -> str:
@@ -218,6 +273,9 @@ __all__ = [
     "RedactingFilter",
     "get_logger",
     "is_secret_option",
+    "printable",
+    "printable_lines",
+    "redact_malformed_url",
     "redact_text",
     "redact_url",
     "register_secret",
@@ -225,10 +283,31 @@ __all__ = [
 ]
 
 
+def printable_lines(text: str) -> str:
+    """``text`` with each line's control characters escaped, its line breaks kept."""
+    return "\n".join(printable(line) for line in text.split("\n"))
+
+
 class TextFormatter(logging.Formatter):
     """The text log format, one line per record: the message's control characters escaped
-    (see ``printable``); a traceback keeps its lines."""
+    (see ``printable``); a traceback keeps its lines, each escaped (an exception's text may
+    come from a broker, a remote server or a message)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        # exc_text is the record's, shared with the other handlers: escaped for this line only.
+        exc_text = record.exc_text
+        if exc_text:
+            record.exc_text = printable_lines(exc_text)
+        try:
+            return super().format(record)
+        finally:
+            record.exc_text = exc_text
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         record.message = printable(record.message)
         return super().formatMessage(record)
+
+    def formatStack(self, stack_info: str) -> str:
+        return printable_lines(super().formatStack(stack_info))

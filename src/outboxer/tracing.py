@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from outboxer.brokers.base import Outcome, OutcomeKind
 from outboxer.logjson import error_class
 from outboxer.message import Message
+from outboxer.redact import redact_text
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -73,8 +74,30 @@ def messaging_system(broker_url: str) -> str:
     return MESSAGING_SYSTEMS.get(scheme, scheme or "unknown")
 
 
+#: The longest header value the propagators are given: OpenTelemetry's own cap on
+#: ``baggage`` (W3C tracestate stays far below it). A longer one is dropped, not parsed:
+#: OpenTelemetry would log it whole, at every publish attempt of its message.
+LONGEST_PROPAGATION_VALUE = 8192
+
+
 def _has_trace_header(headers: Mapping[str, str]) -> bool:
-    return any(name.lower() == TRACEPARENT for name in headers)
+    return any(isinstance(name, str) and name.lower() == TRACEPARENT for name in headers)
+
+
+def _carrier(headers: Mapping[str, str]) -> dict[str, str]:
+    """``headers`` as the propagators read them: lower-case names (HTTP header style, while
+    brokers may keep the case), text values of a sane length only.
+
+    A consumer builds its message from its broker's delivery, whose header values may be
+    bytes, numbers or lists: the propagators raise TypeError on those, in the consumer.
+    """
+    return {
+        name.lower(): value
+        for name, value in headers.items()
+        if isinstance(name, str)
+        and isinstance(value, str)
+        and len(value) <= LONGEST_PROPAGATION_VALUE
+    }
 
 
 def inject_trace_context(headers: Mapping[str, str] | None) -> Mapping[str, str] | None:
@@ -105,8 +128,7 @@ def extract_trace_context(headers: Mapping[str, str]) -> Context | None:
         return None
     from opentelemetry import propagate, trace
 
-    # The propagators read lower-case names (HTTP header style); brokers may keep the case.
-    context = propagate.extract({name.lower(): value for name, value in headers.items()})
+    context = propagate.extract(_carrier(headers))
     if not trace.get_current_span(context).get_span_context().is_valid:
         return None
     return context
@@ -161,7 +183,8 @@ class PublishSpans:
             kind = "released" if outcome is None else outcome.kind.value
             span.set_attribute("outboxer.outcome", kind)
             if outcome is not None and outcome.kind is OutcomeKind.FAILED:
-                error = outcome.error or "publish failed"
+                # A driver's text may hold its URL and password: masked as in log lines.
+                error = redact_text(outcome.error or "publish failed")
                 span.set_attribute("error.type", error_class(error) or "PublishError")
                 span.set_attribute("outboxer.retryable", outcome.retryable)
                 span.set_status(Status(StatusCode.ERROR, error))
@@ -205,7 +228,7 @@ def start_publish_spans(
         carrier = {
             header: value
             for header, value in message.headers.items()
-            if header.lower() not in PROPAGATION_HEADERS
+            if not (isinstance(header, str) and header.lower() in PROPAGATION_HEADERS)
         }
         propagate.inject(carrier, context=trace.set_span_in_context(span, parent))
         outgoing.append(replace(message, headers=carrier))
@@ -238,11 +261,35 @@ def consumer_span(
         context=extract_trace_context(message.headers),
         kind=trace.SpanKind.CONSUMER,
         attributes=_message_attributes(message, system, name, "process", delivery_attempt),
+        record_exception=False,
+        set_status_on_exception=False,
     ) as span:
-        yield span
+        try:
+            yield span
+        except BaseException as exc:
+            _record_failure(span, exc)
+            raise
+
+
+def _record_failure(span: Span, exc: BaseException) -> None:
+    """What OpenTelemetry records of an exception leaving a span, its text redacted as a log
+    line's is (a handler's or a driver's error may hold a URL with its password)."""
+    import traceback
+
+    from opentelemetry.trace import Status, StatusCode
+
+    span.record_exception(
+        exc,
+        attributes={
+            "exception.message": redact_text(str(exc)),
+            "exception.stacktrace": redact_text("".join(traceback.format_exception(exc))),
+        },
+    )
+    span.set_status(Status(StatusCode.ERROR, redact_text(f"{type(exc).__name__}: {exc}")))
 
 
 __all__ = [
+    "LONGEST_PROPAGATION_VALUE",
     "MESSAGING_SYSTEMS",
     "PROPAGATION_HEADERS",
     "TRACEPARENT",
