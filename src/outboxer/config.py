@@ -817,12 +817,25 @@ def default_relay_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
+#: The shortest interval or timeout taken: below a millisecond a poll spins a core and a
+#: timeout fires before any round trip could answer ("0.001ms" is a typo, not a wish).
+SHORTEST_INTERVAL = 0.001
+#: The shortest lease: a batch must be claimed, published and settled (or renewed) within
+#: it, or another relay recovers its rows while they are still being published.
+SHORTEST_LEASE = 0.5
+
+
 def _interval(
-    help: str, default: float, commands: Sequence[str] = RELAY, *, per_database: bool = False
+    help: str,
+    default: float,
+    commands: Sequence[str] = RELAY,
+    *,
+    per_database: bool = False,
+    low: float = SHORTEST_INTERVAL,
 ) -> Any:
     return setting(
         default,
-        kind=Duration(LONGEST_INTERVAL, positive=True),
+        kind=Duration(LONGEST_INTERVAL, positive=True, low=low),
         help=help,
         commands=commands,
         per_database=per_database,
@@ -1016,6 +1029,7 @@ class Settings:
         "lease of a claimed batch, renewed while it is published: a relay that dies or stalls loses its rows after this",
         60.0,
         per_database=True,
+        low=SHORTEST_LEASE,
     )
     max_attempts: int = setting(
         10,
@@ -1045,7 +1059,7 @@ class Settings:
     #: (bench/floor_relay.py): latency is what the poll can still buy.
     busy_poll_interval: float = setting(
         0.003,
-        kind=Duration(1.0, positive=True, low=0.001),
+        kind=Duration(1.0, positive=True, low=SHORTEST_INTERVAL),
         help="PostgreSQL: at or above `wake_on_commit_below`, how soon after a claim that found "
         "work the relay looks again: shorter publishes sooner, in smaller batches, at more "
         "CPU per message (at 1,000 commits/s, 5ms: consumer p50 5.7 ms at 0.84 times the CPU "
@@ -1622,14 +1636,14 @@ class StreamSettings:
     )
     poll_interval: float = setting(
         0.2,
-        kind=Duration(LONGEST_INTERVAL, positive=True),
+        kind=Duration(LONGEST_INTERVAL, positive=True, low=SHORTEST_INTERVAL),
         help="wait after a read that found nothing",
         commands=(STREAM_RELAY,),
         env="OUTBOXER_STREAM_POLL_INTERVAL",
     )
     probe_interval: float = setting(
         10.0,
-        kind=Duration(LONGEST_INTERVAL, positive=True),
+        kind=Duration(LONGEST_INTERVAL, positive=True, low=SHORTEST_INTERVAL),
         help="with --http: how often the relay counts its backlog for /metrics (WAL: by "
         "decoding up to 100,000 changes of its slot)",
         commands=(STREAM_RELAY,),

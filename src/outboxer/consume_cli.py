@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from outboxer.config import (
     LONGEST_INTERVAL,
+    SHORTEST_INTERVAL,
     Duration,
     Pairs,
     Settings,
@@ -102,9 +103,11 @@ class ConsumerSettings:
     )
     shutdown_timeout: float = setting(
         30.0,
-        kind=Duration(LONGEST_INTERVAL, positive=True),
+        kind=Duration(LONGEST_INTERVAL, positive=True, low=SHORTEST_INTERVAL),
         help="how long handlers in flight get to finish on SIGTERM before they roll back",
         commands=CONSUME,
+        # Its own variable: OUTBOXER_SHUTDOWN_TIMEOUT is the relay's (20 s by default).
+        env="OUTBOXER_CONSUMER_SHUTDOWN_TIMEOUT",
     )
     name: str | None = setting(
         kind=Text(100),

@@ -205,6 +205,12 @@ def test_an_unknown_flag_name_is_an_error_not_ignored() -> None:
         ({"lock_timeout": math.inf}, "--lock-timeout must be a finite duration"),
         ({"lock_timeout": 10**400}, "--lock-timeout must be a finite duration"),
         ({"lock_timeout": "31d"}, "--lock-timeout must be at most 30d"),
+        # A lease shorter than a publish is lost while its batch is still being published.
+        ({"lock_timeout": "100ms"}, "--lock-timeout must be at least 500ms"),
+        # Below a millisecond a poll spins a core: a typo, not a setting.
+        ({"poll_interval": "0.001ms"}, "--poll-interval must be at least 1ms"),
+        ({"publish_timeout": 0.0001}, "--publish-timeout must be at least 1ms"),
+        ({"backoff_base": "0.5ms"}, "--backoff-base must be at least 1ms"),
         ({"backoff_max": "100000000000000000000"}, "--backoff-max must be at most 30d"),
         ({"backoff_max": 1e20}, "--backoff-max must be at most 30d"),
         ({"poll_interval": "²"}, "--poll-interval must be a duration"),
@@ -231,10 +237,10 @@ def test_non_finite_absurd_and_non_ascii_values_are_refused(
 
 @pytest.mark.parametrize(
     ("value", "seconds"),
-    [("30d", 30 * 86400.0), (" 2.5s ", 2.5), (3600, 3600.0), ("0.001", 0.001)],
+    [("30d", 30 * 86400.0), (" 2.5s ", 2.5), (3600, 3600.0), ("0.001", 0.001), ("1ms", 0.001)],
 )
 def test_bounded_durations_still_take_every_documented_form(value: object, seconds: float) -> None:
-    assert load_settings({"lock_timeout": value}, environ={}).lock_timeout == seconds
+    assert load_settings({"poll_interval": value}, environ={}).poll_interval == seconds
 
 
 def test_a_table_name_ending_in_a_newline_is_refused_by_the_store_too() -> None:

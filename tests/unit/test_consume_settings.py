@@ -45,3 +45,21 @@ def test_flags_beat_variables_beat_the_consumer_table(tmp_path: Path) -> None:
         load_consume_settings({}, {}, environ={}, config_file=str(config))
     with pytest.raises(ConfigError, match="no group: pass --group"):
         ConsumerSettings().require("group")
+
+
+def test_the_consumer_and_the_relay_read_their_shutdown_timeouts_from_their_own_variables() -> None:
+    # One variable for both used to set the relay's 20 s grace and the consumer's 30 s at once.
+    settings, own = load_consume_settings(
+        {},
+        {"group": "g"},
+        environ={"OUTBOXER_SHUTDOWN_TIMEOUT": "5s", "OUTBOXER_CONSUMER_SHUTDOWN_TIMEOUT": "45s"},
+    )
+    assert (settings.shutdown_timeout, own.shutdown_timeout) == (5.0, 45.0)
+    _, own = load_consume_settings({}, {"group": "g"}, environ={"OUTBOXER_SHUTDOWN_TIMEOUT": "5s"})
+    assert own.shutdown_timeout == 30.0
+
+
+@pytest.mark.parametrize("value", ["0.5ms", "0.0001"])
+def test_a_consumer_interval_below_a_millisecond_is_refused(value: str) -> None:
+    with pytest.raises(ConfigError, match="--shutdown-timeout must be at least 1ms"):
+        load_consume_settings({}, {"group": "g", "shutdown_timeout": value}, environ={})
