@@ -193,20 +193,24 @@ async def test_file_lines_that_are_not_records_are_malformed_the_rest_delivered(
             '{"id": "cut short',
             record_line(1, headers=None),
             "[1, 2]",
+            record_line(3, headers={"attempt": 2}),
+            record_line(4, headers=["a"]),
             record_line(2),
         ],
     )
     receiver = create_receiver(f"file://{path}", group="g")
     await receiver.connect()
     try:
-        received = await collect(receiver, 5, 3.0)
-        assert [i.malformed is not None for i in received] == [False, True, True, True, False]
+        received = await collect(receiver, 7, 3.0)
+        malformed = [i.malformed is not None for i in received]
+        assert malformed == [False, True, True, True, True, True, False]
+        assert "headers must be a JSON object of strings" in str(received[4].malformed)
         assert received[1].delivery.body == b'{"id": "cut short\n'
-        assert [i.delivery.payload for i in (received[0], received[4])] == [{"n": 0}, {"n": 2}]
+        assert [i.delivery.payload for i in (received[0], received[6])] == [{"n": 0}, {"n": 2}]
         await receiver.ack(received)
     finally:
         await receiver.close()
-    assert (tmp_path / "events.jsonl.g.offset").read_text() == "5"
+    assert (tmp_path / "events.jsonl.g.offset").read_text() == "7"
 
 
 def test_file_runner_dead_letters_the_unreadable_lines_and_applies_the_rest(

@@ -102,7 +102,14 @@ class FileReceiver(Receiver):
         record = json.loads(line)
         if not isinstance(record, dict):
             raise TypeError(f"a line holds a JSON object, not {type(record).__name__}")
-        headers = {**record.get("headers", {})}
+        headers = record.get("headers", {})
+        # A message's headers are text (Message.headers): a hand-written line's numbers or
+        # lists would reach the handler, the trace extraction and the dead letters as is.
+        if not isinstance(headers, dict) or not all(
+            isinstance(value, str) for value in headers.values()
+        ):
+            raise TypeError("headers must be a JSON object of strings")
+        headers = dict(headers)
         for name, field in (
             (HEADER_ID, "id"),
             (HEADER_TOPIC, "topic"),
