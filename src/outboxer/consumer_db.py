@@ -40,6 +40,7 @@ from outboxer.errors import ConfigError, MissingDependencyError
 from outboxer.inbox import Inbox
 from outboxer.message import MAX_KEY_LENGTH
 from outboxer.receivers.base import Delivery, decode_payload
+from outboxer.redact import redact_text
 from outboxer.stores.sqlfiles import queries, render, table_name
 
 logger = logging.getLogger("outboxer.consumer")
@@ -284,7 +285,8 @@ class Session(ABC):
             "content_type": self.text(stored.content_type)[:_COLUMN_LENGTH],
             "payload": stored.body,
             "created_at": _created_at_param(delivery.created_at, self.dialect),
-            "error": self.text(error)[:4000],
+            # Shown by `dead-letters list` and the admin: masked as log lines are.
+            "error": self.text(redact_text(error))[:4000],
             "attempts": attempts,
             "held": held,
         }

@@ -552,3 +552,20 @@ def test_a_cancelled_error_the_handler_raises_is_its_failure_not_the_worker_s_en
     [letter] = dead_letters(db)
     assert "HandlerCancelled" in letter[1] and letter[2] == 2
     assert (stats.applied, stats.dead_lettered) == (1, 1)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres-psycopg", "mysql"])
+def test_a_password_in_the_handler_s_error_is_masked_in_the_dead_letter(
+    request: pytest.FixtureRequest, kind: str
+) -> None:
+    """`dead-letters list` and the Django admin show the stored error: a handler's error that
+    quotes a URL with its password is stored masked, as the log line is."""
+    db = database(request, kind)
+
+    def leaky(message: Delivery, conn: Any) -> None:
+        raise RuntimeError("cannot reach amqp://app:leaked-pw-5519@mq.internal:5672/")
+
+    consume(db, leaky, make_message("t", {"n": 0}, key="k"), max_attempts=1)
+    [(_, recorded, _, _)] = dead_letters(db)
+    assert "amqp://app:***@mq.internal:5672/" in recorded
+    assert "leaked-pw-5519" not in recorded

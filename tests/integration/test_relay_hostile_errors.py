@@ -101,3 +101,28 @@ async def test_a_settle_the_database_refuses_is_retried_generic_then_row_by_row(
     assert hook.stats.settles_refused == 2 and hook.stats.unrecorded == 2
     assert hook.stats.published == 1 and hook.stats.failed == 1
     assert any("refused to record outcomes" in problem for problem in problems), problems
+
+
+async def test_a_password_quoted_in_an_error_is_not_stored_in_last_error(db: str) -> None:
+    """A receiver (or a driver) may quote a URL with its password in its error text: the
+    row's last_error is shown by /messages, the dashboard and `outboxer messages`, so it is
+    stored masked, as log lines are."""
+
+    def leaky(_: Delivery) -> tuple[int, bytes]:
+        return 500, b"cannot reach postgresql://app:leaked-pw-7731@db.internal:5432/orders"
+
+    receiver = Receiver(answer=leaky).start()
+    try:
+        enqueue(db, ("order.placed", "k"))
+        hook = relay(db, receiver.url, max_attempts=1)
+
+        async def abandoned() -> bool:
+            return {r["status"] for r in await rows(db)} == {"ABANDONED"}
+
+        await run_until(hook, abandoned)
+    finally:
+        receiver.stop()
+    [row] = await rows(db)
+    error = str(row["last_error"])
+    assert "postgresql://app:***@db.internal:5432/orders" in error, error
+    assert "leaked-pw-7731" not in error

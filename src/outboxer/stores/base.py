@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from outboxer.config import Settings
 from outboxer.errors import ConfigError, SchemaError, StoreError
 from outboxer.message import Message
-from outboxer.redact import register_url_secrets
+from outboxer.redact import redact_text, register_url_secrets
 from outboxer.stores.pgpartitions import PARTITIONED, PartitionPolicy, PartitionReport
 from outboxer.stores.sqlfiles import migrations, quote_ident, render
 
@@ -47,7 +47,10 @@ STATUS_SAMPLE_SIZE = 1000
 
 def storable_error(text: str) -> str:
     """``text`` as every supported database stores it: no NUL, valid UTF-8 (no lone
-    surrogates), at most ``MAX_ERROR_LENGTH`` characters, the cut marked. Idempotent."""
+    surrogates), at most ``MAX_ERROR_LENGTH`` characters, the cut marked; URL passwords and
+    registered secrets masked, as in log lines (``/messages``, the dashboard and
+    ``outboxer messages`` show it; a broker or a driver may quote a URL). Idempotent."""
+    text = redact_text(text)
     if len(text) > MAX_ERROR_LENGTH:
         marker = f" … [cut: {len(text)} characters in all]"
         text = text[: MAX_ERROR_LENGTH - len(marker)] + marker
