@@ -535,20 +535,34 @@ async def replay(
         counts = await store.count_matching(applied)
         return AdminResult("replay", True, _total(counts), counts, to=to)
     copier = copier if copier is not None else ReplayCopier()
-    copier.to = to
+    # One copier serves each database of a request in turn: what it counts and the objects
+    # it may discard are this replay's only.
+    copier.to, copier.objects, shredded_before = to, [], copier.shredded
     try:
         count = await store.replay(applied, copier)
-    except BaseException:
-        copier.discard_objects()  # the rows that referred to them rolled back
+    except ReplayError:
+        # A copy refused, inside the transaction: it rolled back, no row refers to them.
+        copier.discard_objects()
         raise
+    except BaseException:
+        # Anything else may have come with the copies committed, or about to be: a cancel
+        # does not stop SQLite's worker thread, a connection lost during COMMIT says
+        # nothing of its outcome. The claim-check sweep deletes only what no row refers
+        # to; deleting here could take the payloads of committed copies.
+        copier.objects = []
+        raise
+    # Committed: rows refer to these objects now; a later database's failure must not
+    # take them (its discard would lose these copies' payloads).
+    copier.objects = []
+    shredded = copier.shredded - shredded_before
     logger.info(
         "replayed %d message(s) %s (%s)%s",
         count,
         _to_text(to),
         applied.describe(),
-        f"; {copier.shredded} of shredded subjects not copied" if copier.shredded else "",
+        f"; {shredded} of shredded subjects not copied" if shredded else "",
     )
-    return AdminResult("replay", False, count, to=to, shredded=copier.shredded)
+    return AdminResult("replay", False, count, to=to, shredded=shredded)
 
 
 # ----- copying payloads -----------------------------------------------------------------------
@@ -567,7 +581,8 @@ class ReplayCopier:
         self.object_store = object_store
         #: The destination of every copy (None: each original's own); set by ``replay``.
         self.to: str | None = None
-        #: Objects put for copies; deleted if the transaction does not commit.
+        #: Objects put for copies; deleted when a refused copy (ReplayError) rolled the
+        #: transaction back, else left to the claim-check sweep (admin.replay).
         self.objects: list[str] = []
         self.shredded = 0
 

@@ -350,7 +350,8 @@ def _message_filter(args: argparse.Namespace) -> admin.MessageFilter:
 
 def _report(result: admin.AdminResult, heading: str = "") -> int:
     for line in result.lines():
-        print(f"{heading}{line}")
+        # A dry run names the destinations found in the table: an application's text.
+        print(printable(f"{heading}{line}"))
     return EXIT_OK
 
 
@@ -506,7 +507,7 @@ async def _status(args: argparse.Namespace) -> int:
         for name, report in reports.items():
             print(f"database {name}:")
             if "error" in report:
-                print(f"  unavailable: {report['error']}")
+                print(f"  unavailable: {printable(report['error'])}")
             else:
                 _print_status(report, "  ")
     return EXIT_ERROR if any("error" in report for report in reports.values()) else EXIT_OK
@@ -517,7 +518,8 @@ def _print_status(report: dict[str, Any], indent: str) -> None:
         print(f"{indent}the outbox is empty")
     for entry in report["destinations"]:
         counts: dict[str, int] = entry["counts"]
-        print(f"{indent}destination {entry['destination']}:")
+        # An application's name for it, as stored: any text but a NUL.
+        print(f"{indent}destination {printable(entry['destination'])}:")
         for status in ("PENDING", "PROCESSING", "FAILED", "PUBLISHED", "ABANDONED"):
             if status == "PUBLISHED" and entry.get("published_estimated"):
                 # A big table: an estimate (the other counts are exact).
@@ -610,10 +612,19 @@ async def _purge(args: argparse.Namespace) -> int:
 async def _replay(args: argparse.Namespace) -> int:
     where = _message_filter(args)
     settings = _settings(args)
+    databases = _databases(settings)
+    if args.to is not None:
+        # Every database before any: each commits on its own, so a destination the last
+        # one lacks would otherwise be refused after the first ones were changed.
+        for name, own in databases.items():
+            try:
+                admin.check_destination(args.to, own.destination_names)
+            except AdminRequestError as exc:
+                raise AdminRequestError(f"{_heading(settings, name)}{exc}") from None
     copier = admin.copier_from_settings(settings)
     code = EXIT_OK
     try:
-        for name, own in _databases(settings).items():
+        for name, own in databases.items():
             async with _store(own) as store:
                 result = await admin.replay(
                     store,

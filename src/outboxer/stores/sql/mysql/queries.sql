@@ -241,11 +241,14 @@ WHERE finished.seq IN (:seqs)
 -- name: requeue
 -- ABANDONED | FAILED -> PENDING, due now, attempts reset: an operator's decision. Runs under
 -- the shared destination lock of each destination. :all_ids, or only the rows in :ids.
+-- :statuses narrows it; the status test is repeated so that no caller's list requeues a
+-- PROCESSING row (a relay holds it) or a PUBLISHED one (sent again): see PostgreSQL's.
 UPDATE {outbox}
 SET status = 'PENDING', attempts = 0, next_attempt_at = UTC_TIMESTAMP(6),
     updated_at = UTC_TIMESTAMP(6)
 WHERE destination IN (:destinations)
   AND status IN (:statuses)
+  AND status IN ('ABANDONED', 'FAILED')
   AND (:all_ids OR id IN (:ids))
 
 -- name: counts

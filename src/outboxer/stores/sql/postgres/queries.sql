@@ -98,11 +98,15 @@ WHERE ctid = ANY(ARRAY(
     FOR UPDATE SKIP LOCKED))
 
 -- name: requeue
--- ABANDONED | FAILED -> PENDING, due now, attempts reset: an operator's decision.
+-- ABANDONED | FAILED -> PENDING, due now, attempts reset: an operator's decision. :statuses
+-- narrows it; the status test is repeated so that no caller's list requeues another
+-- status: a PROCESSING row made PENDING would be published by a second relay while its
+-- holder still publishes it, a PUBLISHED one would be sent again.
 UPDATE {outbox}
 SET status = 'PENDING', attempts = 0, next_attempt_at = now(), updated_at = now()
 WHERE destination = ANY(CAST(:destinations AS text[]))
   AND status = ANY(CAST(:statuses AS text[]))
+  AND status IN ('ABANDONED', 'FAILED')
   AND (CAST(:ids AS uuid[]) IS NULL OR id = ANY(CAST(:ids AS uuid[])))
 
 -- name: counts

@@ -220,10 +220,13 @@ LIMIT :limit
 
 -- name: requeue
 -- ABANDONED | FAILED -> PENDING, due now, attempts reset: an operator's decision.
+-- :statuses narrows it; the status test is repeated so that no caller's list requeues a
+-- PROCESSING row (a relay holds it) or a PUBLISHED one (sent again): see PostgreSQL's.
 UPDATE {outbox}
 SET status = 'PENDING', attempts = 0, next_attempt_at = :now, updated_at = :now
 WHERE destination IN (SELECT value FROM json_each(:destinations))
   AND status IN (SELECT value FROM json_each(:statuses))
+  AND status IN ('ABANDONED', 'FAILED')
   AND (:ids IS NULL OR id IN (SELECT value FROM json_each(:ids)))
 
 -- name: inbox_claim
