@@ -53,9 +53,21 @@ async function change(button, path) {
   }
 }
 
+// The filter matched no row: another operator (or another tab) purged or requeued the
+// message since the page was made. The row keeps the status the page read, and says so.
+function changedMeanwhile(button, done) {
+  showResult(
+    done + " nothing: message " + button.dataset.id + " is no longer " + button.dataset.status +
+      " (changed since the page was loaded; reload it)",
+    false,
+  );
+  for (const each of button.closest("tr").querySelectorAll("button")) each.disabled = false;
+}
+
 async function requeue(button) {
   const answer = await change(button, "/messages/requeue");
   if (answer === null) return;
+  if (!(answer.requeued > 0)) return changedMeanwhile(button, "requeued");
   showResult("requeued " + answer.requeued + " message(s): " + button.dataset.id, true);
   const row = button.closest("tr");
   row.querySelector("td.status").textContent = "PENDING";
@@ -66,6 +78,7 @@ async function purge(button) {
   if (!window.confirm("Purge message " + button.dataset.id + "? It is deleted for good.")) return;
   const answer = await change(button, "/messages/purge");
   if (answer === null) return;
+  if (!(answer.purged > 0)) return changedMeanwhile(button, "purged");
   showResult("purged " + answer.purged + " message(s): " + button.dataset.id, true);
   const row = button.closest("tr");
   row.querySelector("td.status").textContent = "PURGED";

@@ -960,22 +960,38 @@ def _raw_error(error: HttpError) -> bytes:
     return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + response.body
 
 
-def _protocol_class(read_timeout: float) -> type[asyncio.Protocol]:
+def _protocol_class(
+    read_timeout: float, max_connections: int = MAX_CONNECTIONS
+) -> type[asyncio.Protocol]:
     """uvicorn's h11 protocol with a deadline on the request head and JSON protocol errors.
 
     uvicorn times out idle keep-alive connections only: a client that opens a connection and
     sends half a request head would hold it for good. Here a connection whose request head
     is not complete ``read_timeout`` seconds after it opened gets 408 and is closed; one
     whose client stops reading the answer is dropped at the next deadline. The body has its
-    own deadline in ``AsgiApp``.
+    own deadline in ``AsgiApp``. A connection beyond ``max_connections`` open ones gets 503
+    and is closed as soon as it is accepted.
     """
     h11_impl = _require("uvicorn.protocols.http.h11_impl")
 
     class _DeadlineProtocol(h11_impl.H11Protocol):  # type: ignore[misc,name-defined]
         _deadline: asyncio.TimerHandle | None = None
+        #: Bytes of a closed connection's answer still unsent at the last deadline.
+        _unsent: int | None = None
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
+            # uvicorn's limit_concurrency counts connections only once a request is in, so
+            # clients that connect and send nothing were each held (a file descriptor of the
+            # relay's process) until the deadline: enough of them and the relay could open
+            # no database or broker connection. Refuse them here, before they cost more.
+            if len(self.connections) > max_connections:
+                self._refuse(
+                    ServiceUnavailable(
+                        f"the HTTP API has {max_connections} connections open; try again later"
+                    )
+                )
+                return
             self._deadline = self.loop.call_later(read_timeout, self._on_deadline)
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -983,16 +999,35 @@ def _protocol_class(read_timeout: float) -> type[asyncio.Protocol]:
                 self._deadline.cancel()
             super().connection_lost(exc)
 
+        def shutdown(self) -> None:
+            if self.transport.is_closing() and self.transport.get_write_buffer_size():
+                # An answer written whole that its client has not read yet. uvicorn would
+                # wait its whole grace period for it, then stop and leave the socket and the
+                # unsent bytes behind; the server is stopping: drop it now.
+                self.transport.abort()
+                return
+            super().shutdown()
+
         def _on_deadline(self) -> None:
             self._deadline = None
             if self.transport.is_closing():
+                # uvicorn writes a whole answer into the transport and closes it; asyncio
+                # then keeps the socket and the unsent bytes until the client reads them. A
+                # client that reads nothing for a whole deadline is dropped, else it holds a
+                # connection (and megabytes of the relay's memory) for as long as it likes.
+                unsent = self.transport.get_write_buffer_size()
+                if unsent and unsent == self._unsent:
+                    self.transport.abort()
+                elif unsent:
+                    self._unsent = unsent
+                    self._deadline = self.loop.call_later(read_timeout, self._on_deadline)
                 return
             cycle = self.cycle
             if cycle is None:  # the request head is still incomplete
                 self._refuse(RequestTimeout(f"no complete request within {read_timeout:g}s"))
             elif cycle.response_started and not cycle.response_complete and self.flow.write_paused:
                 self.transport.abort()  # the client stopped reading the answer
-            elif not cycle.response_complete:
+            else:  # still answering, or the answer is still to be flushed once closed
                 self._deadline = self.loop.call_later(read_timeout, self._on_deadline)
 
         def data_received(self, data: bytes) -> None:
@@ -1217,14 +1252,16 @@ class HttpServer:
         uvicorn = _require("uvicorn")
         config = uvicorn.Config(
             self.app,
-            http=_protocol_class(self.read_timeout),
+            http=_protocol_class(self.read_timeout, self.max_connections),
             ws="none",
             lifespan="off",
             log_config=None,  # the application's (or the CLI's) logging, not uvicorn's
             access_log=False,
             proxy_headers=False,  # no client address or scheme taken from X-Forwarded-*
             server_header=False,
-            limit_concurrency=self.max_connections,  # 503 beyond
+            # uvicorn counts the connection of the request itself: max_connections + 1 answers
+            # up to max_connections (more are refused on arrival, _DeadlineProtocol).
+            limit_concurrency=self.max_connections + 1,
             h11_max_incomplete_event_size=MAX_HEAD_BYTES,
             timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS,
         )
