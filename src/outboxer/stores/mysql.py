@@ -378,6 +378,8 @@ class MySQLStore(Store):
                     cursor, "abandon_expired", {"seqs": exhausted, "destination": destination}
                 )
                 abandoned = await self._abandoned(cursor, exhausted)
+                if abandoned_blocks:  # else such a row heads its key: recovered alone
+                    await self._release_behind(cursor, destination, abandoned, max_attempts)
             heads = [row for row in expired if row["seq"] not in exhausted and row["heads_key"]]
             if heads and not recover:
                 return Claim(lease=lease, recovery_waiting=True, abandoned=abandoned)
@@ -446,6 +448,33 @@ class MySQLStore(Store):
             )
             rows = without_overtaking(rows, await cursor.fetchall())
         return rows
+
+    async def _release_behind(
+        self,
+        cursor: Any,
+        destination: str,
+        abandoned: Sequence[AbandonedRow],
+        max_attempts: int,
+    ) -> None:
+        """The in-flight rows of a dead relay behind the rows it just abandoned, per key from
+        its first abandoned row -> FAILED, due now (queries.sql: release_behind_abandoned)."""
+        first: dict[str, int] = {}
+        for row in abandoned:
+            if row.key is not None:
+                first[row.key] = min(row.seq, first.get(row.key, row.seq))
+        if first:
+            await cursor.executemany(
+                self._sql["release_behind_abandoned"],
+                [
+                    {
+                        "destination": destination,
+                        "key": key,
+                        "after": after,
+                        "max_attempts": max_attempts,
+                    }
+                    for key, after in first.items()
+                ],
+            )
 
     async def _abandoned(self, cursor: Any, seqs: Sequence[int]) -> list[AbandonedRow]:
         """The rows abandon_expired just abandoned, as they are now."""

@@ -91,6 +91,35 @@ SET last_error = CONCAT('abandoned after ', attempts + 1, ' attempts: relay ',
     locked_by = NULL, locked_until = NULL, lease = NULL, updated_at = UTC_TIMESTAMP(6)
 WHERE seq IN (:seqs) AND destination = :destination AND status = 'PROCESSING'
 
+-- name: release_behind_abandoned
+-- PROCESSING, lease expired, behind a row of its key that abandon_expired just abandoned
+-- (:after, its seq) -> FAILED, due now: the attempt that died counts, as a takeover's does
+-- (claim_update; attempts and last_error read locked_by before it changes). The dead relay
+-- held the key's rows in one batch; left in flight, such a row was never a head again
+-- (the abandoned row blocks it when abandoned rows block), so it stayed PROCESSING for
+-- good, and once an operator requeued the abandoned row (PENDING: no longer a blocker) it
+-- was recovered, and published, before it. FAILED, it is claimed in seq order behind the
+-- abandoned row, as a row the relay released when the abandoned row failed would be.
+-- Same transaction, under the exclusive destination lock; blocking_idx serves the range.
+-- A renewal by a stalled holder that lands first makes locked_until current: left alone.
+-- Run only when abandoned rows block: otherwise such a row heads its key and is
+-- recovered alone (step 2). A row this attempt would use up is left to the next
+-- claim's abandon_expired (ABANDONED, not FAILED at max_attempts).
+UPDATE {outbox}
+SET attempts = attempts + 1,
+    last_error = CONCAT('relay ', COALESCE(locked_by, '?'),
+                        ' died or stalled while publishing this message (its lease expired)'),
+    status = 'FAILED',
+    next_attempt_at = UTC_TIMESTAMP(6),
+    locked_by = NULL, locked_until = NULL, lease = NULL, updated_at = UTC_TIMESTAMP(6)
+WHERE destination = :destination
+  AND blocker = 1
+  AND `key` = :key
+  AND seq > :after
+  AND status = 'PROCESSING'
+  AND attempts + 1 < :max_attempts
+  AND locked_until < UTC_TIMESTAMP(6)
+
 -- name: abandoned_rows
 -- What abandon_expired recorded, for the relay's log.
 SELECT seq, id, topic, `key`, attempts, last_error FROM {outbox} WHERE seq IN (:seqs)
@@ -333,7 +362,13 @@ LIMIT :limit
 -- Age of the oldest open transaction on this database that wrote or locked rows (seconds):
 -- a writer holding a key's lock that long holds back that key's later messages, so status
 -- shows it. InnoDB's transaction list needs the PROCESS privilege (without it: 0).
-SELECT COALESCE(MAX(TIMESTAMPDIFF(MICROSECOND, t.trx_started, NOW(6))), 0) / 1000000 AS age
+-- trx_started is in the server's system time zone (InnoDB converts with localtime_r), NOW()
+-- in the session's, which differs on a server set to default-time-zone = '+00:00' on a
+-- host with a local clock: compared as they are, the age was off by the difference (hours,
+-- or negative). So "now" is read in the system time zone too.
+SELECT COALESCE(MAX(TIMESTAMPDIFF(MICROSECOND, t.trx_started,
+                                  CONVERT_TZ(NOW(6), @@session.time_zone, 'SYSTEM'))),
+                0) / 1000000 AS age
 FROM information_schema.INNODB_TRX AS t
 JOIN information_schema.PROCESSLIST AS p ON p.ID = t.trx_mysql_thread_id
 WHERE p.DB = DATABASE()

@@ -26,6 +26,32 @@ WHERE destination = :destination
   AND attempts + 1 >= :max_attempts
 RETURNING seq, id, topic, key, attempts, last_error
 
+-- name: release_behind_abandoned
+-- 1b. PROCESSING, lease expired, behind a row of its key that step 1 just abandoned
+-- (:after, its seq) -> FAILED, due now; the attempt that died counts, as recover's does.
+-- The dead relay held the key's rows in one batch; left in flight, such a row was never a
+-- head again (the abandoned row blocks it when abandoned rows block), so it stayed
+-- PROCESSING for good, and once an operator requeued the abandoned row (PENDING: no longer
+-- a blocker) step 2 recovered it, and it was published, before that row. FAILED, it is
+-- claimed in seq order behind the abandoned row, as a row the relay released when the
+-- abandoned row failed would be.
+-- Run only when abandoned rows block: otherwise such a row heads its key and is
+-- recovered alone (step 2). A row this attempt would use up is left to the next
+-- claim's abandon_expired (ABANDONED, not FAILED at max_attempts).
+UPDATE {outbox}
+SET attempts = attempts + 1,
+    last_error = 'relay ' || coalesce(locked_by, '?')
+                 || ' died or stalled while publishing this message (its lease expired)',
+    status = 'FAILED',
+    next_attempt_at = :now,
+    locked_by = NULL, locked_until = NULL, lease = NULL, updated_at = :now
+WHERE destination = :destination
+  AND key = :key
+  AND seq > :after
+  AND status = 'PROCESSING'
+  AND attempts + 1 < :max_attempts
+  AND locked_until < :now
+
 -- name: expired_head
 -- 2. The earliest row whose lease expired and that heads its key (no earlier row of its key
 -- in flight or failed, nor abandoned when abandoned rows block; no PENDING row of a key
