@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import signal
 import sys
 import uuid
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, NoReturn
 
 from outboxer import __version__, admin, consume_cli, payload_admin, stream_cli
@@ -398,6 +399,28 @@ def _databases(settings: Settings) -> dict[str, Settings]:
     return settings.database_settings()
 
 
+class PartlyDoneError(OutboxerError):
+    """A command over several databases failed on one after earlier ones were done (each
+    commits on its own): exit 1, naming the database, whatever the error's own kind."""
+
+
+@contextlib.contextmanager
+def _each_database(settings: Settings, name: str, done: list[str]) -> Iterator[None]:
+    """Runs one database's part of a command over several; a failure once earlier ones are
+    done says which failed and which are done, so a script does not read exit 2 ("nothing
+    done") or a bare error as the whole command's outcome."""
+    try:
+        yield
+    except Exception as exc:
+        if not done:
+            raise
+        raise PartlyDoneError(
+            f"database {name}: {redact_text(f'{type(exc).__name__}: {exc}')}; done before it:"
+            f" {', '.join(done)} (see above)"
+        ) from exc
+    done.append(name)
+
+
 def _heading(settings: Settings, name: str) -> str:
     """``database NAME: `` before a line about one of several databases; else nothing."""
     return f"database {name}: " if settings.several_databases else ""
@@ -586,26 +609,28 @@ def _message_id(text: str, name: str) -> str:
 async def _requeue(args: argparse.Namespace) -> int:
     where = _message_filter(args)
     settings = _settings(args)
-    code = EXIT_OK
+    code, done = EXIT_OK, list[str]()
     for name, own in _databases(settings).items():
-        async with _store(own) as store:
-            result = await admin.requeue(
-                store, where, destinations=own.destination_names, dry_run=args.dry_run
-            )
-        code = _report(result, _heading(settings, name))
+        with _each_database(settings, name, done):
+            async with _store(own) as store:
+                result = await admin.requeue(
+                    store, where, destinations=own.destination_names, dry_run=args.dry_run
+                )
+            code = _report(result, _heading(settings, name))
     return code
 
 
 async def _purge(args: argparse.Namespace) -> int:
     where = _message_filter(args)
     settings = _settings(args)
-    code = EXIT_OK
+    code, done = EXIT_OK, list[str]()
     for name, own in _databases(settings).items():
-        async with _store(own) as store:
-            result = await admin.purge(
-                store, where, everything=args.everything, dry_run=args.dry_run
-            )
-        code = _report(result, _heading(settings, name))
+        with _each_database(settings, name, done):
+            async with _store(own) as store:
+                result = await admin.purge(
+                    store, where, everything=args.everything, dry_run=args.dry_run
+                )
+            code = _report(result, _heading(settings, name))
     return code
 
 
@@ -622,20 +647,21 @@ async def _replay(args: argparse.Namespace) -> int:
             except AdminRequestError as exc:
                 raise AdminRequestError(f"{_heading(settings, name)}{exc}") from None
     copier = admin.copier_from_settings(settings)
-    code = EXIT_OK
+    code, done = EXIT_OK, list[str]()
     try:
         for name, own in databases.items():
-            async with _store(own) as store:
-                result = await admin.replay(
-                    store,
-                    where,
-                    to=args.to,
-                    everything=args.everything,
-                    copier=copier,
-                    known_destinations=own.destination_names,
-                    dry_run=args.dry_run,
-                )
-            code = _report(result, _heading(settings, name))
+            with _each_database(settings, name, done):
+                async with _store(own) as store:
+                    result = await admin.replay(
+                        store,
+                        where,
+                        to=args.to,
+                        everything=args.everything,
+                        copier=copier,
+                        known_destinations=own.destination_names,
+                        dry_run=args.dry_run,
+                    )
+                code = _report(result, _heading(settings, name))
     finally:
         copier.close()
     return code

@@ -42,3 +42,28 @@ def test_replay_to_a_destination_one_database_lacks_changes_no_database(
     with psycopg.connect(pg_url) as conn:
         statuses = [row[0] for row in conn.execute("SELECT status FROM outboxer.outbox")]
     assert statuses == ["PUBLISHED"], "billing was not changed either"
+
+
+def test_a_database_that_fails_after_another_was_changed_is_named(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """Each database commits on its own: when the second fails after the first changed, the
+    error names the one that failed and the ones done (exit 1, not a bare error)."""
+    with psycopg.connect(pg_url) as conn:
+        outboxer.enqueue(conn, "t", {"n": 1}, key="k")
+        conn.execute("UPDATE outboxer.outbox SET status = 'ABANDONED'")
+    config = tmp_path / "outboxer.toml"
+    config.write_text(
+        'broker = "memory://default"\n'
+        f'[databases.billing]\nurl = "{pg_url}"\n'
+        # Nothing listens on port 1: the second database is down.
+        '[databases.shop]\nurl = "postgresql://app:s3cret-pw-4471@127.0.0.1:1/shop"\n'
+    )
+
+    requeued = cli("requeue", "--config", str(config), "--status", "ABANDONED")
+
+    assert requeued.returncode == 1, requeued.stdout + requeued.stderr
+    assert "database billing: requeued 1" in requeued.stdout
+    assert "database shop: " in requeued.stderr
+    assert "done before it: billing" in requeued.stderr
+    assert "s3cret-pw-4471" not in requeued.stderr + requeued.stdout

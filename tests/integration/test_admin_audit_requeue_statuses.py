@@ -29,3 +29,37 @@ async def test_requeue_changes_only_abandoned_or_failed_rows_whatever_it_is_aske
         # The holder's settle still lands: its lease was left alone.
         settled = await store.settle("default", held.lease, [in_flight.stored_seq], [], [], 5)
         assert settled.published == 1
+
+
+async def test_requeue_takes_the_destination_locks_in_name_order(pg_url: str) -> None:
+    """Shared destination locks taken in the caller's order could deadlock two requeues that
+    name them in opposite orders (with claims queued for the exclusive locks between them).
+    In name order, a requeue waiting for destination "a" holds no lock of "b" yet."""
+    import asyncio
+
+    import psycopg
+
+    async with outboxer.create_store(pg_url) as store:
+        with psycopg.connect(pg_url, autocommit=True) as holder:
+            # A claim of "a" in progress: its exclusive destination lock.
+            holder.execute("SELECT pg_advisory_lock(%s)", (store.lock_key("a"),))
+            requeue = asyncio.create_task(store.requeue(["b", "a"], ["ABANDONED"], None))
+            try:
+
+                def waiting_backends() -> list[tuple[int, bool]]:
+                    return holder.execute(
+                        "SELECT objid::bigint, granted FROM pg_locks WHERE locktype = 'advisory'"
+                        " AND pid <> pg_backend_pid() AND database = (SELECT oid FROM"
+                        " pg_database WHERE datname = current_database())"
+                    ).fetchall()
+
+                for _ in range(200):
+                    if any(not granted for _, granted in waiting_backends()):
+                        break
+                    await asyncio.sleep(0.01)
+                locks = waiting_backends()
+                assert (store.lock_key("a"), False) in locks, locks
+                assert all(objid != store.lock_key("b") for objid, _ in locks), locks
+            finally:
+                holder.execute("SELECT pg_advisory_unlock_all()")
+            assert await asyncio.wait_for(requeue, 10) == 0

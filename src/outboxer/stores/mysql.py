@@ -618,7 +618,7 @@ class MySQLStore(Store):
         # IN needs a non-empty list even when :all_ids makes it irrelevant.
         wanted = [str(uuid.UUID(i)) for i in ids] if ids is not None else [""]
         async with self._transaction() as cursor:
-            for destination in destinations:
+            for destination in sorted(set(destinations)):  # in name order: see postgres.py
                 await self._lock_destination(cursor, destination, exclusive=False)
             return await self._execute(
                 cursor,

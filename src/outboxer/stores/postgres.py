@@ -675,7 +675,10 @@ class PostgresStore(Store):
         lock_sql, _ = self._sql["destination_lock"]
         async with self._pool.acquire() as conn, conn.transaction():
             await _durably(conn)
-            for destination in destinations:
+            # In name order, as purge and requeue_matching take them (admin.sql: purge): two
+            # requeues naming them in opposite orders, with claims queued for the exclusive
+            # locks between them, could otherwise deadlock.
+            for destination in sorted(set(destinations)):
                 await conn.execute(lock_sql, self.lock_key(destination))
             return _count(await conn.execute(sql, *args))
 
