@@ -57,6 +57,7 @@ from outboxer.redact import (
     LONGEST_PORT,
     MASK,
     is_secret_option,
+    printable,
     redact_malformed_url,
     redact_text,
     redact_url,
@@ -428,6 +429,32 @@ class TextList(Kind[tuple[str, ...]]):
 
     def allowed(self) -> str:
         return "one or more, comma-separated"
+
+
+#: A DNS name (or, with a leading dot, a domain and every name under it): what a Host
+#: field may name.
+_HOST_NAME = re.compile(
+    r"\.?[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?"
+)
+
+
+class HostNames(TextList):
+    """Host names, lower-cased; ``.example.com`` names the domain and each name under it."""
+
+    metavar: ClassVar[str] = "NAME"
+
+    def parse(self, value: object, name: str) -> tuple[str, ...]:
+        names = super().parse(value, name)
+        for host in names:
+            if len(host) > 254 or not _HOST_NAME.fullmatch(host):
+                raise ConfigError(
+                    f"{name}: {printable(host[:100])!r} is no host name (letters, digits, '-'"
+                    " and '.'; a leading '.' for a domain and the names under it)"
+                )
+        return tuple(host.lower().rstrip(".") for host in names)
+
+    def allowed(self) -> str:
+        return "host names, comma-separated"
 
 
 class MaskedPairs(dict[str, Any]):
@@ -1165,6 +1192,14 @@ class Settings:
         "listens",
         commands=(*HTTP, STREAM_RELAY),
         default_text="off",
+    )
+    http_allowed_hosts: tuple[str, ...] | None = setting(
+        kind=HostNames(),
+        help="names the HTTP API answers for (a request's Host) besides IP addresses and "
+        "loopback names, `.example.com` for a domain and its names: a DNS-rebinding page "
+        "sends its own name (unset: any name, on a loopback address loopback names only)",
+        commands=(*HTTP, STREAM_RELAY),
+        default_text="any (loopback: loopback names)",
     )
     http_token: str | None = setting(
         kind=Secret(16),

@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import hmac
 import http
+import ipaddress
 import json
 import math
 import re
@@ -45,7 +46,7 @@ from outboxer.errors import (
     StoreError,
 )
 from outboxer.message import Status
-from outboxer.redact import get_logger, redact_text
+from outboxer.redact import get_logger, printable, redact_text
 from outboxer.relay import Relay
 from outboxer.relay_group import RelayGroup
 from outboxer.stores import DestinationStatus, Store, create_store
@@ -271,17 +272,49 @@ def check_origin(request: Request, server_authority: str) -> None:
         )
 
 
-def check_host(request: Request, bind_host: str) -> None:
-    """On loopback, refuse a Host that is not a loopback name: a DNS rebinding page sends its own."""
+def check_host(
+    request: Request, bind_host: str, allowed_hosts: Sequence[str] | None = None
+) -> None:
+    """Refuse a Host the API does not answer for: a DNS-rebinding page sends its own name,
+    and the browser then lets the page read the answers (the GET endpoints need no token).
+
+    On a loopback address it answers for loopback names, the bound name and
+    ``allowed_hosts``; elsewhere for any name, or, with ``allowed_hosts``, for IP addresses
+    (a page cannot make a browser send one but its own origin's), loopback names, the bound
+    name and those. ``.example.com`` in ``allowed_hosts`` names the domain and its names.
+    """
     host = request.headers.get("host")
-    if host is None or not is_loopback(bind_host):
+    loopback = is_loopback(bind_host)
+    if host is None or (not loopback and allowed_hosts is None):
         return
     name = host_name(host)
-    if name is None or not (is_loopback(name) or name.lower() == bind_host.lower()):
-        raise MisdirectedRequest(
-            f"this API listens on a loopback address and answers requests for localhost, "
-            f"127.0.0.1 or [::1] only; got Host {host[:100]!r}"
-        )
+    if name is not None:
+        name = name.lower()
+        if (
+            is_loopback(name)
+            or name == bind_host.lower()
+            or (not loopback and _is_ip_address(name))
+            or any(
+                name == allowed or (allowed.startswith(".") and f".{name}".endswith(allowed))
+                for allowed in allowed_hosts or ()
+            )
+        ):
+            return
+    names = "localhost, 127.0.0.1 or [::1]" if loopback else "IP addresses, loopback names"
+    listed = f", {', '.join(allowed_hosts)}" if allowed_hosts else ""
+    where = "listens on a loopback address and " if loopback else ""
+    raise MisdirectedRequest(
+        f"this API {where}answers requests for {names}{listed} only"
+        f" (--http-allowed-hosts); got Host {printable(host[:100])!r}"
+    )
+
+
+def _is_ip_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 def host_name(host: str) -> str | None:
@@ -1079,9 +1112,16 @@ class AsgiApp:
     address the server listens on).
     """
 
-    def __init__(self, api: Api, host: str, read_timeout: float) -> None:
+    def __init__(
+        self,
+        api: Api,
+        host: str,
+        read_timeout: float,
+        allowed_hosts: Sequence[str] | None = None,
+    ) -> None:
         self.api = api
         self.host = host
+        self.allowed_hosts = allowed_hosts
         self.authority = host  # with the port, once the server listens (HttpServer.start)
         self.read_timeout = read_timeout
 
@@ -1126,7 +1166,7 @@ class AsgiApp:
                 if body is None:
                     return None
                 request = Request(request.method, request.path, request.query, headers, body)
-            check_host(request, self.host)
+            check_host(request, self.host, self.allowed_hosts)
             check_origin(request, self.authority)
         except HttpError as exc:
             logger.warning("refused %s %r: %s", request.method, request.path[:100], exc)
@@ -1221,6 +1261,7 @@ class HttpServer:
         *,
         read_timeout: float = READ_TIMEOUT,
         max_connections: int = MAX_CONNECTIONS,
+        allowed_hosts: Sequence[str] | None = None,
     ) -> None:
         if api.writes:
             check_exposure(host, api.token)
@@ -1229,7 +1270,7 @@ class HttpServer:
         self.port = port
         self.read_timeout = read_timeout
         self.max_connections = max_connections
-        self.app = AsgiApp(api, host, read_timeout)
+        self.app = AsgiApp(api, host, read_timeout, allowed_hosts)
         self._server: uvicorn.Server | None = None
         self._serving: asyncio.Task[None] | None = None
         self._sampling: asyncio.Task[None] | None = None
@@ -1344,7 +1385,7 @@ async def start_http_api(
     api = HttpApi(
         api_stores(settings), settings, relay, token=settings.http_token, collectors=collectors
     )
-    return await HttpServer(api, host, port).start()
+    return await HttpServer(api, host, port, allowed_hosts=settings.http_allowed_hosts).start()
 
 
 async def serve(settings: Settings) -> None:

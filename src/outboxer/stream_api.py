@@ -12,7 +12,7 @@ from __future__ import annotations
 import http
 import importlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from outboxer.config import parse_http_address
@@ -216,14 +216,22 @@ class StreamApi:
         """No store of its own to close."""
 
 
-async def start_stream_api(address: str, relay: StreamRelay, metrics: Metrics) -> HttpServer:
-    """Listen on ``address`` (``HOST:PORT``); ConfigError if it cannot."""
+async def start_stream_api(
+    address: str,
+    relay: StreamRelay,
+    metrics: Metrics,
+    allowed_hosts: Sequence[str] | None = None,
+) -> HttpServer:
+    """Listen on ``address`` (``HOST:PORT``), answering for ``allowed_hosts`` (see
+    ``check_host``); ConfigError if it cannot."""
     from outboxer.http import _HTTP_EXTRA, HttpServer, _require
 
     host, port = parse_http_address(address, "--http")
     for module in _HTTP_EXTRA:
         _require(module)
-    return await HttpServer(StreamApi(relay, metrics), host, port).start()
+    return await HttpServer(
+        StreamApi(relay, metrics), host, port, allowed_hosts=allowed_hosts
+    ).start()
 
 
 __all__ = ["STREAM_COUNTERS", "StreamApi", "StreamCollector", "start_stream_api", "stream_metrics"]

@@ -259,7 +259,9 @@ async def _relay(args: argparse.Namespace) -> int:
     await source.connect()
     try:
         if settings.http and relay.metrics is not None:
-            server = await start_stream_api(settings.http, relay, relay.metrics)
+            server = await start_stream_api(
+                settings.http, relay, relay.metrics, settings.http_allowed_hosts
+            )
         logger.info("%s: relaying (mode %s) to %s", source.name, mode, publisher.safe_url)
         await relay.run(stop)
     finally:

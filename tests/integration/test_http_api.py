@@ -774,3 +774,24 @@ async def test_closing_the_server_drops_open_connections_without_waiting(sqlite_
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_allowed_hosts_from_the_settings_reach_the_server(sqlite_url: str) -> None:
+    """`http_allowed_hosts` names what a proxy or an internal DNS name sends as Host; other
+    names stay misdirected (a DNS-rebinding page sends its own)."""
+    from outboxer.http import start_http_api
+
+    settings = load_settings(
+        {"db": sqlite_url, "http": "127.0.0.1:0", "http_allowed_hosts": "relay.internal"},
+        environ={},
+    )
+    async with abandoned(sqlite_url, 1):
+        server = await start_http_api(settings)
+        try:
+            async with httpx.AsyncClient(base_url=server.url, timeout=20) as client:
+                named = await client.get("/messages", headers={"Host": "relay.internal:9100"})
+                rebound = await client.get("/messages", headers={"Host": "evil.example:9100"})
+        finally:
+            await server.close()
+    assert named.status_code == 200 and len(named.json()["messages"]) == 1
+    assert_refused([rebound], 421, "MisdirectedRequest", "got Host 'evil.example:")

@@ -306,3 +306,43 @@ def test_requeue_without_token_only_on_loopback() -> None:
         ConfigError, match="set --http-token to expose requeue on a non-loopback address"
     ):
         check_exposure("0.0.0.0", None)
+
+
+def test_allowed_hosts_guard_a_non_loopback_address_against_dns_rebinding() -> None:
+    allowed = ("relay.internal", ".svc.cluster.local")
+    for host in (
+        "relay.internal:9100",
+        "RELAY.internal",
+        "outboxer.ns.svc.cluster.local:9100",
+        "svc.cluster.local",
+        "10.1.2.3:9100",  # an address: a page cannot make a browser send one but its own
+        "[fd00::5]:9100",
+        "localhost:9100",
+    ):
+        check_host(_request(host=host), "0.0.0.0", allowed)
+    for host in ("evil.example:9100", "relay.internal.evil.example", "xsvc.cluster.local"):
+        with pytest.raises(MisdirectedRequest, match="--http-allowed-hosts"):
+            check_host(_request(host=host), "0.0.0.0", allowed)
+    check_host(_request(), "0.0.0.0", allowed)  # no Host: HTTP/1.0 clients, not browsers
+
+
+def test_allowed_hosts_add_names_on_loopback_but_no_other_address() -> None:
+    check_host(_request(host="relay.internal:9100"), "127.0.0.1", ("relay.internal",))
+    for host in ("10.0.0.1:9100", "evil.example"):
+        with pytest.raises(MisdirectedRequest, match="answers requests for localhost"):
+            check_host(_request(host=host), "127.0.0.1", ("relay.internal",))
+
+
+@pytest.mark.parametrize(
+    "value", ["evil example", "a..b", "-x.example", "x_y.example", "é.example"]
+)
+def test_an_allowed_host_that_is_no_host_name_is_refused(value: str) -> None:
+    with pytest.raises(ConfigError, match="is no host name"):
+        load_settings({"http_allowed_hosts": value}, environ={})
+
+
+def test_allowed_hosts_are_read_lower_cased_from_the_environment() -> None:
+    settings = load_settings(
+        {}, environ={"OUTBOXER_HTTP_ALLOWED_HOSTS": "Relay.Internal.,.svc.local"}
+    )
+    assert settings.http_allowed_hosts == ("relay.internal", ".svc.local")
