@@ -593,9 +593,17 @@ class HttpApi:
     async def _connected_store(self, database: str | None = None) -> Store:
         # Connect lazily and again after a failure, so the API starts while the database is
         # down; the lock keeps two requests from opening two pools.
+        # Bounded as /health's ping is: a database that accepts and never answers held each
+        # request (and its connection) for the driver's own connect timeout, a minute.
         name = database or next(iter(self.stores))
         async with self._connect_locks[name]:
-            await self.stores[name].connect()
+            try:
+                async with asyncio.timeout(self.store_timeout):
+                    await self.stores[name].connect()
+            except TimeoutError:
+                raise StoreError(
+                    f"no connection to the database within {self.store_timeout:g}s"
+                ) from None
         return self.stores[name]
 
     async def _query_status(self, database: str) -> list[DestinationStatus]:

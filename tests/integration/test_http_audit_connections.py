@@ -70,3 +70,38 @@ async def test_as_many_connections_as_the_limit_are_answered(sqlite_url: str) ->
         for _, writer in idle:
             writer.close()
         await server.close()
+
+
+async def test_a_database_that_accepts_and_never_answers_costs_each_request_the_store_timeout(
+    pg_url: str,
+) -> None:
+    """A black-holed database (TCP accepted, nothing answered): /status, /messages and the
+    POSTs waited for the driver's own 60 s connect timeout, holding their connections; they
+    answer 503 after the store timeout, as /health does."""
+    import socket
+    import time
+
+    import httpx
+
+    from outboxer import load_settings
+    from outboxer.http import HttpApi, HttpServer
+    from outboxer.stores import create_store
+
+    hole = socket.create_server(("127.0.0.1", 0))
+    hole.listen(16)
+    try:
+        url = f"postgresql://app:x@127.0.0.1:{hole.getsockname()[1]}/test"
+        api = HttpApi(create_store(url), load_settings({"db": url}, environ={}), store_timeout=0.5)
+        server = await HttpServer(api, "127.0.0.1", 0).start()
+        try:
+            async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+                for path in ("/status", "/messages"):
+                    started = time.monotonic()
+                    answer = await client.get(path)
+                    took = time.monotonic() - started
+                    assert answer.status_code == 503, (path, answer.text)
+                    assert took < 5, f"{path} took {took:.1f}s"
+        finally:
+            await server.close()
+    finally:
+        hole.close()
