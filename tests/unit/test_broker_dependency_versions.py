@@ -51,3 +51,22 @@ def test_the_rabbitmq_wave_writes_are_verified_for_the_pinned_aiormq() -> None:
     }
     low, high = (Version(".".join(map(str, release))) for release in WAVE_AIORMQ_RANGE)
     assert bounds == {">=": low, "<": high}
+
+
+def test_the_rabbitmq_internals_read_for_alarms_and_hostile_frames_exist() -> None:
+    """The publisher waits on aiormq's own connection.unblocked event, the receiver takes
+    aiormq's consumer-cancel callbacks and lets pamqp's decoders fall back on bytes that are
+    not UTF-8 (brokers/rabbitmq.py, receivers/rabbitmq.py): present in every pinned release
+    (the lowest-driver run checks the lowest)."""
+    pytest.importorskip("aio_pika")
+    import asyncio
+    import inspect
+
+    import aiormq
+    import pamqp.decode
+
+    connection = aiormq.Connection("amqp://guest:guest@127.0.0.1:1/")
+    assert isinstance(getattr(connection, "_Connection__connection_unblocked", None), asyncio.Event)
+    assert "on_consumer_cancel_callbacks" in inspect.getsource(aiormq.Channel.__init__)
+    assert callable(pamqp.decode.METHODS["shortstr"]) and callable(pamqp.decode.METHODS["table"])
+    assert callable(pamqp.decode.TABLE_MAPPING[b"F"]) and callable(pamqp.decode.embedded_value)

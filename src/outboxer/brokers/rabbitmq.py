@@ -35,6 +35,14 @@ outage) see their messages fail without a refusal of their own, so they too
 publish them again alone, and none of those is ever called permanent for
 another's refusal.
 
+What RabbitMQ would take as a framing error is refused before it is written (a
+header name over a field table's 128 bytes, properties over one frame): it
+closes the whole connection for those. A connection RabbitMQ blocked
+(``connection.blocked``, a resource alarm) fails the wave's unconfirmed
+messages as not attempted (``NotSent``) at 80% of ``publish_timeout``, and
+later waves wait for ``connection.unblocked`` before writing anything: an alarm
+must not use up attempts.
+
 Closing channels. No frame may go out on a channel after aiormq answered
 RabbitMQ's ``channel.close`` with ``close-ok``: RabbitMQ takes any frame but
 ``channel.open`` on a closed channel number as a connection error (504
@@ -75,7 +83,7 @@ from aiormq.abc import ChannelFrame
 from pamqp import encode
 from pamqp.common import FieldTable
 
-from outboxer.brokers.base import Publisher, option_bool, parse_options
+from outboxer.brokers.base import NotSent, Publisher, option_bool, parse_options
 from outboxer.errors import BrokerUnavailableError, ConfigError, PublishError
 from outboxer.message import Message
 from outboxer.redact import get_logger
@@ -214,6 +222,8 @@ _FRAME_HEAD = struct.Struct(">BHI")  # frame type, channel, payload size
 _FRAME_END = b"\xce"
 _METHOD, _HEADER, _BODY = 1, 2, 3
 _CONTENT_HEADER = struct.Struct(">HHQ")  # class (Basic), weight (0), body size
+#: More than the content header and the properties but the headers can take (see _over_frame).
+_PROPERTIES_BOUND = 8192
 #: The channel internals a wave writes through (aiormq 7.2): where they are missing, each
 #: message goes out through ``basic_publish`` instead.
 _WAVE_ATTRIBUTES = (
@@ -259,6 +269,22 @@ def wave_writes_unsupported(channel: object, aiormq_version: str) -> str | None:
     if missing:
         return f"aiormq {aiormq_version}'s channel lacks {', '.join(missing)}"
     return None
+
+
+def _unblocked(connection: object) -> asyncio.Event | None:
+    """Set unless RabbitMQ told this aiormq connection it stopped reading from it
+    (``connection.blocked``: a memory or disk alarm) and has not unblocked it since.
+
+    aiormq keeps that state in a private event (its ``ready()`` waits on it); where it has
+    none (None), a blocked connection is not told apart from a slow one.
+    """
+    unblocked = getattr(connection, "_Connection__connection_unblocked", None)
+    return unblocked if isinstance(unblocked, asyncio.Event) else None
+
+
+def _blocked(channel: aiormq.abc.AbstractChannel) -> bool:
+    unblocked = _unblocked(channel.connection)
+    return unblocked is not None and not unblocked.is_set()
 
 
 def _takes_frames(channel: aiormq.abc.AbstractChannel) -> bool:
@@ -331,6 +357,24 @@ def _fail_pending(
     for confirmation in confirmations:
         if not confirmation.done():
             confirmation.set_exception(reason)
+
+
+def _over_frame(publish: _Publish, limit: int | None) -> bool:
+    """Whether the publish's content header frame would be over ``limit`` payload bytes
+    (a content header cannot be split over frames, unlike a body)."""
+    if limit is None:
+        return False
+    # Marshalled only when it may be over: a bound of its size from the headers' lengths
+    # (4 bytes a character at most; 6 of framing an entry) and the short strings' (at most
+    # 256 bytes each, a dozen of them) keeps this off the wave's path for every usual message.
+    headers = publish.properties.headers or {}
+    bound = _PROPERTIES_BOUND + sum(
+        6 + 4 * (len(name) + len(value if isinstance(value, str) else str(value)))
+        for name, value in headers.items()
+    )
+    if bound <= limit:
+        return False
+    return _CONTENT_HEADER.size + len(publish.properties.marshal()) > limit
 
 
 @dataclass(slots=True)
@@ -431,9 +475,12 @@ class RabbitMQPublisher(Publisher):
                     retryable=False,
                 )
         for text in message.headers:
-            if _over_short_string(text):
+            # pamqp would cut a longer name to 128 bytes (a field table's limit) and send the
+            # message with a header renamed, or two headers merged into one.
+            if len(text) > _TABLE_KEY_MAX // 4 and len(text.encode("utf-8")) > _TABLE_KEY_MAX:
                 raise PublishError(
-                    f"header name {text[:40]!r}… is longer than AMQP's {_SHORTSTR} bytes",
+                    f"header name {text[:40]!r}… is longer than an AMQP field table's "
+                    f"{_TABLE_KEY_MAX} bytes",
                     retryable=False,
                 )
         try:
@@ -544,9 +591,15 @@ class RabbitMQPublisher(Publisher):
     # ----- publishing -----------------------------------------------------------------------
 
     async def _send_all(
-        self, lane: _Lane, publishes: Sequence[_Publish]
+        self, lane: _Lane, publishes: Sequence[_Publish], deadline: float | None = None
     ) -> list[BaseException | None]:
         """Publish all of them on the channel at once; each one's outcome (None = acked).
+
+        If RabbitMQ blocked the connection (a resource alarm) and confirms are still
+        missing at ``deadline`` (a loop time), those come back as ``NotSent``: a broker
+        that stopped reading took no attempt of theirs, and an alarm that outlasts a few
+        waves must not use up their attempts. (Some may have been read before the block
+        and are confirmed later: published again, they are duplicates, as after a timeout.)
 
         A publish still pending when the channel closes comes back as ``ChannelClosed``:
         aiormq fails the ones awaiting a confirm, but not the ones queued behind a dead
@@ -566,9 +619,19 @@ class RabbitMQPublisher(Publisher):
             return [exc] * len(publishes)
         everything = asyncio.gather(*sends, return_exceptions=True)
         closing = underlay.closing
+        blocked: PublishError | None = None
         try:
-            await asyncio.wait((everything, closing), return_when=asyncio.FIRST_COMPLETED)
-            if not everything.done():
+            if deadline is not None:
+                await asyncio.wait(
+                    (everything, closing),
+                    timeout=max(0.0, deadline - asyncio.get_running_loop().time()),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if not everything.done() and not closing.done() and _blocked(underlay):
+                    blocked = self._blocked_error()
+            if blocked is None:
+                await asyncio.wait((everything, closing), return_when=asyncio.FIRST_COMPLETED)
+            if blocked is None and not everything.done():
                 # Those failing on their own do so at once; the rest never will.
                 await asyncio.wait((everything,), timeout=_CLOSED_GRACE)
         finally:
@@ -586,7 +649,32 @@ class RabbitMQPublisher(Publisher):
                     cast(Any, underlay).message_id_delivery_tag.pop(
                         publish.properties.message_id or "", None
                     )
+        if blocked is not None:
+            return [
+                None if send.done() and self._outcome(send) is None else NotSent(blocked)
+                for send in sends
+            ]
         return [self._outcome(send) for send in sends]
+
+    def _blocked_error(self) -> PublishError:
+        # Not a lost connection: RabbitMQ reads the connection again once the alarm is
+        # over, and a reconnect would wait on closing the blocked one.
+        return PublishError(
+            f"RabbitMQ at {self.safe_url} blocked the connection (connection.blocked: a "
+            "memory or disk alarm); not attempted, published once the alarm is over"
+        )
+
+    async def _wait_unblocked(self, deadline: float) -> bool:
+        """Whether the connection is not blocked, or unblocked before ``deadline``."""
+        transport = getattr(self._connection, "transport", None)
+        unblocked = _unblocked(getattr(transport, "connection", None))
+        if unblocked is None or unblocked.is_set():
+            return True
+        remaining = deadline - asyncio.get_running_loop().time()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(0.0, remaining)):
+                await unblocked.wait()
+        return unblocked.is_set()
 
     def _writes_whole_waves(self, underlay: aiormq.abc.AbstractChannel) -> bool:
         """Whether waves go out in one write on this aiormq; the first no is logged, once."""
@@ -757,28 +845,61 @@ class RabbitMQPublisher(Publisher):
                 prepared[index] = self._prepare(message)
             except PublishError as exc:
                 results[index] = exc
+            except UnicodeEncodeError as exc:
+                # A lone surrogate (a row's headers JSON may hold "\ud800"): raised out of
+                # the wave, it failed every message of it, attempt after attempt.
+                results[index] = PublishError(
+                    f"AMQP cannot carry the message, it is not valid Unicode: {exc}",
+                    retryable=False,
+                )
         if not prepared:
             return results
+        # Leave the base class's timeout for what is already settled, not for the whole wave.
+        deadline = asyncio.get_running_loop().time() + 0.8 * self.publish_timeout
+        if not await self._wait_unblocked(deadline):
+            # Nothing written (not even a channel.open for a new lane, which would wait for
+            # its answer): frames on a blocked connection wait unread in its buffers.
+            return self._fail(results, list(prepared), NotSent(self._blocked_error()))
         try:
             lane = await self._take_lane()
         except Exception as exc:  # noqa: BLE001 - reported on each message
             return self._fail(results, list(prepared), exc)
+        try:
+            underlay = await lane.channel.get_underlay_channel()
+        except Exception:  # noqa: BLE001 - closing: the wave finds out below and recovers
+            underlay = None
+        limit: int | None = getattr(underlay, "max_content_size", None)
+        for index in [i for i in prepared if _over_frame(prepared[i], limit)]:
+            # RabbitMQ takes a content header over its frame_max as a framing error and
+            # closes the connection (501 FRAME_ERROR), every lane's waves with it, on
+            # every attempt: the message is refused here, for good, instead.
+            del prepared[index]
+            results[index] = PublishError(
+                f"the message's properties and headers take more than the "
+                f"{limit} bytes of one AMQP frame (frame_max) on this connection",
+                retryable=False,
+            )
+        if not prepared:
+            self._return_lane(lane, reusable=True)
+            return results
         finished = False
         try:
-            results = await self._publish_on_lane(lane, prepared, results)
+            results = await self._publish_on_lane(lane, prepared, results, deadline)
             finished = True
             return results
         finally:
             self._return_lane(lane, reusable=finished)
 
     async def _publish_on_lane(
-        self, lane: _Lane, prepared: dict[int, _Publish], results: list[BaseException | None]
+        self,
+        lane: _Lane,
+        prepared: dict[int, _Publish],
+        results: list[BaseException | None],
+        deadline: float,
     ) -> list[BaseException | None]:
         """Publish ``prepared`` on the lane; after a channel (or connection) close, recover
         as the module docstring says, on a new channel in the same lane."""
         loop = asyncio.get_running_loop()
-        # Leave the base class's timeout for what is already settled, not for the whole wave.
-        deadline = loop.time() + 0.8 * self.publish_timeout
         todo = list(prepared)
         while todo:
             if loop.time() > deadline:
@@ -789,10 +910,13 @@ class RabbitMQPublisher(Publisher):
                         "RabbitMQ closed the channel; no time was left to publish the message again"
                     ),
                 )
-            raw = await self._send_all(lane, [prepared[i] for i in todo])
+            raw = await self._send_all(lane, [prepared[i] for i in todo], deadline)
             in_flight: list[int] = []  # written before the channel closed, in write order
             unsent: list[int] = []  # refused by the client once the channel was closed
             for index, outcome in zip(todo, raw, strict=True):
+                if isinstance(outcome, NotSent):  # blocked: see _send_all
+                    results[index] = outcome
+                    continue
                 # A connection closed under the wave (another lane's refusal, or an outage,
                 # which the reconnect below then reports) closed the channel as well.
                 if isinstance(

@@ -15,6 +15,9 @@ own options: ``queue``, ``queue_type`` (``classic`` or ``quorum``), and
 messages, so a key's messages are applied in order across several processes too; the
 others stand by).
 
+A consumer RabbitMQ cancels (its queue was deleted) counts as a lost connection: the
+reconnect declares the queue again. ``prefetch`` is at most 65535 (``basic.qos``).
+
 Decoding: ``message_id`` is the id, ``content_type`` the content type, the headers carry the
 rest of the envelope (``outboxer-topic``, ``outboxer-key``, ``outboxer-created-at``).
 """
@@ -22,10 +25,12 @@ rest of the envelope (``outboxer-topic``, ``outboxer-key``, ``outboxer-created-a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import struct
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiormq
+import pamqp.decode
 from aio_pika.abc import AbstractConnection, AbstractIncomingMessage
 
 from outboxer.brokers.base import option_bool
@@ -34,6 +39,71 @@ from outboxer.errors import ConfigError
 from outboxer.receivers.base import Incoming, Receiver, decode, take
 
 _QUEUE_TYPES = ("classic", "quorum")
+_PREFETCH_MAX = 65535
+
+
+_Decoder = Callable[[bytes], tuple[int, Any]]
+
+
+def _lenient_short_str(value: bytes) -> tuple[int, str]:
+    """pamqp's short string, with bytes that are not UTF-8 replaced instead of raised on."""
+    length = value[0]
+    return length + 1, value[1 : length + 1].decode("utf-8", "replace")
+
+
+def _lenient_field_table(value: bytes) -> tuple[int, dict[str, Any]]:
+    """pamqp's field table, with names that are not UTF-8 replaced instead of raised on
+    (values: pamqp's own, which already hands over a long string that is not UTF-8 as
+    bytes, and nested tables through the lenient decoder again)."""
+    try:
+        (length,) = struct.unpack_from(">I", value)
+        end = 4 + length
+        if end > len(value):
+            raise ValueError("Field table length exceeds available data")
+        offset, table = 4, {}
+        while offset < end:
+            key_length = value[offset]
+            offset += 1
+            if offset + key_length > end:
+                raise ValueError("Field table key length exceeds data")
+            key = value[offset : offset + key_length].decode("utf-8", "replace")
+            offset += key_length
+            consumed, table[key] = pamqp.decode.embedded_value(value[offset:])
+            offset += consumed
+    except (struct.error, IndexError, TypeError) as exc:  # as pamqp reports a bad table
+        raise ValueError("Could not unpack data") from exc
+    return end, table
+
+
+def _falling_back(strict: _Decoder, lenient: _Decoder) -> _Decoder:
+    def decode(value: bytes) -> tuple[int, Any]:
+        try:
+            return strict(value)
+        except UnicodeDecodeError:
+            return lenient(value)
+
+    decode.outboxer_lenient = True  # type: ignore[attr-defined]
+    return decode
+
+
+def _tolerate_bytes_not_utf8() -> None:
+    """Let pamqp decode frames whose short strings or table names are not UTF-8.
+
+    pamqp raises on them inside aiormq's connection reader, which then drops the
+    connection: the message goes back to the head of the queue and the same happens after
+    every reconnect, so one message from a foreign producer (a ``message_id``, content type
+    or header name that is not UTF-8) would stop the consumer for good. Decoded with
+    U+FFFD for what is not UTF-8, it arrives, and is dead-lettered (its id is no UUID) or
+    applied. Frames pamqp decodes today decode exactly as before: the lenient decoders
+    only run where pamqp raised. Process-wide, as pamqp's decoder tables are; idempotent.
+    """
+    methods: dict[str, Any] = pamqp.decode.METHODS
+    table: dict[bytes, Any] = pamqp.decode.TABLE_MAPPING
+    if getattr(methods.get("shortstr"), "outboxer_lenient", False):
+        return
+    methods["shortstr"] = _falling_back(methods["shortstr"], _lenient_short_str)
+    methods["table"] = _falling_back(methods["table"], _lenient_field_table)
+    table[b"F"] = _falling_back(table[b"F"], _lenient_field_table)
 
 
 def _text(value: Any) -> str:
@@ -51,6 +121,12 @@ class RabbitMQReceiver(Receiver):
 
     def __init__(self, url: str, **options: Any) -> None:
         super().__init__(url, **options)
+        if self.prefetch > _PREFETCH_MAX:
+            # basic.qos would fail on every connect, which reads as an unreachable broker.
+            raise ConfigError(
+                f"prefetch must be at most {_PREFETCH_MAX} for RabbitMQ (basic.qos "
+                f"prefetch-count is 16 bits), not {self.prefetch}"
+            )
         self.queue: str = str(self.settings.get("queue") or self.group)
         self.queue_type = str(self.settings.get("queue_type") or "classic").lower()
         if self.queue_type not in _QUEUE_TYPES:
@@ -78,6 +154,7 @@ class RabbitMQReceiver(Receiver):
         self._lost = asyncio.Event()
         self._arrived = asyncio.Queue()
         publisher = self._rabbit
+        _tolerate_bytes_not_utf8()
         connection = await connect_amqp(publisher._driver_url, publisher.connect_timeout)
         self._connection = connection
         connection.close_callbacks.add(self._on_close)
@@ -104,6 +181,13 @@ class RabbitMQReceiver(Receiver):
         if exchange:  # the default exchange routes by queue name: nothing to bind
             for pattern in self.topics:
                 await queue.bind(exchange, routing_key=pattern)
+        # RabbitMQ cancels the consumer, leaving channel and connection open, when the queue
+        # is deleted: nothing would ever arrive again. Taken as a lost connection: the reconnect declares the
+        # queue anew and consumes it. (aiormq releases without these callbacks only log it.)
+        underlay = await channel.get_underlay_channel()
+        cancelled: Any = getattr(underlay, "on_consumer_cancel_callbacks", None)
+        if cancelled is not None:
+            cancelled.add(self._on_close)
         await queue.consume(self._arrived.put, no_ack=False)
 
     def _on_close(self, *_: object) -> None:
