@@ -84,6 +84,9 @@ SessionFactory = Callable[[ThreadPoolExecutor], Session]
 
 #: Seconds a fetch waits for the broker before looking at the stop flag again.
 FETCH_WAIT = 0.5
+#: Seconds a broker connection must have lasted for its loss to count as the first in a row
+#: (reconnected at once); losses sooner after the connect back off (``_fetch``).
+STABLE_CONNECTION = 10.0
 
 
 @dataclass
@@ -427,6 +430,10 @@ class Consumer:
 
     async def _fetch(self) -> None:
         failures = 0
+        #: Connections lost in a row, each within STABLE_CONNECTION of being made: a broker
+        #: that drops every connection at once (a frame the client cannot read, a proxy
+        #: that cuts) must not be reconnected to in a hot loop.
+        losses, connected_at = 0, 0.0
         while not self.stopping:
             if not self.receiver.connected:
                 try:
@@ -434,7 +441,7 @@ class Consumer:
                     logger.info(
                         "consumer %s: receiving from %s", self.group, self.receiver.safe_url
                     )
-                    failures = 0
+                    failures, connected_at = 0, time.monotonic()
                 except ConfigError as exc:
                     self._fatal = exc
                     self.stop()
@@ -455,7 +462,14 @@ class Consumer:
                 received = await self.receiver.receive(room, FETCH_WAIT)
             except BrokerUnavailableError as exc:
                 self.stats.broker_errors += 1
-                logger.warning("%s; reconnecting", exc)
+                stable = time.monotonic() - connected_at >= STABLE_CONNECTION
+                losses = 1 if stable else losses + 1
+                if losses == 1:  # the first loss in a while: reconnect at once
+                    logger.warning("%s; reconnecting", exc)
+                    continue
+                delay = OUTAGE_BACKOFF.delay(losses - 1)
+                logger.warning("%s (again, %d in a row); reconnecting in %.1fs", exc, losses, delay)
+                await self._sleep(delay)
                 continue
             if not received:
                 if self.exit_when_idle and self._held == 0 and self.receiver.idle():
