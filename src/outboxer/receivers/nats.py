@@ -19,6 +19,11 @@ their ``ack_wait`` ran out, not the stream's, so the receiver gathers them all (
 pull brings a message delivered for the first time, or nothing) and passes them on
 sorted by stream sequence.
 
+A durable deleted on the server (by an operator, or with its stream) is noticed after a
+few seconds of empty pulls (JetStream does not answer pulls to a consumer that does not
+exist): the receive fails as a lost connection, and the reconnect creates it again, from
+the stream's start (the inbox skips what was applied).
+
 The URL is the relay's: servers, TLS and credentials are read by :class:`NatsPublisher`
 (with ``create_stream``, the stream is created as the relay would create it).
 """
@@ -28,6 +33,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
+import json
 import re
 from collections import deque
 from collections.abc import Sequence
@@ -38,8 +45,9 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import DEFAULT_PREFIX, AckPolicy, ConsumerConfig, DeliverPolicy, StatusCode
 
 from outboxer.brokers.nats import MSG_ID_HEADER, NatsPublisher
 from outboxer.config import float_option
@@ -54,6 +62,29 @@ _LONGEST_PULL = 1.0
 #: Messages per pull, and its expiry, while gathering a crashed holder's redeliveries.
 _RECOVERY_BATCH = 500
 _RECOVERY_PULL = 0.2
+#: Seconds of pulls that brought nothing between checks that the consumer still exists.
+_CHECK_EVERY = 5.0
+#: Seconds a pull waits for JetStream's answer past its ``expires``.
+_PULL_MARGIN = 1.0
+
+
+class _Puller:
+    """Pull requests to one durable consumer, and the inbox their messages come to.
+
+    Not nats-py's ``fetch``: it reads a status from a message's headers wherever it comes
+    from, so a message a foreign publisher stored with a header line such as
+    ``NATS/1.0 503`` failed every pull (read as a lost connection: redelivered after the
+    reconnect, it failed it again, for ever) and one with ``NATS/1.0 100`` was dropped
+    unseen (redelivered every ``ack_wait`` without end). A stored message comes with its
+    ``$JS.ACK`` reply subject; JetStream's own status messages have none."""
+
+    def __init__(self, stream: str, durable: str, inbox: str, subscription: Subscription) -> None:
+        self.stream = stream
+        self.durable = durable
+        self.next_subject = f"{DEFAULT_PREFIX}.CONSUMER.MSG.NEXT.{stream}.{durable}"
+        self.inbox = inbox
+        self.subscription = subscription
+        self._requests = itertools.count()
 
 
 def durable_name(group: str, topic: str, several: bool) -> str:
@@ -87,7 +118,9 @@ class NatsReceiver(Receiver):
             for topic in self.topics
         }
         self._nc: Client | None = None
-        self._subscriptions: list[JetStreamContext.PullSubscription] = []
+        self._js: JetStreamContext | None = None
+        self._subscriptions: list[_Puller] = []
+        self._next_check = 0.0
         self._turn = 0
         self._lost = asyncio.Event()
         self._pull_after = 0.0
@@ -114,7 +147,7 @@ class NatsReceiver(Receiver):
 
         nc = await self._nats.open_client(lost, on_error)
         self._nc = nc
-        js = nc.jetstream(timeout=self.connect_timeout)
+        js = self._js = nc.jetstream(timeout=self.connect_timeout)
         if self._nats.create_stream:
             await self._nats.ensure_stream(js)
         busy = 0
@@ -139,19 +172,23 @@ class NatsReceiver(Receiver):
             # Messages delivered and not acked, and pull requests still open (a killed
             # process's last pull may yet be handed messages nobody will ack).
             busy += (info.num_ack_pending or 0) + (info.num_waiting or 0)
-            self._subscriptions.append(await js.pull_subscribe_bind(durable, stream))
+            inbox = nc.new_inbox()
+            subscription = await nc.subscribe(f"{inbox}.*")
+            self._subscriptions.append(_Puller(stream, durable, inbox, subscription))
         # Redeliveries of a crashed holder come before newer messages only once ack_wait is
         # over: pulling earlier would apply a key's newer messages first.
         loop = asyncio.get_running_loop()
         self._pull_after = loop.time() + self.ack_wait + _LONGEST_PULL if busy else 0.0
         self._recovering = bool(busy)
         self._sorted = deque()
+        self._next_check = 0.0
 
     def idle(self) -> bool:
         return self._pulled_nothing
 
     async def _close(self) -> None:
         nc, self._nc = self._nc, None
+        self._js = None
         self._subscriptions = []
         if nc is not None and not nc.is_closed:
             # Closing flushes acks written and not yet sent; a broken connection has none.
@@ -173,18 +210,77 @@ class NatsReceiver(Receiver):
             return [self._sorted.popleft() for _ in range(min(limit, len(self._sorted)))]
         messages = await self._pull(limit, timeout)
         if not messages:
+            if loop.time() >= self._next_check:
+                await self._check_consumers()
+                self._next_check = loop.time() + _CHECK_EVERY
             self._pulled_nothing = True  # a real pull found nothing (not the startup wait)
         return [self._incoming(message) for message in messages]
 
+    async def _check_consumers(self) -> None:
+        """ConnectionError if a consumer is gone (deleted by an operator, or with its
+        stream): JetStream leaves pulls to it unanswered, so they would just bring nothing,
+        for ever. The reconnect creates it again."""
+        assert self._js is not None
+        for puller in self._subscriptions:
+            try:
+                await self._js.consumer_info(puller.stream, puller.durable)
+            except nats.js.errors.NotFoundError as exc:
+                raise ConnectionError(
+                    f"JetStream consumer {puller.durable!r} on stream {puller.stream!r} is "
+                    f"gone ({exc.description})"
+                ) from None
+
     async def _pull(self, limit: int, timeout: float) -> list[Msg]:
-        subscription = self._subscriptions[self._turn % len(self._subscriptions)]
+        puller = self._subscriptions[self._turn % len(self._subscriptions)]
         self._turn += 1
-        try:
-            messages: list[Msg] = await subscription.fetch(
-                limit, min(timeout / len(self._subscriptions), _LONGEST_PULL)
+        wait = min(timeout / len(self._subscriptions), _LONGEST_PULL)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        # As nats-py's fetch: what is there at once (a server before 2.10 lingers on such
+        # a request until it expires), else wait for the first to come.
+        messages = await self._request(puller, limit, wait, no_wait=True)
+        left = wait - (loop.time() - started)
+        if not messages and left > 0.01:
+            messages = await self._request(puller, limit, left, no_wait=False)
+        return messages
+
+    async def _request(
+        self, puller: _Puller, limit: int, wait: float, *, no_wait: bool
+    ) -> list[Msg]:
+        assert self._nc is not None
+        request: dict[str, Any] = {"batch": limit, "expires": int(wait * 1e9)}
+        if no_wait:
+            request["no_wait"] = True
+        # A reply subject per request: a late status of an earlier one ends nothing here.
+        reply = f"{puller.inbox}.{next(puller._requests)}"
+        await self._nc.publish(puller.next_subject, json.dumps(request).encode(), reply=reply)
+        messages: list[Msg] = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait + _PULL_MARGIN
+        while len(messages) < limit:
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            try:
+                message = await puller.subscription.next_msg(timeout=left)
+            except (TimeoutError, nats.errors.TimeoutError):
+                break
+            if message.reply:  # stored: whatever its headers say, it is a message to apply
+                messages.append(message)
+                continue
+            if message.subject != reply:
+                continue  # the end of an earlier request
+            status = (message.headers or {}).get("Status", "")
+            if status == StatusCode.CONTROL_MESSAGE:
+                continue
+            if status in (StatusCode.NO_MESSAGES, StatusCode.REQUEST_TIMEOUT):
+                break  # this request is over
+            description = (message.headers or {}).get("Description", "")
+            if status == StatusCode.CONFLICT and "deleted" not in description.lower():
+                break  # e.g. too many pulls waiting: this one is over, the next may do
+            raise ConnectionError(
+                f"JetStream answered a pull with {status!r} {description[:200]!r}"
             )
-        except (TimeoutError, nats.errors.TimeoutError):
-            return []
         return messages
 
     async def _recover(self) -> None:

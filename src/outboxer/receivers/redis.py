@@ -13,6 +13,12 @@ Entries of a consumer that never comes back are taken over by the others with
 entries it holds from looking idle (``XCLAIM … JUSTID`` every third of that time), however
 long a handler or its retries take.
 
+A reply that does not come within ``socket_timeout`` (redis-py's option in the URL; 10 s
+unless it says otherwise) is a lost connection: a stalled network fails the XACK (the
+entry comes again and the inbox skips it) instead of hanging the consumer. A wait for new
+entries (``XREADGROUP … BLOCK``) is kept to half of it, so an idle stream is never taken
+for a lost connection.
+
 Options (query string or keyword): ``claim_idle``; the publisher's ``stream_prefix`` and
 everything redis-py takes are read by :class:`RedisPublisher`.
 """
@@ -36,6 +42,9 @@ from outboxer.receivers.base import Incoming, Receiver, decode, unreadable
 
 #: Entries taken over per XAUTOCLAIM call.
 _CLAIM_COUNT = 100
+#: Seconds to wait for a reply (``socket_timeout``) unless the URL says otherwise: a
+#: connection that went silent (a stalled network) fails instead of hanging the consumer.
+_READ_TIMEOUT = 10.0
 
 
 def _text(value: bytes | None) -> str | None:
@@ -70,6 +79,8 @@ class RedisReceiver(Receiver):
         #: and the last one read of each.
         self._backlog: dict[str, str | bytes] = {}
         self._next_claim = 0.0
+        #: Seconds a blocking read may wait at most (None: no limit).
+        self._longest_block: float | None = None
 
     @property
     def _redis(self) -> RedisPublisher:
@@ -81,8 +92,14 @@ class RedisReceiver(Receiver):
 
     async def _connect(self) -> None:
         await self._close()
-        client = aioredis.Redis.from_url(self._redis._driver_url, socket_connect_timeout=10)
+        client = aioredis.Redis.from_url(
+            self._redis._driver_url, socket_connect_timeout=10, socket_timeout=_READ_TIMEOUT
+        )
         self._client = client
+        # The URL's socket_timeout wins; a blocking XREADGROUP must end well before it, or
+        # every wait for new entries reads as a lost connection.
+        read_timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
+        self._longest_block = read_timeout / 2 if read_timeout else None
         await client.ping()
         for stream in self.streams:
             try:
@@ -126,6 +143,8 @@ class RedisReceiver(Receiver):
             if claimed:
                 return claimed
         ids = dict.fromkeys(self.streams, ">")
+        if self._longest_block is not None:
+            timeout = min(timeout, self._longest_block)
         replies = await client.xreadgroup(
             self.group, self.consumer, ids, count=limit, block=max(1, int(timeout * 1000))
         )
