@@ -24,7 +24,7 @@ from urllib.parse import unquote
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from outboxer.brokers.base import Publisher, parse_options
+from outboxer.brokers.base import NotSent, Publisher, parse_options
 from outboxer.config import float_option
 from outboxer.errors import ConfigError, PublishError
 from outboxer.message import Message
@@ -53,6 +53,23 @@ PERMANENT_ERRORS = frozenset(
         "UNSUPPORTED_FOR_MESSAGE_FORMAT",
         "_INVALID_ARG",
         "_BAD_MSG",
+    )
+    if hasattr(KafkaError, name)
+)
+
+#: Permanent error codes a broker answers for a whole record batch when one record of it is
+#: at fault (above the topic's max.message.bytes, keyless on a compacted topic…): librdkafka
+#: reports the error for every message the batch held, so only a message refused when sent
+#: alone is refused for good.
+BATCH_REFUSALS = frozenset(
+    getattr(KafkaError, name)
+    for name in (
+        "MSG_SIZE_TOO_LARGE",
+        "INVALID_MSG",
+        "INVALID_MSG_SIZE",
+        "INVALID_RECORD",
+        "INVALID_TIMESTAMP",
+        "RECORD_LIST_TOO_LARGE",
     )
     if hasattr(KafkaError, name)
 )
@@ -90,9 +107,11 @@ class KafkaPublishError(PublishError):
 
     def __init__(self, error: KafkaError) -> None:
         code = error.code()
+        self.error = error
         self.code = code
         self.name = error.name()
-        self.fatal = error.fatal()
+        # produce() on a producer that hit a fatal error raises _FATAL, not flagged fatal.
+        self.fatal = error.fatal() or code == KafkaError._FATAL
         #: No broker reachable, or the producer is unusable: reconnect before going on.
         self.connection = self.fatal or code in CONNECTION_ERRORS
         retryable = self.fatal or code not in PERMANENT_ERRORS
@@ -164,6 +183,13 @@ class KafkaPublisher(Publisher):
                     "in-sync replica has it, in order"
                 )
             settings[name] = allowed[0]
+        if str(settings.get("transactional.id") or ""):
+            # A transactional producer refuses every produce() outside a transaction
+            # (_STATE): each message would fail, retryably, until its attempts ran out.
+            raise ConfigError(
+                "kafka option transactional.id is not supported: the relay publishes with "
+                "the idempotent producer, outside Kafka transactions"
+            )
         settings["logger"] = logger
         _check_config(settings)
         #: The librdkafka configuration, as passed to ``confluent_kafka.Producer``.
@@ -187,7 +213,10 @@ class KafkaPublisher(Publisher):
         self._producer = producer
         self._stop = threading.Event()
         self._poller = threading.Thread(
-            target=_poll_until, args=(producer, self._stop), name="outboxer-kafka-poll", daemon=True
+            target=_poll_until,
+            args=(producer, self._stop, self._on_error),
+            name="outboxer-kafka-poll",
+            daemon=True,
         )
         self._poller.start()
         await self._check_cluster(producer)
@@ -223,19 +252,59 @@ class KafkaPublisher(Publisher):
         producer = self._producer
         if producer is None:
             raise ConnectionError("kafka publisher is not connected")
-        if self._fatal is not None:
-            raise KafkaPublishError(self._fatal)
+        if self._fatal is not None:  # nothing reaches the broker: no attempt is counted
+            return [NotSent(KafkaPublishError(self._fatal))] * len(messages)
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[None]] = []
-        for message in messages:
+        refused: set[int] = set()
+        for index, message in enumerate(messages):
             future: asyncio.Future[None] = loop.create_future()
             futures.append(future)
             try:
                 await self._produce(producer, message, functools.partial(_deliver, loop, future))
             except (KafkaException, TypeError, ValueError) as exc:  # refused: not in flight
-                future.set_exception(kafka_error(exc))
-        results = await asyncio.gather(*futures, return_exceptions=True)
-        return [result if isinstance(result, BaseException) else None for result in results]
+                future.set_exception(self._refused(exc))
+                refused.add(index)
+        gathered = await asyncio.gather(*futures, return_exceptions=True)
+        results = [result if isinstance(result, BaseException) else None for result in gathered]
+        for result in results:
+            if isinstance(result, KafkaPublishError) and result.fatal and self._fatal is None:
+                self._fatal = result.error
+        for index, result in enumerate(results):
+            # The report may be the verdict on a batch this message only shared: sent again
+            # alone, its own report decides. No duplicate: a refused batch is not appended.
+            # One at a time, after the whole wave: the wave's messages are independent.
+            if (
+                index not in refused
+                and isinstance(result, KafkaPublishError)
+                and result.code in BATCH_REFUSALS
+            ):
+                results[index] = await self._publish_alone(producer, messages[index])
+        return results
+
+    async def _publish_alone(self, producer: Producer, message: Message) -> BaseException | None:
+        """Produce one message and wait for its report before anything else of this wave."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        try:
+            await self._produce(producer, message, functools.partial(_deliver, loop, future))
+            await future
+        except (KafkaException, TypeError, ValueError) as exc:
+            return self._refused(exc)
+        except PublishError as exc:
+            return exc
+        return None
+
+    def _refused(self, exc: BaseException) -> BaseException:
+        """The error of a message ``produce()`` refused (it is not in flight)."""
+        error = kafka_error(exc)
+        if isinstance(error, KafkaPublishError) and error.fatal:
+            # The producer is unusable: the message never left, and only a new producer
+            # (the next connect) can send it.
+            if self._fatal is None:
+                self._fatal = error.error
+            return NotSent(error)
+        return error
 
     async def _produce(
         self,
@@ -261,6 +330,8 @@ class KafkaPublisher(Publisher):
                 await asyncio.sleep(0.01)
 
     def is_connection_error(self, exc: BaseException) -> bool:
+        if self._fatal is not None:  # whatever failed: the relay must reconnect (a new producer)
+            return True
         if isinstance(exc, KafkaPublishError):
             return exc.connection
         return super().is_connection_error(exc)
@@ -286,10 +357,20 @@ def _resolve(future: asyncio.Future[None], error: KafkaError | None) -> None:
         future.set_exception(KafkaPublishError(error))
 
 
-def _poll_until(producer: Producer, stop: threading.Event) -> None:
+def _poll_until(
+    producer: Producer, stop: threading.Event, on_fatal: Callable[[KafkaError], None]
+) -> None:
     while not stop.is_set():
         try:
             producer.poll(0.1)
+        except KafkaException as exc:
+            # confluent-kafka 2.x raises a fatal error out of poll(), and error_cb never gets
+            # it: unrecorded, the relay would reconnect to this dead producer for ever.
+            error = exc.args[0] if exc.args else None
+            if isinstance(error, KafkaError) and error.fatal():
+                on_fatal(error)
+            else:
+                logger.exception("kafka poll failed")
         except Exception:  # a callback raised; keep serving the others
             logger.exception("kafka poll failed")
 

@@ -12,7 +12,8 @@ order across keys, so each partition keeps the offsets received and commits up t
 first one not done. Auto-commit is off. After a crash the group reads again from the last
 committed offset; what was applied since is recognised by the inbox. Before a rebalance
 takes a partition away, what is done of it is committed; acks of messages from a
-partition this process no longer owns are dropped (its new owner gets them again).
+partition this process no longer owns are dropped (its new owner gets them again). A
+commit the coordinator refuses is tried again while the partition is still this process's.
 
 librdkafka wants its consumer polled continuously (``max.poll.interval.ms``), also while
 the runner is busy, so a thread of the receiver's own polls it, pausing the partitions
@@ -30,6 +31,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import operator
+import re
 import threading
 import time
 from collections import deque
@@ -39,15 +42,26 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
+from outboxer.brokers.base import describe
 from outboxer.brokers.kafka import ENFORCED, KafkaPublisher
 from outboxer.errors import ConfigError
-from outboxer.receivers.base import Incoming, Receiver, decode, take
+from outboxer.receivers.base import Incoming, Receiver, decode, take, unreadable
 
 logger = logging.getLogger("outboxer.kafka")
 
 #: Producer settings the publisher adds that a consumer has no use for.
 _PRODUCER_ONLY = (*ENFORCED, "message.timeout.ms", "logger")
 _POLL = 0.1
+#: A name Kafka accepts for a topic (a subscription starting with ``^`` is a pattern).
+_TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
+#: Seconds before a commit the coordinator refused is tried again.
+_COMMIT_RETRY = 1.0
+#: ``message.headers()``, called through the C API. For a header name that is not UTF-8,
+#: confluent-kafka returns a list holding a NULL with an exception set: the C API turns that
+#: into a SystemError, but once CPython specialised a plain ``message.headers()`` call site
+#: (after a few calls) nothing checks, and reading the list crashes the process. Either way
+#: the record came first again after a restart: one foreign record stopped the group.
+_read_headers = operator.methodcaller("headers")
 #: Seconds without a message after which an assigned member counts as idle (a partition's
 #: first fetch after an assignment takes a round trip or two).
 _QUIET = 2.0
@@ -84,6 +98,14 @@ class KafkaReceiver(Receiver):
             raise ConfigError(
                 f"kafka option offset_reset must be earliest or latest, not {reset!r}"
             )
+        for topic in self.topics:
+            # Subscribed to, a name Kafka refuses is a topic that never comes: the member
+            # would wait for ever, logging at INFO only.
+            if not topic.startswith("^") and not _TOPIC_NAME.fullmatch(topic):
+                raise ConfigError(
+                    f"{topic!r:.300} is not a Kafka topic name: 1 to 249 of a-z A-Z 0-9 . _ - "
+                    "(or a ^regex)"
+                )
         settings = {k: v for k, v in self._kafka.config.items() if k not in _PRODUCER_ONLY}
         self.config: dict[str, Any] = {
             **settings,
@@ -98,6 +120,8 @@ class KafkaReceiver(Receiver):
         self._stop = threading.Event()
         #: Offsets to commit (next to read, per partition), taken by the polling thread.
         self._to_commit: dict[tuple[str, int], int] = {}
+        #: No commit before this (monotonic) time, after a failed one; but at revoke and close.
+        self._commit_after = 0.0
         self._arrived: asyncio.Queue[Incoming] = asyncio.Queue()
         self._lost = asyncio.Event()
         self._lock = threading.Lock()
@@ -126,7 +150,17 @@ class KafkaReceiver(Receiver):
         except KafkaException as exc:
             await asyncio.to_thread(consumer.close)
             raise ConnectionError(f"no Kafka broker answered: {exc}") from exc
-        consumer.subscribe(self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke)
+        try:
+            consumer.subscribe(self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke)
+        except KafkaException as exc:
+            await asyncio.to_thread(consumer.close)
+            error = exc.args[0] if exc.args else None
+            if isinstance(error, KafkaError) and error.code() == KafkaError._INVALID_ARG:
+                # A ^pattern librdkafka cannot compile: no reconnect will mend it.
+                raise ConfigError(
+                    f"kafka cannot subscribe to {self.topics!r:.300}: {exc}"
+                ) from None
+            raise
         self._consumer = consumer
         self._arrived = asyncio.Queue()
         self._waiting = 0
@@ -144,7 +178,8 @@ class KafkaReceiver(Receiver):
         paused = False
         try:
             while not self._stop.is_set():
-                self._commit(consumer)
+                if time.monotonic() >= self._commit_after:
+                    self._commit(consumer)
                 full = self._waiting >= self.prefetch
                 if full:  # also partitions a rebalance just gave us
                     consumer.pause(consumer.assignment())
@@ -172,11 +207,24 @@ class KafkaReceiver(Receiver):
             return
         offsets = [TopicPartition(topic, part, offset) for (topic, part), offset in due.items()]
         try:
-            consumer.commit(offsets=offsets, asynchronous=False)
+            answered = consumer.commit(offsets=offsets, asynchronous=False) or []
         except KafkaException as exc:
-            # A rebalance raced the commit: the new owner reads from the last committed
-            # offset, and the inbox recognises what this process applied since.
             logger.info("kafka commit of %s failed: %s", offsets, exc)
+            failed = set(due)
+        else:
+            failed = {(tp.topic, tp.partition) for tp in answered if tp.error is not None}
+            if failed:
+                logger.info("kafka commit of %s failed: %s", offsets, answered)
+        if not failed:
+            return
+        # Tried again (after a pause: the error may last) while the partition is still ours;
+        # dropped, a partition with no later ack would keep its applied messages uncommitted,
+        # read again after every restart. A partition since revoked is its new owner's.
+        self._commit_after = time.monotonic() + _COMMIT_RETRY
+        with self._lock:
+            for where in failed:
+                if where in self._partitions:
+                    self._to_commit.setdefault(where, due[where])  # a later ack's offset wins
 
     def _usable(self, message: Any) -> bool:
         error: KafkaError | None = message.error()
@@ -193,17 +241,7 @@ class KafkaReceiver(Receiver):
             self._arrived.put_nowait(incoming)
 
     def _incoming(self, message: Any) -> Incoming:
-        headers = {
-            name: (value or b"").decode("utf-8", "replace")
-            for name, value in message.headers() or []
-        }
-        key = message.key()
-        incoming = decode(
-            headers,
-            message.value() or b"",
-            key=key.decode("utf-8", "replace") if key is not None else None,
-            fallback_topic=message.topic(),
-        )
+        incoming = _read(message)
         where = (message.topic(), message.partition())
         with self._lock:
             partition = self._partitions.get(where)
@@ -265,6 +303,34 @@ class KafkaReceiver(Receiver):
                 moved = partition.complete(offset)
                 if moved is not None:
                     self._to_commit[where] = moved
+
+
+def _read(message: Any) -> Incoming:
+    """The Incoming of a record; unreadable (dead-lettered, then acked), never raised: a raise
+    would stop the polling thread, and after the reconnect the same record comes first
+    again, so one hostile record would stop the member for good."""
+    body = message.value() or b""
+    try:
+        raw_headers = _read_headers(message) or []
+    except Exception:  # noqa: BLE001 -- the record's fault
+        return unreadable(
+            "kafka record headers cannot be read (a header name is not UTF-8)",
+            body,
+            topic=message.topic(),
+        )
+    headers = {name: (value or b"").decode("utf-8", "replace") for name, value in raw_headers}
+    key = message.key()
+    try:
+        return decode(
+            headers,
+            body,
+            key=key.decode("utf-8", "replace") if key is not None else None,
+            fallback_topic=message.topic(),
+        )
+    except Exception as exc:  # noqa: BLE001 -- e.g. RecursionError: JSON nested too deep
+        return unreadable(
+            f"kafka record cannot be decoded: {describe(exc)}", body, topic=message.topic()
+        )
 
 
 __all__ = ["KafkaReceiver"]
