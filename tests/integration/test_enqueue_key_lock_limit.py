@@ -158,6 +158,7 @@ async def test_a_replay_of_more_keys_than_the_limit_locks_the_table_and_no_key(
     store = create_store(pg_url)
     await store.connect()
     copied: list[int] = []
+    writer_done = threading.Event()
 
     class Watching(ReplayCopier):
         """Records, while the replay's transaction is open, what a writer sees."""
@@ -165,7 +166,7 @@ async def test_a_replay_of_more_keys_than_the_limit_locks_the_table_and_no_key(
         def copy(self, original: outboxer.Message) -> outboxer.Message:
             if not copied:
                 copied.extend(_granted(pg_url))
-                copied.append(_waiting_writer(pg_url))
+                copied.append(_waiting_writer(pg_url, writer_done))
             return super().copy(original)
 
     try:
@@ -174,6 +175,8 @@ async def test_a_replay_of_more_keys_than_the_limit_locks_the_table_and_no_key(
         await store.close()
     assert result.count == 1_500
     assert copied == [0, 1, 1], "the replay held the table lock, no key lock; a writer waited"
+    # The writer commits once the replay did, in its own thread: its row is there after that.
+    assert writer_done.wait(20), "the writer never committed after the replay"
     with psycopg.connect(pg_url) as conn:
         rows = conn.execute(
             "SELECT convert_from(payload, 'UTF8'), headers ? 'replay-of' FROM outboxer.outbox "
@@ -200,10 +203,10 @@ def _granted(url: str) -> list[int]:
     return [int(row[0]), int(row[1])]
 
 
-def _waiting_writer(url: str) -> int:
+def _waiting_writer(url: str, done: threading.Event) -> int:
     """Start a writer of key-7 in a thread and return 1 once it waits for a lock (the
-    replay's), 0 if it went through; the thread commits once the replay does."""
-    done = threading.Event()
+    replay's), 0 if it went through; the thread commits once the replay does, then sets
+    ``done`` (the caller waits for it before reading the rows)."""
 
     def write() -> None:
         with psycopg.connect(url) as conn:
