@@ -300,3 +300,30 @@ def test_runner_with_a_short_socket_timeout_goes_idle_without_reconnecting(
     asyncio.run(asyncio.wait_for(consumer.run_async(), 15))
     assert sorted(m for (m,) in rows(pg_url, "SELECT message_id FROM applied")) == sorted(ids)
     assert (consumer.stats.broker_errors, consumer.receiver.stats.connects) == (0, 1)
+
+
+async def test_json_nested_too_deep_is_malformed_not_a_lost_connection(stream: str) -> None:
+    """json.loads raises RecursionError (no ValueError) on JSON nested too deep: out of the
+    receive, it read as a lost connection, and after the reconnect the same entry came first
+    again, for ever. Every receiver decodes through decode_payload."""
+    receiver = create_receiver(REDIS, group="g", topics=[stream], name="audit")
+    await receiver.connect()
+    client = aioredis.Redis.from_url(REDIS)
+    try:
+        deep = {
+            b"id": str(uuid.uuid4()).encode(),
+            b"content_type": b"application/json",
+            b"payload": b"[" * 100_000 + b"]" * 100_000,
+        }
+        await client.xadd(stream, deep)  # type: ignore[arg-type]
+        [after] = await publish(stream, range(1))
+        received = await collect(receiver, 2)
+        assert [i.malformed is not None for i in received] == [True, False]
+        assert "RecursionError" in str(received[0].malformed) or "nested too deep" in str(
+            received[0].malformed
+        )
+        assert received[1].delivery.id == after
+        await receiver.ack(received)
+    finally:
+        await client.aclose()
+        await receiver.close()

@@ -363,3 +363,13 @@ def test_a_connection_lost_right_after_each_connect_is_retried_with_backoff(db: 
     # 0.2 s, 0.4 s, 0.8 s (±25 %) between the second and later attempts: a handful in 1.5 s.
     assert 2 <= DropsEachConnection.connects <= 8, DropsEachConnection.connects
     assert losses == DropsEachConnection.connects
+
+
+def test_json_nested_too_deep_is_a_malformed_message_not_a_recursion_error() -> None:
+    """json.loads raises RecursionError, no ValueError: out of a receiver's receive it read as
+    a lost connection, and the same message came first again after every reconnect."""
+    from outboxer.receivers.base import MalformedMessage, decode_payload
+
+    with pytest.raises(MalformedMessage, match="nested too deep"):
+        decode_payload(b"[" * 100_000 + b"]" * 100_000, "application/json")
+    assert decode_payload(b"[[1]]", "application/json") == [[1]]

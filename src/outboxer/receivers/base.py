@@ -102,6 +102,10 @@ def decode_payload(body: bytes, content_type: str) -> Any:
             raise MalformedMessage(
                 f"payload is not the JSON its content type says: {exc}"
             ) from None
+        except RecursionError:
+            # No ValueError: raised out of a receive it reads as a lost connection, and the
+            # same message comes first again after every reconnect.
+            raise MalformedMessage("payload is JSON nested too deep to decode") from None
     if kind.startswith("text/"):
         try:
             return body.decode("utf-8")
