@@ -224,4 +224,3 @@ def test_file_runner_dead_letters_the_unreadable_lines_and_applies_the_rest(
     assert len(errors) == 2 and all("cannot be read" in error for error in errors)
     assert (consumer.stats.malformed, consumer.stats.broker_errors) == (2, 0)
     assert (tmp_path / "events.jsonl.g.offset").read_text() == "4"
-
