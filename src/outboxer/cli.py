@@ -8,6 +8,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import select
 import signal
 import sys
 import uuid
@@ -34,6 +36,8 @@ from outboxer.stores import create_store
 logger = get_logger("outboxer.cli")
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+#: A shell's status for a process that wrote to a pipe nobody reads (128 + SIGPIPE).
+EXIT_BROKEN_PIPE = 141
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 #: ``text`` for people, ``json`` (one object per line, outboxer.logjson) for log shippers.
 LOG_FORMATS = ("text", "json")
@@ -809,6 +813,24 @@ def _stop_before_started(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _stdout_gone() -> bool:
+    """Whether standard output's reader went away (a pipe into ``head``, a pager quit):
+    then stdout is pointed at /dev/null, or the interpreter's own flush at exit would
+    report the broken pipe again. A broken pipe to a broker or a database is no such
+    thing: stdout still flushes."""
+    try:
+        descriptor = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(descriptor, select.POLLOUT)
+        # A pipe's write end whose read end is closed polls as an error (so does a socket).
+        gone = any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):  # no descriptor (replaced, closed): not a reader gone
+        return False
+    if gone:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), descriptor)
+    return gone
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in DAEMONS:
@@ -837,6 +859,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _fail(f"outboxer {args.command}: interrupted; it may have done part of its work")
         return EXIT_INTERRUPTED
     except Exception as exc:  # a database that refuses, a disk that is full, or a bug
+        if isinstance(exc, BrokenPipeError) and _stdout_gone():
+            return EXIT_BROKEN_PIPE  # `outboxer status | head`: the reader had enough
         logger.debug("outboxer %s failed", args.command, exc_info=True)
         _fail(
             f"outboxer: {type(exc).__name__}: {exc} (run with --log-level DEBUG for the traceback)"

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from outboxer import logjson, payload_admin, tracing
 from outboxer.brokers import Publisher, create_publisher
-from outboxer.brokers.base import Outcome, OutcomeKind
+from outboxer.brokers.base import Outcome, OutcomeKind, describe
 from outboxer.config import DEFAULT_DATABASE, DestinationSettings, Settings
 from outboxer.errors import ConfigError, PublishError, SchemaError
 from outboxer.message import Message
@@ -821,6 +821,30 @@ class Relay:
                     return False
         return True
 
+    async def _connect_once(self, destination: str) -> bool:
+        """One connect of the destination's publisher, no back-off: False only if the broker
+        refuses the configuration (the relay stops, as ``_ensure_publisher`` would)."""
+        publisher = self.publishers[destination]
+        if publisher.connected:
+            return True
+        try:
+            await publisher.connect()
+        except PublishError as exc:
+            if not exc.retryable:
+                return await self._ensure_publisher(destination)  # records it, stops the relay
+            self.log.warning(
+                "destination %s: broker unreachable: %s; looking for due messages first",
+                destination,
+                exc,
+            )
+        except Exception as exc:  # noqa: BLE001 -- down: looked for due rows all the same
+            self.log.warning(
+                "destination %s: broker unreachable: %s; looking for due messages first",
+                destination,
+                describe(exc),
+            )
+        return True
+
     async def _loop(self, destination: str) -> None:
         try:
             await self._claim_publish_settle(destination)
@@ -836,8 +860,16 @@ class Relay:
     async def _claim_publish_settle(self, destination: str) -> None:
         settings = self.settings
         claims = self._database_outage(destination, "claim failed")
+        looked_without_broker = False
         while not self.stopping:
-            if not await self._ensure_publisher(destination):
+            if settings.exit_when_idle and not looked_without_broker:
+                # A run from cron must end when nothing is due, broker up or not: one connect
+                # without waiting, then one claim all the same. Nothing due: it returns below.
+                # Rows due go back untried (publish_batch: not connected), then this waits.
+                looked_without_broker = True
+                if not await self._connect_once(destination):
+                    return
+            elif not await self._ensure_publisher(destination):
                 return
             recover = await self._gate.enter_claim(self.database, self._stopping)
             if recover is None:

@@ -29,7 +29,7 @@ from outboxer.brokers.webhook import (
     parse_retry_after,
     parse_retry_statuses,
 )
-from outboxer.errors import ConfigError
+from outboxer.errors import BrokerUnavailableError, ConfigError
 from outboxer.message import Message
 from outboxer.testing import Consumer, PublisherContract, Received, make_message
 from outboxer.webhook_signature import WebhookSignatureError, verify_signature
@@ -625,3 +625,31 @@ async def test_close_without_connect_is_fine() -> None:
     with contextlib.suppress(Exception):
         await publisher.close()
     await publisher.close()
+
+
+async def test_an_endpoint_that_refuses_connections_costs_no_attempt_and_fails_the_reconnect() -> (
+    None
+):
+    """HTTP has no connection to lose: an endpoint that refused its requests was "reconnected"
+    to at once, the relay claimed again, and an outage used up every attempt (ABANDONED after
+    ~8.5 minutes with the defaults). Refused requests are not attempted, and the reconnect
+    probes the endpoint: it fails while the endpoint is down, so the relay backs off."""
+    server = await HookServer().start()
+    url = server.url + "/hooks"
+    await server.stop()
+    publisher = WebhookPublisher(url, timeout=2)
+    await publisher.connect()
+    try:
+        [refused] = await publisher.publish_batch([make_message("t", {"n": 1}, key="k")])
+        assert refused.kind is OutcomeKind.FAILED and not refused.attempted, refused
+        assert not publisher.connected, "the relay reconnects before its next claim"
+        with pytest.raises(BrokerUnavailableError, match="cannot reach"):
+            await publisher.connect()
+        await server.restart()
+        await publisher.connect()
+        [sent] = await publisher.publish_batch([make_message("t", {"n": 2}, key="k")])
+        assert sent.published, sent
+        assert [request.method for request in server.requests][-1] == "POST"
+    finally:
+        await publisher.close()
+        await server.stop()

@@ -30,7 +30,7 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import httpx
 
-from outboxer.brokers.base import Publisher, parse_options
+from outboxer.brokers.base import NotSent, Publisher, parse_options
 from outboxer.config import float_option, int_option
 from outboxer.errors import BrokerUnavailableError, ConfigError, PublishError
 from outboxer.message import Message
@@ -269,6 +269,8 @@ class WebhookPublisher(Publisher):
         self.verify = verify
         self._ssl: ssl.SSLContext | None = None
         self._lanes: _Lanes | None = None
+        #: A URL that refused a connection: the next connect probes it (see _connect).
+        self._unreachable: str | None = None
 
     def destination_for(self, message: Message) -> str:
         """The URL to post ``message`` to: the endpoint, or its topic's route.
@@ -305,6 +307,24 @@ class WebhookPublisher(Publisher):
             )
 
         self._lanes = _Lanes(self.max_connections, client)
+        unreachable = self._unreachable
+        if unreachable is not None:
+            # HTTP has no connection to open: without this, the relay's reconnect after an
+            # endpoint refused its requests succeeded at once, the relay claimed again, and
+            # an outage used up every message's attempts. A HEAD request (any answer will
+            # do: the receiver is there) tells the relay the endpoint is still down. On a
+            # client of its own, closed after: a receiver that answers HEAD with a body
+            # would leave bytes on a pooled connection for the next POST to misread.
+            async with client() as probe:
+                try:
+                    await probe.head(unreachable)
+                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                    raise BrokerUnavailableError(
+                        f"cannot reach {_safe(unreachable)}: {_describe(exc)}"
+                    ) from exc
+                except httpx.HTTPError:
+                    pass  # it answered, or at least accepted the connection
+            self._unreachable = None
 
     async def _close(self) -> None:
         lanes, self._lanes = self._lanes, None
@@ -353,8 +373,11 @@ class WebhookPublisher(Publisher):
                     # the body was not read to the end.
                     head, cut_short = await _read_head(response)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                raise BrokerUnavailableError(
-                    f"cannot reach {_safe(url)}: {_describe(exc)}"
+                # No connection, so no request: the receiver never saw the message (no
+                # attempt), and the relay reconnects, which probes the endpoint (_connect).
+                self._unreachable = url
+                raise NotSent(
+                    BrokerUnavailableError(f"cannot reach {_safe(url)}: {_describe(exc)}")
                 ) from exc
             except (
                 httpx.LocalProtocolError,
