@@ -226,7 +226,9 @@ class PrivateRabbitMQ:
         assert scripts is not None
         self.server_script, self.ctl_script = scripts
         self.base = _private_directory("rabbitmq")
-        self.node = f"outboxer-chaos-{os.getpid()}@localhost"
+        # Unique per node, not only per process: two fixture scopes of one session each
+        # start one, and a second node of the same name never comes up.
+        self.node = f"outboxer-chaos-{os.getpid()}-{secrets.token_hex(3)}@localhost"
         self.port = free_port()
         self.dist_port = free_port()
         self.password = "mq-" + secrets.token_hex(12)

@@ -21,10 +21,7 @@ import pytest
 from outboxer.brokers.base import OutcomeKind
 from outboxer.brokers.rabbitmq import RabbitMQPublisher
 from outboxer.testing import make_message
-from tests.chaos import servers
 from tests.chaos.servers import PrivateRabbitMQ
-
-private_rabbitmq = servers.private_rabbitmq
 
 
 def ctl(server: PrivateRabbitMQ, *args: str) -> str:
