@@ -292,6 +292,7 @@ class Outbox:
             raise TypeError(f"{driver.name} is an async connection: use `await enqueue_async(...)`")
         if not messages:
             return
+        _refuse_repeated_ids(messages)
         if self.claim_check is not None:  # the objects are durable before the row exists
             messages = [self.claim_check.offload(m) for m in messages]
         try:
@@ -346,6 +347,7 @@ class Outbox:
             raise TypeError(f"{driver.name} is a sync connection: use `enqueue(...)`")
         if not messages:
             return
+        _refuse_repeated_ids(messages)
         if self.claim_check is not None:
             offload = self.claim_check.offload_async
             messages = list(await asyncio.gather(*(offload(m) for m in messages)))
@@ -369,6 +371,9 @@ def _destination_names(destinations: Iterable[object]) -> tuple[str, ...]:
         for name in given
         if isinstance(name, str) and name and len(name) <= MAX_DESTINATION_LENGTH
     )
+    if len(set(names)) != len(names):
+        # Two copies of one message for one destination: the unique index refuses the second.
+        raise ConfigError(f"destinations names a destination twice: {destinations!r:.100}")
     if not names or len(names) != len(given):
         raise ConfigError(
             "destinations must be a non-empty list of destination names "
@@ -381,6 +386,20 @@ def _destination_names(destinations: Iterable[object]) -> tuple[str, ...]:
         except PayloadError as exc:
             raise ConfigError(str(exc)) from None
     return names
+
+
+def _refuse_repeated_ids(messages: Sequence[Message]) -> None:
+    """DuplicateMessageError before any SQL for an id given twice for one destination in one
+    write: the unique index would refuse it too, but on PostgreSQL that error aborts the
+    caller's transaction (and claim-checked payloads would be put for nothing)."""
+    seen: set[tuple[object, str]] = set()
+    for m in messages:
+        if (m.id, m.destination) in seen:
+            raise DuplicateMessageError(
+                f"message id {m.id} is given twice for destination {m.destination!r:.80} "
+                "in one write: nothing was written"
+            )
+        seen.add((m.id, m.destination))
 
 
 def _raise_duplicate(exc: BaseException, messages: Sequence[Message]) -> None:
@@ -507,6 +526,13 @@ class _Driver:
     async def check_transaction_async(self, conn: Any) -> None:
         _refuse_autocommit(self.name, await self.driver_connection_async(conn))
 
+    def mysql_charset(self, conn: Any) -> str | None:
+        """The character set of the MySQL connection under ``conn`` (None: not known)."""
+        return _charset_of(self.driver_connection(conn))
+
+    async def mysql_charset_async(self, conn: Any) -> str | None:
+        return _charset_of(await self.driver_connection_async(conn))
+
     def write(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> None:
         dialect = self.dialect(conn)
         if dialect in ("mysql", "sqlite"):
@@ -514,6 +540,8 @@ class _Driver:
             # AUTOCOMMIT isolation included). PostgreSQL's insert is one statement, key
             # lock and rows together, so an autocommit enqueue there stays allowed.
             self.check_transaction(conn)
+        if dialect == "mysql":
+            _check_mysql_text(self.mysql_charset(conn), messages)
         for sql, rows in self.statements(outbox, dialect, messages):
             if len(rows) == 1:
                 self.execute(conn, sql, rows[0])
@@ -526,11 +554,44 @@ class _Driver:
         dialect = self.dialect(conn)
         if dialect in ("mysql", "sqlite"):
             await self.check_transaction_async(conn)
+        if dialect == "mysql":
+            _check_mysql_text(await self.mysql_charset_async(conn), messages)
         for sql, rows in self.statements(outbox, dialect, messages, key_locks=key_locks):
             if len(rows) == 1:
                 await self.execute_async(conn, sql, rows[0])
             else:
                 await self.execute_many_async(conn, sql, rows)
+
+
+#: MySQL's three-byte UTF-8: a connection in it cannot carry characters beyond U+FFFF.
+_MYSQL_UTF8MB3 = ("utf8", "utf8mb3")
+
+
+def _charset_of(raw: Any) -> str | None:
+    """A PyMySQL, aiomysql (``charset``) or mysqlclient connection's character set."""
+    name = getattr(raw, "charset", None)
+    if not isinstance(name, str):
+        get = getattr(raw, "character_set_name", None)
+        name = get() if callable(get) else None
+    return name.lower() if isinstance(name, str) else None
+
+
+def _check_mysql_text(charset: str | None, messages: Sequence[Message]) -> None:
+    """PayloadError, before any SQL, for a character beyond U+FFFF (an emoji, say) on a
+    connection in utf8mb3: the server turns it into '?' (sql_mode without strict: "k😀"
+    and "k😃" become one key "k?", and the row names another topic) or refuses the row
+    after the key lock was taken. The columns are utf8mb4; the connection decides."""
+    if charset not in _MYSQL_UTF8MB3:
+        return
+    for m in messages:
+        texts = [("the topic", m.topic), ("the key", m.key), ("a destination", m.destination)]
+        texts += [(f"the header {name!r:.80}", name + value) for name, value in m.headers.items()]
+        for what, text in texts:
+            if text is not None and any(ord(char) > 0xFFFF for char in text):
+                raise PayloadError(
+                    f"{what} holds a character beyond U+FFFF, which this MySQL connection "
+                    f"(character set {charset}) cannot carry: connect with charset='utf8mb4'"
+                )
 
 
 def _more_keys_than(messages: Sequence[Message], limit: int) -> bool:
@@ -645,6 +706,9 @@ class _Django(_Driver):
                 "enqueue inside transaction.atomic(), with the rows it announces; "
                 "outboxer never commits for you"
             )
+
+    def mysql_charset(self, conn: Any) -> str | None:
+        return _charset_of(conn.connection)  # connected: check_transaction ran first
 
     def write(self, outbox: Outbox, conn: Any, messages: Sequence[Message]) -> None:
         self.check_transaction(conn)  # on PostgreSQL too: outside atomic() is a mistake

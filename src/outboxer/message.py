@@ -24,6 +24,10 @@ HEADER_TOPIC = "outboxer-topic"
 HEADER_KEY = "outboxer-key"
 HEADER_CREATED_AT = "outboxer-created-at"
 HEADER_CONTENT_TYPE = "content-type"
+#: Every header outboxer itself writes (envelope, encryption, claim-check) starts so; a user
+#: header of that name would be read as outboxer's own. Refused in any case: HTTP and some
+#: brokers fold header names to lower case on the way.
+RESERVED_HEADER_PREFIX = "outboxer-"
 
 JSON = "application/json"
 TEXT = "text/plain; charset=utf-8"
@@ -208,6 +212,14 @@ def validate_envelope(
         if not isinstance(name, str) or not isinstance(value, str) or not name:
             raise PayloadError(
                 f"headers must map non-empty str to str; got {name!r:.80}: {value!r:.80}"
+            )
+        if name.lower().startswith(RESERVED_HEADER_PREFIX):
+            # Brokers with headers only carry the envelope beside the user's headers: a user
+            # "outboxer-key" on a keyless message would reach consumers as its key, and a
+            # forged encryption or claim-check header would make the relay misread the row.
+            raise PayloadError(
+                f"the header name {name!r:.80} is reserved: names starting with "
+                f"{RESERVED_HEADER_PREFIX!r} (in any case) carry outboxer's own envelope"
             )
         check_text(name, f"the header name {name!r:.80}")
         check_text(value, f"the value of header {name!r:.80}")
