@@ -373,12 +373,16 @@ async def _status(args: argparse.Namespace) -> int:
         print(f"no {'log readers' if report['mode'] == 'log' else 'WAL outbox slots'} found")
     for stream in report["streams"]:
         if report["mode"] == "log":
-            print(f"log reader {stream['destination']}:")
+            # Reader names are rows of the offsets table (any --destination): escaped.
+            print(f"log reader {printable(stream['destination'])}:")
             age = _format_age(stream["checkpoint_age_seconds"])
             print(f"  checkpoint          {stream['checkpoint']} (stored {age} ago)")
         else:
             relay = f"relay pid {stream['relay_pid']}" if stream["relay_pid"] else "no relay"
-            print(f"WAL slot {stream['slot']} (destination {stream['destination']}, {relay}):")
+            print(
+                f"WAL slot {printable(stream['slot'])} "
+                f"(destination {printable(stream['destination'])}, {relay}):"
+            )
             print(f"  checkpoint          {stream['checkpoint']}")
         behind = f"{stream['entries_behind']}{'+' if stream['entries_behind_capped'] else ''}"
         print(f"  entries behind      {behind}")

@@ -21,12 +21,16 @@ from outboxer.errors import ConfigError, StoreError
 from outboxer.message import Message
 from outboxer.redact import get_logger
 from outboxer.stores.base import UNREADABLE_ROW, parse_headers
-from outboxer.stores.pgmodes import ModeSchema, open_connection
+from outboxer.stores.pgmodes import ModeSchema, ReaderLock
 from outboxer.stores.pgstream import Backlog, DeadLetter, StreamBook, StreamFailure
 from outboxer.stores.sqlfiles import quote_ident, to_numbered
 from outboxer.streamrelay import Entry
 
 logger = get_logger("outboxer.pglog")
+
+#: Seconds drop_partitions waits for a partition's locks (behind its open writers, while
+#: new writers of the log wait behind it) before it keeps the partition for next time.
+DROP_LOCK_TIMEOUT = 5.0
 
 _PARTITION_DAY = re.compile(r"_p(\d{8})$")
 
@@ -91,6 +95,11 @@ class PgLog(ModeSchema):
                     f"FOR VALUES FROM ('{day.isoformat()} 00:00+00') TO ('{upper.isoformat()} 00:00+00')"
                 )
             except Exception as exc:  # asyncpg errors: the day's rows already sit in the default
+                if getattr(exc, "sqlstate", None) in ("42P07", "23505"):
+                    # Another reader's relay created it since the listing (duplicate_table;
+                    # unique_violation in the catalogs when both passed the name check):
+                    # it exists, which is all this wants. Raised, it stopped the relay.
+                    continue
                 if "default partition" not in str(exc):
                     raise
                 logger.warning("log partition %s not created: %s", name, exc)
@@ -111,27 +120,62 @@ class PgLog(ModeSchema):
         """Drop the partitions of days before ``before``: retention without DELETE.
 
         A partition still holding rows that some reader has not confirmed is kept (and
-        logged) unless ``force``: retention must not lose what a destination never got.
+        logged) unless ``force``: retention must not lose what a destination never got. One
+        whose locks are not granted within DROP_LOCK_TIMEOUT seconds (a long transaction
+        writing the log) is kept too, for the next call.
         """
-        slowest = await self.slowest_offset()
         dropped = []
         for name, day in await self.partitions():
-            if day >= before:
-                continue
-            table = f"{quote_ident(self.schema)}.{quote_ident(name)}"
-            if slowest is not None and not force:
-                unread = await self.conn.fetchval(
-                    f"SELECT EXISTS (SELECT 1 FROM {table} "
-                    "WHERE (order_xid, position) > (CAST($1 AS xid8), $2))",
-                    slowest.order_xid,
-                    slowest.position,
-                )
-                if unread:
-                    logger.warning("log partition %s kept: a reader has not read all of it", name)
-                    continue
-            await self.conn.execute(f"DROP TABLE {table}")
-            dropped.append(name)
+            if day < before and await self._drop_partition(name, force=force):
+                dropped.append(name)
         return dropped
+
+    async def _drop_partition(self, name: str, *, force: bool) -> bool:
+        table = f"{quote_ident(self.schema)}.{quote_ident(name)}"
+        try:
+            if not force and await self._unread(table):  # no lock taken to keep one
+                logger.warning("log partition %s kept: a reader has not read all of it", name)
+                return False
+            # Checked again under the locks DROP TABLE takes (the parent first, as DROP
+            # does), in the drop's transaction: they wait for the partition's open writers,
+            # and a row one of them commits meanwhile was invisible to the check above;
+            # dropped with the partition, no reader would ever have read it. Writers wait
+            # for the transaction, at most lock_timeout for the locks and then briefly.
+            async with self.conn.transaction():
+                await self.conn.execute(
+                    f"SET LOCAL lock_timeout = '{int(DROP_LOCK_TIMEOUT * 1000)}ms'; "
+                    f"LOCK TABLE ONLY {self.names['log']} IN ACCESS EXCLUSIVE MODE; "
+                    f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"
+                )
+                if not force and await self._unread(table):
+                    logger.warning("log partition %s kept: a reader has not read all of it", name)
+                    return False
+                await self.conn.execute(f"DROP TABLE {table}")
+        except Exception as exc:
+            state = getattr(exc, "sqlstate", None)
+            if state == "42P01":  # undefined_table
+                # Another reader's relay dropped it since the listing (both apply
+                # retention, at their start first). Raised, it stopped this relay.
+                return False
+            if state != "55P03":  # lock_not_available
+                raise
+            logger.warning("log partition %s kept: still being written (%s)", name, exc)
+            return False
+        return True
+
+    async def _unread(self, table: str) -> bool:
+        """Whether a partition holds a row that the slowest reader has not confirmed."""
+        slowest = await self.slowest_offset()
+        if slowest is None:
+            return False
+        return bool(
+            await self.conn.fetchval(
+                f"SELECT EXISTS (SELECT 1 FROM {table} "
+                "WHERE (order_xid, position) > (CAST($1 AS xid8), $2))",
+                slowest.order_xid,
+                slowest.position,
+            )
+        )
 
     # ----- offsets -------------------------------------------------------------------------
 
@@ -178,7 +222,19 @@ class PgLog(ModeSchema):
                     "ORDER BY order_xid DESC, position DESC LIMIT 1"
                 )
                 target = _offset(rows[0]) if rows else BEGINNING
-        await self._execute("set_offset", {"reader": reader, **target.params()})
+        # Under the reader lock: a running relay keeps its offset in memory and stores it
+        # forward only, so a seek beside it was silently undone (back) or not followed
+        # (ahead). The lock refuses it instead: stop the reader's relay first.
+        lock = ReaderLock(self.url, reader_lock_key(self, reader), f"log reader {reader!r}")
+        if not await lock.acquire():
+            raise StoreError(
+                f"log reader {reader!r} of {self.schema}.{self.table}_log is being read by a "
+                "running relay: stop it before moving its offset"
+            )
+        try:
+            await self._execute("set_offset", {"reader": reader, **target.params()})
+        finally:
+            await lock.release()
         return target
 
     def reader(
@@ -223,7 +279,7 @@ class LogReader:
         self._offset = BEGINNING
         self._read_sql = to_numbered(log.sql("read"))
         self._commit_sql = to_numbered(log.sql("commit_offset"))
-        self._lock_conn: Any = None
+        self._lock = ReaderLock(log.url, reader_lock_key(log, name), self.name)
         self.retention_days = retention_days
         self.maintenance_seconds = maintenance_seconds
         self._maintained_at = -math.inf
@@ -241,24 +297,18 @@ class LogReader:
     async def connect(self) -> None:
         await self.log.connect()
         await self.book.check(self.log.conn)
-        self._lock_conn = await open_connection(self.log.url)
-        held = await self._lock_conn.fetchval(
-            "SELECT pg_try_advisory_lock(hashtextextended($1, 0))",
-            f"outboxer-log-reader:{self.log.schema}.{self.log.table}:{self.reader}",
-        )
-        if not held:
+        if not await self._lock.acquire():
             await self.close()
             raise StoreError(f"{self.name} is already being read by another relay")
         await self.log._execute("register_reader", {"reader": self.reader})
         self._offset = await self.log.offset(self.reader) or BEGINNING
 
     async def close(self) -> None:
-        if self._lock_conn is not None:
-            conn, self._lock_conn = self._lock_conn, None
-            await conn.close()  # ends the session, and with it the reader lock
+        await self._lock.release()
         await self.log.close()
 
     async def read(self, limit: int) -> list[Entry]:
+        await self._lock.check()
         sql, names = self._read_sql
         params = {
             "limit": limit,
@@ -337,6 +387,11 @@ class LogReader:
         if self.retention_days is not None:
             today = dt.datetime.now(dt.UTC).date()
             await self.log.drop_partitions(today - dt.timedelta(days=self.retention_days))
+
+
+def reader_lock_key(log: PgLog, reader: str) -> str:
+    """The advisory lock's key of one reader: held by its relay, taken by a seek."""
+    return f"outboxer-log-reader:{log.schema}.{log.table}:{reader}"
 
 
 def _offset(row: Any) -> LogOffset:

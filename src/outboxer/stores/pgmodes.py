@@ -13,6 +13,7 @@ table's (an applied migration of one mode never touches another's).
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -292,3 +293,76 @@ async def open_connection(url: str) -> Any:
         )
     except (OSError, asyncpg.PostgresError) as exc:
         raise StoreError(f"cannot connect to PostgreSQL: {exc}") from exc
+
+
+#: Seconds between checks that the session holding a reader lock is still there.
+LOCK_CHECK_SECONDS = 5.0
+
+
+class ReaderLock:
+    """The advisory lock that makes a stream (a log reader, a slot) one relay's, held by a
+    session of its own for the relay's life.
+
+    The session sits idle: ended by ``idle_session_timeout``, a proxy dropping idle
+    connections or ``pg_terminate_backend``, it took the lock with it while the relay went
+    on, and a second relay was no longer refused (both published everything). ``check``
+    (every read) says so, a ``StoreError``: the relay reconnects and takes it again, or
+    is refused while another relay has it.
+    """
+
+    def __init__(self, url: str, key: str, name: str) -> None:
+        self.url = url
+        self.key = key
+        self.name = name
+        self._conn: Any = None
+        self._checked_at = 0.0
+
+    async def acquire(self) -> bool:
+        """Take the lock (False: another session has it)."""
+        await self.release()
+        conn = await open_connection(self.url)
+        try:
+            # Idle by design: a server-wide idle_session_timeout must not end it (14+).
+            await conn.execute(
+                "SELECT set_config('idle_session_timeout', '0', false) "
+                "WHERE current_setting('server_version_num')::int >= 140000"
+            )
+            held = bool(
+                await conn.fetchval(
+                    "SELECT pg_try_advisory_lock(hashtextextended($1, 0))", self.key
+                )
+            )
+        except BaseException:
+            await conn.close()
+            raise
+        if not held:
+            await conn.close()
+            return False
+        self._conn = conn
+        self._checked_at = time.monotonic()
+        return True
+
+    async def check(self) -> None:
+        """StoreError if the lock's session is gone: closed (seen at once), or not
+        answering a ping (every LOCK_CHECK_SECONDS, for a connection cut without a word)."""
+        if self._conn is None or self._conn.is_closed():
+            raise StoreError(f"{self.name}: the session holding the reader lock was lost")
+        if time.monotonic() - self._checked_at < LOCK_CHECK_SECONDS:
+            return
+        try:
+            await self._conn.fetchval("SELECT 1", timeout=LOCK_CHECK_SECONDS)
+        except Exception as exc:  # the driver's error or a timeout: the session is lost
+            raise StoreError(
+                f"{self.name}: the session holding the reader lock does not answer: {exc}"
+            ) from exc
+        self._checked_at = time.monotonic()
+
+    async def release(self) -> None:
+        if self._conn is not None:
+            conn, self._conn = self._conn, None
+            try:
+                # Ends the session, and with it the lock; bounded: a cut connection's
+                # close would wait for an answer that never comes.
+                await conn.close(timeout=LOCK_CHECK_SECONDS)
+            except Exception:  # noqa: BLE001 -- already lost: the lock went with it
+                conn.terminate()

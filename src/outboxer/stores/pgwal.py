@@ -29,9 +29,9 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from outboxer.errors import ConfigError, StoreError
-from outboxer.message import Message
+from outboxer.message import Message, check_text
 from outboxer.redact import get_logger
-from outboxer.stores.pgmodes import ModeSchema, open_connection, wal_prefix
+from outboxer.stores.pgmodes import ModeSchema, ReaderLock, wal_prefix
 from outboxer.stores.pgoutput import Begin, Commit, LogicalMessage, decode
 from outboxer.stores.pgstream import Backlog, DeadLetter, StreamBook, StreamFailure
 from outboxer.stores.sqlfiles import queries, to_numbered
@@ -44,6 +44,8 @@ logger = get_logger("outboxer.pgwal")
 #: pgoutput needs a publication; the WAL outbox publishes no table, so it is empty.
 PUBLICATION = "outboxer_wal"
 KEEPALIVE_PREFIX = "outboxer-keepalive"
+#: What no text column stores: NUL and lone surrogates (not encodable as UTF-8).
+_UNSTORABLE = re.compile(r"[\x00\ud800-\udfff]")
 _SLOT_NAME = re.compile(r"^[a-z0-9_]{1,63}$")
 #: Seconds a slot call waits for a slot another session holds for a moment (a status
 #: query peeking it) before it gives up.
@@ -150,7 +152,7 @@ class WalReader:
         #: The stream's failures and dead letters, named by the destination.
         self.book = StreamBook(wal.names, "wal", destination)
         self._last_keepalive = time.monotonic()
-        self._lock_conn: Any = None
+        self._lock = ReaderLock(wal.url, f"outboxer-wal-reader:{self.slot}", self.name)
 
     @property
     def conn(self) -> Any:
@@ -176,19 +178,12 @@ class WalReader:
                 "--create-slot)"
             )
         await self.book.check(self.wal.conn)
-        self._lock_conn = await open_connection(self.wal.url)
-        held = await self._lock_conn.fetchval(
-            "SELECT pg_try_advisory_lock(hashtextextended($1, 0))",
-            f"outboxer-wal-reader:{self.slot}",
-        )
-        if not held:
+        if not await self._lock.acquire():
             await self.close()
             raise StoreError(f"{self.name} is already being read by another relay")
 
     async def close(self) -> None:
-        if self._lock_conn is not None:
-            conn, self._lock_conn = self._lock_conn, None
-            await conn.close()  # ends the session, and with it the reader lock
+        await self._lock.release()
         await self.wal.close()
 
     async def _slot_call(self, call: Callable[[], Awaitable[T]]) -> T:
@@ -223,6 +218,7 @@ class WalReader:
         return await self._slot_call(peek)
 
     async def read(self, limit: int) -> list[Entry]:
+        await self._lock.check()
         return self._entries(await self._peek(limit))
 
     def _entries(self, rows: Sequence[Any]) -> list[Entry]:
@@ -273,6 +269,14 @@ class WalReader:
                 envelope["key"] is None or isinstance(envelope["key"], str)
             ):
                 raise TypeError("a topic, key, content type or header is not a string")
+            # JSON carries a NUL (\u0000) or a lone surrogate (\ud800) that no text column
+            # (nor jsonb) stores: a dead letter of it could not be written, and the relay
+            # stopped there at every restart. Unreadable, so dead-lettered raw, untried.
+            for what, value in (("topic", envelope["topic"]), ("key", envelope["key"] or "")):
+                check_text(value, f"the {what}")
+            for name, value in headers.items():
+                check_text(name, "a header name")
+                check_text(value, "a header value")
             message = Message(
                 id=uuid.UUID(envelope["id"]),
                 topic=envelope["topic"],
@@ -302,8 +306,9 @@ class WalReader:
 
         def text(name: str) -> str | None:
             value = readable.get(name)
-            # A NUL (valid in JSON) cannot be stored in a text column of the dead letter.
-            return value.replace("\x00", "\ufffd") if isinstance(value, str) else None
+            # A NUL or a lone surrogate (valid in JSON) cannot be stored in a text column of
+            # the dead letter: each becomes U+FFFD.
+            return _UNSTORABLE.sub("\ufffd", value) if isinstance(value, str) else None
 
         try:
             message_id = uuid.UUID(text("id") or "")
