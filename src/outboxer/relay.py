@@ -171,6 +171,9 @@ class HeldBatch:
     recovered: bool
     #: Its settle is waiting for its database to answer (see RecoveryGate.park).
     parked: bool = False
+    #: Until when (time.monotonic()) its lease surely holds in the database: nobody can
+    #: have taken its rows over before (see Relay._settle_answered).
+    lease_until: float | None = None
 
 
 class RecoveryGate:
@@ -1010,27 +1013,40 @@ class Relay:
         task = asyncio.current_task()
         assert task is not None
         lease = LeaseKeeper(self, destination, batch, claimed_at, task)
-        lease.start()
         outcomes: list[Outcome] | None = None
-        try:
-            outcomes = await self._publish(destination, batch.recovered, spans.messages)
-        except asyncio.CancelledError:
-            renewing = lease.stop()
-            if renewing is not None:
-                await asyncio.gather(renewing, return_exceptions=True)
-            if lease.lost is not None:
-                task.uncancel()
-            if task.cancelling():
-                # Cancelled mid-publish (forced shutdown): nothing is known, give the rows back.
-                spans.end([None] * len(batch))
-                await asyncio.shield(self._settle(destination, batch, [None] * len(batch), held))
-                raise
+        if held is not None:
+            held.lease_until = lease.give_up_at
+        if time.monotonic() >= lease.give_up_at:
+            # The claim answered after its lease would have ended (it waited that long for
+            # a lock, or this relay stalled): another relay may be publishing the rows
+            # already. Not one is published, not even the first wave (a publish can reach
+            # the broker before its first await gives the lease's timer a turn).
+            lease.lost = LeaseKeeper.RAN_OUT
         else:
-            renewing = lease.stop()
-            if lease.lost is not None:
-                task.uncancel()  # the publish swallowed the cancellation: its outcomes stand
-            if renewing is not None:
-                await _cancel(renewing)
+            lease.start()
+            try:
+                outcomes = await self._publish(destination, batch.recovered, spans.messages)
+            except asyncio.CancelledError:
+                renewing = lease.stop()
+                if renewing is not None:
+                    await asyncio.gather(renewing, return_exceptions=True)
+                if lease.lost is not None:
+                    task.uncancel()
+                if task.cancelling():
+                    # Cancelled mid-publish (forced shutdown): nothing is known, give the rows back.
+                    spans.end([None] * len(batch))
+                    await asyncio.shield(
+                        self._settle(destination, batch, [None] * len(batch), held)
+                    )
+                    raise
+            else:
+                renewing = lease.stop()
+                if lease.lost is not None:
+                    task.uncancel()  # the publish swallowed the cancellation: its outcomes stand
+                if renewing is not None:
+                    await _cancel(renewing)
+        if held is not None:
+            held.lease_until = lease.give_up_at  # renewals moved it
         if outcomes is None:
             for stats in self._stats(destination):
                 stats.leases_lost += 1
@@ -1268,7 +1284,21 @@ class Relay:
                     outcomes.released,
                     self.settings.max_attempts,
                 )
-                outage.over()
+                if (
+                    outage.over()
+                    and result.lost == len(outcomes)
+                    and held is not None
+                    and held.lease_until is not None
+                    and time.monotonic() < held.lease_until
+                ):
+                    # An earlier try got no answer, and now every row is gone from the lease,
+                    # which nobody could take over yet: that try committed (a settle is one
+                    # transaction, all or nothing). Its outcomes were recorded, none lost.
+                    return SettleResult(
+                        published=len(outcomes.published),
+                        failed=len(outcomes.failed),
+                        released=len(outcomes.released),
+                    )
                 return result
             except StoreDataError:
                 raise

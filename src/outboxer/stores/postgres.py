@@ -12,6 +12,7 @@ import datetime as dt
 import functools
 import os
 import socket
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -127,6 +128,11 @@ class PostgresStore(Store):
         #: The relay's loops share one listening connection: one query on it at a time.
         self._listener_lock = asyncio.Lock()
         self._unregistering: asyncio.Task[None] | None = None
+        #: Per destination, the leases of claims that never answered (their connection
+        #: broke, or they were cancelled) and until when each lasts: the claim may have
+        #: committed, and its rows then wait in flight for nobody (see _release_unanswered).
+        #: Whether the claim was allowed to recover matters (queries.sql: expire_unanswered_recovery).
+        self._unanswered: dict[str, list[tuple[Lease, float, bool]]] = {}
         tokens = self.tokens()
         self._sql: dict[str, tuple[str, tuple[str, ...]]] = {
             name: to_numbered(render(sql, tokens)) for name, sql in queries("postgres").items()
@@ -491,7 +497,23 @@ class PostgresStore(Store):
                 "lock_key": self.lock_key(destination),
             },
         )
-        rows = await self._statement(lambda conn: conn.fetch(sql, *args))
+        await self._release_unanswered(destination)
+        sent_at = time.monotonic()
+        try:
+            rows = await self._statement(lambda conn: conn.fetch(sql, *args))
+        except BaseException as exc:
+            asyncpg = _asyncpg()
+            if not isinstance(exc, asyncpg.PostgresError) or isinstance(
+                exc, asyncpg.PostgresConnectionError
+            ):
+                # No answer (an error the server reported means it rolled back): the claim
+                # may have committed, its rows held under a lease this relay never learnt.
+                # Left there, they waited for the lock timeout, then went to recovery one a
+                # claim, each charged an attempt it never made (abandoned at its last).
+                self._unanswered.setdefault(destination, []).append(
+                    (lease, sent_at + float(lock_seconds), recover)
+                )
+            raise
         kinds = {row["taken"] for row in rows}
         taken = sorted((row for row in rows if row["taken"] in _TAKEN), key=_by_seq)
         if taken:
@@ -535,6 +557,56 @@ class PostgresStore(Store):
         )
         await self.abandon_unreadable(destination, claim, unreadable, max_attempts)
         return claim
+
+    async def _release_unanswered(self, destination: str) -> None:
+        """Give back the rows of this destination's claims that never answered, before the
+        next claim (whose order they would otherwise hold up). A failure raises: the relay
+        backs off as from a failed claim, and the leases are tried again next time."""
+        now = time.monotonic()
+        # A lease that ran out needs no release: recovery takes its rows over (fenced).
+        pending = [entry for entry in self._unanswered.pop(destination, []) if entry[1] > now]
+        if not pending:
+            return
+        lock_sql, _ = self._sql["destination_lock"]
+        lock_key = self.lock_key(destination)
+        leases: dict[str, tuple[list[str], list[str]]] = {}
+        for lease, _, recover in pending:
+            tokens, recovering = leases.setdefault(lease.relay_id, ([], []))
+            tokens.append(lease.token)
+            if recover:
+                recovering.append(lease.token)
+
+        async def release(conn: Any) -> int:
+            released = 0
+            async with conn.transaction():
+                # First, in a statement of its own: the UPDATE's snapshot must come after
+                # the wait (a claim that was waiting for the lock has committed by then).
+                await conn.execute(lock_sql, lock_key)
+                for relay_id, (tokens, recovering) in leases.items():
+                    for name, of in (
+                        ("expire_unanswered_recovery", recovering),
+                        ("release_unanswered", tokens),
+                    ):
+                        if not of:
+                            continue
+                        sql, args = self._args(
+                            name, {"destination": destination, "relay_id": relay_id, "leases": of}
+                        )
+                        released += _count(await conn.execute(sql, *args))
+            return released
+
+        try:
+            released = await self._statement(release)
+            if released:
+                logger.warning(
+                    "destination %s: %d message(s) taken by a claim whose answer was lost "
+                    "(its connection broke) went back to the queue",
+                    destination,
+                    released,
+                )
+        except BaseException:
+            self._unanswered.setdefault(destination, [])[:0] = pending
+            raise
 
     async def renew(
         self, destination: str, lease: Lease, seqs: Sequence[int], lock_seconds: float

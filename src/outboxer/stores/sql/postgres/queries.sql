@@ -84,6 +84,52 @@ SELECT n_renewed
 FROM {schema}.{table_raw}_renew(:destination, :relay_id, CAST(:lease AS uuid),
                                 CAST(:seqs AS bigint[]), CAST(:lock_seconds AS float8))
 
+-- name: expire_unanswered_recovery
+-- PROCESSING, taken over from an expired lease by a claim that never answered -> still
+-- PROCESSING, its lease expired now, so the next claim recovers it alone (step 2 of the
+-- claim, another attempt counted). Runs before release_unanswered, in its transaction.
+-- Invariants:
+--  * a row recovered alone stays alone: released, it would be FAILED and claimed in a batch
+--    with others, and if it is what kills its relay they would die with it again. A claim
+--    that recovered a row took that row only, attempts counted (> 0); one that took a single
+--    FAILED row looks the same and is recovered alone too: slower, never unsafe;
+--  * only claims allowed to recover are passed here, and only rows still under their lease;
+--  * lease cleared: release_unanswered no longer matches the row, nor does any settle or
+--    renewal (nobody holds it); locked_by still names the relay, for last_error.
+UPDATE {outbox} AS t
+SET locked_until = now() - interval '1 millisecond', lease = NULL
+WHERE t.destination = :destination
+  AND t.status = 'PROCESSING'
+  AND t.lease = ANY(CAST(:leases AS uuid[]))
+  AND t.locked_by = :relay_id
+  AND t.attempts > 0
+  AND NOT EXISTS (SELECT 1 FROM {outbox} AS o
+                  WHERE o.destination = t.destination AND o.status = 'PROCESSING'
+                    AND o.lease = t.lease AND o.seq <> t.seq)
+
+-- name: release_unanswered
+-- PROCESSING under a lease whose claim never answered (its connection broke; it may have
+-- committed) -> claimable again, due now, no attempt counted: the relay never got these
+-- rows, so never published them. One statement, in one transaction with destination_lock
+-- and expire_unanswered_recovery. Invariants:
+--  * only rows still under one of those leases (lease and locked_by, as in settle): rows
+--    taken over since, or settled, are left alone; none if the claim never committed;
+--  * in a transaction that took the shared destination lock first (destination_lock), as
+--    a settle: a claim never sees them half-changed, and a claim still waiting for the
+--    exclusive lock (its client gone) is queued ahead of it, so this statement, whose
+--    snapshot is taken once the lock is held, sees that claim's rows;
+--  * a claim's rows go back all together: it took each key's rows in seq order with every
+--    unfinished row before them, so no PENDING row of a key comes before one in flight.
+--    A row with attempts made goes back FAILED, due now, as a settle's release does.
+UPDATE {outbox}
+SET status = CASE WHEN attempts > 0 THEN 'FAILED' ELSE 'PENDING' END,
+    next_attempt_at = now(), locked_by = NULL, locked_until = NULL, lease = NULL,
+    updated_at = now()
+WHERE destination = :destination
+  AND status = 'PROCESSING'
+  AND lease = ANY(CAST(:leases AS uuid[]))
+  AND locked_by = :relay_id
+
 -- name: cleanup
 -- PUBLISHED | ABANDONED -> deleted once older than the retention; at most :limit rows a
 -- statement, so no statement runs long or holds many locks; SKIP LOCKED passes over rows
