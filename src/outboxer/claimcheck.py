@@ -148,6 +148,11 @@ class ObjectStore(ABC):
     def list_objects(self) -> Iterator[StoredObject]:
         """Every object of this store (outboxer's or not: callers filter with ObjectName)."""
 
+    def delete_leftovers(self, cutoff: float) -> int:
+        """Delete what puts that died half-way left behind, older than ``cutoff`` (Unix
+        time); how many. Most stores' puts are atomic and leave nothing."""
+        return 0
+
     def close(self) -> None:  # noqa: B027 -- most stores hold nothing to close
         """Release connections (S3's pool); the store is not used afterwards."""
 
@@ -196,7 +201,11 @@ class FileObjectStore(ObjectStore):
         path = self._path(name)
         temporary = self.directory / f".{name}.tmp"
         write_new_file(temporary, data)
-        os.replace(temporary, path)
+        try:
+            os.replace(temporary, path)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
         sync_directory(self.directory)
 
     def get(self, name: str) -> bytes:
@@ -224,6 +233,29 @@ class FileObjectStore(ObjectStore):
                 except FileNotFoundError:  # deleted while listing
                     continue
                 yield StoredObject(entry.name, modified)
+
+    def delete_leftovers(self, cutoff: float) -> int:
+        # A put killed (kill -9, OOM) between its write and its rename leaves its temporary
+        # file, which list_objects hides. A put runs inside the enqueue's transaction, so one
+        # older than the sweep's grace is dead, and its file would stay forever.
+        deleted = 0
+        with os.scandir(self.directory) as entries:
+            for entry in entries:
+                name = entry.name
+                if not (name.startswith(".") and name.endswith(".tmp")):
+                    continue
+                if ObjectName.parse(name[1:-4]) is None:
+                    continue  # not one of outboxer's temporary files
+                try:
+                    if not entry.is_file(follow_symlinks=False):
+                        continue
+                    if entry.stat(follow_symlinks=False).st_mtime >= cutoff:
+                        continue
+                    os.unlink(entry.path)
+                except FileNotFoundError:  # renamed or deleted meanwhile
+                    continue
+                deleted += 1
+        return deleted
 
     def __repr__(self) -> str:
         return f"FileObjectStore({str(self.directory)!r})"
@@ -504,6 +536,12 @@ def _check_grace(grace: float) -> None:
         raise ConfigError("the claim-check sweep's grace period must not be negative")
 
 
+def _delete_leftovers(store: ObjectStore, grace: float, now: float | None) -> None:
+    leftovers = store.delete_leftovers((time.time() if now is None else now) - grace)
+    if leftovers:
+        logger.info("claim-check sweep deleted %d leftover(s) of interrupted puts", leftovers)
+
+
 def sweep_orphans(
     store: ObjectStore,
     referenced: Referenced,
@@ -520,6 +558,7 @@ def sweep_orphans(
     (objects deleted by someone else between the listing and the delete count too).
     """
     _check_grace(grace)
+    _delete_leftovers(store, grace, now)
     candidates = _candidates(store.list_objects(), grace, now)
     deleted = 0
     for start in range(0, len(candidates), batch):
@@ -543,6 +582,7 @@ async def sweep_orphans_async(
 ) -> int:
     """:func:`sweep_orphans` for async callers (the relay): listing and deleting in threads."""
     _check_grace(grace)
+    await asyncio.to_thread(_delete_leftovers, store, grace, now)
     candidates = _candidates(await store.list_objects_async(), grace, now)
     deleted = 0
     for start in range(0, len(candidates), batch):

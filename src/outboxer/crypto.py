@@ -303,18 +303,28 @@ class FileSubjectKeys:
             if winner is None:  # made and deleted (shredded) in between: make it again
                 return self.get_or_create(subject)
             return winner
+        except FileNotFoundError:  # a shred removed the temporary file: make it again
+            return self.get_or_create(subject)
         finally:
-            temporary.unlink()
+            temporary.unlink(missing_ok=True)
         sync_directory(self.directory)
         return secret
 
     def delete(self, subject: str) -> bool:
+        path = self._path(subject)
         try:
-            self._path(subject).unlink()
+            path.unlink()
+            existed = True
         except FileNotFoundError:
-            return False
-        sync_directory(self.directory)
-        return True
+            existed = False
+        # A create killed between its link and its cleanup leaves the temporary name, a hard
+        # link to the very secret: a shred that kept it would shred nothing.
+        leftovers = list(self.directory.glob(f".{path.name}.*.tmp"))
+        for leftover in leftovers:
+            leftover.unlink(missing_ok=True)
+        if existed or leftovers:
+            sync_directory(self.directory)
+        return existed
 
     def __repr__(self) -> str:
         return f"FileSubjectKeys({str(self.directory)!r})"
@@ -416,6 +426,9 @@ class KeyRing:
             text = source.read_text("utf-8")
         except OSError as exc:
             raise ConfigError(f"cannot read key file {source}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            # Only the position: the exception itself holds the whole file, keys included.
+            raise ConfigError(f"key file {source} is not UTF-8 text (byte {exc.start})") from None
         try:
             data: Any = json.loads(text) if source.suffix == ".json" else tomllib.loads(text)
         except (ValueError, tomllib.TOMLDecodeError):
@@ -554,6 +567,11 @@ class KeyRing:
         KeyRingUnavailableError (the key source failed: retry).
         """
         algorithm = headers.get(HEADER_ENCRYPTION)
+        if algorithm is None:
+            raise DecryptionError(
+                f"message {message_id} carries encryption headers but no {HEADER_ENCRYPTION}: "
+                "it was altered"
+            )
         if algorithm != ALGORITHM:
             raise DecryptionError(
                 f"message {message_id}: unknown encryption {algorithm!r} (expected {ALGORITHM})"
@@ -622,7 +640,9 @@ def _unpack_sealed(plaintext: bytes, message_id: object) -> tuple[bytes, dict[st
 
 
 def is_encrypted(message: Message) -> bool:
-    return HEADER_ENCRYPTION in message.headers
+    # Any of the encryption headers, not the marker alone: ciphertext whose marker was
+    # removed must fail to decrypt, not pass on as if it were plaintext.
+    return any(name in ENCRYPTION_HEADERS for name in message.headers)
 
 
 def encrypt_message(

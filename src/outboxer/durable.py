@@ -13,15 +13,18 @@ def write_new_file(path: Path, data: bytes) -> None:
     """
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(descriptor, view) :]
-        os.fsync(descriptor)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(descriptor, view) :]
+            os.fsync(descriptor)
+        finally:
+            # close can fail too (NFS reports a failed write-back there): the file is then
+            # not known to hold ``data``, and must not stay.
+            os.close(descriptor)
     except BaseException:
-        os.close(descriptor)
         path.unlink(missing_ok=True)
         raise
-    os.close(descriptor)
 
 
 def sync_directory(directory: Path) -> None:
