@@ -104,7 +104,8 @@ class ConsumerSettings:
     shutdown_timeout: float = setting(
         30.0,
         kind=Duration(LONGEST_INTERVAL, positive=True, low=SHORTEST_INTERVAL),
-        help="how long handlers in flight get to finish on SIGTERM before they roll back",
+        help="how long handlers in flight get to finish on SIGTERM before they roll back "
+        "(a sync handler's thread cannot be interrupted: the process exits once it returns)",
         commands=CONSUME,
         # Its own variable: OUTBOXER_SHUTDOWN_TIMEOUT is the relay's (20 s by default).
         env="OUTBOXER_CONSUMER_SHUTDOWN_TIMEOUT",

@@ -34,7 +34,10 @@ repeat for ever. A handler that returns a coroutine without being a coroutine fu
 
 Shutdown (SIGTERM, ``stop()``): stop fetching; batches in flight commit and are acked
 (given ``shutdown_timeout``, after which they are cancelled and roll back); messages held
-but not started, or waiting for a retry, are handed back unacknowledged.
+but not started, or waiting for a retry, are handed back unacknowledged. A sync handler's
+thread cannot be interrupted: its batch is never acked (a commit that still happens makes
+the redelivery a duplicate), but closing its session, and the process's exit, wait for the
+handler to return.
 """
 
 from __future__ import annotations

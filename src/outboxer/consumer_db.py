@@ -7,7 +7,11 @@ connection (psycopg for PostgreSQL, sqlite3, PyMySQL for MySQL/MariaDB), run in 
 the consumer's own pool; a coroutine function gets an async one (asyncpg, or psycopg's
 ``AsyncConnection`` with ``async_driver="psycopg"``) on the event loop, and so does an
 object whose ``__call__`` is a coroutine function. Either way the handler writes on that
-connection and never commits: the runner does, once per batch.
+connection and never commits: the runner does, once per batch. A handler that commits or
+rolls back all the same fails (``HandlerEndedTransaction``, or psycopg's ProgrammingError in
+its transaction block): a batch's inbox claims must never commit apart from the handlers'
+writes, so where the driver cannot refuse the call (sqlite3, PyMySQL) each message is
+claimed just before its handler instead of the batch at once.
 
 One transaction, several messages. A batch holds messages of different keys (never two of
 one key), sorted by message id so that two consumers claiming the same redelivered messages
@@ -468,6 +472,16 @@ class SyncSession(Session):
                 self._rollback()
             raise
 
+    #: Claim each message right before its handler, not the batch's at once: where the driver
+    #: cannot stop a handler from committing the runner's transaction, that commit must not
+    #: take the inbox claims of the batch's later messages along (see _apply).
+    claims_each = False
+
+    def _in_transaction(self) -> bool:
+        """Whether the runner's transaction is still open after a handler (where the driver
+        tells; where it cannot end it, as psycopg's transaction block, True)."""
+        return True
+
     def _claim(self, group: str, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
         """The ids of ``ids`` claimed now (first deliveries); one statement a message here."""
         return {i for i in ids if self.inbox.claim(self.conn, group, i)}
@@ -484,19 +498,34 @@ class SyncSession(Session):
             try:
                 held = [hold_keys and self._hold(group, d) for d in deliveries]
                 todo, results = _claimable(deliveries, held)
-                claimed = self._claim(group, [deliveries[i].id for i in todo])
+                claimed = (
+                    None
+                    if self.claims_each
+                    else self._claim(group, [deliveries[i].id for i in todo])
+                )
                 for i in todo if replaying else ():
                     self._execute("delete", self.id_params(group, deliveries[i].id))
             except Exception as exc:
                 raise BatchFailed("statement", exc) from exc
             for index in todo:
-                if deliveries[index].id not in claimed:
+                message_id = deliveries[index].id
+                try:
+                    first = self._claim(group, [message_id]) if claimed is None else claimed
+                except Exception as exc:
+                    raise BatchFailed("statement", exc) from exc
+                if message_id not in first:
                     results[index] = Result.DUPLICATE
                     continue
                 try:
                     call_sync_handler(handler, deliveries[index], self.conn)
                 except Exception as exc:
                     raise BatchFailed("handler", exc, index) from exc
+                if not self._in_transaction():
+                    # The handler committed or rolled back the runner's transaction. Claimed
+                    # one by one, no later message's claim went with it: a commit kept this
+                    # and the earlier messages whole (their redeliveries are duplicates), a
+                    # rollback undid them, and failing here has them applied again.
+                    raise BatchFailed("handler", HandlerEndedTransaction(), index)
             return _finish(results)
 
         try:
@@ -553,6 +582,12 @@ def _refuse_aborted(conn: Any) -> None:
         raise AbortedTransaction
 
 
+#: MySQL's SERVER_STATUS_IN_TRANS flag (pymysql.constants.SERVER_STATUS).
+_SERVER_STATUS_IN_TRANS = 1
+#: libpq's transaction status IDLE (psycopg.pq.TransactionStatus), not imported at module level.
+_IDLE = 0
+
+
 class PsycopgSession(SyncSession):
     dialect = "postgres"
 
@@ -560,9 +595,18 @@ class PsycopgSession(SyncSession):
         psycopg = _require("psycopg", "psycopg")
         return psycopg.connect(_libpq_url(self.url))
 
-    def _commit(self) -> None:
-        _refuse_aborted(self.conn)
-        self.conn.commit()
+    def _transaction(self, work: Callable[[], T]) -> T:
+        # In psycopg's transaction block, so that a handler's conn.commit() or rollback() is
+        # a ProgrammingError (its failure) instead of ending the batch's transaction: a
+        # commit would make the inbox claims of the batch's later messages stick whatever
+        # their handlers do (a failed one then skipped as a duplicate for ever), a rollback
+        # would undo earlier messages that are then acked as applied.
+        if self.conn.info.transaction_status != _IDLE:
+            self.conn.rollback()  # a block entered mid-transaction would be a mere savepoint
+        with self.conn.transaction():
+            result = work()
+            _refuse_aborted(self.conn)
+            return result
 
     def _claim(self, group: str, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
         if not ids:
@@ -599,6 +643,11 @@ class SqliteSession(SyncSession):
         if self.conn.in_transaction:
             self.conn.execute("ROLLBACK")
 
+    claims_each = True
+
+    def _in_transaction(self) -> bool:
+        return bool(self.conn.in_transaction)
+
     def _cursor_sql(self, sql: str) -> str:
         return sql  # sqlite3 binds :name itself
 
@@ -617,6 +666,14 @@ class PyMySQLSession(SyncSession):
 
     def _begin(self) -> None:
         self.conn.begin()
+
+    claims_each = True
+
+    def _in_transaction(self) -> bool:
+        # The server's status flag of the last answer. A handler that commits and then writes
+        # again has begun a new transaction: not seen, but its claim committed with its
+        # earlier writes, so no other message's claim is lost with it.
+        return bool(self.conn.server_status & _SERVER_STATUS_IN_TRANS)
 
     def _cursor_sql(self, sql: str) -> str:
         return _pyformat(sql)
@@ -715,6 +772,17 @@ class AsyncSession(Session):
 
     async def fetch(self, name: str, params: Mapping[str, Any]) -> list[dict[str, Any]]:
         return await self._transaction(functools.partial(self._fetch, name, params))
+
+
+class HandlerEndedTransaction(RuntimeError):
+    """The handler committed or rolled back the runner's transaction itself: a failure of
+    the message (the runner commits, once per batch, after every handler returned)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "the handler committed or rolled back the consumer's transaction; it must leave "
+            "that to the consumer"
+        )
 
 
 class AbortedTransaction(RuntimeError):
@@ -836,6 +904,16 @@ class PsycopgAsyncSession(AsyncSession):
 
     async def _begin(self) -> Any:
         return _PsycopgTransaction(self.conn)
+
+    async def _transaction(self, work: Callable[[], Awaitable[T]]) -> T:
+        # psycopg's transaction block: a handler's commit() or rollback() fails the handler
+        # instead of ending the batch's transaction (PsycopgSession._transaction says why).
+        if self.conn.info.transaction_status != _IDLE:
+            await self.conn.rollback()  # a block entered mid-transaction would be a savepoint
+        async with self.conn.transaction():
+            result = await work()
+            _refuse_aborted(self.conn)
+            return result
 
     async def _execute(self, name: str, params: Mapping[str, Any]) -> int:
         cursor = await self.conn.execute(_pyformat(self.sql(name)), dict(params))
