@@ -220,8 +220,9 @@ def test_relay_refuses_a_database_without_the_schema(tmp_path: Path) -> None:
         "--exit-when-idle",
     )
     assert result.returncode == 2, result.stderr
-    assert "0001_outbox" in result.stderr and "outboxer schema apply" in result.stderr
+    assert "no SQLite database" in result.stderr and "outboxer schema apply" in result.stderr
     assert "Traceback" not in result.stderr
+    assert not (tmp_path / "empty.db").exists(), "the relay made an empty database"
 
 
 def test_sigterm_under_load_finishes_in_flight_and_exits_zero(pg_url: str, tmp_path: Path) -> None:

@@ -6,8 +6,6 @@ import os
 import subprocess
 from pathlib import Path
 
-import pytest
-
 from tests.acceptance.test_cli import OUTBOXER
 
 
@@ -30,11 +28,6 @@ def test_a_reader_that_stops_early_is_not_reported_as_a_failure(sqlite_url: str)
     assert done.returncode == 141, "a shell's status for a writer whose reader went away"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="stores/sqlite.py: every command opens a SQLite URL by creating its directories "
-    "and an empty database file, even `status`, which then fails with 'no such table: outbox'",
-)
 def test_status_on_a_mistyped_sqlite_path_creates_nothing(tmp_path: Path) -> None:
     """README, exit codes: a failure is "one line on stderr". A read-only command given a
     wrong path must leave no database behind for the next command (or relay) to find empty;

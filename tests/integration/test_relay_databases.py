@@ -335,7 +335,8 @@ async def test_the_api_lists_and_requeues_per_database(tmp_path: Path) -> None:
 async def test_a_database_whose_schema_is_behind_stops_the_process_with_its_name(
     sqlite_url: str, tmp_path: Path
 ) -> None:
-    bare = f"sqlite:///{tmp_path / 'bare.db'}"  # no outbox schema applied
+    (tmp_path / "bare.db").touch()  # a database, with no outbox schema applied
+    bare = f"sqlite:///{tmp_path / 'bare.db'}"
     settings = load_settings(
         {"db": [f"good={sqlite_url}", f"bare={bare}"], "broker": "memory://"}, environ={}
     )

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from outboxer.config import Settings
-from outboxer.errors import ConfigError, StoreError
+from outboxer.errors import ConfigError, SchemaError, StoreError
 from outboxer.message import Message, Status
 from outboxer.redact import redact_url
 from outboxer.stores.base import (
@@ -115,10 +115,32 @@ class SqliteStore(Store):
         }
 
     async def connect(self) -> None:
+        """Open the database file if it exists: only ``apply_schema`` makes a missing one.
+
+        Every other command (status, messages, the relay) would otherwise leave an empty
+        database, and its directories, wherever a mistyped path pointed, for the next
+        command or relay to find empty; their first statement raises SchemaError instead.
+        """
+        if self._conn is None and await asyncio.to_thread(self._exists):
+            await self._open(create=False)
+
+    def _exists(self) -> bool:
+        return self.path == ":memory:" or Path(self.path).is_file()
+
+    async def _open(self, *, create: bool) -> sqlite3.Connection:
         if self._conn is None:
-            if self.path != ":memory:":
-                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            self._conn = await asyncio.to_thread(open_connection, self.path)
+            self._conn = await asyncio.to_thread(self._open_file, create)
+        return self._conn
+
+    def _open_file(self, create: bool) -> sqlite3.Connection:
+        if create and self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        elif not self._exists():
+            raise SchemaError(
+                f"no SQLite database at {self.path}: run `outboxer schema apply` with this URL "
+                "first"
+            )
+        return open_connection(self.path)
 
     async def close(self) -> None:
         if self._conn is not None:
@@ -133,9 +155,7 @@ class SqliteStore(Store):
             await asyncio.to_thread(close_when_idle)
 
     async def _run(self, work: Callable[[sqlite3.Connection], T]) -> T:
-        await self.connect()
-        conn = self._conn
-        assert conn is not None
+        conn = await self._open(create=False)
 
         def locked() -> T:
             with self._lock:
@@ -155,6 +175,7 @@ class SqliteStore(Store):
     # ----- schema --------------------------------------------------------------------------
 
     async def apply_schema(self) -> list[str]:
+        await self._open(create=True)
         tokens = self.tokens()
 
         def work(conn: sqlite3.Connection) -> list[str]:
