@@ -11,6 +11,7 @@ import logging
 import os
 import select
 import signal
+import sqlite3
 import sys
 import uuid
 from collections.abc import Callable, Coroutine, Iterator, Sequence
@@ -831,6 +832,42 @@ def _stdout_gone() -> bool:
     return gone
 
 
+#: What each driver says when a table or schema is missing: PostgreSQL's SQLSTATEs (asyncpg
+#: and psycopg both carry ``sqlstate``), MySQL's error numbers (PyMySQL and aiomysql put it
+#: first in ``args``), and SQLite's text.
+_MISSING_SQLSTATES = frozenset({"42P01", "3F000", "42883"})  # table, schema, function
+_MISSING_MYSQL_ERRORS = frozenset({1146})  # ER_NO_SUCH_TABLE
+
+
+def _schema_missing(exc: BaseException) -> bool:
+    """Whether ``exc``, or an error it was raised from, says the outbox schema is not there:
+    an operator's command pointed at the right server before `schema apply` ran, or at the
+    wrong database."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if getattr(current, "sqlstate", None) in _MISSING_SQLSTATES:
+            return True
+        first = current.args[0] if current.args else None
+        if type(first) is int and first in _MISSING_MYSQL_ERRORS:
+            return True
+        if isinstance(current, sqlite3.OperationalError) and str(current).startswith(
+            "no such table"
+        ):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _failed_for_missing_schema(command: str, exc: BaseException) -> int:
+    _fail(
+        f"outboxer {command}: {exc}: the outbox schema is not applied in this database: "
+        "run `outboxer schema apply` with the same --db first"
+    )
+    return EXIT_USAGE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in DAEMONS:
@@ -849,6 +886,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _fail(f"outboxer: configuration error: {exc}")
         return EXIT_USAGE
     except OutboxerError as exc:
+        if _schema_missing(exc):
+            return _failed_for_missing_schema(args.command, exc)
         _fail(f"outboxer: {exc}")
         return EXIT_ERROR
     except KeyboardInterrupt:
@@ -862,6 +901,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(exc, BrokenPipeError) and _stdout_gone():
             return EXIT_BROKEN_PIPE  # `outboxer status | head`: the reader had enough
         logger.debug("outboxer %s failed", args.command, exc_info=True)
+        if _schema_missing(exc):
+            return _failed_for_missing_schema(args.command, exc)
         _fail(
             f"outboxer: {type(exc).__name__}: {exc} (run with --log-level DEBUG for the traceback)"
         )
