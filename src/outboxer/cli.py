@@ -1,5 +1,5 @@
 """The ``outboxer`` command: relay, serve, schema, status, cleanup, messages, requeue, purge,
-replay, enqueue, demo, consume, dead-letters and stream-relay."""
+replay, enqueue, keys, claim-check, demo, consume, dead-letters and stream-relay."""
 
 from __future__ import annotations
 
