@@ -38,6 +38,7 @@ from nats.js import JetStreamContext
 from nats.js.api import Header, PubAck
 
 from outboxer.brokers.base import AckedPublisher, option_bool, parse_options
+from outboxer.config import LONGEST_INTERVAL, float_option
 from outboxer.errors import ConfigError, PublishError
 from outboxer.message import Message
 from outboxer.redact import get_logger, redact_url
@@ -150,28 +151,30 @@ class NatsPublisher(AckedPublisher[Msg]):
         self.subjects = list(
             subjects or ([f"{self.subject_prefix}>"] if self.subject_prefix else [])
         )
-        if duplicate_window is None:
-            raw = options.get("duplicate_window", "")
-            try:
-                duplicate_window = float(raw) if raw else DEFAULT_DUPLICATE_WINDOW
-            except ValueError:
-                raise ConfigError(f"duplicate_window must be seconds, not {raw!r}") from None
-        if duplicate_window <= 0:
-            raise ConfigError(f"duplicate_window must be positive seconds, not {duplicate_window}")
-        self.duplicate_window = duplicate_window
+        # Finite and bounded, as Kafka's connect_timeout: float() took nan and inf, which
+        # failed every connect (stream creation) as if NATS were down, for good.
+        self.duplicate_window = float_option(
+            duplicate_window
+            if duplicate_window is not None
+            else options.get("duplicate_window") or DEFAULT_DUPLICATE_WINDOW,
+            "nats option duplicate_window",
+            0.001,
+            LONGEST_INTERVAL,
+        )
         if self.create_stream and not self.stream:
             raise ConfigError("create_stream needs a stream name (option stream)")
         if self.create_stream and not self.subjects:
             raise ConfigError("create_stream needs subjects (option subjects, or a subject_prefix)")
         self.tls = option_bool(options, "tls", tls, False)
         self.creds = creds if creds is not None else (options.get("creds") or None)
-        if connect_timeout is None:
-            raw = options.get("connect_timeout", "")
-            try:
-                connect_timeout = float(raw) if raw else 10.0
-            except ValueError:
-                raise ConfigError(f"connect_timeout must be seconds, not {raw!r}") from None
-        self.connect_timeout = connect_timeout
+        self.connect_timeout = float_option(
+            connect_timeout
+            if connect_timeout is not None
+            else options.get("connect_timeout") or 10.0,
+            "nats option connect_timeout",
+            0.001,
+            3600,
+        )
         # nats://user:pass@a:4222,b:4222 names a cluster: one server URL per host.
         self.servers = [
             urlunsplit((parts.scheme, host, "", "", "")) for host in parts.netloc.split(",")

@@ -84,6 +84,7 @@ from pamqp import encode
 from pamqp.common import FieldTable
 
 from outboxer.brokers.base import NotSent, Publisher, option_bool, parse_options
+from outboxer.config import float_option
 from outboxer.errors import BrokerUnavailableError, ConfigError, PublishError
 from outboxer.message import Message
 from outboxer.redact import get_logger
@@ -428,17 +429,14 @@ class RabbitMQPublisher(Publisher):
         self.declare_exchange = option_bool(options, "declare_exchange", declare_exchange, True)
         self.persistent = option_bool(options, "persistent", persistent, True)
         self.mandatory = option_bool(options, "mandatory", mandatory, True)
-        if connect_timeout is None:
-            text = options.get("connect_timeout", "10")
-            try:
-                connect_timeout = float(text)
-            except ValueError:
-                raise ConfigError(
-                    f"connect_timeout must be a number of seconds, not {text!r}"
-                ) from None
-        if connect_timeout <= 0:
-            raise ConfigError("connect_timeout must be positive")
-        self.connect_timeout = connect_timeout
+        # Finite and bounded, as Kafka's: float() took inf (a connect to a host that drops
+        # packets waited for ever) and nan.
+        self.connect_timeout = float_option(
+            connect_timeout if connect_timeout is not None else options.get("connect_timeout", 10),
+            "rabbitmq option connect_timeout",
+            0.001,
+            3600,
+        )
         for topic, route in self.routes.items():
             if not route:
                 raise ConfigError(f"route for topic {topic!r} is empty")

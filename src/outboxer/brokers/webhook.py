@@ -109,7 +109,9 @@ def parse_retry_after(value: str | None, now: datetime | None = None) -> float |
     if value is None:
         return None
     text = value.strip()
-    if text.isdigit():
+    # ASCII digits only (RFC 9110's DIGIT): str.isdigit() takes '²', which float() refuses,
+    # and the ValueError took the place of the receiver's answer as the attempt's error.
+    if text.isascii() and text.isdigit():
         return float(text)
     try:
         when = parsedate_to_datetime(text)

@@ -23,7 +23,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -118,9 +118,13 @@ def _created_at(text: str | None) -> datetime | None:
     if not text:
         return None
     try:
-        return datetime.fromisoformat(text)
+        moment = datetime.fromisoformat(text)
     except ValueError:
         return None  # informative only: never a reason to refuse a message
+    # Without an offset (another producer wrote it) it is UTC, as every outboxer time: left
+    # naive, drivers stored it as the consumer host's local time (SQLite, asyncpg) or as
+    # UTC (MySQL), hours apart, and the handler got a time it could not compare.
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 def decode(

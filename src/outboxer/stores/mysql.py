@@ -31,7 +31,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from outboxer.config import Settings
+from outboxer.config import Settings, float_option
 from outboxer.errors import ConfigError, MissingDependencyError, StoreError
 from outboxer.message import Message
 from outboxer.redact import get_logger, redact_url
@@ -136,7 +136,11 @@ def mysql_connect_args(url: str) -> dict[str, Any]:
         if name == "unix_socket":
             args["unix_socket"] = value
         elif name == "connect_timeout":
-            args["connect_timeout"] = float(value)
+            # A ConfigError, not float()'s ValueError; nan, 0 and negatives failed every
+            # connect as "Can't connect to MySQL server", inf never gave up on a dead host.
+            args["connect_timeout"] = float_option(
+                value, "MySQL URL option connect_timeout", 0.001, 3600
+            )
         else:
             raise ConfigError(
                 f"unknown option {name!r} in the MySQL URL; known: unix_socket, connect_timeout"
