@@ -25,7 +25,9 @@ dead letters too, *held* behind it, until ``outboxer dead-letters replay`` appli
 order. A message that cannot be read (no outboxer id, a JSON payload that does not parse)
 is dead-lettered at once. Database outages are not the message's fault: the worker opens a
 new connection with the relay's outage backoff and applies the batch again, no attempt
-counted. An outage is a connection that is gone (its driver says so, or the rollback fails):
+counted; lost again, it applies each message alone, and one that goes on losing the
+connection waits the outage backoff between tries (no hot loop, no other key held back).
+An outage is a connection that is gone (its driver says so, or the rollback fails):
 whatever the handler raised while the connection is fine (an OSError of its own included) is
 its failure. So is a failure of the consumer's own statements for a message applied alone
 (the inbox claim, the dead-letter check, the held record), which retrying at once would
@@ -133,6 +135,8 @@ class _Lane:
     failures: int = 0
     #: The head is waiting for its retry (a timer puts the lane back in the ready queue).
     retry: asyncio.TimerHandle | None = None
+    #: Database connections lost in a row applying the head alone (no attempt counted).
+    losses: int = 0
 
     @property
     def head(self) -> Incoming:
@@ -150,6 +154,14 @@ def load_handler(spec: str) -> Handler:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ConfigError(f"cannot import handler module {module_name!r}: {exc}") from exc
+    except Exception as exc:
+        # The module's own code failed (a SyntaxError, a setting it reads on import): named
+        # as the handler's module, where a bare "RuntimeError: ..." named nothing.
+        logger.debug("importing handler module %s failed", module_name, exc_info=True)
+        raise ConfigError(
+            f"handler module {module_name!r} failed on import: {describe(exc)} (run with "
+            "--log-level DEBUG for the traceback)"
+        ) from exc
     target: Any = module
     for part in attribute.split("."):
         target = getattr(target, part, None)
@@ -231,6 +243,14 @@ class Consumer:
         if broker is None or isinstance(broker, Receiver):
             self._receiver = broker  # None: only for replaying dead letters
         else:
+            # The consumer's own settings: as broker options they were a TypeError naming
+            # create_receiver's arguments ("got multiple values for keyword argument").
+            passed = sorted({"group", "topics", "prefetch", "name"} & set(broker_options or {}))
+            if passed:
+                raise ConfigError(
+                    f"broker option(s) {passed} are the consumer's own settings: pass them as "
+                    "such (--group, --topic, --prefetch, --name), not as --option"
+                )
             self._receiver = create_receiver(
                 broker,
                 group=group,
@@ -549,6 +569,7 @@ class Consumer:
             else:
                 todo.append(lane)
         todo.sort(key=lambda lane: lane.head.delivery.id)  # one lock order for every consumer
+        lost = 0  # connections lost in a row applying this batch
         while todo and not self.stopping:
             deliveries = [
                 dataclasses.replace(lane.head.delivery, attempt=lane.failures + 1)
@@ -566,7 +587,20 @@ class Consumer:
                     logger.warning("database connection lost (%s); reconnecting", failure)
                     if not await self._open(session):
                         return
-                    continue
+                    lost += 1
+                    if lost == 1 and not any(lane.losses for lane in todo):
+                        continue  # again at once: a loss is the database's, most of the time
+                    # Lost again on a new connection: the database may be dropping it over
+                    # one of these messages (a value over MySQL's max_allowed_packet, a
+                    # proxy's rule). Applied again at once, the batch would loop hot and hold
+                    # back every key in it for ever: each alone, so such a message holds
+                    # back only its own key, and then after the outage backoff.
+                    if len(todo) > 1:
+                        for lane in todo:
+                            await self._apply(session, [lane], alone=True)
+                        return
+                    self._lost_again(todo[0])
+                    return
                 if failure.index is not None:  # its handler raised
                     await self._failed(session, todo.pop(failure.index), failure.cause)
                     continue  # the others again at once: not their fault
@@ -707,6 +741,24 @@ class Consumer:
         )
         lane.retry = asyncio.get_running_loop().call_later(delay, self._retry_due, lane)
 
+    def _lost_again(self, lane: _Lane) -> None:
+        """The head, applied alone, lost the database connection again: no attempt counted
+        (the database may be down), tried again after the outage backoff."""
+        lane.losses += 1
+        delay = OUTAGE_BACKOFF.delay(lane.losses)
+        delivery = lane.head.delivery
+        logger.warning(
+            "consumer %s: message %s (topic %s, key %s): the database connection was lost "
+            "again applying it (%d in a row); retrying in %.1fs",
+            self.group,
+            delivery.id,
+            delivery.topic,
+            delivery.key,
+            lane.losses,
+            delay,
+        )
+        lane.retry = asyncio.get_running_loop().call_later(delay, self._retry_due, lane)
+
     def _retry_due(self, lane: _Lane) -> None:
         lane.retry = None
         if not self.stopping:
@@ -759,7 +811,7 @@ class Consumer:
         await self.receiver.ack([lane.head for lane in lanes])
         for lane in lanes:
             lane.queue.popleft()
-            lane.failures = 0
+            lane.failures = lane.losses = 0
             self._held -= 1
             if lane.queue:
                 self._ready.put_nowait(lane)

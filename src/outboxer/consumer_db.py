@@ -482,6 +482,12 @@ class SyncSession(Session):
         tells; where it cannot end it, as psycopg's transaction block, True)."""
         return True
 
+    def _rolled_back(self, group: str, message_id: uuid.UUID) -> bool:
+        """Whether the transaction whose first claim was ``message_id`` was rolled back while
+        the handlers ran, unseen by ``_in_transaction`` (PyMySQLSession: a deadlock that a
+        handler caught and went on from)."""
+        return False
+
     def _claim(self, group: str, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
         """The ids of ``ids`` claimed now (first deliveries); one statement a message here."""
         return {i for i in ids if self.inbox.claim(self.conn, group, i)}
@@ -507,6 +513,7 @@ class SyncSession(Session):
                     self._execute("delete", self.id_params(group, deliveries[i].id))
             except Exception as exc:
                 raise BatchFailed("statement", exc) from exc
+            kept: uuid.UUID | None = None  # the transaction's first claim
             for index in todo:
                 message_id = deliveries[index].id
                 try:
@@ -516,6 +523,7 @@ class SyncSession(Session):
                 if message_id not in first:
                     results[index] = Result.DUPLICATE
                     continue
+                kept = kept or message_id
                 try:
                     call_sync_handler(handler, deliveries[index], self.conn)
                 except Exception as exc:
@@ -526,6 +534,12 @@ class SyncSession(Session):
                     # and the earlier messages whole (their redeliveries are duplicates), a
                     # rollback undid them, and failing here has them applied again.
                     raise BatchFailed("handler", HandlerEndedTransaction(), index)
+            try:
+                rolled_back = kept is not None and self._rolled_back(group, kept)
+            except Exception as exc:
+                raise BatchFailed("statement", exc) from exc
+            if rolled_back:
+                raise BatchFailed("commit", AbortedTransaction(_ROLLED_BACK_UNDER_HANDLERS))
             return _finish(results)
 
         try:
@@ -582,6 +596,10 @@ def _refuse_aborted(conn: Any) -> None:
         raise AbortedTransaction
 
 
+_ROLLED_BACK_UNDER_HANDLERS = (
+    "the transaction was rolled back while the handlers ran (a deadlock a handler caught and "
+    "went on?), and what followed ran in a new one: rolled back too"
+)
 #: MySQL's SERVER_STATUS_IN_TRANS flag (pymysql.constants.SERVER_STATUS).
 _SERVER_STATUS_IN_TRANS = 1
 #: libpq's transaction status IDLE (psycopg.pq.TransactionStatus), not imported at module level.
@@ -674,6 +692,13 @@ class PyMySQLSession(SyncSession):
         # again has begun a new transaction: not seen, but its claim committed with its
         # earlier writes, so no other message's claim is lost with it.
         return bool(self.conn.server_status & _SERVER_STATUS_IN_TRANS)
+
+    def _rolled_back(self, group: str, message_id: uuid.UUID) -> bool:
+        # A deadlock rolls back the whole transaction and the next statement begins a new
+        # one: a handler that caught it and went on ("retry the statement") leaves the
+        # server's in-transaction flag set, and committing would ack the batch's messages
+        # whose writes and claims are gone. Their first claim is gone with them.
+        return not self._fetch("inbox_kept", self.id_params(group, message_id))
 
     def _cursor_sql(self, sql: str) -> str:
         return _pyformat(sql)
@@ -799,18 +824,33 @@ class AbortedTransaction(RuntimeError):
 
 
 class _AsyncpgTransaction:
-    """BEGIN ... COMMIT by hand, to see COMMIT's answer: PostgreSQL answers ROLLBACK for a
-    transaction a failed statement aborted, and asyncpg's own Transaction does not look."""
+    """asyncpg's own transaction, so that a handler's ``async with conn.transaction()`` is a
+    savepoint in it (in one begun by hand asyncpg refuses the block, InterfaceError: every
+    message of such a handler became a dead letter). COMMIT of a transaction a failed
+    statement aborted is a ROLLBACK in PostgreSQL, and asyncpg's commit does not look:
+    a statement first tells (InFailedSQLTransactionError)."""
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Any, transaction: Any) -> None:
         self.conn = conn
+        self.transaction = transaction
+        self.committing = False
 
     async def commit(self) -> None:
-        if await self.conn.execute("COMMIT") != "COMMIT":
-            raise AbortedTransaction
+        from asyncpg.exceptions import InFailedSQLTransactionError
+
+        try:
+            await self.conn.execute("SELECT 1")
+        except InFailedSQLTransactionError:
+            raise AbortedTransaction from None
+        self.committing = True
+        await self.transaction.commit()
 
     async def rollback(self) -> None:
-        await self.conn.execute("ROLLBACK")
+        # Not after COMMIT failed: that ended the transaction (asyncpg's too), and asyncpg
+        # would refuse with an InterfaceError, read as a lost connection. Otherwise always,
+        # even if a handler ended it by hand: asyncpg forgets it only when it ends it.
+        if not self.committing:
+            await self.transaction.rollback()
 
 
 class AsyncpgSession(AsyncSession):
@@ -850,8 +890,9 @@ class AsyncpgSession(AsyncSession):
         return super().disconnected(exc) or isinstance(exc, gone)
 
     async def _begin(self) -> Any:
-        await self.conn.execute("BEGIN")
-        return _AsyncpgTransaction(self.conn)
+        transaction = self.conn.transaction()
+        await transaction.start()
+        return _AsyncpgTransaction(self.conn, transaction)
 
     async def _execute(self, name: str, params: Mapping[str, Any]) -> int:
         sql, names = _numbered(self.sql(name))

@@ -10,6 +10,12 @@ VALUES (:consumer, :message_id, :topic, :key, :headers, :content_type, :payload,
         :error, :attempts, :held)
 ON DUPLICATE KEY UPDATE seq = seq
 
+-- name: inbox_kept
+-- The batch transaction's first inbox claim, read just before its commit: there unless a
+-- deadlock rolled the transaction back under a handler that caught it and went on (its
+-- later statements then ran in a new transaction, which must not commit).
+SELECT 1 AS kept FROM {inbox} WHERE consumer = :consumer AND message_id = :message_id
+
 -- name: key_blocked
 SELECT 1 AS blocked FROM {dead_letters} WHERE consumer = :consumer AND `key` = :key LIMIT 1
 
