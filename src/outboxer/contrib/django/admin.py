@@ -103,7 +103,17 @@ class OutboxMessageAdmin(ReadOnlyAdmin):
     )
     def requeue(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> None:
         rows = list(queryset.values_list("message_id", "destination"))
-        count = requeue_messages(rows)
+        try:
+            count = requeue_messages(rows)
+        except OutboxerError as exc:
+            # A message, as the replay action gives, not a server error: outboxer's own
+            # connection can fail where Django's did not (OUTBOXER["db"], a missing driver).
+            # Each destination's rows are requeued in a transaction of their own.
+            several = len({destination for _, destination in rows}) > 1
+            note = " (those of an earlier destination may be requeued already)" if several else ""
+            text = f"Requeue failed{note}: {redact_text(str(exc))}"
+            self.message_user(request, text, messages.ERROR)
+            return
         skipped = len(rows) - count
         note = f"; {skipped} not ABANDONED or FAILED, left alone" if skipped else ""
         self.message_user(request, f"Requeued {count} message(s){note}.", messages.SUCCESS)

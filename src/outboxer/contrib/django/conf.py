@@ -33,6 +33,7 @@ from django.db import DEFAULT_DB_ALIAS, connections
 
 from outboxer.config import (
     Settings,
+    declarations,
     declared_values,
     file_table,
     load_settings,
@@ -49,6 +50,20 @@ if TYPE_CHECKING:
 #: Django's database vendors and outboxer's dialect of each.
 DIALECTS = {"postgresql": "postgres", "mysql": "mysql", "sqlite": "sqlite"}
 
+#: libpq options of a PostgreSQL entry's OPTIONS that the URL carries (asyncpg and psycopg
+#: read them from its query): the service, password file and certificates Django's
+#: connection uses are outboxer's too. Not sslpassword: a secret outside the URL's password.
+PG_OPTIONS = (
+    "service",
+    "passfile",
+    "sslmode",
+    "sslrootcert",
+    "sslcert",
+    "sslkey",
+    "sslcrl",
+    "target_session_attrs",
+)
+
 
 def raw_settings() -> dict[str, Any]:
     value = getattr(django_settings, "OUTBOXER", {})
@@ -60,7 +75,7 @@ def raw_settings() -> dict[str, Any]:
 def database_alias() -> str:
     """The alias of the database that holds the outbox (``OUTBOXER["database"]``)."""
     alias = raw_settings().get("database", DEFAULT_DB_ALIAS)
-    if alias not in django_settings.DATABASES:
+    if not isinstance(alias, str) or alias not in django_settings.DATABASES:
         raise ConfigError(f'settings.OUTBOXER["database"] names no database: {alias!r}')
     return str(alias)
 
@@ -88,15 +103,19 @@ def database_url(alias: str) -> str:
     if host.startswith("/"):  # a socket directory (PostgreSQL) or socket file (MySQL)
         query["host" if kind == "postgres" else "unix_socket"] = host
         host = ""
+    elif ":" in host and not host.startswith("["):  # an IPv6 address: [::1]:5432, as URLs say
+        host = f"[{host}]"
     if kind == "mysql" and "unix_socket" in options:
         query["unix_socket"] = str(options["unix_socket"])
-    if kind == "postgres" and "sslmode" in options:
-        query["sslmode"] = str(options["sslmode"])
+    if kind == "postgres":
+        query.update({name: str(options[name]) for name in PG_OPTIONS if name in options})
     credentials = quote(user, safe="") + (":" + quote(password, safe="") if password else "")
     netloc = (credentials + "@" if credentials else "") + host + (":" + port if port else "")
     scheme = "postgresql" if kind == "postgres" else "mysql"
     suffix = "?" + urlencode(query) if query else ""
-    return f"{scheme}://{netloc}/{quote(name, safe='')}{suffix}"
+    # No NAME (PostgreSQL: a service names the database): no path, which would name "".
+    path = "/" + quote(name, safe="") if name else ""
+    return f"{scheme}://{netloc}{path}{suffix}"
 
 
 def outboxer_settings() -> Settings:
@@ -131,6 +150,7 @@ def _load(overrides: dict[str, Any]) -> Settings:
     destinations = parse_destinations(
         raw.pop("destinations", {}), 'settings.OUTBOXER["destinations"]'
     )
+    _check(raw, Settings, "settings.OUTBOXER", skip=("db",))  # db: one URL or several
     raw.update(overrides)
     loaded = load_settings(raw)
     # OUTBOXER["destinations"] replace outboxer.toml's; Settings gives the "broker" setting
@@ -149,6 +169,7 @@ def consumer_settings(**overrides: Any) -> ConsumerSettings:
         raise ConfigError(
             f'settings.OUTBOXER["consumer"] must be a dict, not {type(given).__name__}'
         )
+    _check(given, ConsumerSettings, 'settings.OUTBOXER["consumer"]')
     given = {**given, **{name: value for name, value in overrides.items() if value is not None}}
     file_values, origin = read_config_file(None, os.environ)
     values = declared_values(
@@ -159,6 +180,18 @@ def consumer_settings(**overrides: Any) -> ConsumerSettings:
         f"{origin} [consumer]",
     )
     return ConsumerSettings(**values)
+
+
+def _check(values: Mapping[str, Any], cls: type, where: str, *, skip: tuple[str, ...] = ()) -> None:
+    """Parse ``values`` as ``cls`` declares its settings, so that an error names the value
+    where the project wrote it (``settings.OUTBOXER["batch_size"]``), not the command-line
+    flag ``load_settings`` names for a value given to it (``--batch-size``)."""
+    known = {declared.name: declared for declared in declarations(cls)}
+    if unknown := sorted(set(values) - set(known)):
+        raise ConfigError(f"{where}: unknown settings {unknown}; known: {sorted(known)}")
+    for name, value in values.items():
+        if value is not None and name not in skip:
+            known[name].kind.parse(value, f'{where}["{name}"]')
 
 
 def forget_settings(**signal: Any) -> None:

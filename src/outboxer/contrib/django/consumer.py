@@ -120,6 +120,8 @@ class DjangoSession(SyncSession):
                 # First of the on_commit callbacks: the handler's run after it, before the ack.
                 transaction.on_commit(mark_committed, using=self.alias)
                 try:
+                    if self.dialect == "sqlite":  # the write lock first: see consumer.sql
+                        self._execute("write_lock", {})
                     result = work()
                 finally:
                     # Read before the rollback, which clears it.

@@ -15,7 +15,9 @@
 ``save()`` and ``delete()`` run the model's own write and ``enqueue_many`` of the recorded
 events inside one ``transaction.atomic(using=...)`` on the database the instance is written
 to, so the events commit or roll back with the row; the events of one instance keep their
-recording order (callable payloads run after the row's INSERT: the pk is there).
+recording order (callable payloads run after the row's INSERT: the pk is there; ``delete()``
+writes them before its DELETE, which sets the pk to None, and those recorded during it, by a
+``pre_delete`` or ``post_delete`` receiver, after it).
 
 When an event is forgotten, and why it differs from the SQLAlchemy integration: a Django
 instance keeps its changed fields after a rollback, and saving it again writes them again.
@@ -137,6 +139,11 @@ class RecordsEvents(_RecordsEvents):
     def delete(self, using: str | None = None, keep_parents: bool = False) -> Any:
         using = using or router.db_for_write(type(self), instance=self)
         with transaction.atomic(using=using, savepoint=False):
+            # Before the DELETE: Django sets the primary key to None once the row is gone,
+            # and a deferred payload or key (``lambda: {"id": self.pk}``) must still see it.
+            write_events(self, using)
             deleted = super().delete(using=using, keep_parents=keep_parents)  # type: ignore[misc]
+            # And after it, for the events recorded during it (a pre_delete or post_delete
+            # receiver): those written above are in the outbox already, and not written twice.
             write_events(self, using)
         return deleted

@@ -201,7 +201,7 @@ class CommandTests(OutboxTestCase):
         ):
             call_command("outboxer_relay", "--exit-when-idle")
         self.assertEqual(raised.exception.returncode, 2)
-        self.assertIn("batch-size must be between 1 and", str(raised.exception))
+        self.assertIn('OUTBOXER["batch_size"] must be between 1 and', str(raised.exception))
 
 
 class AdminTests(OutboxTestCase):

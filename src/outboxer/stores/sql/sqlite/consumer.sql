@@ -30,3 +30,10 @@ UPDATE {dead_letters}
 SET attempts = attempts + 1, error = :error, held = 0,
     failed_at = (julianday('now') - 2440587.5) * 86400.0
 WHERE consumer = :consumer AND message_id = :message_id
+
+-- name: write_lock
+-- The first statement of a transaction that Django began (SQLite's deferred BEGIN; the
+-- consumer's own session begins IMMEDIATE): a write that changes nothing, so the
+-- transaction takes the write lock now, waiting busy_timeout for another writer. Once a
+-- read came first (the dead-letter check), SQLite answers "database is locked" at once.
+DELETE FROM {inbox} WHERE 0
