@@ -759,15 +759,26 @@ class Relay:
     # ----- the loop --------------------------------------------------------------------------
 
     async def _connect_store(self) -> bool:
-        """Connect, backing off while the database is down; False if stopped meanwhile."""
+        """Connect, backing off while the database is down; False if stopped meanwhile.
+
+        A stop abandons a connect under way: it has nothing to finish, and a database that
+        does not answer (a stalled network) held the shutdown for the driver's timeout (a
+        minute), through ``shutdown_timeout`` and a second SIGTERM."""
         outage = Outage(
             self, "database", "unreachable", log_as="database unreachable", counts=[self.stats]
         )
         while True:
+            attempt = asyncio.ensure_future(self._connect_checked())
+            stopped = asyncio.ensure_future(self._stopping.wait())
             try:
-                await self.store.connect()
-                # Fatal, not retried: claims would fail until an operator upgrades the schema.
-                await self.store.check_schema()
+                await asyncio.wait({attempt, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                await _cancel(stopped, attempt)  # the attempt only if it is still under way
+            if attempt.cancelled():
+                await self.store.close()  # what the attempt opened (bounded)
+                return False
+            try:
+                attempt.result()
                 outage.over()
                 return True
             except SchemaError:
@@ -775,6 +786,11 @@ class Relay:
             except Exception as exc:  # noqa: BLE001 -- the database may be starting: keep trying, never exit
                 if await outage.back_off(exc):
                     return False
+
+    async def _connect_checked(self) -> None:
+        await self.store.connect()
+        # Fatal, not retried: claims would fail until an operator upgrades the schema.
+        await self.store.check_schema()
 
     def _stats(self, destination: str) -> tuple[RelayStats, RelayStats]:
         """The relay's counters and the destination's: both take every count."""
@@ -804,12 +820,14 @@ class Relay:
         )
         while not publisher.connected:
             try:
-                await publisher.connect()
+                connected = await publisher.connect()
                 if outage.over():
                     self.log.info(
                         "destination %s: broker %s is back", destination, publisher.safe_url
                     )
-                for stats in self._stats(destination):
+                # Only the loop that connected counts: the others (``concurrency``, or
+                # another database's relay sharing the publisher) waited for it.
+                for stats in self._stats(destination) if connected else ():
                     stats.broker_reconnects += 1
             except Exception as exc:  # noqa: BLE001 -- broker outage: log, back off, try again
                 if isinstance(exc, PublishError) and not exc.retryable:

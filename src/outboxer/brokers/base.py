@@ -176,10 +176,12 @@ class Publisher(ABC):
     def connected(self) -> bool:
         return self._connected
 
-    async def connect(self) -> None:
+    async def connect(self) -> bool:
+        """Connect unless connected; return whether this call made the connection (the
+        loops sharing a publisher wait here for the one that connects)."""
         async with self._connect_lock:
             if self._connected:
-                return
+                return False
             try:
                 # A broker that accepts the TCP connection but never answers must not hang the relay.
                 await asyncio.wait_for(self._connect(), self.publish_timeout)
@@ -191,6 +193,7 @@ class Publisher(ABC):
                 ) from exc
             self._connected = True
             self.stats.connects += 1
+            return True
 
     async def close(self) -> None:
         self._connected = False

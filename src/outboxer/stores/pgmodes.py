@@ -22,6 +22,7 @@ from outboxer.errors import ConfigError, PayloadError, StoreError
 from outboxer.message import JSON, Message
 from outboxer.redact import register_url_secrets
 from outboxer.stores.base import check_identifier
+from outboxer.stores.pgpartitions import ISOLATION
 from outboxer.stores.sqlfiles import migrations, queries, quote_ident, render
 
 if TYPE_CHECKING:
@@ -252,17 +253,27 @@ class ModeSchema:
     async def apply_migrations(self, folder: str) -> list[str]:
         """Apply the migrations of ``sql/<folder>`` not applied yet (recorded in a table of
         that folder's own); return those applied now."""
+        from outboxer.stores.postgres import lock_schema
+
         await self.connect()
         applied: list[str] = []
         conn = self.conn
         recorded = self._migrations_table(folder)
-        async with conn.transaction():
+        # READ COMMITTED whatever the database's default: the versions recorded must be read
+        # as the locks below find them. At REPEATABLE READ the lock's query took the snapshot
+        # before its wait, and a second apply ran the first's migrations again (a table
+        # "already exists").
+        async with conn.transaction(isolation=ISOLATION):
             await conn.execute("SET LOCAL synchronous_commit = on")
+            await lock_schema(conn, self.schema)  # the schema's shared objects (see there)
             await conn.execute(
                 "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
                 f"outboxer-schema:{self.schema}.{self.table}",
             )
-            await conn.execute(f"CREATE SCHEMA IF NOT EXISTS {self.names['schema']}")
+            # Only if missing: IF NOT EXISTS asks for the CREATE privilege on the database
+            # even when the schema exists (a role owning the schema its DBA made lacks it).
+            if await conn.fetchval("SELECT to_regnamespace($1)", self.names["schema"]) is None:
+                await conn.execute(f"CREATE SCHEMA {self.names['schema']}")
             await conn.execute(
                 f"CREATE TABLE IF NOT EXISTS {recorded} "
                 "(version integer PRIMARY KEY, name text NOT NULL, "

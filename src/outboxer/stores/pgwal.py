@@ -93,10 +93,22 @@ class PgWal(ModeSchema):
         exists = await self.conn.fetchval(
             "SELECT 1 FROM pg_publication WHERE pubname = $1", PUBLICATION
         )
-        if not exists:
-            await self.conn.execute(f"CREATE PUBLICATION {PUBLICATION}")
+        if not exists and await self._create_publication():
             applied.append(f"publication {PUBLICATION}")
         return applied + await self.apply_migrations("pgstream")
+
+    async def _create_publication(self) -> bool:
+        """CREATE PUBLICATION; False if another session created it since the look (two
+        stream relays started together with --apply-schema): it exists, as wanted. It
+        failed the second with a duplicate key of pg_publication."""
+        from outboxer.stores.postgres import _asyncpg
+
+        asyncpg = _asyncpg()
+        try:
+            await self.conn.execute(f"CREATE PUBLICATION {PUBLICATION}")
+        except (asyncpg.UniqueViolationError, asyncpg.DuplicateObjectError):
+            return False
+        return True
 
     def schema_sql(self) -> str:
         return f"CREATE PUBLICATION {PUBLICATION};\n\n" + super().schema_sql()

@@ -14,7 +14,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -62,15 +62,50 @@ logger = get_logger("outboxer.store")
 
 T = TypeVar("T")
 
+#: Seconds ``close`` waits for the database's goodbyes before it cuts the connections.
+CLOSE_TIMEOUT = 1.0
+#: Seconds a connection whose statement failed or was cut short (a caller's timeout, a
+#: forced shutdown) waits for the database to confirm the cancel, or to reset; then it is
+#: closed instead. asyncpg waits up to command_timeout (a minute) for a database that
+#: stopped answering, and a scrape, a health probe or a shutdown waited with it.
+RELEASE_TIMEOUT = 0.5
+
+
+async def _give_back(pool: Any, conn: Any) -> None:
+    """Give back ``conn``, whose statement failed or was cut short, within RELEASE_TIMEOUT
+    (else asyncpg closes it, and the pool opens a new one when asked)."""
+    try:
+        await pool.release(conn, timeout=RELEASE_TIMEOUT)
+    except TimeoutError:
+        logger.info("a connection gave no answer within %gs: closed", RELEASE_TIMEOUT)
+
 
 _MIGRATIONS_TABLE = """
-CREATE SCHEMA IF NOT EXISTS {schema};
+-- The schema unless it exists: CREATE SCHEMA IF NOT EXISTS asks for the CREATE privilege on
+-- the database even when it exists, which a role owning the schema its DBA made lacks.
+DO $schema$ BEGIN
+    IF to_regnamespace('{schema}') IS NULL THEN
+        CREATE SCHEMA {schema};
+    END IF;
+END $schema$;
 CREATE TABLE IF NOT EXISTS {migrations} (
     version    integer PRIMARY KEY,
     name       text NOT NULL,
     applied_at timestamptz NOT NULL DEFAULT now()
 );
 """
+
+
+async def lock_schema(conn: Any, schema: str) -> None:
+    """Wait for every other outboxer schema change in ``schema`` to end (until this
+    transaction ends). The tables of one schema share objects they each create IF NOT
+    EXISTS (the schema itself, the inbox, the dead letters), and two such creations at once
+    fail with a duplicate key of the catalog: applies of two tables (two services
+    deploying together), each under its own table's lock, failed that way. Taken before
+    the table's own lock, by every schema change (apply, migrate-partitioned, modes)."""
+    await conn.execute(
+        "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", f"outboxer-schema:{schema}"
+    )
 
 
 def _asyncpg() -> Any:
@@ -179,20 +214,42 @@ class PostgresStore(Store):
         # From here on a statement that ends (a lease renewal finishing late) hands its
         # connection back instead of keeping it: pool.close() waits for every connection.
         self._closing = True
+        try:
+            # Bounded: a database that stopped answering (a stalled network) never answers
+            # the goodbyes, and the relay's shutdown (SIGTERM) waited for them for ever.
+            async with asyncio.timeout(CLOSE_TIMEOUT):
+                await self._close_gracefully()
+        except TimeoutError:
+            logger.warning(
+                "PostgreSQL did not answer within %gs while closing: connections cut",
+                CLOSE_TIMEOUT,
+            )
+            # Nothing is lost: the listener's registration lapses, the server ends the
+            # sessions (and rolls back what they had begun).
+            listener, self._listener = self._listener, None
+            if listener is not None and not listener.is_closed():
+                listener.terminate()
+            pool, self._pool = self._pool, None
+            if pool is not None:
+                pool.terminate()
+        finally:
+            self._closing = False
+
+    async def _close_gracefully(self) -> None:
         await self._return_kept()
         if self._unregistering is not None:
             await asyncio.gather(self._unregistering, return_exceptions=True)
-        if self._listener is not None:
-            listener, self._listener = self._listener, None
+        listener = self._listener
+        if listener is not None:
             if not listener.is_closed():
                 sql, args = self._args("unregister_listener", {"relay": self._listener_name})
                 with contextlib.suppress(Exception):  # best effort: the row expires anyway
                     await listener.execute(sql, *args)
                 await listener.close()
+            self._listener = None
         if self._pool is not None:
-            pool, self._pool = self._pool, None
-            await pool.close()
-        self._closing = False
+            await self._pool.close()
+            self._pool = None
 
     async def _statement(self, run: Callable[[Any], Awaitable[T]]) -> T:
         """``run(connection)`` on a connection the relay keeps between its statements.
@@ -218,7 +275,7 @@ class PostgresStore(Store):
         try:
             result = await run(conn)
         except BaseException:
-            await pool.release(conn)
+            await _give_back(pool, conn)
             raise
         if self._closing or pool is not self._pool or self._starving(pool):
             # close() began while this statement ran (a lease renewal finishing late): kept,
@@ -242,6 +299,19 @@ class PostgresStore(Store):
             and pool.get_size() >= pool.get_max_size()
         )
 
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[Any]:
+        """A pool connection for one request; after a failure (a timeout's cancellation
+        too), given back as ``_give_back`` does."""
+        pool = self._pool
+        conn = await pool.acquire()
+        try:
+            yield conn
+        except BaseException:
+            await _give_back(pool, conn)
+            raise
+        await pool.release(conn)
+
     async def _return_kept(self) -> None:
         kept, self._kept = self._kept, []
         for conn in kept:
@@ -256,6 +326,28 @@ class PostgresStore(Store):
 
     def _partitions(self) -> Partitions:
         return Partitions(self.schema, self.table, self.lock_key("partitions"))
+
+    @contextlib.asynccontextmanager
+    async def _schema_connection(self) -> AsyncIterator[Any]:
+        """A connection of its own for a schema change, without the pool's per-statement
+        timeout: an index built over a big table, or a wait for a long transaction, takes
+        minutes, and cancelled at the pool's 60 s the upgrade could never complete. READ
+        COMMITTED as the pool's: the versions recorded are read after the locks."""
+        asyncpg = _asyncpg()
+        try:
+            conn = await asyncpg.connect(
+                asyncpg_dsn(self.url),
+                server_settings={
+                    "application_name": "outboxer-schema",
+                    "default_transaction_isolation": "read committed",
+                },
+            )
+        except (OSError, asyncpg.PostgresError) as exc:
+            raise StoreError(f"cannot connect to PostgreSQL: {exc}") from exc
+        try:
+            yield conn
+        finally:
+            await conn.close()
 
     async def apply_schema(
         self,
@@ -275,10 +367,11 @@ class PostgresStore(Store):
         await self.connect()
         tokens = self.tokens()
         applied: list[str] = []
-        async with self._pool.acquire() as conn:
+        async with self._schema_connection() as conn:
             async with conn.transaction():
                 await _durably(conn)
                 # One schema change at a time, whoever runs it.
+                await lock_schema(conn, self.schema)
                 await conn.execute("SELECT pg_advisory_xact_lock($1)", self.lock_key("schema"))
                 await conn.execute(render(_MIGRATIONS_TABLE, tokens))
                 kind = await self._partitions().layout(conn)
@@ -322,6 +415,7 @@ class PostgresStore(Store):
         plain_raw = f"{self.table}_plain"
         tokens |= {
             "plain_raw": plain_raw,
+            "plain_name": quote_ident(plain_raw),
             "plain": f"{quote_ident(self.schema)}.{quote_ident(plain_raw)}",
         }
         sql = queries("postgres", "migrate_partitioned.sql")
@@ -353,6 +447,7 @@ class PostgresStore(Store):
             async with conn.transaction(isolation=PARTITION_ISOLATION):
                 await _durably(conn)
                 await conn.execute("SET LOCAL lock_timeout = '5s'")
+                await lock_schema(conn, self.schema)
                 await conn.execute("SELECT pg_advisory_xact_lock($1)", self.lock_key("schema"))
                 kind = await partitions.layout(conn)
                 if kind != "r":
@@ -443,7 +538,7 @@ class PostgresStore(Store):
     async def applied_migrations(self) -> set[int]:
         await self.connect()
         table = self.tokens()["migrations"]
-        async with self._pool.acquire() as conn:
+        async with self._connection() as conn:
             if await conn.fetchval("SELECT to_regclass($1)", table) is None:
                 return set()
             return {row["version"] for row in await conn.fetch(f"SELECT version FROM {table}")}
@@ -451,7 +546,7 @@ class PostgresStore(Store):
     async def layout(self) -> str | None:
         """``partitioned`` for the partitioned layout, else None (the default table, or none)."""
         await self.connect()
-        async with self._pool.acquire() as conn:
+        async with self._connection() as conn:
             return PARTITIONED if await self._partitions().layout(conn) == "p" else None
 
     async def is_partitioned(self) -> bool:
@@ -660,18 +755,18 @@ class PostgresStore(Store):
         sql, args = self._args(
             "cleanup", {"status": status, "retention": float(retention), "limit": limit}
         )
-        async with self._pool.acquire() as conn:
+        async with self._connection() as conn:
             return _count(await conn.execute(sql, *args))
 
     async def cleanup_inbox(self, retention: float, limit: int) -> int:
         sql, args = self._args("inbox_cleanup", {"retention": float(retention), "limit": limit})
-        async with self._pool.acquire() as conn:
+        async with self._connection() as conn:
             return _count(await conn.execute(sql, *args))
 
     # ----- operations ----------------------------------------------------------------------
 
     async def status(self) -> list[DestinationStatus]:
-        async with self._pool.acquire() as conn:
+        async with self._connection() as conn:
             partitioned = await self._partitions().layout(conn) == "p"
             stats_sql, _ = self._args(
                 "status_stats_partitioned" if partitioned else "status_stats", {}
@@ -702,7 +797,7 @@ class PostgresStore(Store):
         the time they cover, and the rows waiting in the default partition (more than none
         means the cleanup that makes partitions has not run for a while)."""
         report = await super().status_report()
-        async with self._pool.acquire() as conn:
+        async with self._connection() as conn:
             if await self._partitions().layout(conn) != "p":
                 return report
             partitions = [p for p in await self._partitions().list(conn) if p.lower]
@@ -719,18 +814,18 @@ class PostgresStore(Store):
 
     async def ping(self) -> None:
         await self.connect()
-        async with self._pool.acquire() as conn:
+        async with self._connection() as conn:
             await conn.fetchval("SELECT 1")
 
     async def oldest_transaction(self) -> float:
         """Seconds the oldest open writing transaction has run (it may hold a key's lock)."""
         sql, args = self._args("oldest_transaction", {})
-        async with self._pool.acquire() as conn:
+        async with self._connection() as conn:
             return float(await conn.fetchval(sql, *args) or 0.0)
 
     async def list_messages(self, statuses: Sequence[str], limit: int) -> list[dict[str, object]]:
         sql, args = self._args("list", {"statuses": list(statuses), "limit": limit})
-        async with self._pool.acquire() as conn:
+        async with self._connection() as conn:
             return [dict(row) for row in await conn.fetch(sql, *args)]
 
     async def requeue(

@@ -36,7 +36,8 @@ SELECT pg_get_serial_sequence(:outbox, 'seq') AS name
 -- name: rename_plain
 -- The old table and the names of its primary key and sequence move aside, freeing theirs
 -- for the new table (its other indexes: plain_indexes). Its notify trigger goes: nothing writes to it any more.
-ALTER TABLE {outbox} RENAME TO {plain_raw};
+-- The new name quoted, as {plain} names it after: unquoted, an upper-case one was folded.
+ALTER TABLE {outbox} RENAME TO {plain_name};
 ALTER TABLE {plain} RENAME CONSTRAINT {table_raw}_pkey TO {plain_raw}_pkey;
 ALTER SEQUENCE {plain_sequence} RENAME TO {plain_raw}_seq_seq;
 DROP TRIGGER {table_raw}_notify ON {plain};

@@ -9,7 +9,13 @@
 -- outboxer's relay, publishes them. Retention deletes old rows (the router ignores those
 -- deletes).
 
-CREATE SCHEMA IF NOT EXISTS {schema};
+-- The schema unless it exists: CREATE SCHEMA IF NOT EXISTS asks for the CREATE privilege on
+-- the database even when it exists, which a role owning the schema its DBA made lacks.
+DO $schema$ BEGIN
+    IF to_regnamespace('{schema}') IS NULL THEN
+        CREATE SCHEMA {schema};
+    END IF;
+END $schema$;
 
 CREATE TABLE {debezium} (
     id            uuid PRIMARY KEY,

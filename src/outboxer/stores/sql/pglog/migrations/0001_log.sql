@@ -3,7 +3,13 @@
 -- destinations read the same rows; retention drops whole daily partitions (no DELETE,
 -- no dead tuples, no vacuum of the log itself).
 
-CREATE SCHEMA IF NOT EXISTS {schema};
+-- The schema unless it exists: CREATE SCHEMA IF NOT EXISTS asks for the CREATE privilege on
+-- the database even when it exists, which a role owning the schema its DBA made lacks.
+DO $schema$ BEGIN
+    IF to_regnamespace('{schema}') IS NULL THEN
+        CREATE SCHEMA {schema};
+    END IF;
+END $schema$;
 
 CREATE TABLE {log} (
     -- Reading order is (order_xid, position). order_xid is the writing transaction's id

@@ -7,7 +7,13 @@
 -- record's LSN), which reading it again gives back unchanged: a caller-chosen message id
 -- used twice never merges two messages.
 
-CREATE SCHEMA IF NOT EXISTS {schema};
+-- The schema unless it exists: CREATE SCHEMA IF NOT EXISTS asks for the CREATE privilege on
+-- the database even when it exists, which a role owning the schema its DBA made lacks.
+DO $schema$ BEGIN
+    IF to_regnamespace('{schema}') IS NULL THEN
+        CREATE SCHEMA {schema};
+    END IF;
+END $schema$;
 
 -- Messages that failed and are not yet past the stream's checkpoint. Written in one
 -- statement per failed attempt (record_failure); the row goes when the checkpoint passes

@@ -1,7 +1,13 @@
 -- Migration 0001: the outbox table, its indexes and the wake-up trigger.
 -- Tokens in braces are replaced with quoted names from the settings.
 
-CREATE SCHEMA IF NOT EXISTS {schema};
+-- The schema unless it exists: CREATE SCHEMA IF NOT EXISTS asks for the CREATE privilege on
+-- the database even when it exists, which a role owning the schema its DBA made lacks.
+DO $schema$ BEGIN
+    IF to_regnamespace('{schema}') IS NULL THEN
+        CREATE SCHEMA {schema};
+    END IF;
+END $schema$;
 
 CREATE TABLE {outbox} (
     -- Publish order. Sequence values are taken before commit, so across transactions

@@ -3,7 +3,13 @@
 -- as migrations/0001_outbox.sql (their reasons are written there), so the write path and
 -- the relay's statements are the same; what differs is written here.
 
-CREATE SCHEMA IF NOT EXISTS {schema};
+-- The schema unless it exists: CREATE SCHEMA IF NOT EXISTS asks for the CREATE privilege on
+-- the database even when it exists, which a role owning the schema its DBA made lacks.
+DO $schema$ BEGIN
+    IF to_regnamespace('{schema}') IS NULL THEN
+        CREATE SCHEMA {schema};
+    END IF;
+END $schema$;
 
 CREATE TABLE {outbox} (
     seq             bigint GENERATED ALWAYS AS IDENTITY,
