@@ -58,6 +58,10 @@ _DUPLICATES: ContextVar[list[tuple[Message, PubAck]] | None] = ContextVar(
 _ABANDON_TIMEOUT = 2.0
 #: Refusals that the same publish will meet again (the message itself is at fault).
 _PERMANENT = (nats.errors.MaxPayloadError, nats.errors.BadSubjectError, nats.errors.BadHeaderError)
+#: JetStream refusals with a 4xx code that clear up by themselves: 10002, "resource limits
+#: exceeded for account" (the account's JetStream storage is used up; space comes back as
+#: messages age out or are consumed, or the operator raises the limit). Not the message's fault.
+_RETRYABLE_API_ERRORS = frozenset({10002})
 #: The connection is gone: reconnect before going on.
 _CONNECTION = (
     nats.errors.ConnectionClosedError,
@@ -300,7 +304,9 @@ class NatsPublisher(AckedPublisher[Msg]):
             code = exc.code or 0
             return PublishError(
                 f"JetStream refused {subject!r}: {exc}",
-                retryable=not 400 <= code < 500 or code in (408, 429),
+                retryable=not 400 <= code < 500
+                or code in (408, 429)
+                or exc.err_code in _RETRYABLE_API_ERRORS,
             )
         if isinstance(exc, _PERMANENT):
             return PublishError(

@@ -39,6 +39,9 @@ from outboxer.brokers.redis import RedisPublisher
 from outboxer.config import float_option
 from outboxer.errors import ConfigError
 from outboxer.receivers.base import Incoming, Receiver, decode, unreadable
+from outboxer.redact import get_logger
+
+logger = get_logger("outboxer.receiver")
 
 #: Entries taken over per XAUTOCLAIM call.
 _CLAIM_COUNT = 100
@@ -164,6 +167,8 @@ class RedisReceiver(Receiver):
                 count=min(limit, _CLAIM_COUNT),
             )
             received += await self._entries([(stream, reply[1])])
+            if len(reply) > 2 and reply[2]:  # Redis 7: ids it dropped from the pending list
+                self._report_lost(stream, reply[2])
         return received
 
     async def _entries(self, replies: Any) -> list[Incoming]:
@@ -189,7 +194,26 @@ class RedisReceiver(Receiver):
                 received.append(incoming)
         for stream, entry_id in gone:
             await self._client_now().xack(stream, self.group, entry_id)
+        for stream in dict.fromkeys(stream for stream, _ in gone):
+            self._report_lost(stream, [entry_id for name, entry_id in gone if name == stream])
         return received
+
+    def _report_lost(self, stream: str, entry_ids: Sequence[bytes]) -> None:
+        """Entries handed to this group, never applied, and no longer in the stream: those
+        messages are lost. They leave the pending list (nothing is left to apply), not unseen."""
+        count = len(entry_ids)
+        logger.warning(
+            "%s: %d pending entr%s of group %r gone from the stream %r before %s applied "
+            "(trimmed by the publisher's maxlen, XTRIM or XDEL): lost; first %s, last %s",
+            self.safe_url,
+            count,
+            "y" if count == 1 else "ies",
+            self.group,
+            stream,
+            "it was" if count == 1 else "they were",
+            _text(entry_ids[0]),
+            _text(entry_ids[-1]),
+        )
 
     def _incoming(self, stream: str, entry_id: bytes, fields: dict[bytes, bytes]) -> Incoming:
         # Another writer may XADD anything: a field name that is not UTF-8 is nobody's field.
