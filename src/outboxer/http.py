@@ -1014,6 +1014,7 @@ def _protocol_class(
     and is closed as soon as it is accepted.
     """
     h11_impl = _require("uvicorn.protocols.http.h11_impl")
+    h11 = _require("h11")
 
     class _DeadlineProtocol(h11_impl.H11Protocol):  # type: ignore[misc,name-defined]
         _deadline: asyncio.TimerHandle | None = None
@@ -1091,6 +1092,11 @@ def _protocol_class(
             # uvicorn closes the connection there, dropping the answer still to come: keep the
             # connection open to answer a request that is in, refuse one cut short.
             if self.cycle is not None:
+                if self.conn.their_state is h11.SEND_BODY:
+                    # Nothing more can come: waiting for the rest of the body held the
+                    # connection and its task for the whole read timeout, then said 408.
+                    self._refuse(BadRequest("the connection ended inside the request body"))
+                    return False
                 return True
             if self.conn.trailing_data[0].strip():
                 self._refuse(BadRequest("the connection ended inside the request head"))

@@ -44,6 +44,10 @@ logger = get_logger("outboxer.streamrelay")
 
 #: The backoff between tries to reach a database or broker that is down.
 OUTAGE_BACKOFF_MAX = 30.0
+#: Held keys remembered past this many, and past twice as many as the table had when they
+#: were last read, are read again from the table: the keys of dead letters replayed or
+#: purged elsewhere (the CLI) go, instead of staying for the life of the process.
+HELD_KEYS_RELOAD = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +217,8 @@ class StreamRelay:
         #: Keys with dead letters in the stream (a superset: a replay elsewhere may have
         #: emptied one; it is checked against the table before it holds a message).
         self._held_keys: set[str] = set()
+        #: How many keys the table had when ``_held_keys`` was last read from it.
+        self._held_keys_read = 0
         #: Place -> reason of what is backing off now ("database", "broker"); /health reads it.
         self._outages: dict[str, str] = {"relay": "starting: not connected yet"}
         self._running = False
@@ -254,7 +260,7 @@ class StreamRelay:
     async def _load(self) -> None:
         self._failures = await self.source.failures()
         if self.abandoned_blocks_key:
-            self._held_keys = await self.source.held_keys()
+            await self._read_held_keys()
         if self._failures:
             logger.info(
                 "%s: %d message(s) failed before and are retried with their attempts so far",
@@ -456,7 +462,10 @@ class StreamRelay:
         for letter in done.letters:
             self.stats.dead_lettered += 1
             self.stats.held += letter.held
-            if letter.message.key is not None:
+            # Only a key that holds its later messages back is remembered: without
+            # abandoned_blocks_key nothing reads or prunes the set, which grew by a key per
+            # dead letter for the life of the process.
+            if self.abandoned_blocks_key and letter.message.key is not None:
                 self._held_keys.add(letter.message.key)
             log = logger.info if letter.held else logger.error
             log(
@@ -478,12 +487,18 @@ class StreamRelay:
         checked against the table: a replay by the CLI may have emptied some."""
         if not self.abandoned_blocks_key:
             return set()
+        if len(self._held_keys) > max(HELD_KEYS_RELOAD, 2 * self._held_keys_read):
+            await self._read_held_keys()
         maybe = {m.key for m in messages if m.key is not None and m.key in self._held_keys}
         if not maybe:
             return set()
         still = await self.source.held_keys(maybe)
         self._held_keys -= maybe - still
         return still
+
+    async def _read_held_keys(self) -> None:
+        self._held_keys = await self.source.held_keys()
+        self._held_keys_read = len(self._held_keys)
 
     def _holds(self, held_now: set[str], message: Message) -> bool:
         return self.abandoned_blocks_key and message.key is not None and message.key in held_now

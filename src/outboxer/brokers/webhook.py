@@ -22,7 +22,7 @@ import os
 import re
 import ssl
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import cast
@@ -168,32 +168,39 @@ class _Lanes:
         self._slots = asyncio.Semaphore(size)
         self._make = make
         self._idle: list[httpx.AsyncClient] = []  # most recently used last: warm connections first
-        self._all: list[httpx.AsyncClient] = []
         self._closed = False
 
     @contextlib.asynccontextmanager
     async def borrow(self) -> AsyncIterator[httpx.AsyncClient]:
         async with self._slots:
-            if self._idle:
-                client = self._idle.pop()
-            else:
-                client = self._make()
-                self._all.append(client)
+            client = self._idle.pop() if self._idle else self._make()
             try:
                 yield client
             finally:
                 if not self._closed:
                     self._idle.append(client)
+                else:
+                    # Closed while this request waited for a slot or ran (the publisher
+                    # reconnected, or closes): the client is this request's to close, else
+                    # it kept its connection open for good.
+                    await _close_clients([client])
 
     async def aclose(self) -> None:
+        """Close the idle clients; one lent to a request is closed once the request is done
+        (``borrow``). Closed under it, a request that was going well failed and had its
+        attempt counted (the receiver may have applied it) whenever another relay loop
+        reconnected: only idle connections are stale."""
         self._closed = True
-        clients, self._all, self._idle = self._all, [], []
-        results = await asyncio.gather(
-            *(client.aclose() for client in clients), return_exceptions=True
-        )
-        for result in results:
-            if isinstance(result, BaseException) and not isinstance(result, Exception):
-                raise result  # cancellation, not a broken connection
+        clients, self._idle = self._idle, []
+        await _close_clients(clients)
+
+
+async def _close_clients(clients: Sequence[httpx.AsyncClient]) -> None:
+    """Close ``clients``; one whose connection broke has nothing left to release."""
+    results = await asyncio.gather(*(client.aclose() for client in clients), return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException) and not isinstance(result, Exception):
+            raise result  # cancellation, not a broken connection
 
 
 class WebhookPublisher(Publisher):
