@@ -257,8 +257,8 @@ def live_server(sqlite_url: str) -> Iterator[LiveServer]:
             lambda: HttpApi(
                 create_store(sqlite_url), load_settings({"db": sqlite_url}, environ={})
             ),
-            # A request whose body stops short (its client ended sending) is answered 408 at
-            # this deadline: each example sends all it will at once, so 1 s is plenty.
+            # A request whose body stops short is answered 400 as its client ends sending, or
+            # 408 at this deadline: each example sends all it will at once, so 1 s is plenty.
             read_timeout=1.0,
         ) as server:
             yield LiveServer(server.port, problems)
