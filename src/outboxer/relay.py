@@ -683,6 +683,12 @@ class Relay:
     def health_problems(self) -> list[str]:
         """Why this relay is not publishing right now (empty when its loops run unhindered)."""
         problems = [f"{place}: {reason}" for place, reason in sorted(self._outages.items())]
+        for destination, publisher in self.publishers.items():
+            # Known down (its connection closed) before a reconnect has failed: that takes
+            # the broker's connect timeout where it accepts connections but never answers.
+            place = f"broker {destination}"
+            if self._loops_running and place not in self._outages and not publisher.connected:
+                problems.append(f"{place}: not connected")
         for destination, (at, reason) in sorted(self._refusals.items()):
             ago = time.monotonic() - at
             if ago < REFUSAL_SHOWN_SECONDS:
@@ -821,6 +827,10 @@ class Relay:
         while not publisher.connected:
             try:
                 connected = await publisher.connect()
+                if not publisher.connected:
+                    # Lost again before its first use (a broker that closes each new
+                    # connection): a failed connect, backed off, not tried again at once.
+                    raise ConnectionError(f"{publisher.safe_url} closed the new connection")
                 if outage.over():
                     self.log.info(
                         "destination %s: broker %s is back", destination, publisher.safe_url

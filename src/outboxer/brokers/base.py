@@ -172,16 +172,26 @@ class Publisher(ABC):
         """The broker-side name for a message's topic (the topic itself unless routed)."""
         return self.routes.get(message.topic, message.topic)
 
+    def _transport_lost(self) -> bool:
+        """Whether the adapter knows, without I/O, that its connection is gone (the broker
+        closed it, its reader saw the end); False where it cannot tell. ``_connect`` then
+        replaces it: it must close what is left of the old connection first."""
+        return False
+
     @property
     def connected(self) -> bool:
-        return self._connected
+        # Not only until a publish fails: a broker that dropped the connection while the
+        # relay idled makes the relay reconnect (backing off, /health saying so) before its
+        # next claim, rather than claim rows and fail them on a dead connection.
+        return self._connected and not self._transport_lost()
 
     async def connect(self) -> bool:
         """Connect unless connected; return whether this call made the connection (the
         loops sharing a publisher wait here for the one that connects)."""
         async with self._connect_lock:
-            if self._connected:
+            if self.connected:
                 return False
+            self._connected = False  # the transport is gone: a publish must not use it
             try:
                 # A broker that accepts the TCP connection but never answers must not hang the relay.
                 await asyncio.wait_for(self._connect(), self.publish_timeout)
@@ -221,11 +231,12 @@ class Publisher(ABC):
         failed_keys: set[str] = set()
         started = time.perf_counter()
         for wave in waves(messages):
-            if not self._connected:
-                # The connection broke (in this batch, or in another loop's batch): the
-                # rest of this batch is not sent. Failed but not attempted: the relay gives
-                # these rows back with no attempt counted, and reconnects before its next
-                # claim (a flapping broker must not use up attempts of messages it never got).
+            if not self.connected:
+                # The connection broke (in this batch, in another loop's batch, or while
+                # idle, as the adapter saw): the rest of this batch is not sent. Failed but
+                # not attempted: the relay gives these rows back with no attempt counted,
+                # and reconnects before its next claim (a flapping broker must not use up
+                # attempts of messages it never got).
                 not_sent = self._not_connected()
                 for index, outcome in enumerate(outcomes):
                     if outcome is None:

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -118,6 +119,10 @@ class KafkaPublishError(PublishError):
         super().__init__(f"{self.name}: {error.str()}", retryable=retryable)
 
 
+#: Kafka's rule for topic names (as the receiver checks its own).
+_TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
+
+
 def kafka_error(exc: BaseException) -> BaseException:
     """Turn what ``produce()`` raised into a PublishError (a bad argument is permanent)."""
     if isinstance(exc, KafkaException) and exc.args and isinstance(exc.args[0], KafkaError):
@@ -198,10 +203,15 @@ class KafkaPublisher(Publisher):
         self._poller: threading.Thread | None = None
         self._stop = threading.Event()
         self._fatal: KafkaError | None = None
+        #: librdkafka reported every broker connection down (it goes on reconnecting); the
+        #: next connect asks the cluster afresh (see ``_transport_lost``).
+        self._brokers_down = False
 
     # ----- connection ------------------------------------------------------------------------
 
     async def _connect(self) -> None:
+        # Before the check: brokers going down again during or after it are still seen.
+        self._brokers_down = False
         if self._producer is not None and self._fatal is None:
             # librdkafka reconnects by itself: keep the producer (and what it still
             # holds in flight), only check that the cluster answers again.
@@ -244,7 +254,14 @@ class KafkaPublisher(Publisher):
             self._fatal = error
             logger.error("kafka producer hit a fatal error, it will be rebuilt: %s", error)
         else:
+            if error.code() == KafkaError._ALL_BROKERS_DOWN:
+                # Seen while idle too: the relay checks the cluster (connect) before its next
+                # claim rather than claim rows that would wait message.timeout.ms and fail.
+                self._brokers_down = True
             logger.info("kafka: %s", error)
+
+    def _transport_lost(self) -> bool:
+        return self._fatal is not None or self._brokers_down
 
     # ----- publishing ------------------------------------------------------------------------
 
@@ -312,6 +329,14 @@ class KafkaPublisher(Publisher):
         message: Message,
         on_delivery: Callable[[KafkaError | None, Any], None],
     ) -> None:
+        topic = self.destination_for(message)
+        if _TOPIC_NAME.fullmatch(topic) is None:
+            # Refused here, for good (ValueError: see kafka_error): librdkafka asks the
+            # cluster first, whose answer (TOPIC_EXCEPTION, permanent) could come as a local
+            # "Unknown topic" (retryable) when its metadata cache answered before the broker.
+            raise ValueError(
+                f"{topic!r:.300} is not a Kafka topic name: 1 to 249 of a-z A-Z 0-9 . _ -"
+            )
         headers: list[tuple[str, str | bytes | None]] = [
             (name, value.encode("utf-8")) for name, value in message.envelope_headers().items()
         ]
@@ -319,7 +344,7 @@ class KafkaPublisher(Publisher):
         while True:
             try:
                 producer.produce(
-                    self.destination_for(message),
+                    topic,
                     message.payload,
                     key,
                     headers=headers,

@@ -228,6 +228,10 @@ class MqttPublisher(AckedPublisher[ReasonCode]):
     def _connection_lost_event(self) -> asyncio.Event | None:
         return None if self._client is None else self._client.lost
 
+    def _transport_lost(self) -> bool:
+        client = self._client
+        return client is None or client.lost.is_set()
+
     async def _send(self, message: Message) -> asyncio.Future[ReasonCode]:
         client = self._client
         if client is None:

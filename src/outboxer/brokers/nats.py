@@ -408,6 +408,10 @@ class NatsPublisher(AckedPublisher[Msg]):
         nc = self._nc
         return None if nc is None or nc.is_closed else self._lost
 
+    def _transport_lost(self) -> bool:
+        nc = self._nc
+        return nc is None or nc.is_closed or self._lost.is_set()
+
     async def _send(self, message: Message) -> asyncio.Future[Msg]:
         nc = self._nc
         if nc is None:

@@ -563,6 +563,9 @@ class RabbitMQPublisher(Publisher):
         connection = self._connection
         return connection is None or connection.is_closed or not connection.connected.is_set()
 
+    def _transport_lost(self) -> bool:
+        return self._connection_lost()
+
     async def _take_lane(self) -> _Lane:
         """An open channel of the current connection for one wave: an idle one if there is
         one, else a new one."""
@@ -861,6 +864,14 @@ class RabbitMQPublisher(Publisher):
         try:
             lane = await self._take_lane()
         except Exception as exc:  # noqa: BLE001 - reported on each message
+            if self._connection_lost():
+                # Nothing of the wave was written: the connection went before it had a
+                # channel (lost while one opened). No attempt is counted.
+                not_sent = NotSent(self._lost(exc))
+                return [
+                    not_sent if index in prepared else result
+                    for index, result in enumerate(results)
+                ]
             return self._fail(results, list(prepared), exc)
         try:
             underlay = await lane.channel.get_underlay_channel()

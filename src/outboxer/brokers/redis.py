@@ -25,6 +25,7 @@ Entry layout (every value is a byte string):
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import Mapping, Sequence
@@ -37,7 +38,7 @@ from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from outboxer.brokers.base import Publisher, parse_options
+from outboxer.brokers.base import NotSent, Publisher, parse_options
 from outboxer.errors import ConfigError, PublishError
 from outboxer.message import Message
 
@@ -111,6 +112,16 @@ def reply_is_retryable(error: rexc.ResponseError) -> bool:
     return str(error).split(" ", 1)[0].upper() in _RETRYABLE_REPLIES
 
 
+def _closed_by_server(connection: Connection) -> bool:
+    """Whether Redis closed this idle connection, as its reader already saw (the end of the
+    stream, or a reset), without I/O: redis-py finds out only when it reads a reply, so a
+    wave written on it failed, as attempted, after a Redis restart or an idle timeout."""
+    reader = getattr(connection, "_reader", None)  # redis-py's StreamReader, while connected
+    if not isinstance(reader, asyncio.StreamReader):
+        return not connection.is_connected
+    return reader.at_eof() or reader.exception() is not None
+
+
 class RedisPublisher(Publisher):
     """Appends each message to the stream ``stream_prefix + destination``."""
 
@@ -158,12 +169,19 @@ class RedisPublisher(Publisher):
         client = aioredis.Redis.from_url(
             self._driver_url, retry=Retry(NoBackoff(), 0), socket_connect_timeout=10
         )
+        # The PING goes on the waves' first connection: idle, it is the one whose reader
+        # sees Redis close it (see _transport_lost), before any wave ran.
+        connection = self._new_connection(client)
         try:
-            await client.ping()
+            await connection.connect()  # type: ignore[no-untyped-call]
+            await connection.send_command("PING")
+            await connection.read_response()
         except BaseException:
+            with contextlib.suppress(rexc.RedisError, OSError):
+                await connection.disconnect(nowait=True)
             await client.aclose()
             raise
-        self._client = client
+        self._client, self._idle = client, [connection]
 
     async def _close(self) -> None:
         idle, self._idle = self._idle, []
@@ -175,6 +193,9 @@ class RedisPublisher(Publisher):
             # A broken connection has nothing left to release.
             with contextlib.suppress(rexc.RedisError, OSError):
                 await client.aclose()
+
+    def _transport_lost(self) -> bool:
+        return self._client is None or any(_closed_by_server(c) for c in self._idle)
 
     def _head(self, stream: str) -> tuple[int, bytes]:
         head = self._heads.get(stream)
@@ -213,9 +234,10 @@ class RedisPublisher(Publisher):
             return results
         client = self._client
         connection = self._idle.pop() if self._idle else self._new_connection(client)
-        reusable = False
+        reusable = written = False
         try:
             await connection.connect()  # type: ignore[no-untyped-call]
+            written = True
             await connection.send_packed_command(b"".join(commands))
             for index in sent:
                 try:
@@ -230,8 +252,10 @@ class RedisPublisher(Publisher):
                     results[index] = error
             reusable = True
         except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
+            # No connection to write on: nothing reached Redis, no attempt is counted.
+            failure = exc if written else NotSent(exc)
             for index in sent:
-                results[index] = exc
+                results[index] = failure
         finally:
             if reusable and self._client is client:
                 self._idle.append(connection)
