@@ -256,8 +256,6 @@ def build_consumer(settings: Settings, own: ConsumerSettings, **overrides: Any) 
     from outboxer.consumer import Consumer
 
     destination = settings.destinations.get("default")
-    options: dict[str, Any] = dict(destination.options) if destination is not None else {}
-    options.update(own.options or {})
     arguments: dict[str, Any] = {
         "db": settings.require_db(),
         "broker": destination.broker if destination is not None else None,
@@ -274,7 +272,11 @@ def build_consumer(settings: Settings, own: ConsumerSettings, **overrides: Any) 
         "table": settings.table,
         "shutdown_timeout": own.shutdown_timeout,
         "name": own.name,
-        "broker_options": options,
+        "broker_options": dict(own.options or {}),
+        # The default destination's options are the relay's publisher's (a settings file
+        # shared with the relay): where it publishes (an exchange, a stream or subject
+        # prefix, Kafka's config), which the receiver must read alike, not its own.
+        "publisher_options": dict(destination.options) if destination is not None else {},
         "async_driver": own.async_driver,
         "exit_when_idle": settings.exit_when_idle,
         # Payload protection undone before the handler, with the relay's settings.

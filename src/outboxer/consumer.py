@@ -71,7 +71,7 @@ from outboxer.consumer_db import (
     session_factory,
 )
 from outboxer.errors import BrokerUnavailableError, ConfigError, PayloadError, SchemaError
-from outboxer.receivers import create_receiver
+from outboxer.receivers import create_receiver, receiver_class
 from outboxer.receivers.base import Delivery, Incoming, MalformedMessage, Receiver, decode_payload
 from outboxer.relay import OUTAGE_BACKOFF
 from outboxer.retry import Backoff
@@ -195,6 +195,7 @@ class Consumer:
         shutdown_timeout: float = 30.0,
         name: str | None = None,
         broker_options: Mapping[str, Any] | None = None,
+        publisher_options: Mapping[str, Any] | None = None,
         async_driver: str | None = None,
         exit_when_idle: bool = False,
         keyring: KeyRing | None = None,
@@ -227,7 +228,16 @@ class Consumer:
         self.group = group
         self.concurrency = concurrency
         self.batch = batch
-        self.prefetch = prefetch or max(100, 2 * concurrency * batch)
+        # The default within what the broker takes (RabbitMQ's basic.qos: 65535): a large
+        # batch or concurrency refused "prefetch must be at most …", a value never set.
+        most = (
+            receiver_class(broker).max_prefetch
+            if isinstance(broker, str)
+            else Receiver.max_prefetch
+            if broker is None
+            else type(broker).max_prefetch
+        )
+        self.prefetch = prefetch or min(max(100, 2 * concurrency * batch), most)
         self.max_attempts = max_attempts
         self.backoff = backoff or Backoff()
         self.abandoned_blocks_key = abandoned_blocks_key
@@ -245,7 +255,10 @@ class Consumer:
         else:
             # The consumer's own settings: as broker options they were a TypeError naming
             # create_receiver's arguments ("got multiple values for keyword argument").
-            passed = sorted({"group", "topics", "prefetch", "name"} & set(broker_options or {}))
+            passed = sorted(
+                {"group", "topics", "prefetch", "name", "publisher_options"}
+                & set(broker_options or {})
+            )
             if passed:
                 raise ConfigError(
                     f"broker option(s) {passed} are the consumer's own settings: pass them as "
@@ -257,6 +270,9 @@ class Consumer:
                 topics=topics,
                 prefetch=self.prefetch,
                 name=name or socket.gethostname(),
+                # The relay's options of the broker (a shared settings file's destination):
+                # where it publishes, read by the receiver's publisher-side parsing.
+                publisher_options=publisher_options,
                 **dict(broker_options or {}),
             )
         #: What makes a worker's session: by default a connection of its own to ``db``, of

@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
+from outboxer.brokers import publisher_options
 from outboxer.brokers.base import Publisher, describe
 from outboxer.config import int_option
 from outboxer.errors import BrokerUnavailableError, ConfigError
@@ -39,7 +40,7 @@ from outboxer.message import (
     HEADER_TOPIC,
     uuid7,
 )
-from outboxer.redact import get_logger
+from outboxer.redact import get_logger, redact_url
 
 # Redacting: a driver's error text may carry a broker URL with its password, and these
 # lines reach the application's handlers when a receiver runs inside its process.
@@ -267,10 +268,14 @@ class Receiver(ABC):
     schemes: ClassVar[tuple[str, ...]] = ()
     #: Query options the receiver reads itself (the rest is the publisher's, see ``parse``).
     options: ClassVar[tuple[str, ...]] = ()
+    #: The broker's publisher, whose URL parsing and options the receiver shares (``parse``).
+    publisher_class: ClassVar[type[Publisher] | None] = None
     #: Topic pattern meaning "everything", when no topics are given; None: topics required.
     all_topics: ClassVar[str | None] = None
     #: Seconds between ``_extend`` calls for messages held (None: the broker needs none).
     extend_interval: float | None = None
+    #: The largest prefetch the broker takes (the consumer's default stays within it).
+    max_prefetch: ClassVar[int] = 1_000_000
 
     def __init__(
         self,
@@ -281,6 +286,7 @@ class Receiver(ABC):
         prefetch: int = 100,
         name: str | None = None,
         connect_timeout: float = 30.0,
+        publisher_options: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> None:
         if not isinstance(group, str) or not group.strip() or len(group) > 200:
@@ -295,28 +301,70 @@ class Receiver(ABC):
                 )
             chosen = [self.all_topics]
         self.topics: list[str] = chosen
-        self.prefetch = int_option(prefetch, "prefetch", 1, 1_000_000)
+        self.prefetch = int_option(prefetch, "prefetch", 1, Receiver.max_prefetch)
         self.name = name
         self.connect_timeout = connect_timeout
         rest, from_url = split_url(url, self.options)
+        # As in the URL's query: the publisher's options (an exchange, a stream prefix) given
+        # with the receiver's are the publisher's, and win over the destination's.
+        known = self._publisher_known()
+        theirs = {
+            name: value
+            for name, value in options.items()
+            if name not in self.options and (known is None or name in known)
+        }
+        options = {name: value for name, value in options.items() if name not in theirs}
         unknown = set(options) - set(self.options)
         if unknown:
             raise ConfigError(
                 f"{type(self).__name__}: unknown options {sorted(unknown)}; "
                 f"known: {', '.join(self.options) or 'none'}"
+                + (f" (and the broker's: {', '.join(sorted(known))})" if known else "")
             )
         #: The receiver's own options: keyword arguments win over the URL's query string.
         self.settings: dict[str, Any] = {**from_url, **options}
-        self.publisher = self.parse(rest)
+        merged = dict(publisher_options or {})
+        for name, value in theirs.items():
+            # A table in both (Kafka's config): the consumer's entries over the relay's, not
+            # in place of them (its credentials and TLS files stay).
+            base = merged.get(name)
+            if isinstance(base, Mapping) and isinstance(value, Mapping):
+                value = {**base, **value}
+            merged[name] = value
+        self.publisher = self.parse(rest, **self._publisher_side(rest, merged))
         self.stats = ReceiverStats()
         self._connected = False
         self._generation = 0
 
     # ----- primitives for adapters ---------------------------------------------------------
 
-    def parse(self, url: str) -> Publisher | None:
+    def parse(self, url: str, **options: Any) -> Publisher | None:
         """The matching publisher, for its URL parsing and options (never connected)."""
-        return None
+        return None if self.publisher_class is None else self.publisher_class(url, **options)
+
+    def _publisher_known(self) -> frozenset[str] | None:
+        """The options the publisher takes (None: any)."""
+        cls = self.publisher_class
+        return frozenset() if cls is None else publisher_options(cls)
+
+    def _publisher_side(self, url: str, options: Mapping[str, Any]) -> dict[str, Any]:
+        """``publisher_options`` checked: a destination's options in a settings file shared
+        with the relay (an exchange, a stream prefix, Kafka's config) name where the relay
+        publishes, so the receiver reads them as the relay does. A name neither side knows
+        is refused here rather than as the publisher's TypeError."""
+        known = self._publisher_known()
+        if known is not None and (unknown := sorted(set(options) - known)):
+            ours = sorted(set(unknown) & set(self.options))
+            hint = (
+                f"; {', '.join(ours)}: the consumer's own, given in [consumer] options or --option"
+                if ours
+                else ""
+            )
+            raise ConfigError(
+                f"{type(self).__name__}: unknown publisher option(s) {unknown} for the broker "
+                f"{redact_url(url)!r}; known: {', '.join(sorted(known)) or 'none'}{hint}"
+            )
+        return dict(options)
 
     @abstractmethod
     async def _connect(self) -> None:

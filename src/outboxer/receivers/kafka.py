@@ -90,6 +90,7 @@ class KafkaReceiver(Receiver):
 
     schemes = ("kafka",)
     options = ("offset_reset",)
+    publisher_class = KafkaPublisher
 
     def __init__(self, url: str, **options: Any) -> None:
         super().__init__(url, **options)
@@ -137,8 +138,8 @@ class KafkaReceiver(Receiver):
         assert isinstance(self.publisher, KafkaPublisher)
         return self.publisher
 
-    def parse(self, url: str) -> KafkaPublisher:
-        return KafkaPublisher(url)
+    def parse(self, url: str, **options: Any) -> KafkaPublisher:
+        return KafkaPublisher(url, **options)
 
     # ----- the polling thread ----------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from paho.mqtt.properties import Properties
 
 from outboxer.brokers.mqtt import QOS, MqttPublisher, _Client, abandon, disconnect
 from outboxer.config import int_option
+from outboxer.errors import ConfigError
 from outboxer.receivers.base import Incoming, Receiver, decode, take
 from outboxer.redact import get_logger
 
@@ -89,10 +90,28 @@ class MqttReceiver(Receiver):
 
     schemes = ("mqtt", "mqtts")
     options = ("client_id", "session_expiry")
+    publisher_class = MqttPublisher
     all_topics = "#"
 
     def __init__(self, url: str, **options: Any) -> None:
         super().__init__(url, **options)
+        if any(character in self.group for character in "/+#"):
+            # MQTT 5 (4.8.2): a share name holds none of them. With a "/" the broker reads
+            # the rest as the filter (the group receives another topic's messages, or
+            # none); with "+" or "#" aiomqtt refuses the filter, which read as an outage
+            # retried for ever.
+            raise ConfigError(
+                f"an MQTT consumer group (the shared subscription's name) cannot hold "
+                f"'/', '+' or '#': {self.group!r:.210}"
+            )
+        for topic in self.topics:
+            try:
+                aiomqtt.Wildcard(self._mqtt.topic_prefix + topic)
+            except ValueError:
+                raise ConfigError(
+                    f"{topic!r:.300} is not an MQTT topic filter ('+' and '#' stand for "
+                    "whole levels, '#' only as the last)"
+                ) from None
         self.client_id = str(
             self.settings.get("client_id") or f"outboxer-{self.group}-{self.name or 'consumer'}"
         )
@@ -113,8 +132,8 @@ class MqttReceiver(Receiver):
         assert isinstance(self.publisher, MqttPublisher)
         return self.publisher
 
-    def parse(self, url: str) -> MqttPublisher:
-        return MqttPublisher(url)
+    def parse(self, url: str, **options: Any) -> MqttPublisher:
+        return MqttPublisher(url, **options)
 
     async def _connect(self) -> None:
         await self._close()

@@ -57,6 +57,8 @@ from outboxer.receivers.base import Incoming, Receiver, decode
 #: Headers the publisher adds for JetStream, not the user's.
 _JETSTREAM_HEADERS = (MSG_ID_HEADER, "Nats-Expected-Stream")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+#: What a JetStream consumer's name cannot hold (nats-py's check, which raises on connect).
+_NOT_IN_NAMES = frozenset(">*. /\\\t\r\n")
 #: Seconds a pull request stays open at most (its ``expires``).
 _LONGEST_PULL = 1.0
 #: Messages per pull, and its expiry, while gathering a crashed holder's redeliveries.
@@ -101,6 +103,7 @@ class NatsReceiver(Receiver):
 
     schemes = ("nats",)
     options = ("ack_wait", "durable")
+    publisher_class = NatsPublisher
     all_topics = ">"
 
     def __init__(self, url: str, **options: Any) -> None:
@@ -113,6 +116,12 @@ class NatsReceiver(Receiver):
         durable = self.settings.get("durable")
         if durable and several:
             raise ConfigError("nats option durable names one consumer: give one topic with it")
+        if durable and any(character in _NOT_IN_NAMES for character in str(durable)):
+            # nats-py refuses it at every connect, which read as an outage retried for ever.
+            raise ConfigError(
+                f"nats option durable must be a consumer name without '.', '*', '>', '/', "
+                f"'\\' or white space: {str(durable)!r:.200}"
+            )
         self.durables = {
             topic: str(durable) if durable else durable_name(self.group, topic, several)
             for topic in self.topics
@@ -135,8 +144,8 @@ class NatsReceiver(Receiver):
         assert isinstance(self.publisher, NatsPublisher)
         return self.publisher
 
-    def parse(self, url: str) -> NatsPublisher:
-        return NatsPublisher(url)
+    def parse(self, url: str, **options: Any) -> NatsPublisher:
+        return NatsPublisher(url, **options)
 
     async def _connect(self) -> None:
         await self._close()

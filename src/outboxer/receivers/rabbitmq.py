@@ -117,7 +117,9 @@ class RabbitMQReceiver(Receiver):
 
     schemes = ("amqp", "amqps")
     options = ("queue", "queue_type", "single_active_consumer")
+    publisher_class = RabbitMQPublisher
     all_topics = "#"
+    max_prefetch = _PREFETCH_MAX
 
     def __init__(self, url: str, **options: Any) -> None:
         super().__init__(url, **options)
@@ -128,6 +130,13 @@ class RabbitMQReceiver(Receiver):
                 f"prefetch-count is 16 bits), not {self.prefetch}"
             )
         self.queue: str = str(self.settings.get("queue") or self.group)
+        if self.queue.startswith("amq.") or len(self.queue.encode()) > 255:
+            # RabbitMQ refuses the declare at every connect, which read as an outage
+            # retried for ever.
+            raise ConfigError(
+                f"RabbitMQ queue {self.queue!r:.300} (the group's name unless option queue "
+                "names it) must not begin with 'amq.' and holds at most 255 bytes of UTF-8"
+            )
         self.queue_type = str(self.settings.get("queue_type") or "classic").lower()
         if self.queue_type not in _QUEUE_TYPES:
             raise ConfigError(f"queue_type must be classic or quorum, not {self.queue_type!r}")
@@ -146,8 +155,8 @@ class RabbitMQReceiver(Receiver):
         assert isinstance(self.publisher, RabbitMQPublisher)
         return self.publisher
 
-    def parse(self, url: str) -> RabbitMQPublisher:
-        return RabbitMQPublisher(url)
+    def parse(self, url: str, **options: Any) -> RabbitMQPublisher:
+        return RabbitMQPublisher(url, **options)
 
     async def _connect(self) -> None:
         await self._close()

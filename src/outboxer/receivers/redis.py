@@ -65,6 +65,7 @@ class RedisReceiver(Receiver):
 
     schemes = ("redis", "rediss")
     options = ("claim_idle",)
+    publisher_class = RedisPublisher
 
     def __init__(self, url: str, **options: Any) -> None:
         super().__init__(url, **options)
@@ -90,8 +91,8 @@ class RedisReceiver(Receiver):
         assert isinstance(self.publisher, RedisPublisher)
         return self.publisher
 
-    def parse(self, url: str) -> RedisPublisher:
-        return RedisPublisher(url)
+    def parse(self, url: str, **options: Any) -> RedisPublisher:
+        return RedisPublisher(url, **options)
 
     async def _connect(self) -> None:
         await self._close()

@@ -131,8 +131,12 @@ def settings_with(**overrides: Any) -> Settings:
     alias = overrides.pop("database", None) or database_alias()
     given = {name: value for name, value in overrides.items() if value is not None}
     loaded = _load(given) if given else _names()
-    # A db given in OUTBOXER, OUTBOXER_DB or outboxer.toml wins over the alias's DATABASES.
-    return loaded if loaded.db else dataclasses.replace(loaded, db=database_url(alias))
+    # A db given in OUTBOXER, OUTBOXER_DB or outboxer.toml wins over the alias's DATABASES:
+    # it is OUTBOXER["database"]'s. Another alias (a command's --database) is its own
+    # database: checked, relayed or consumed there, not on the configured db.
+    if loaded.db and alias == database_alias():
+        return loaded
+    return dataclasses.replace(loaded, db=database_url(alias))
 
 
 @functools.cache

@@ -26,7 +26,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from django.db import connections, transaction
 
-from outboxer.consumer_db import AbortedTransaction, SyncSession, is_async_handler
+from outboxer.consumer_db import (
+    _SERVER_STATUS_IN_TRANS,
+    AbortedTransaction,
+    SyncSession,
+    is_async_handler,
+)
 from outboxer.enqueue import _pyformat
 from outboxer.errors import ConfigError
 
@@ -64,6 +69,10 @@ class DjangoSession(SyncSession):
         self.executor: ThreadPoolExecutor | None = None  # type: ignore[assignment]
         #: The last batch's connection was lost: the runner opens the session again.
         self._lost = False
+        #: MySQL commits before DDL (and on a handler's COMMIT): claimed each before its
+        #: handler, as PyMySQLSession does, so that such a commit takes no later message's
+        #: claim along (its redelivery would be skipped as a duplicate, never applied).
+        self.claims_each = dialect == "mysql"
 
     async def _call(self, work: Callable[..., T], *args: Any) -> T:
         if self.executor is None:
@@ -162,6 +171,22 @@ class DjangoSession(SyncSession):
         info = getattr(self.conn.connection, "info", None)
         if info is not None and int(info.transaction_status) == _PG_INERROR:
             raise AbortedTransaction
+
+    def _in_transaction(self) -> bool:
+        # PyMySQL's status flag of the last answer, as PyMySQLSession reads it; unknown
+        # (mysqlclient, which does not expose it, and the other databases): open.
+        raw = self.conn.connection if self.dialect == "mysql" else None
+        status = getattr(raw, "server_status", None)
+        return True if status is None else bool(status & _SERVER_STATUS_IN_TRANS)
+
+    def _rolled_back(self, group: str, message_id: uuid.UUID) -> bool:
+        # MySQL, as PyMySQLSession: a deadlock rolls the whole transaction back and the next
+        # statement begins a new one, which Django does not see (no atomic() block was left
+        # by the exception): a handler that caught it and went on would have the new one
+        # committed and the batch acked, its earlier writes and inbox claims gone.
+        if self.dialect != "mysql" or transaction.get_rollback(using=self.alias):
+            return False  # marked for rollback: Django refuses statements, _transaction fails it
+        return not self._fetch("inbox_kept", self.id_params(group, message_id))
 
     def _claim(self, group: str, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
         if self.dialect != "postgres":
