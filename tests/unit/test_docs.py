@@ -29,7 +29,7 @@ def test_readme_links_are_rewritten_for_the_site() -> None:
     )
     assert site_links(readme) == (
         "See [RabbitMQ](brokers/rabbitmq.md) and [the API](#http-api), "
-        "[PyPI](https://pypi.org/project/outboxer/), ![logo](docs/logo.png).\n"
+        "[PyPI](https://pypi.org/project/outboxer/), ![logo](logo.png).\n"
         "Figures: bench notes (`bench/README.md`), `bench/README.md`.\n"
         "```md\n[kept](docs/brokers/rabbitmq.md) inside code\n```\n"
     )
