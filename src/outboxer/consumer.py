@@ -59,6 +59,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from outboxer.brokers.base import describe
 from outboxer.consumer_db import (
@@ -223,6 +224,12 @@ class Consumer:
                 "fails (HandlerReturnedAwaitable)",
                 group,
                 self.handler,
+            )
+        if group.endswith(" ") and urlsplit(db).scheme.lower().startswith(("mysql", "mariadb")):
+            # Once, here, rather than at each message's inbox claim (inbox.check_mysql_consumer).
+            raise ConfigError(
+                f"group {group!r} ends in a space: MySQL and MariaDB take it for the same "
+                "group without it, and it would share that one's inbox and dead letters"
             )
         self.db = db
         self.group = group

@@ -33,6 +33,17 @@ def _claim_sql(schema: str, dialect: str) -> str:
     return render(queries(dialect)["inbox_claim"], {"inbox": table_name(dialect, schema, "inbox")})
 
 
+def check_mysql_consumer(consumer: str) -> None:
+    """Refuse a consumer name that ends in a space on MySQL: the inbox's key compares with
+    trailing spaces ignored (utf8mb4_bin is PAD SPACE), so 'c' and 'c ' would share one
+    inbox, and a message one applied would be skipped by the other as a redelivery."""
+    if consumer.endswith(" "):
+        raise PayloadError(
+            f"consumer {consumer!r} ends in a space: MySQL and MariaDB take it for the "
+            "same consumer without it, and it would share that one's inbox"
+        )
+
+
 def _seen_before(exc: BaseException, dialect: str) -> bool:
     """MySQL answers a second delivery with a duplicate key (it has no ON CONFLICT DO NOTHING)."""
     seen: BaseException | None = exc
@@ -66,6 +77,8 @@ class Inbox:
             raise PayloadError(f"message_id is not a UUID: {message_id!r}") from None
         driver = detect(conn)
         dialect = driver.dialect(conn)
+        if dialect == "mysql":
+            check_mysql_consumer(consumer)
         sql = _claim_sql(self.schema, dialect)
         value: object = identifier if dialect == "postgres" else str(identifier)
         return driver, dialect, sql, {"consumer": consumer, "message_id": value}

@@ -148,6 +148,11 @@ def mysql_connect_args(url: str) -> dict[str, Any]:
     return args
 
 
+#: A pending_mark reading: the newest PENDING row's updated_at (None: none is PENDING),
+#: the last seq, the rows among the last seqs (queries.sql).
+_Mark = tuple[datetime | None, int, int]
+
+
 def expand_lists(sql: str, params: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     """List parameters -> one placeholder per item (PyMySQL escapes no lists):
     ``IN (%(seqs)s)`` with three seqs -> ``IN (%(seqs_0)s, %(seqs_1)s, %(seqs_2)s)``."""
@@ -203,8 +208,8 @@ class MySQLStore(Store):
         #: The latest pending_mark reading, shared by the waiting loops; and per destination
         #: the last one any of its waiting loops saw (every claim after that reading sees the
         #: rows it counts), and whether a loop was nudged.
-        self._reading: tuple[int, int] | None = None
-        self._marks: dict[str, tuple[int, int]] = {}
+        self._reading: _Mark | None = None
+        self._marks: dict[str, _Mark] = {}
         self._nudged: set[str] = set()
         self._probe_lock = asyncio.Lock()
         self._probed_at = 0.0
@@ -642,7 +647,7 @@ class MySQLStore(Store):
         is likely due."""
         self._nudged.add(destination)
 
-    async def _probe(self) -> tuple[int, int]:
+    async def _probe(self) -> _Mark:
         """The current pending_mark; the relay's waiting loops share one reading per interval."""
         async with self._probe_lock:
             if (
@@ -653,7 +658,7 @@ class MySQLStore(Store):
                     await self._execute(cursor, "pending_mark")
                     row = await cursor.fetchone()
                 self._probed_at = time.monotonic()
-                self._reading = int(row["pending"]), int(row["last_seq"])
+                self._reading = row["pending_at"], int(row["last_seq"]), int(row["recent"])
             return self._reading
 
     async def wait_for_wakeup(self, destination: str, timeout: float) -> bool:
@@ -672,7 +677,7 @@ class MySQLStore(Store):
             mark = await self._probe()
             previous, self._marks[destination] = self._marks.get(destination), mark
             # The first reading has nothing to compare with: PENDING rows then mean look again.
-            if mark != previous and (previous is not None or mark[0] > 0):
+            if mark != previous and (previous is not None or mark[0] is not None):
                 return True
             remaining = deadline - time.monotonic()
             if remaining <= 0:

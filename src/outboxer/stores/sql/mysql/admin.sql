@@ -7,13 +7,17 @@
 
 -- name: filter
 -- The rows a MessageFilter matches: every criterion given holds. Strings compare byte for
--- byte (the columns' utf8mb4_bin collation), as in PostgreSQL; LOCATE on last_error is
--- case-sensitive for the same reason. Times are UTC, as every DATETIME(6) here.
+-- byte, as in PostgreSQL; LOCATE on last_error is case-sensitive for the same reason.
+-- The columns' utf8mb4_bin collation pads with spaces, so `key` IN ('a') also matched 'a ':
+-- a purge, requeue, replay or count of one key reached another. Each IN is repeated on
+-- BINARY (no padding), the plain one kept for the optimizer. Times are UTC, as every
+-- DATETIME(6) here.
 (:any_status OR status IN (:statuses))
 AND (:any_id OR id IN (:ids))
-AND (:any_destination OR destination IN (:destinations))
-AND (:any_topic OR topic IN (:topics))
-AND (:any_key OR `key` IN (:keys))
+AND (:any_destination OR (destination IN (:destinations)
+                          AND BINARY destination IN (:destinations)))
+AND (:any_topic OR (topic IN (:topics) AND BINARY topic IN (:topics)))
+AND (:any_key OR (`key` IN (:keys) AND BINARY `key` IN (:keys)))
 AND (:older_than IS NULL OR created_at < UTC_TIMESTAMP(6) - INTERVAL :older_than SECOND)
 AND (:created_after IS NULL OR created_at >= :created_after)
 AND (:created_before IS NULL OR created_at < :created_before)
@@ -53,7 +57,10 @@ WHERE {filter}
 -- name: replay_keys
 -- The keys a replay will copy: the store locks their slots (queries.sql: key_lock), sorted,
 -- before its first insert, so a replay and writers that share keys never deadlock.
-SELECT DISTINCT `key` FROM {outbox}
+-- DISTINCT `key` alone gave 'a' and 'a ' as one key (padded comparison), so the slot of
+-- the other was left unlocked; with the byte length, rows that are one in a pair are
+-- byte for byte the same key.
+SELECT DISTINCT `key`, LENGTH(`key`) AS key_bytes FROM {outbox}
 WHERE {filter} AND status = 'PUBLISHED' AND `key` IS NOT NULL
 
 -- name: replay_seqs

@@ -17,7 +17,11 @@ ON DUPLICATE KEY UPDATE seq = seq
 SELECT 1 AS kept FROM {inbox} WHERE consumer = :consumer AND message_id = :message_id
 
 -- name: key_blocked
-SELECT 1 AS blocked FROM {dead_letters} WHERE consumer = :consumer AND `key` = :key LIMIT 1
+-- Byte for byte (queries.sql): utf8mb4_bin pads with spaces, so a dead letter of 'a '
+-- held back 'a'. The plain equality keeps key_idx's seek.
+SELECT 1 AS blocked FROM {dead_letters}
+WHERE consumer = :consumer AND `key` = :key AND BINARY `key` = :key
+LIMIT 1
 
 -- name: list
 SELECT seq, consumer, message_id, topic, `key`, headers, content_type, payload,

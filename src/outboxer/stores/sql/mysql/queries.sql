@@ -8,6 +8,11 @@
 -- MySQL evaluates an UPDATE's assignments left to right, each one seeing the columns the
 -- earlier ones changed; so an assignment that reads a column always comes before the one
 -- that changes it (and means the same under MariaDB's SIMULTANEOUS_ASSIGNMENT mode).
+--
+-- Keys compare byte for byte: `key` = x AND BINARY `key` = x. The columns' utf8mb4_bin
+-- collation pads with spaces (PAD SPACE, on MariaDB and MySQL alike), so `key` = x alone
+-- made 'a' and 'a ' one key: a row of one held back the other's. The plain equality
+-- keeps the index seek; BINARY (no padding) drops the rows that only pad-equal x.
 
 -- name: key_lock
 -- The key lock. Runs on the caller's connection, in the caller's transaction, before the
@@ -67,6 +72,7 @@ SELECT o.seq, o.id, o.destination, o.topic, o.`key`, o.payload, o.content_type, 
             WHERE b.destination = o.destination
               AND b.blocker = 1
               AND b.`key` = o.`key`
+              AND BINARY b.`key` = BINARY o.`key`
               AND b.seq < o.seq
               AND (b.status <> 'ABANDONED' OR :abandoned_blocks))) AS heads_key
 FROM {outbox} AS o
@@ -115,6 +121,7 @@ SET attempts = attempts + 1,
 WHERE destination = :destination
   AND blocker = 1
   AND `key` = :key
+  AND BINARY `key` = :key
   AND seq > :after
   AND status = 'PROCESSING'
   AND attempts + 1 < :max_attempts
@@ -154,6 +161,7 @@ WHERE o.destination = :destination
         WHERE b.destination = o.destination
           AND b.blocker = 1
           AND b.`key` = o.`key`
+          AND BINARY b.`key` = BINARY o.`key`
           AND b.seq < o.seq
           AND CASE b.status WHEN 'PROCESSING' THEN 1
                             WHEN 'FAILED' THEN b.next_attempt_at > UTC_TIMESTAMP(6)
@@ -392,8 +400,21 @@ ORDER BY received_at
 LIMIT :limit
 
 -- name: pending_mark
--- The wake-up probe of an idle relay (MySQL has no LISTEN/NOTIFY): a mark of the committed
--- PENDING rows. A commit of new rows changes it: the count grows, or, if a claim took as
--- many meanwhile, a larger seq appears. A covering range of finished_idx (status, then the
--- primary key seq); few rows are PENDING while a relay is idle, so it is cheap.
-SELECT COUNT(*) AS pending, COALESCE(MAX(seq), 0) AS last_seq FROM {outbox} WHERE status = 'PENDING'
+-- The wake-up probe of an idle relay (MySQL has no LISTEN/NOTIFY), every 50 ms: a mark that
+-- a commit of PENDING rows changes, read at a bounded cost whatever the backlog. (A COUNT of
+-- the PENDING rows read every one of them each time: thousands when keys are held behind
+-- abandoned rows.) Two ends of an index and a range of at most 1024 primary-key entries
+-- (EXPLAIN: "Select tables optimized away" twice, one range):
+--  * pending_at: the newest updated_at of a PENDING row, the end of finished_idx's range
+--    (status, updated_at): a new row, a requeue or a release to PENDING moves it; NULL:
+--    nothing is PENDING (the first reading then has nothing to look at);
+--  * last_seq, the end of the primary key: a new row of a later seq;
+--  * recent, the rows among the last 1024 seqs: a row that took its seq before a later
+--    one committed (AUTO_INCREMENT hands seqs out before commit) shows up here when it
+--    commits after it, as long as fewer than 1024 seqs were taken since; later than
+--    that, the relay's poll interval finds it. A claim changes none of the three but
+--    pending_at (the newest PENDING row claimed): one wake-up that finds nothing.
+SELECT (SELECT MAX(updated_at) FROM {outbox} WHERE status = 'PENDING') AS pending_at,
+       m.last_seq,
+       (SELECT COUNT(*) FROM {outbox} WHERE seq > m.last_seq - 1024) AS recent
+FROM (SELECT COALESCE(MAX(seq), 0) AS last_seq FROM {outbox}) AS m
