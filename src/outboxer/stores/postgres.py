@@ -71,6 +71,26 @@ CLOSE_TIMEOUT = 1.0
 RELEASE_TIMEOUT = 0.5
 
 
+def _detached(conn: Any) -> bool:
+    """Whether asyncpg took this pool connection back on its own: it does so as soon as it
+    reads the end of the socket (the server ended the session), and gives its place in the
+    pool to the next acquire, which connects anew. An attribute read, no round trip:
+    asyncpg's proxy has no public call for it (its ``is_closed()`` raises InterfaceError)."""
+    return conn._con is None
+
+
+def _ended_before_sent(exc: BaseException) -> bool:
+    """Whether the statement failed before asyncpg sent anything, on a connection whose
+    session the server ended: its goodbye (a FATAL error, as pg_terminate_backend or a
+    shutdown sends) was read while the connection was idle, the end of its socket not yet
+    (a loop turn later), and asyncpg refuses any statement in between with this error.
+    Nothing reached the server: the statement runs again on another connection."""
+    asyncpg = _asyncpg()
+    return isinstance(exc, asyncpg.InternalClientError) and str(exc).startswith(
+        "cannot switch to state"
+    )
+
+
 async def _give_back(pool: Any, conn: Any) -> None:
     """Give back ``conn``, whose statement failed or was cut short, within RELEASE_TIMEOUT
     (else asyncpg closes it, and the pool opens a new one when asked)."""
@@ -264,19 +284,20 @@ class PostgresStore(Store):
         interval, and on close: idle, the pool's own lifetime rules apply again.
         """
         pool = self._pool
-        if self._kept:
-            conn = self._kept.pop()
-        else:
-            self._acquiring += 1
+        # Each connection the server ended fails at most once this way (it is closed then).
+        tries = len(self._kept) + pool.get_max_size()
+        while True:
+            conn = await self._take(pool)
             try:
-                conn = await pool.acquire()
-            finally:
-                self._acquiring -= 1
-        try:
-            result = await run(conn)
-        except BaseException:
-            await _give_back(pool, conn)
-            raise
+                result = await run(conn)
+                break
+            except BaseException as exc:
+                tries -= 1
+                if tries > 0 and _ended_before_sent(exc):
+                    conn.terminate()  # its session is gone; the pool connects anew
+                    continue
+                await _give_back(pool, conn)
+                raise
         if self._closing or pool is not self._pool or self._starving(pool):
             # close() began while this statement ran (a lease renewal finishing late): kept,
             # the connection would never go back, and the pool's close would wait for it.
@@ -288,6 +309,21 @@ class PostgresStore(Store):
         else:
             self._kept.append(conn)
         return result
+
+    async def _take(self, pool: Any) -> Any:
+        """A kept connection, else one from the pool."""
+        while self._kept:
+            conn = self._kept.pop()
+            if not _detached(conn):
+                return conn
+            # The server cut it while kept (pg_terminate_backend, a restart): asyncpg gave
+            # its place back to the pool already, and any call on it raises InterfaceError,
+            # which the relay took for an outage (logged, backed off, on /health).
+        self._acquiring += 1
+        try:
+            return await pool.acquire()
+        finally:
+            self._acquiring -= 1
 
     def _starving(self, pool: Any) -> bool:
         """A statement waits for the pool and the pool has nothing to give it: no idle
@@ -874,8 +910,18 @@ class PostgresStore(Store):
             asyncpg_dsn(self.url), server_settings={"application_name": "outboxer-relay-listen"}
         )
         await self._listener.add_listener(self.channel, self._on_notify)
+        # Cut by the server (pg_terminate_backend, a restart), it hears no more NOTIFYs and
+        # the loops waiting on it slept their whole wait while rows came: wake them, the
+        # next wait listens anew (and its nudge covers what was committed meanwhile).
+        self._listener.add_termination_listener(self._on_listener_lost)
         # Anything committed before LISTEN took effect was not announced: look once.
         self._wakeups.nudge_all()
+
+    def _on_listener_lost(self, conn: Any) -> None:
+        # Not one this store closes or dropped (a failed registration) itself.
+        if conn is self._listener and not self._closing:
+            self._listener = None
+            self._wakeups.nudge_all()
 
     async def _drop_listener(self) -> None:
         listener, self._listener = self._listener, None
