@@ -20,7 +20,7 @@ from outboxer.errors import ConfigError, SchemaError, StoreError
 from outboxer.message import Message
 from outboxer.redact import redact_text, register_url_secrets
 from outboxer.stores.pgpartitions import PARTITIONED, PartitionPolicy, PartitionReport
-from outboxer.stores.sqlfiles import migrations, quote_ident, render
+from outboxer.stores.sqlfiles import Migration, adopted_tables, migrations, quote_ident, render
 
 R = TypeVar("R")
 
@@ -269,6 +269,39 @@ def estimate_from_sample(
     return {destination: span * count / sampled for destination, count in hits.items()}
 
 
+#: Tables of a schema (a MySQL database, a SQLite file) that every outbox table in it shares.
+SHARED_TABLES = frozenset({"inbox", "dead_letters"})
+
+
+def adopted_by(pending: Iterable[Migration]) -> set[str]:
+    """The tokens of the tables that ``pending`` migrations create only if missing (CREATE
+    TABLE IF NOT EXISTS: the shared inbox and dead letters, MySQL's outbox tables)."""
+    return {token for migration in pending for token in adopted_tables(migration.sql)}
+
+
+def refuse_foreign_tables(
+    pending: Iterable[Migration], tokens: Mapping[str, str], columns: Mapping[str, Iterable[str]]
+) -> None:
+    """SchemaError if a table that a pending migration creates only if missing exists
+    without the columns the migration gives it: someone else's table of that name, that the
+    consumer would fail on later with an obscure SQL error, or write into.
+
+    ``columns``: by token (``adopted_by``), the columns of the table that exists under that
+    name, none if there is none. Called before the first pending migration runs, so that a
+    refusal changes nothing, MySQL's DDL that commits by itself included."""
+    for migration in pending:
+        for token, expected in adopted_tables(migration.sql).items():
+            found = {column.lower() for column in columns.get(token, ())}
+            missing = [column for column in expected if column not in found]
+            if found and missing:
+                raise SchemaError(
+                    f"table {tokens[token]} exists but is not outboxer's: migration "
+                    f"{migration.name} would adopt it, and it lacks column(s) "
+                    f"{', '.join(missing)}. Rename or move that table, or give outboxer "
+                    "a schema (MySQL: a database) of its own; nothing was changed"
+                )
+
+
 def check_identifier(kind: str, name: str) -> str:
     if not _IDENTIFIER.fullmatch(name):
         raise ConfigError(
@@ -294,6 +327,13 @@ class Store(ABC):
         register_url_secrets(url)  # masked in every outboxer log line from now on
         self.schema = check_identifier("schema", schema)
         self.table = check_identifier("table", table)
+        if table.lower() in SHARED_TABLES:
+            # The outbox would be created under the shared table's name, and the migration
+            # that makes the shared table would then find it there and take it for its own.
+            raise ConfigError(
+                f"table name {table!r} is the name of outboxer's {table.lower()} table, "
+                "shared by every outbox in the schema: choose another one"
+            )
 
     # Names used in the SQL files.
     def tokens(self) -> dict[str, str]:

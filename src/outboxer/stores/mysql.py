@@ -44,10 +44,12 @@ from outboxer.stores.base import (
     SettleResult,
     Store,
     StoreDataError,
+    adopted_by,
     estimate_from_sample,
     fold_counts,
     parse_headers,
     read_rows,
+    refuse_foreign_tables,
     row_id,
     sample_seqs,
     with_published_estimates,
@@ -317,13 +319,24 @@ class MySQLStore(Store):
             # No "already exists" notes for IF NOT EXISTS (aiomysql turns notes into warnings).
             await cursor.execute("SET SESSION sql_notes = 0")
             try:
+                done: set[int] = set()
+                if await self._columns(cursor, self.table + "_migrations"):
+                    await cursor.execute(f"SELECT version FROM {tokens['migrations']}")
+                    done = {row["version"] for row in await cursor.fetchall()}
+                pending = [m for m in migrations("mysql") if m.version not in done]
+                # Before any DDL: each statement commits by itself, so a refusal found later
+                # would leave the schema half-applied.
+                refuse_foreign_tables(
+                    pending,
+                    tokens,
+                    {
+                        token: await self._columns(cursor, tokens[token].strip("`"))
+                        for token in adopted_by(pending)
+                    },
+                )
                 for statement in statements(render(_MIGRATIONS_TABLE, tokens)):
                     await cursor.execute(statement)
-                await cursor.execute(f"SELECT version FROM {tokens['migrations']}")
-                done = {row["version"] for row in await cursor.fetchall()}
-                for migration in migrations("mysql"):
-                    if migration.version in done:
-                        continue
+                for migration in pending:
                     # DDL commits by itself: every statement of a migration can run again.
                     for statement in statements(render(migration.sql, tokens)):
                         await cursor.execute(statement)
@@ -337,6 +350,15 @@ class MySQLStore(Store):
                 await cursor.execute("SET SESSION sql_notes = 1")
                 await cursor.execute("SELECT RELEASE_LOCK(%s)", (lock_name,))
         return applied
+
+    async def _columns(self, cursor: Any, table: str) -> list[str]:
+        """The columns of ``table`` (unquoted) in the URL's database; none if it is missing."""
+        sql, args = expand_lists(
+            to_pyformat(strip_comments(queries("mysql", "schema.sql")["table_columns"])),
+            {"table": table},
+        )
+        await cursor.execute(sql, args)
+        return [row["name"] for row in await cursor.fetchall()]
 
     async def applied_migrations(self) -> set[int]:
         name = self.table + "_migrations"

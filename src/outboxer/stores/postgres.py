@@ -31,9 +31,11 @@ from outboxer.stores.base import (
     SettleResult,
     Store,
     StoreDataError,
+    adopted_by,
     fold_counts,
     parse_headers,
     read_rows,
+    refuse_foreign_tables,
     row_id,
     with_published_estimates,
 )
@@ -46,6 +48,7 @@ from outboxer.stores.pgpartitions import (
     Partitions,
 )
 from outboxer.stores.sqlfiles import (
+    Migration,
     admin_queries,
     migrations,
     queries,
@@ -422,9 +425,11 @@ class PostgresStore(Store):
                     row["version"]
                     for row in await conn.fetch(f"SELECT version FROM {tokens['migrations']}")
                 }
-                for migration in migrations("postgres", layout):
-                    if migration.version in done:
-                        continue
+                pending = [m for m in migrations("postgres", layout) if m.version not in done]
+                await self._refuse_foreign_tables(
+                    conn, pending, tokens, creates=any(m.version == 1 for m in pending)
+                )
+                for migration in pending:
                     await conn.execute(render(migration.sql, tokens))
                     await conn.execute(
                         f"INSERT INTO {tokens['migrations']} (version, name) VALUES ($1, $2)",
@@ -436,6 +441,38 @@ class PostgresStore(Store):
                 policy = PartitionPolicy(ahead=partitions_ahead, interval=partition_interval)
                 await self._partitions().maintain(conn, policy)
         return applied
+
+    async def _refuse_foreign_tables(
+        self, conn: Any, pending: list[Migration], tokens: dict[str, str], *, creates: bool
+    ) -> None:
+        """SchemaError, before any migration runs (the transaction then changes nothing), if
+        a pending one would adopt someone else's table (base.refuse_foreign_tables), or, when
+        it creates this outbox (``creates``), if an outbox whose name differs from this one's
+        only in case is in the schema: the names of their indexes, constraints and functions
+        would be the same (queries: same_name_but_case)."""
+        sql = queries("postgres", "schema.sql")
+
+        async def fetch(name: str, params: dict[str, Any]) -> list[Any]:
+            text, names = to_numbered(sql[name])
+            return list(await conn.fetch(text, *(params[n] for n in names)))
+
+        columns = {
+            token: [row["name"] for row in await fetch("table_columns", {"table": tokens[token]})]
+            for token in adopted_by(pending)
+        }
+        refuse_foreign_tables(pending, tokens, columns)
+        if creates and (
+            clashing := await fetch(
+                "same_name_but_case", {"schema": self.schema, "table": self.table}
+            )
+        ):
+            raise SchemaError(
+                f"table(s) {', '.join(self.schema + '.' + row['name'] for row in clashing)} "
+                f"differ from the outbox {self.schema}.{self.table} only in case, "
+                "and PostgreSQL folds the names of the indexes, constraints and functions "
+                "made after the table name to lower case, so the two outboxes would share "
+                "them. Choose another table name or schema; nothing was changed"
+            )
 
     async def migrate_to_partitioned(
         self, *, partition_interval: float = DAY, partitions_ahead: int = 3
@@ -539,15 +576,27 @@ class PostgresStore(Store):
                     await conn.execute(f"DROP FUNCTION {function['signature']}")
                 for migration in migrations("postgres", PARTITIONED):
                     await conn.execute(render(migration.sql, tokens))
-                columns = ", ".join(
-                    quote_ident(row["name"])
-                    for row in await conn.fetch(
-                        "SELECT a.attname AS name FROM pg_attribute AS a "
-                        "WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 "
-                        "AND NOT a.attisdropped ORDER BY a.attnum",
-                        tokens["outbox"],
+                new_columns = [
+                    row["name"] for row in await fetch("table_columns", {"table": tokens["outbox"]})
+                ]
+                # Columns a user added to the outbox: refused rather than copied. The column
+                # alone would come over without its constraints, indexes, foreign keys or
+                # triggers, and left behind its values would survive in the history table
+                # only while writers that set it failed. Raised inside the transaction: the
+                # rollback undoes the renames and the new table, nothing changes.
+                if extra := [
+                    f"{row['name']} ({row['type']})"
+                    for row in await fetch("user_columns", {"plain": tokens["plain"]})
+                    if row["name"] not in new_columns
+                ]:
+                    raise SchemaError(
+                        f"the outbox {self.schema}.{self.table} has column(s) outboxer did not "
+                        f"make: {', '.join(extra)}. The partitioned table would not have them "
+                        "and their values would stay behind; nothing was changed. Copy them "
+                        "to a table of your own and drop them, migrate, then add them to the "
+                        "partitioned table (ALTER TABLE ... ADD COLUMN) and copy them back"
                     )
-                )
+                columns = ", ".join(quote_ident(name) for name in new_columns)
                 moved = await conn.execute(
                     render(sql["move_unfinished"], tokens | {"columns": columns})
                 )

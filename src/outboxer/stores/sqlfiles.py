@@ -75,6 +75,35 @@ def _read_migrations(dialect: str, folder_name: str) -> list[Migration]:
     return found
 
 
+#: ``CREATE TABLE IF NOT EXISTS {token} (``: a table that a migration takes over if it exists
+#: (one inbox and one dead-letter table per schema, shared by every outbox table in it).
+_ADOPTED = re.compile(r"CREATE\s+TABLE\s+IF\s+NOT\s+EXISTS\s+\{(\w+)\}\s*\(", re.IGNORECASE)
+#: Lines of a CREATE TABLE's body that declare no column.
+_NOT_A_COLUMN = frozenset({"PRIMARY", "KEY", "INDEX", "UNIQUE", "CONSTRAINT", "CHECK", "FOREIGN"})
+
+
+def adopted_tables(script: str) -> dict[str, tuple[str, ...]]:
+    """The tables ``script`` creates only if missing (by token), with the columns it gives
+    them: a table that exists under that name must have them all, or it is someone else's.
+
+    Reads the migrations' own layout: one column or constraint per line, constraints in
+    upper case, the body closed by a line starting with ``)``."""
+    found: dict[str, tuple[str, ...]] = {}
+    text = strip_comments(script)
+    for match in _ADOPTED.finditer(text):
+        columns: list[str] = []
+        for line in text[match.end() :].splitlines()[1:]:
+            line = line.strip()
+            if line.startswith(")"):
+                break
+            word = line.split(None, 1)[0] if line else ""
+            # Constraints are written in upper case, columns in lower case or quoted (`key`).
+            if word and word not in _NOT_A_COLUMN:
+                columns.append(word.strip('`"').lower())
+        found[match.group(1)] = tuple(columns)
+    return found
+
+
 def quote_ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 

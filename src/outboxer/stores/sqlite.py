@@ -32,10 +32,12 @@ from outboxer.stores.base import (
     SettleResult,
     Store,
     StoreDataError,
+    adopted_by,
     estimate_from_sample,
     fold_counts,
     parse_headers,
     read_rows,
+    refuse_foreign_tables,
     row_id,
     sample_seqs,
     with_published_estimates,
@@ -184,9 +186,26 @@ class SqliteStore(Store):
             for statement in statements(render(_MIGRATIONS_TABLE, tokens)):
                 conn.execute(statement)
             done = {row[0] for row in conn.execute(f"SELECT version FROM {tokens['migrations']}")}
-            for migration in migrations("sqlite"):
-                if migration.version in done:
-                    continue
+            pending = [m for m in migrations("sqlite") if m.version not in done]
+            columns_sql = queries("sqlite", "schema.sql")["table_columns"]
+            try:
+                refuse_foreign_tables(
+                    pending,
+                    tokens,
+                    {
+                        token: [
+                            row[0]
+                            for row in conn.execute(
+                                columns_sql, {"table": tokens[token].strip('"')}
+                            )
+                        ]
+                        for token in adopted_by(pending)
+                    },
+                )
+            except SchemaError:
+                conn.execute("ROLLBACK")  # the migrations table too: nothing changed
+                raise
+            for migration in pending:
                 for statement in statements(render(migration.sql, tokens)):
                     conn.execute(statement)
                 conn.execute(

@@ -79,3 +79,18 @@ DELETE FROM {migrations}
 
 -- name: comment_plain
 COMMENT ON TABLE {plain} IS 'outboxer: the outbox table before it was partitioned; its unfinished rows were copied into the partitioned one. History only: drop it once past retention.'
+
+-- name: table_columns
+-- The new table's columns: move_unfinished copies these.
+SELECT a.attname AS name
+FROM pg_attribute AS a
+WHERE a.attrelid = to_regclass(:table) AND a.attnum > 0 AND NOT a.attisdropped
+ORDER BY a.attnum
+
+-- name: user_columns
+-- The old table's columns with their types, compared by the caller with the new table's:
+-- one the partitioned layout lacks was added by a user, and the move refuses to lose it.
+SELECT a.attname AS name, format_type(a.atttypid, a.atttypmod) AS type
+FROM pg_attribute AS a
+WHERE a.attrelid = to_regclass(:plain) AND a.attnum > 0 AND NOT a.attisdropped
+ORDER BY a.attnum
