@@ -64,6 +64,7 @@ from urllib.parse import urlsplit
 from outboxer.brokers.base import describe
 from outboxer.consumer_db import (
     BatchFailed,
+    HandlerEndedTransaction,
     HandlerReturnedAwaitable,
     Result,
     Session,
@@ -750,7 +751,9 @@ class Consumer:
             await self._dead_letter(session, lane, error, lane.failures)
             return
         delay = self.backoff.delay(lane.failures)
-        logger.warning(
+        logger.log(
+            # A bug of the handler, not a passing failure: it fails every attempt.
+            logging.ERROR if isinstance(cause, HandlerEndedTransaction) else logging.WARNING,
             "consumer %s: message %s (topic %s, key %s) failed attempt %d of %d, retrying in "
             "%.1fs: %s",
             self.group,

@@ -29,6 +29,7 @@ import functools
 import inspect
 import json
 import logging
+import sqlite3
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -257,6 +258,29 @@ class Session(ABC):
 
     # ----- shared ------------------------------------------------------------------------
 
+    def _in_transaction(self) -> bool:
+        """Whether the runner's transaction is still open after a handler, where the driver
+        tells without a round trip (True where it cannot be ended, or cannot be told)."""
+        return True
+
+    def released(self, group: str, ids: Sequence[uuid.UUID]) -> tuple[str, dict[str, Any]]:
+        """The statement that deletes the inbox claims ``ids`` of a batch whose transaction
+        a handler ended: where the batch is claimed at once (PostgreSQL's inbox_claim_many),
+        a handler's COMMIT committed the claims of the later messages, whose handlers never
+        ran. Left there, every redelivery of them is a duplicate: never applied."""
+        return "inbox_release_many", _many(group, ids)
+
+    def release_failed(self, group: str, ids: Sequence[uuid.UUID], exc: BaseException) -> None:
+        logger.error(
+            "consumer %s: a handler ended the batch's transaction, and deleting the inbox "
+            "claims it committed for messages whose handlers never ran failed (%s): their "
+            "redeliveries will be skipped as duplicates; delete them from the inbox to have "
+            "them applied: %s",
+            group,
+            describe(exc),
+            ", ".join(str(i) for i in ids),
+        )
+
     def sql(self, name: str) -> str:
         return _sql(self.dialect, self.schema, name)
 
@@ -477,11 +501,6 @@ class SyncSession(Session):
     #: take the inbox claims of the batch's later messages along (see _apply).
     claims_each = False
 
-    def _in_transaction(self) -> bool:
-        """Whether the runner's transaction is still open after a handler (where the driver
-        tells; where it cannot end it, as psycopg's transaction block, True)."""
-        return True
-
     def _rolled_back(self, group: str, message_id: uuid.UUID) -> bool:
         """Whether the transaction whose first claim was ``message_id`` was rolled back while
         the handlers ran, unseen by ``_in_transaction`` (PyMySQLSession: a deadlock that a
@@ -500,6 +519,8 @@ class SyncSession(Session):
         hold_keys: bool,
         replaying: bool,
     ) -> list[Result]:
+        release: list[uuid.UUID] = []  # see _release
+
         def work() -> list[Result]:
             try:
                 held = [hold_keys and self._hold(group, d) for d in deliveries]
@@ -532,7 +553,9 @@ class SyncSession(Session):
                     # The handler committed or rolled back the runner's transaction. Claimed
                     # one by one, no later message's claim went with it: a commit kept this
                     # and the earlier messages whole (their redeliveries are duplicates), a
-                    # rollback undid them, and failing here has them applied again.
+                    # rollback undid them, and failing here has them applied again. Claimed
+                    # at once (PostgreSQL), the later messages' claims went with a commit.
+                    release.extend(_unhandled(deliveries, todo, claimed, index))
                     raise BatchFailed("handler", HandlerEndedTransaction(), index)
             try:
                 rolled_back = kept is not None and self._rolled_back(group, kept)
@@ -545,9 +568,19 @@ class SyncSession(Session):
         try:
             return self._transaction(work)
         except BatchFailed:
+            if release:
+                self._release(group, release)
             raise
         except Exception as exc:  # the commit (or the rollback) failed
             raise BatchFailed("commit", exc) from exc
+
+    def _release(self, group: str, ids: Sequence[uuid.UUID]) -> None:
+        """Delete the inbox claims ``ids``, made for the batch before its handlers, that a
+        handler's COMMIT committed before their own handlers ran (see Session.released)."""
+        try:
+            self._transaction(functools.partial(self._execute, *self.released(group, ids)))
+        except Exception as exc:  # noqa: BLE001 -- the batch's own failure is what the runner sees
+            self.release_failed(group, ids, exc)
 
     async def apply(
         self,
@@ -586,6 +619,15 @@ def _psycopg_disconnected(exc: BaseException) -> bool:
         return False
     state = exc.sqlstate
     return state is None or state.startswith("08") or state in _PG_GONE
+
+
+def _psycopg_in_transaction(conn: Any) -> bool:
+    """libpq's transaction status of the last answer, no round trip: IDLE after a handler
+    means it ran COMMIT or ROLLBACK itself (psycopg's transaction block refuses only its own
+    commit() and rollback()). Not seen: a handler that went on writing after it, in a
+    transaction psycopg began anew. A broken connection counts as open: the runner's own
+    checks of a lost one apply."""
+    return bool(conn.closed or conn.broken or conn.info.transaction_status != _IDLE)
 
 
 def _refuse_aborted(conn: Any) -> None:
@@ -631,6 +673,9 @@ class PsycopgSession(SyncSession):
             return set()
         return {row["message_id"] for row in self._fetch("inbox_claim_many", _many(group, ids))}
 
+    def _in_transaction(self) -> bool:
+        return _psycopg_in_transaction(self.conn)
+
     def _cursor_sql(self, sql: str) -> str:
         return _pyformat(sql)
 
@@ -670,7 +715,16 @@ class SqliteSession(SyncSession):
         return sql  # sqlite3 binds :name itself
 
     def broken(self) -> bool:
-        return self.conn is None
+        # A connection the handler closed: every later call fails (ProgrammingError), the
+        # dead letter's too, so that the worker retried for ever; a new one is opened instead.
+        # sqlite3 has no `closed`: reading an attribute of a closed connection raises.
+        if self.conn is None:
+            return True
+        try:
+            self.conn.total_changes  # noqa: B018 -- read for whether it raises
+        except sqlite3.ProgrammingError:
+            return True
+        return False
 
 
 class PyMySQLSession(SyncSession):
@@ -783,11 +837,23 @@ class AsyncSession(Session):
                     await handler(deliveries[index], self.conn)
                 except Exception as exc:
                     raise BatchFailed("handler", exc, index) from exc
+                if not self._in_transaction():
+                    # A COMMIT or ROLLBACK statement of the handler (asyncpg then runs what
+                    # follows in autocommit, where no failure rolls anything back): its
+                    # failure, the later messages' claims released (SyncSession._apply).
+                    release.extend(_unhandled(deliveries, todo, claimed, index))
+                    raise BatchFailed("handler", HandlerEndedTransaction(), index)
             return _finish(results)
 
+        release: list[uuid.UUID] = []
         try:
             return await self._transaction(work)
         except BatchFailed:
+            if release:
+                try:
+                    await self.run(*self.released(group, release))
+                except Exception as exc:  # noqa: BLE001 -- the batch's failure is what counts
+                    self.release_failed(group, release, exc)
             raise
         except Exception as exc:  # the commit (or the rollback) failed
             raise BatchFailed("commit", exc) from exc
@@ -805,8 +871,9 @@ class HandlerEndedTransaction(RuntimeError):
 
     def __init__(self) -> None:
         super().__init__(
-            "the handler committed or rolled back the consumer's transaction; it must leave "
-            "that to the consumer"
+            "the handler ended the consumer's transaction (commit(), rollback(), a COMMIT or "
+            "ROLLBACK statement, autocommit): a handler must not end it, the consumer commits "
+            "once per batch after every handler returned; rolled back and retried"
         )
 
 
@@ -889,6 +956,10 @@ class AsyncpgSession(AsyncSession):
         )
         return super().disconnected(exc) or isinstance(exc, gone)
 
+    def _in_transaction(self) -> bool:
+        # The protocol's transaction status of the last answer: no round trip.
+        return self.conn is None or self.conn.is_closed() or bool(self.conn.is_in_transaction())
+
     async def _begin(self) -> Any:
         transaction = self.conn.transaction()
         await transaction.start()
@@ -945,6 +1016,9 @@ class PsycopgAsyncSession(AsyncSession):
 
     async def _begin(self) -> Any:
         return _PsycopgTransaction(self.conn)
+
+    def _in_transaction(self) -> bool:
+        return _psycopg_in_transaction(self.conn)
 
     async def _transaction(self, work: Callable[[], Awaitable[T]]) -> T:
         # psycopg's transaction block: a handler's commit() or rollback() fails the handler
@@ -1019,6 +1093,18 @@ def session_factory(
     return make
 
 
+def _unhandled(
+    deliveries: Sequence[Delivery],
+    todo: Sequence[int],
+    claimed: set[uuid.UUID] | None,
+    index: int,
+) -> list[uuid.UUID]:
+    """The ids claimed for the batch at once whose handlers come after ``index``'s."""
+    if claimed is None:
+        return []  # claimed each just before its handler: none made ahead
+    return [deliveries[i].id for i in todo if i > index and deliveries[i].id in claimed]
+
+
 def _many(group: str, ids: Sequence[uuid.UUID]) -> dict[str, Any]:
     """PostgreSQL's batch claim: the ids sorted (one lock order for every consumer)."""
     return {"consumer": group, "message_ids": sorted(ids)}
@@ -1044,6 +1130,7 @@ __all__ = [
     "AsyncSession",
     "BatchFailed",
     "DeadLetter",
+    "HandlerEndedTransaction",
     "HandlerReturnedAwaitable",
     "Result",
     "Session",

@@ -50,6 +50,8 @@ _MARKED_FOR_ROLLBACK = (
     "instead of committing"
 )
 
+#: libpq's PQTransactionStatus outside any transaction (psycopg 3's and psycopg2's alike).
+_PG_IDLE = 0
 #: libpq's PQTransactionStatus for a transaction a failed statement aborted (psycopg 3's
 #: ``TransactionStatus.INERROR`` and psycopg2's ``TRANSACTION_STATUS_INERROR`` alike).
 _PG_INERROR = 3
@@ -72,7 +74,9 @@ class DjangoSession(SyncSession):
         #: MySQL commits before DDL (and on a handler's COMMIT): claimed each before its
         #: handler, as PyMySQLSession does, so that such a commit takes no later message's
         #: claim along (its redelivery would be skipped as a duplicate, never applied).
-        self.claims_each = dialect == "mysql"
+        #: SQLite too: one statement a message either way. PostgreSQL claims the batch at
+        #: once and releases what a handler's COMMIT took along (SyncSession._release).
+        self.claims_each = dialect in ("mysql", "sqlite")
 
     async def _call(self, work: Callable[..., T], *args: Any) -> T:
         if self.executor is None:
@@ -173,11 +177,22 @@ class DjangoSession(SyncSession):
             raise AbortedTransaction
 
     def _in_transaction(self) -> bool:
-        # PyMySQL's status flag of the last answer, as PyMySQLSession reads it; unknown
-        # (mysqlclient, which does not expose it, and the other databases): open.
-        raw = self.conn.connection if self.dialect == "mysql" else None
-        status = getattr(raw, "server_status", None)
-        return True if status is None else bool(status & _SERVER_STATUS_IN_TRANS)
+        # What the driver knows of the last answer, no round trip: a handler's COMMIT or
+        # ROLLBACK statement (cursor.execute) ends the transaction under Django's atomic(),
+        # which does not see it. PyMySQL's status flag, as PyMySQLSession reads it; libpq's
+        # transaction status (psycopg 3, psycopg2); sqlite3's in_transaction. Unknown
+        # (mysqlclient, which does not expose it): open.
+        raw = self.conn.connection
+        if raw is None or _gone(raw):
+            return True  # lost: the runner's checks of a lost connection apply
+        if self.dialect == "mysql":
+            status = getattr(raw, "server_status", None)
+            return True if status is None else bool(status & _SERVER_STATUS_IN_TRANS)
+        if self.dialect == "sqlite":
+            return bool(raw.in_transaction)
+        info = getattr(raw, "info", None)  # psycopg 3
+        state = info.transaction_status if info is not None else raw.get_transaction_status()
+        return int(state) != _PG_IDLE
 
     def _rolled_back(self, group: str, message_id: uuid.UUID) -> bool:
         # MySQL, as PyMySQLSession: a deadlock rolls the whole transaction back and the next

@@ -12,6 +12,15 @@ SELECT :consumer, id FROM unnest(CAST(:message_ids AS uuid[])) AS id
 ON CONFLICT DO NOTHING
 RETURNING message_id
 
+-- name: inbox_release_many
+-- Claims of a batch whose handlers never ran -> gone, in a transaction of their own after the
+-- batch's. Only when a handler ended the batch's transaction itself (a raw COMMIT): that
+-- committed the claims inbox_claim_many made for the batch's later messages, which would
+-- then be skipped as duplicates, never applied. Their handlers did not run, so the claims
+-- stand for nothing: deleting them leaves inbox row <=> message applied true again.
+DELETE FROM {inbox}
+WHERE consumer = :consumer AND message_id = ANY(CAST(:message_ids AS uuid[]))
+
 -- name: insert
 -- A message whose handler failed max_attempts times (or that cannot be read, or that is held
 -- back behind an earlier dead letter of its key) -> recorded once per consumer: a redelivery
