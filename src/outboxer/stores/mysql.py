@@ -54,6 +54,7 @@ from outboxer.stores.base import (
     sample_seqs,
     with_published_estimates,
 )
+from outboxer.stores.mysql_tls import SSL_OPTIONS, ssl_args
 from outboxer.stores.sqlfiles import (
     admin_queries,
     migrations,
@@ -134,9 +135,12 @@ def mysql_connect_args(url: str) -> dict[str, Any]:
     }
     if parts.username:
         args["user"] = unquote(parts.username)
+    tls: dict[str, str] = {}
     for name, value in parse_qsl(parts.query):
-        if name == "unix_socket":
-            args["unix_socket"] = value
+        if name in ("unix_socket", "read_default_file", "read_default_group"):
+            args[name] = value
+        elif name in SSL_OPTIONS:
+            tls[name] = value
         elif name == "connect_timeout":
             # A ConfigError, not float()'s ValueError; nan, 0 and negatives failed every
             # connect as "Can't connect to MySQL server", inf never gave up on a dead host.
@@ -145,8 +149,16 @@ def mysql_connect_args(url: str) -> dict[str, Any]:
             )
         else:
             raise ConfigError(
-                f"unknown option {name!r} in the MySQL URL; known: unix_socket, connect_timeout"
+                f"unknown option {name!r} in the MySQL URL; known: unix_socket, "
+                f"connect_timeout, read_default_file, read_default_group, {', '.join(SSL_OPTIONS)}"
             )
+    if "read_default_file" in args or "read_default_group" in args:
+        # PyMySQL reads host, port and password from the option file only where no argument
+        # gives them (aiomysql's file wins anyway): pass the URL's own, not the defaults.
+        given = {"host": parts.hostname, "port": parts.port, "password": parts.password}
+        for name in [name for name, value in given.items() if not value]:
+            del args[name]
+    args.update(ssl_args(tls))
     return args
 
 

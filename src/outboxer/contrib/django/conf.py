@@ -16,7 +16,9 @@ the CLI, values given here win over ``OUTBOXER_*`` environment variables, which 
         "consumer": {"group": "shipping", "handler": "shipping.events:apply"},
     }
 
-Model events are enqueued for every configured destination (``Outbox.destinations``).
+Model events are enqueued for every configured destination (``Outbox.destinations``), with
+the payload protection ``outboxer enqueue`` applies (``encryption_keys`` or
+``encryption_key_file``, ``claim_check_store``).
 """
 
 from __future__ import annotations
@@ -65,6 +67,56 @@ PG_OPTIONS = (
 )
 
 
+#: Options of a MySQL entry's OPTIONS that the URL carries by the same name (the MySQL
+#: store's URL options): the socket, option file and TLS Django's connection uses are
+#: outboxer's too.
+MYSQL_OPTIONS = (
+    "unix_socket",
+    "connect_timeout",
+    "read_default_file",
+    "read_default_group",
+    "ssl_mode",
+)
+
+#: The keys of a MySQL entry's ``OPTIONS["ssl"]`` (PyMySQL's and mysqlclient's dict) that
+#: the URL can carry.
+MYSQL_SSL_KEYS = ("ca", "cert", "key", "check_hostname", "verify_mode")
+
+
+def mysql_query(alias: str, options: Mapping[str, Any]) -> dict[str, str]:
+    """The MySQL URL's query options for a MySQL entry's ``OPTIONS``. A TLS setting the URL
+    cannot carry is a ConfigError: dropped, outboxer would connect without the TLS (or the
+    verification) the project configured."""
+    query = {name: str(options[name]) for name in MYSQL_OPTIONS if options.get(name)}
+    if query.get("ssl_mode", "").lower() == "preferred":
+        query["ssl_mode"] = "required"  # neither driver refuses a server without TLS anyway
+    tls = options.get("ssl")
+    if not tls:
+        return query
+    where = f'database {alias!r}: OPTIONS["ssl"]'
+    if not isinstance(tls, Mapping):
+        raise ConfigError(
+            f"{where} is a {type(tls).__name__}, which outboxer's connections (a URL) cannot "
+            'take: give a dict (ca, cert, key), or OUTBOXER["db"] with the ssl_* URL options'
+        )
+    if unknown := sorted(set(tls) - set(MYSQL_SSL_KEYS)):
+        raise ConfigError(f"{where}: outboxer cannot carry {unknown}; it takes {MYSQL_SSL_KEYS}")
+    query.update({f"ssl_{name}": str(tls[name]) for name in ("ca", "cert", "key") if tls.get(name)})
+    if "ssl_mode" not in query and ("check_hostname" in tls or "verify_mode" in tls):
+        # PyMySQL's reading of its dict: verification unless verify_mode says none, the host
+        # checked with a CA unless check_hostname is false (never without a CA).
+        verify = tls.get("verify_mode", True)
+        if isinstance(verify, str):
+            verify = verify.lower() not in ("none", "0", "false", "no")
+        if not verify:
+            query.pop("ssl_ca", None)  # loaded but never checked: the URL refuses that pair
+            query["ssl_mode"] = "required"
+        else:
+            identity = bool(tls.get("ca")) and bool(tls.get("check_hostname", True))
+            query["ssl_mode"] = "verify_identity" if identity else "verify_ca"
+    return query
+
+
 def raw_settings() -> dict[str, Any]:
     value = getattr(django_settings, "OUTBOXER", {})
     if not isinstance(value, Mapping):
@@ -105,8 +157,8 @@ def database_url(alias: str) -> str:
         host = ""
     elif ":" in host and not host.startswith("["):  # an IPv6 address: [::1]:5432, as URLs say
         host = f"[{host}]"
-    if kind == "mysql" and "unix_socket" in options:
-        query["unix_socket"] = str(options["unix_socket"])
+    if kind == "mysql":
+        query.update(mysql_query(alias, options))
     if kind == "postgres":
         query.update({name: str(options[name]) for name in PG_OPTIONS if name in options})
     credentials = quote(user, safe="") + (":" + quote(password, safe="") if password else "")
@@ -202,12 +254,14 @@ def forget_settings(**signal: Any) -> None:
     """``setting_changed`` receiver: the next use reads the settings again."""
     if signal.get("setting") in ("OUTBOXER", "DATABASES"):
         _names.cache_clear()
+        outbox_names.cache_clear()
         outbox.cache_clear()
 
 
 @functools.cache
-def outbox() -> Outbox:
-    """The outbox model events are written to: the configured names and destinations."""
+def outbox_names() -> Outbox:
+    """The outbox's names and destinations, without payload protection: what the migrations
+    and the admin's models need, which must load without the keys or the object store."""
     current = _names()
     return Outbox(
         schema=current.schema,
@@ -216,12 +270,30 @@ def outbox() -> Outbox:
     )
 
 
+@functools.cache
+def outbox() -> Outbox:
+    """The outbox model events are written to: the configured names and destinations, and
+    the payload protection of ``outboxer enqueue`` (``encryption_keys`` or
+    ``encryption_key_file``, ``claim_check_store``), so that the table holds what the
+    settings promise: ciphertext and claim-check references, never the plaintext."""
+    from outboxer import payload_admin
+
+    current = _names()
+    return Outbox(
+        schema=current.schema,
+        table=current.table,
+        destinations=tuple(current.destination_names),
+        encryption=payload_admin.keyring(current),
+        claim_check=payload_admin.claim_check(current),
+    )
+
+
 def outbox_table(alias: str) -> str:
     """The outbox table as the SQL of ``alias``'s vendor names it (quoted)."""
-    return schema_table(alias, outbox().table)
+    return schema_table(alias, outbox_names().table)
 
 
 def schema_table(alias: str, table: str) -> str:
     """A table of outboxer's schema (the outbox, ``inbox``, ``dead_letters``) as the SQL of
     ``alias``'s vendor names it (quoted)."""
-    return table_name(dialect(alias), outbox().schema, table)
+    return table_name(dialect(alias), outbox_names().schema, table)

@@ -91,7 +91,7 @@ def _point_at_the_tables() -> None:
     """The models' tables as the configured names and the outbox database's vendor say."""
     alias = conf.database_alias()
     postgres = conf.dialect(alias) == "postgres"
-    for model, table in ((OutboxMessage, conf.outbox().table), (DeadLetter, "dead_letters")):
+    for model, table in ((OutboxMessage, conf.outbox_names().table), (DeadLetter, "dead_letters")):
         # Django leaves a name that starts and ends with a quote alone: "schema"."table".
         model._meta.db_table = conf.schema_table(alias, table) if postgres else table
 

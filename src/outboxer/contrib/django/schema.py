@@ -35,9 +35,9 @@ _PLACEHOLDER_URLS = {
 def dialect_store(dialect: str) -> Store:
     """A store of ``dialect`` with the configured names, for its DDL (it never connects).
 
-    The names only (``conf.outbox()``), not ``outboxer_settings()``: that one derives the
+    The names only (``conf.outbox_names()``), not ``outboxer_settings()``: that one derives the
     database URL, which an in-memory SQLite database (Django's test database) has none of."""
-    names = conf.outbox()
+    names = conf.outbox_names()
     return create_store(_PLACEHOLDER_URLS[dialect], schema=names.schema, table=names.table)
 
 
