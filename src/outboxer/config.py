@@ -555,6 +555,21 @@ def parse_duration(value: object, name: str) -> float:
     return Duration().parse(value, name)
 
 
+def duration_option(value: object, name: str, low: float, high: float) -> float:
+    """A broker's or receiver's duration option (URL query, ``--option``, settings file) in the
+    settings' syntax (``30``, ``250ms``, ``5m``): finite, within ``low`` to ``high`` seconds."""
+    return Duration(high=high, positive=low > 0, low=low).parse(value, name)
+
+
+def whole_seconds_option(value: object, name: str, low: int, high: int) -> int:
+    """A duration option that the protocol carries in whole seconds (MQTT's keepalive and
+    session expiry): ``90``, ``90s``, ``5m``; ``1.5s`` is refused rather than rounded."""
+    seconds = duration_option(value, name, low, high)
+    if seconds != int(seconds):
+        raise ConfigError(f"{name} must be whole seconds; got {value!r}")
+    return int(seconds)
+
+
 def int_option(value: object, name: str, low: int, high: int) -> int:
     return Whole(low, high).parse(value, name)
 
@@ -719,8 +734,9 @@ def declared_values(
 ) -> dict[str, Any]:
     """Each setting of ``cls`` from the strongest source that gives it, parsed.
 
-    An empty environment variable counts as unset (``OUTBOXER_DB=`` in a compose file),
-    except for a secret, where it is an error.
+    An empty environment variable is an error naming it: a deploy template's
+    ``OUTBOXER_LOCK_TIMEOUT=${LOCK_TIMEOUT}`` with the value missing must not quietly run
+    with the default. A secret's kind words its own error.
     """
     known = {declared.name: declared for declared in declarations(cls)}
     given = {name: value for name, value in flags.items() if value is not None}
@@ -731,7 +747,11 @@ def declared_values(
         from_env = environ.get(declared.env)
         if name in given:
             raw, source = given[name], declared.flag
-        elif from_env is not None and (from_env != "" or declared.secret):
+        elif from_env is not None:
+            if not from_env.strip() and not declared.secret:
+                raise ConfigError(
+                    f"{declared.env} is set but empty: unset it for the default, or give a value"
+                )
             raw, source = from_env, declared.env
         elif declared.key in file_values:
             raw, source = file_values[declared.key], f"{origin}: {declared.key}"
@@ -1276,6 +1296,13 @@ class Settings:
                 else DestinationSettings(DEFAULT_DESTINATION, self.broker)
             )
             object.__setattr__(self, "destinations", destinations)
+        if self.backoff_base > self.backoff_max:
+            # Backoff's own message names its fields (base, cap), not the settings.
+            raise ConfigError(
+                f"backoff_base ({format_duration(self.backoff_base)}) must be at most "
+                f"backoff_max ({format_duration(self.backoff_max)}): lower backoff_base or "
+                "raise backoff_max"
+            )
         self.backoff  # validates the combination (cap >= base, …)  # noqa: B018
         if self.databases:
             if self.db is not None:
@@ -1389,7 +1416,11 @@ def read_config_file(
 ) -> tuple[dict[str, Any], str | None]:
     """The settings table of the file (``--config``, ``OUTBOXER_CONFIG`` or ``./outboxer.toml``)
     and its path; ({}, None) when there is none. Every problem is a ConfigError."""
-    path = config_file or environ.get(ENV_PREFIX + "CONFIG") or None
+    variable = ENV_PREFIX + "CONFIG"
+    if not config_file and variable in environ and not environ[variable].strip():
+        # As every OUTBOXER_* variable: empty is a template's missing value, not "no file".
+        raise ConfigError(f"{variable} is set but empty: unset it, or name a settings file")
+    path = config_file or environ.get(variable) or None
     if path is None:
         if not Path(DEFAULT_CONFIG_FILE).is_file():
             return {}, None

@@ -188,7 +188,8 @@ def test_exit_when_idle_status_cleanup_and_schema(pg_url: str, tmp_path: Path) -
             {},
             "unknown broker URL scheme",
         ),
-        (["relay", "--broker", "memory://"], {"OUTBOXER_DB": ""}, "no database"),
+        (["relay", "--broker", "memory://"], {}, "no database"),
+        (["relay", "--broker", "memory://"], {"OUTBOXER_DB": ""}, "OUTBOXER_DB is set but empty"),
         (
             ["relay", "--db", "postgresql://x/y", "--broker", "memory://", "--batch-size", "0"],
             {},

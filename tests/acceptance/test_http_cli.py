@@ -164,7 +164,12 @@ def test_serve_requeues_with_the_token_from_the_environment(
             {"OUTBOXER_HTTP": "localhost"},
             "OUTBOXER_HTTP must be HOST:PORT",
         ),
-        (["serve", "--db", "sqlite:///x.db"], {"OUTBOXER_HTTP": ""}, "no HTTP address"),
+        (["serve", "--db", "sqlite:///x.db"], {}, "no HTTP address"),
+        (
+            ["serve", "--db", "sqlite:///x.db"],
+            {"OUTBOXER_HTTP": ""},
+            "OUTBOXER_HTTP is set but empty",
+        ),
         (
             ["serve", "--db", "sqlite:///x.db", "--http", "127.0.0.1:99999"],
             {},

@@ -329,5 +329,5 @@ def test_options() -> None:
     assert MqttPublisher(f"{URL}?retain=OFF").retain is False
     with pytest.raises(ConfigError, match="max_inflight"):
         MqttPublisher(f"{URL}?max_inflight=many")
-    with pytest.raises(ConfigError, match="positive"):
+    with pytest.raises(ConfigError, match="mqtt option keepalive"):
         MqttPublisher(URL, keepalive=0)

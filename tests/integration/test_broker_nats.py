@@ -383,5 +383,7 @@ def test_options() -> None:
         NatsPublisher(f"{URL}?subject_prefix=x.&create_stream=true")
     with pytest.raises(ConfigError, match="create_stream"):
         NatsPublisher(f"{URL}?create_stream=maybe")
+    # The settings' duration syntax, as every duration option.
+    assert NatsPublisher(f"{URL}?duplicate_window=2m").duplicate_window == 120
     with pytest.raises(ConfigError, match="duplicate_window"):
-        NatsPublisher(f"{URL}?duplicate_window=2m")
+        NatsPublisher(f"{URL}?duplicate_window=2 fortnights")

@@ -92,7 +92,7 @@ def test_durations(value: object, seconds: float) -> None:
         ({"backoff_jitter": "2"}, {}, "--backoff-jitter"),
         ({"db": "not a url"}, {}, "URL"),
         ({"abandoned_blocks_key": "maybe"}, {}, "true or false"),
-        ({"backoff_base": "10", "backoff_max": "5"}, {}, "cap"),
+        ({"backoff_base": "10", "backoff_max": "5"}, {}, "backoff_max"),
     ],
 )
 def test_bad_values_are_config_errors_naming_their_source(
@@ -383,8 +383,9 @@ def test_wrong_toml_types_are_config_errors_naming_the_key(
 def test_an_empty_token_variable_is_an_error_not_no_token() -> None:
     with pytest.raises(ConfigError, match="OUTBOXER_HTTP_TOKEN is set but empty"):
         load_settings({}, environ={"OUTBOXER_HTTP_TOKEN": ""})
-    # Other empty variables still mean "unset" (a compose file's `OUTBOXER_DB=`).
-    assert load_settings({}, environ={"OUTBOXER_DB": "", "OUTBOXER_HTTP": ""}).db is None
+    # So is every other empty variable (tests/unit/test_audit7_config_boundary_options.py).
+    with pytest.raises(ConfigError, match="OUTBOXER_DB is set but empty"):
+        load_settings({}, environ={"OUTBOXER_DB": ""})
 
 
 @pytest.mark.parametrize("token", ["t0ken", "fifteen-chars-x", " padded-token-0123456789 "])

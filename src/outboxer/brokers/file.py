@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-from outboxer.brokers.base import Publisher, parse_options
+from outboxer.brokers.base import Publisher, option_bool, parse_options
 from outboxer.errors import ConfigError, PublishError
 from outboxer.message import Message
 from outboxer.redact import redact_url
@@ -65,7 +65,8 @@ class FilePublisher(Publisher):
                 f"file broker URL needs a path: {redact_url(url)!r} (file:///tmp/events.jsonl)"
             )
         self.path = Path(parts.path)
-        self.fsync = options.get("fsync", "true").lower() not in ("0", "false", "no")
+        # The words of every yes/no option: "off" meant on, and a typo passed as on.
+        self.fsync = option_bool(options, "fsync", None, True)
         self._file: IO[str] | None = None
 
     async def _connect(self) -> None:

@@ -26,7 +26,7 @@ from urllib.parse import unquote
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from outboxer.brokers.base import NotSent, Publisher, parse_options
-from outboxer.config import float_option
+from outboxer.config import duration_option
 from outboxer.errors import ConfigError, PublishError
 from outboxer.message import Message
 from outboxer.redact import get_logger, redact_url
@@ -164,7 +164,7 @@ class KafkaPublisher(Publisher):
             )
         # connect_timeout is outboxer's; every other query parameter goes to librdkafka.
         url_timeout = options.pop("connect_timeout", "10")
-        self.connect_timeout = float_option(
+        self.connect_timeout = duration_option(
             connect_timeout if connect_timeout is not None else url_timeout,
             "kafka option connect_timeout",
             0.001,

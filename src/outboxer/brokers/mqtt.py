@@ -28,6 +28,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
 from outboxer.brokers.base import AckedPublisher, option_bool, parse_options
+from outboxer.config import int_option, whole_seconds_option
 from outboxer.errors import ConfigError, PublishError
 from outboxer.message import Message
 from outboxer.redact import redact_url
@@ -39,14 +40,9 @@ QOS = 1
 _PUBLISH_OVERHEAD = 9
 
 
-def _integer(options: Mapping[str, str], name: str, given: int | None, default: int) -> int:
-    if given is not None:
-        return given
-    raw = options.get(name, "")
-    try:
-        return int(raw) if raw else default
-    except ValueError:
-        raise ConfigError(f"{name} must be an integer, not {raw!r}") from None
+#: MQTT carries the keepalive and the receive maximum in two bytes: a larger keepalive failed
+#: every connect inside paho ("'H' format requires …"), which read as an outage for ever.
+_TWO_BYTES = 65_535
 
 
 class _Client(aiomqtt.Client):
@@ -179,10 +175,18 @@ class MqttPublisher(AckedPublisher[ReasonCode]):
         self.client_id = (
             client_id or options.get("client_id") or f"outboxer-{uuid.uuid4().hex[:12]}"
         )
-        self.keepalive = _integer(options, "keepalive", keepalive, 60)
-        self.max_inflight = _integer(options, "max_inflight", max_inflight, 1000)
-        if self.keepalive <= 0 or self.max_inflight <= 0:
-            raise ConfigError("keepalive and max_inflight must be positive")
+        self.keepalive = whole_seconds_option(
+            keepalive if keepalive is not None else options.get("keepalive") or 60,
+            "mqtt option keepalive",
+            1,
+            _TWO_BYTES,
+        )
+        self.max_inflight = int_option(
+            max_inflight if max_inflight is not None else options.get("max_inflight") or 1000,
+            "mqtt option max_inflight",
+            1,
+            _TWO_BYTES,
+        )
         self._client: _Client | None = None
 
     def topic_for(self, message: Message) -> str:

@@ -38,7 +38,7 @@ from nats.js import JetStreamContext
 from nats.js.api import Header, PubAck
 
 from outboxer.brokers.base import AckedPublisher, option_bool, parse_options
-from outboxer.config import LONGEST_INTERVAL, float_option
+from outboxer.config import LONGEST_INTERVAL, duration_option
 from outboxer.errors import ConfigError, PublishError
 from outboxer.message import Message
 from outboxer.redact import get_logger, redact_url
@@ -71,6 +71,35 @@ _CONNECTION = (
     nats.errors.ConnectionReconnectingError,
     nats.errors.ConnectionDrainingError,
 )
+
+
+def subject_problem(subject: str, *, wildcards: bool) -> str | None:
+    """Why NATS refuses ``subject`` (None: it takes it). With ``wildcards``, a filter: ``*``
+    stands for one token, ``>`` for the rest; without, a subject to publish to.
+
+    Checked when the publisher or receiver is built: the server refused such a subject at
+    connect, which read as an outage, or as a consumer "existing with other settings"."""
+    if not subject:
+        return "it is empty"
+    if any(character.isspace() for character in subject):
+        return "it holds white space"
+    tokens = subject.split(".")
+    if "" in tokens:
+        return "it has an empty token (a '.' at either end, or '..')"
+    for place, token in enumerate(tokens):
+        if token not in ("*", ">"):
+            continue
+        if not wildcards:
+            return f"a subject to publish to has no wildcards ('{token}' is one)"
+        if token == ">" and place != len(tokens) - 1:
+            return "'>' stands for the remaining tokens, so it can only be the last"
+    return None
+
+
+def check_subject(subject: str, *, wildcards: bool, what: str) -> None:
+    """ConfigError naming ``what`` (the option) unless NATS takes ``subject``."""
+    if (problem := subject_problem(subject, wildcards=wildcards)) is not None:
+        raise ConfigError(f"{what} {subject!r:.200} is not a valid NATS subject: {problem}")
 
 
 def publish_headers(message: Message) -> dict[str, str]:
@@ -157,7 +186,7 @@ class NatsPublisher(AckedPublisher[Msg]):
         )
         # Finite and bounded, as Kafka's connect_timeout: float() took nan and inf, which
         # failed every connect (stream creation) as if NATS were down, for good.
-        self.duplicate_window = float_option(
+        self.duplicate_window = duration_option(
             duplicate_window
             if duplicate_window is not None
             else options.get("duplicate_window") or DEFAULT_DUPLICATE_WINDOW,
@@ -165,13 +194,27 @@ class NatsPublisher(AckedPublisher[Msg]):
             0.001,
             LONGEST_INTERVAL,
         )
+        # A prefix forms subjects with each destination: checked with a stand-in one.
+        if self.subject_prefix and (
+            problem := subject_problem(self.subject_prefix + "x", wildcards=False)
+        ):
+            raise ConfigError(
+                f"nats option subject_prefix {self.subject_prefix!r:.200} does not start valid "
+                f"NATS subjects: {problem}"
+            )
+        for subject in self.subjects:
+            check_subject(subject, wildcards=True, what="nats option subjects:")
+        for topic, route in self.routes.items():
+            check_subject(
+                self.subject_prefix + route, wildcards=False, what=f"route for topic {topic!r}:"
+            )
         if self.create_stream and not self.stream:
             raise ConfigError("create_stream needs a stream name (option stream)")
         if self.create_stream and not self.subjects:
             raise ConfigError("create_stream needs subjects (option subjects, or a subject_prefix)")
         self.tls = option_bool(options, "tls", tls, False)
         self.creds = creds if creds is not None else (options.get("creds") or None)
-        self.connect_timeout = float_option(
+        self.connect_timeout = duration_option(
             connect_timeout
             if connect_timeout is not None
             else options.get("connect_timeout") or 10.0,

@@ -84,7 +84,7 @@ from pamqp import encode
 from pamqp.common import FieldTable
 
 from outboxer.brokers.base import NotSent, Publisher, option_bool, parse_options
-from outboxer.config import float_option
+from outboxer.config import duration_option
 from outboxer.errors import BrokerUnavailableError, ConfigError, PublishError
 from outboxer.message import Message
 from outboxer.redact import get_logger
@@ -431,7 +431,7 @@ class RabbitMQPublisher(Publisher):
         self.mandatory = option_bool(options, "mandatory", mandatory, True)
         # Finite and bounded, as Kafka's: float() took inf (a connect to a host that drops
         # packets waited for ever) and nan.
-        self.connect_timeout = float_option(
+        self.connect_timeout = duration_option(
             connect_timeout if connect_timeout is not None else options.get("connect_timeout", 10),
             "rabbitmq option connect_timeout",
             0.001,

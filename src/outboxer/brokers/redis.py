@@ -39,7 +39,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from outboxer.brokers.base import NotSent, Publisher, parse_options
-from outboxer.errors import ConfigError, PublishError
+from outboxer.config import int_option
+from outboxer.errors import PublishError
 from outboxer.message import Message
 
 #: Our own URL options; the rest of the query string goes to redis-py.
@@ -141,15 +142,11 @@ class RedisPublisher(Publisher):
         self.stream_prefix = (
             stream_prefix if stream_prefix is not None else options.get("stream_prefix", "")
         )
-        if maxlen is None and options.get("maxlen", "") != "":
-            try:
-                maxlen = int(options["maxlen"])
-            except ValueError:
-                raise ConfigError(f"maxlen must be an integer, not {options['maxlen']!r}") from None
-        if maxlen is not None and maxlen <= 0:
-            raise ConfigError(
-                f"maxlen must be positive (or absent for unbounded streams), not {maxlen}"
-            )
+        given: object = maxlen if maxlen is not None else (options.get("maxlen") or None)
+        if given is not None:
+            # int() took "1_000", and a number past Redis's 64-bit range failed every XADD
+            # inside the relay; absent means unbounded streams.
+            maxlen = int_option(given, "redis option maxlen", 1, 2**63 - 1)
         #: Trim each stream to about this many entries (``XADD … MAXLEN ~ n``); None keeps all.
         self.maxlen = maxlen
         rest = {name: value for name, value in options.items() if name not in _OPTIONS}

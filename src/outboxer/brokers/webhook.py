@@ -31,7 +31,7 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 import httpx
 
 from outboxer.brokers.base import NotSent, Publisher, parse_options
-from outboxer.config import float_option, int_option
+from outboxer.config import duration_option, int_option
 from outboxer.errors import BrokerUnavailableError, ConfigError, PublishError
 from outboxer.message import Message
 from outboxer.redact import redact_url
@@ -258,7 +258,7 @@ class WebhookPublisher(Publisher):
         self.retry_statuses = (
             DEFAULT_RETRY_STATUSES if statuses is None else parse_retry_statuses(statuses)
         )
-        self.timeout = float_option(
+        self.timeout = duration_option(
             timeout if timeout is not None else options.get("timeout", DEFAULT_TIMEOUT),
             "webhook option timeout",
             0.001,

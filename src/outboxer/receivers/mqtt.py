@@ -38,7 +38,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from outboxer.brokers.mqtt import QOS, MqttPublisher, _Client, abandon, disconnect
-from outboxer.config import int_option
+from outboxer.config import whole_seconds_option
 from outboxer.errors import ConfigError
 from outboxer.receivers.base import Incoming, Receiver, decode, take
 from outboxer.redact import get_logger
@@ -115,7 +115,7 @@ class MqttReceiver(Receiver):
         self.client_id = str(
             self.settings.get("client_id") or f"outboxer-{self.group}-{self.name or 'consumer'}"
         )
-        self.session_expiry = int_option(
+        self.session_expiry = whole_seconds_option(
             self.settings.get("session_expiry", 86_400), "mqtt option session_expiry", 1, 2**32 - 1
         )
         self._client: _ReceivingClient | None = None

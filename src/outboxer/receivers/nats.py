@@ -49,8 +49,8 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import DEFAULT_PREFIX, AckPolicy, ConsumerConfig, DeliverPolicy, StatusCode
 
-from outboxer.brokers.nats import MSG_ID_HEADER, NatsPublisher
-from outboxer.config import float_option
+from outboxer.brokers.nats import MSG_ID_HEADER, NatsPublisher, check_subject
+from outboxer.config import duration_option
 from outboxer.errors import ConfigError
 from outboxer.receivers.base import Incoming, Receiver, decode
 
@@ -59,6 +59,8 @@ _JETSTREAM_HEADERS = (MSG_ID_HEADER, "Nats-Expected-Stream")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 #: What a JetStream consumer's name cannot hold (nats-py's check, which raises on connect).
 _NOT_IN_NAMES = frozenset(">*. /\\\t\r\n")
+#: JetStream's err_code for a consumer filter subject outside its stream's subjects.
+_FILTER_NOT_IN_STREAM = 10093
 #: Seconds a pull request stays open at most (its ``expires``).
 _LONGEST_PULL = 1.0
 #: Messages per pull, and its expiry, while gathering a crashed holder's redeliveries.
@@ -108,10 +110,14 @@ class NatsReceiver(Receiver):
 
     def __init__(self, url: str, **options: Any) -> None:
         super().__init__(url, **options)
-        self.ack_wait = float_option(
+        self.ack_wait = duration_option(
             self.settings.get("ack_wait", 30), "nats option ack_wait", 0.5, 86_400
         )
         self.extend_interval = self.ack_wait / 3
+        for topic in self.topics:
+            check_subject(
+                self._nats.subject_prefix + topic, wildcards=True, what="nats consumer topic"
+            )
         several = len(self.topics) > 1
         durable = self.settings.get("durable")
         if durable and several:
@@ -174,6 +180,11 @@ class NatsReceiver(Receiver):
             try:
                 info = await js.add_consumer(stream, config)
             except nats.js.errors.BadRequestError as exc:
+                if exc.err_code == _FILTER_NOT_IN_STREAM:
+                    raise ConfigError(
+                        f"nats consumer topic {topic!r:.200} (subject {subject!r:.200}) is not "
+                        f"among the subjects of stream {stream!r}: {exc.description}"
+                    ) from exc
                 raise ConfigError(
                     f"JetStream consumer {durable!r} on stream {stream!r} exists with other "
                     f"settings ({exc.description}): delete it or set ack_wait to match"

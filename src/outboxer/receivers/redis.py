@@ -36,7 +36,7 @@ from redis import exceptions as rexc
 
 from outboxer.brokers.base import describe
 from outboxer.brokers.redis import RedisPublisher
-from outboxer.config import float_option
+from outboxer.config import duration_option
 from outboxer.errors import ConfigError
 from outboxer.receivers.base import Incoming, Receiver, decode, unreadable
 from outboxer.redact import get_logger
@@ -72,7 +72,7 @@ class RedisReceiver(Receiver):
         for topic in self.topics:
             if any(char in topic for char in "*?[]"):
                 raise ConfigError(f"redis topics name streams in full, not patterns: {topic!r}")
-        self.claim_idle = float_option(
+        self.claim_idle = duration_option(
             self.settings.get("claim_idle", 60), "redis option claim_idle", 0.01, 86_400
         )
         self.extend_interval = self.claim_idle / 3
