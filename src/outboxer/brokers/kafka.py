@@ -272,6 +272,12 @@ class KafkaPublisher(Publisher):
         if self._fatal is not None:  # nothing reaches the broker: no attempt is counted
             return [NotSent(KafkaPublishError(self._fatal))] * len(messages)
         loop = asyncio.get_running_loop()
+        # The wave ends before the relay's own publish_timeout does: that one fails the whole
+        # wave, messages the broker confirmed included (published again on retry, for as
+        # long as one batch-mate's partition stays unreachable). Each message gets its own
+        # outcome instead; librdkafka's own timeout (message.timeout.ms = publish_timeout)
+        # is checked about once a second, so its report would always come too late.
+        deadline = loop.time() + self.publish_timeout - min(1.0, self.publish_timeout / 10)
         futures: list[asyncio.Future[None]] = []
         refused: set[int] = set()
         for index, message in enumerate(messages):
@@ -282,8 +288,7 @@ class KafkaPublisher(Publisher):
             except (KafkaException, TypeError, ValueError) as exc:  # refused: not in flight
                 future.set_exception(self._refused(exc))
                 refused.add(index)
-        gathered = await asyncio.gather(*futures, return_exceptions=True)
-        results = [result if isinstance(result, BaseException) else None for result in gathered]
+        results = await self._reports(futures, deadline)
         for result in results:
             if isinstance(result, KafkaPublishError) and result.fatal and self._fatal is None:
                 self._fatal = result.error
@@ -296,21 +301,45 @@ class KafkaPublisher(Publisher):
                 and isinstance(result, KafkaPublishError)
                 and result.code in BATCH_REFUSALS
             ):
-                results[index] = await self._publish_alone(producer, messages[index])
+                results[index] = await self._publish_alone(producer, messages[index], deadline)
         return results
 
-    async def _publish_alone(self, producer: Producer, message: Message) -> BaseException | None:
+    async def _reports(
+        self, futures: Sequence[asyncio.Future[None]], deadline: float
+    ) -> list[BaseException | None]:
+        """Each message's delivery report, or a timeout of its own if none came by ``deadline``."""
+        pending = [future for future in futures if not future.done()]
+        if pending:
+            await asyncio.wait(
+                pending, timeout=max(0.0, deadline - asyncio.get_running_loop().time())
+            )
+        results: list[BaseException | None] = []
+        for future in futures:
+            if future.done():
+                results.append(future.exception())
+            else:
+                future.cancel()  # a late report is dropped (_resolve)
+                results.append(self._timed_out())
+        return results
+
+    def _timed_out(self) -> TimeoutError:
+        """Retryable, and a connection error: the relay checks the cluster before going on."""
+        return TimeoutError(f"kafka did not confirm within {self.publish_timeout}s")
+
+    async def _publish_alone(
+        self, producer: Producer, message: Message, deadline: float
+    ) -> BaseException | None:
         """Produce one message and wait for its report before anything else of this wave."""
         loop = asyncio.get_running_loop()
+        if loop.time() >= deadline:  # no time left to hear back: not sent again, retried later
+            return self._timed_out()
         future: asyncio.Future[None] = loop.create_future()
         try:
             await self._produce(producer, message, functools.partial(_deliver, loop, future))
-            await future
         except (KafkaException, TypeError, ValueError) as exc:
             return self._refused(exc)
-        except PublishError as exc:
-            return exc
-        return None
+        [result] = await self._reports([future], deadline)
+        return result
 
     def _refused(self, exc: BaseException) -> BaseException:
         """The error of a message ``produce()`` refused (it is not in flight)."""

@@ -12,8 +12,9 @@ order across keys, so each partition keeps the offsets received and commits up t
 first one not done. Auto-commit is off. After a crash the group reads again from the last
 committed offset; what was applied since is recognised by the inbox. Before a rebalance
 takes a partition away, what is done of it is committed; acks of messages from a
-partition this process no longer owns are dropped (its new owner gets them again). A
-commit the coordinator refuses is tried again while the partition is still this process's.
+partition this process no longer owns are dropped, and those of its messages still waiting
+for the runner are not handed over (its new owner gets them again). A commit the
+coordinator refuses is tried again while the partition is still this process's.
 
 librdkafka wants its consumer polled continuously (``max.poll.interval.ms``), also while
 the runner is busy, so a thread of the receiver's own polls it, pausing the partitions
@@ -291,16 +292,26 @@ class KafkaReceiver(Receiver):
         received = await take(self._arrived, self._lost, limit, timeout, "Kafka")
         with self._lock:
             self._waiting -= len(received)
-        return received
+            # Messages of a partition revoked while they waited here are its new owner's,
+            # read by it from the last commit: applied here too, they raced the new owner's
+            # copies (the two members' transactions waiting on each other's inbox rows)
+            # and, at a revoke and re-assign, came twice here, the stale copies first.
+            return [incoming for incoming in received if self._owned(incoming)]
+
+    def _owned(self, incoming: Incoming) -> bool:
+        """Whether ``incoming`` came under the assignment of its partition that still holds."""
+        where, _offset, epoch = incoming.token
+        partition = self._partitions.get(where)
+        return partition is not None and partition.epoch == epoch
 
     async def _ack(self, incomings: Sequence[Incoming]) -> None:
         """Record the offsets done; the polling thread commits them before its next poll."""
         with self._lock:
             for incoming in incomings:
-                where, offset, epoch = incoming.token
-                partition = self._partitions.get(where)
-                if partition is None or partition.epoch != epoch:
+                where, offset, _epoch = incoming.token
+                if not self._owned(incoming):
                     continue  # revoked meanwhile: its new owner reads it again
+                partition = self._partitions[where]
                 moved = partition.complete(offset)
                 if moved is not None:
                     self._to_commit[where] = moved
