@@ -14,7 +14,10 @@ both come here, so both validate alike and behave alike:
   key, payload and headers, plus ``replay-of: <original id>``) for a destination (default:
   each row's own), in the originals' order, so each key's copies keep its order.
 * **requeue** makes matching ABANDONED (or FAILED) rows PENDING again, due now, attempts
-  reset.
+  reset; a row with a later row of its key in flight is left as it is and counted as
+  ``deferred`` (made PENDING, the claim took it beside that row, and the two reached the
+  broker in either order: docs/design/ordering.md); requeue it again once the key's
+  in-flight rows are settled.
 
 Each one is a single transaction in the store (the SQL and its invariants are in
 ``stores/sql/<dialect>/admin.sql``); ``dry_run`` counts the rows it would change, by
@@ -408,6 +411,9 @@ class AdminResult:
     to: str | None = None
     #: Replay: originals not copied because their subject's key was shredded.
     shredded: int = 0
+    #: Requeue: matching rows left as they were (or that would be) because a later row of
+    #: their key is in flight; requeued again once it is settled, they go out in order.
+    deferred: int = 0
 
     def as_json(self) -> dict[str, object]:
         if self.dry_run:
@@ -424,6 +430,8 @@ class AdminResult:
             answer["to"] = self.to
             if not self.dry_run:
                 answer["shredded"] = self.shredded
+        if self.deferred:
+            answer["deferred"] = self.deferred
         return answer
 
     def lines(self) -> list[str]:
@@ -437,6 +445,8 @@ class AdminResult:
                 lines.append(
                     f"{self.shredded} message(s) not copied: their subject's key was shredded"
                 )
+            if self.deferred:
+                lines.append(_deferred_text(self.deferred, "left as they were"))
             return lines
         where = f" ({_to_text(self.to)})" if self.action == "replay" else ""
         lines = [f"would {self.action} {self.count} message(s){where}; dry run, nothing changed"]
@@ -447,7 +457,16 @@ class AdminResult:
             lines.append(
                 f"{self.held} PROCESSING message(s) match too: a relay holds them, purge leaves them"
             )
+        if self.deferred:
+            lines.append(_deferred_text(self.deferred, "would be left as they are"))
         return lines
+
+
+def _deferred_text(deferred: int, outcome: str) -> str:
+    return (
+        f"{deferred} message(s) {outcome}: a later message of their key is in flight; "
+        "requeue them again once it is settled"
+    )
 
 
 def _to_text(to: str | None) -> str:
@@ -505,10 +524,16 @@ async def requeue(
     applied = requeue_filter(where, destinations=destinations)
     if dry_run:
         counts = await store.count_matching(applied)
-        return AdminResult("requeue", True, _total(counts), counts)
-    count = await store.requeue_matching(applied)
-    logger.info("requeued %d message(s) (%s)", count, applied.describe())
-    return AdminResult("requeue", False, count)
+        deferred = await store.count_requeue_deferred(applied)
+        return AdminResult("requeue", True, _total(counts) - deferred, counts, deferred=deferred)
+    count, deferred = await store.requeue_matching_counted(applied)
+    logger.info(
+        "requeued %d message(s) (%s)%s",
+        count,
+        applied.describe(),
+        f"; {deferred} left: a later message of their key is in flight" if deferred else "",
+    )
+    return AdminResult("requeue", False, count, deferred=deferred)
 
 
 async def replay(

@@ -1072,6 +1072,17 @@ class Settings:
     batch_size: int = setting(
         500, kind=Whole(1, 10_000), help="rows claimed per batch", commands=RELAY, per_database=True
     )
+    #: 64 MiB: with `concurrency` loops, the relay holds up to that many claims of payloads
+    #: at once; batch_size rows of large payloads (500 x 20 MB) got it killed for memory.
+    claim_max_bytes: int = setting(
+        64 * 1024 * 1024,
+        kind=Whole(1, 1 << 40),
+        default_text="67108864 (64 MiB)",
+        help="payload bytes a claim takes at most: it stops taking rows once those it took "
+        "reach this (at least one row: a larger payload is claimed alone)",
+        commands=RELAY,
+        per_database=True,
+    )
     lock_timeout: float = _interval(
         "lease of a claimed batch, renewed while it is published: a relay that dies or stalls loses its rows after this",
         60.0,

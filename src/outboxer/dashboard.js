@@ -67,6 +67,17 @@ function changedMeanwhile(button, done) {
 async function requeue(button) {
   const answer = await change(button, "/messages/requeue");
   if (answer === null) return;
+  if (answer.deferred > 0) {
+    // Left ABANDONED on purpose: sent now, it would be in flight beside a later message of
+    // its key (docs/design/ordering.md). The row is as the page shows it; try again soon.
+    showResult(
+      "not requeued yet: a later message of its key is in flight; requeue " +
+        button.dataset.id + " again once it is settled",
+      false,
+    );
+    for (const each of button.closest("tr").querySelectorAll("button")) each.disabled = false;
+    return;
+  }
   if (!(answer.requeued > 0)) return changedMeanwhile(button, "requeued");
   showResult("requeued " + answer.requeued + " message(s): " + button.dataset.id, true);
   const row = button.closest("tr");

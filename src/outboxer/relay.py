@@ -918,6 +918,7 @@ class Relay:
                     settings.abandoned_blocks_key,
                     max_attempts=settings.max_attempts,
                     recover=recover,
+                    max_bytes=settings.claim_max_bytes,
                 )
             except asyncio.CancelledError:
                 # A forced shutdown: the gate must not keep this claim's recovery slot.
@@ -937,7 +938,11 @@ class Relay:
                     destination, claim_seconds, len(batch), database=self.database
                 )
             self._log_abandoned(destination, batch)
-            if len(batch) == settings.batch_size or batch.recovered:
+            # Full: batch_size rows, or the byte budget reached (the claim stopped there).
+            full = len(batch) == settings.batch_size or (
+                sum(len(message.payload) for message in batch) >= settings.claim_max_bytes
+            )
+            if full or batch.recovered:
                 # A full batch: there is likely more. A recovered row: its batch-mates are
                 # likely next, one a claim. Let another loop help.
                 self.store.nudge(destination)
@@ -973,11 +978,7 @@ class Relay:
                 await self._wait_for_work(destination, FREED_KEY_GRACE)
                 if self._claims_sent[destination] == claims_before:
                     continue
-            if (
-                len(batch) < settings.batch_size
-                and not batch.recovered
-                and self.store.gathers_batches
-            ):
+            if not full and not batch.recovered and self.store.gathers_batches:
                 # Caught up: a claim at once would take the few rows committed meanwhile, at
                 # the cost of two transactions. A short wait gathers a larger batch.
                 await self._wait_for_work(destination, settings.poll_interval)

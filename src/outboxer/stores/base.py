@@ -441,6 +441,7 @@ class Store(ABC):
         *,
         max_attempts: int = Settings.max_attempts,
         recover: bool = True,
+        max_bytes: int = Settings.claim_max_bytes,
     ) -> Claim:
         """Take due rows under a new lease lasting ``lock_seconds``, in publish order.
 
@@ -452,7 +453,9 @@ class Store(ABC):
         dies alone, and its batch-mates are recovered one a claim. Unless ``recover`` is
         false (the caller holds other rows, which would die with it): then it takes nothing
         and says so (``Claim.recovery_waiting``). Otherwise it takes up to ``limit`` due
-        PENDING and FAILED rows that no earlier row of their key holds back.
+        PENDING and FAILED rows that no earlier row of their key holds back, in seq order,
+        stopping once the stored payloads it took reach ``max_bytes``: at least one row (a
+        larger payload is taken alone), and never a row after one it left out.
         """
 
     @abstractmethod
@@ -578,7 +581,18 @@ class Store(ABC):
         raise NotImplementedError(f"{type(self).__name__} has no admin operations")
 
     async def requeue_matching(self, where: MessageFilter) -> int:
-        """ABANDONED | FAILED rows ``where`` matches -> PENDING, due now, attempts reset."""
+        """ABANDONED | FAILED rows ``where`` matches -> PENDING, due now, attempts reset;
+        never one with a later row of its key in flight (admin.sql: requeue_matching)."""
+        raise NotImplementedError(f"{type(self).__name__} has no admin operations")
+
+    async def requeue_matching_counted(self, where: MessageFilter) -> tuple[int, int]:
+        """``requeue_matching``, and the matching rows it left because a later row of their
+        key is in flight (``count_requeue_deferred`` in its transaction)."""
+        raise NotImplementedError(f"{type(self).__name__} has no admin operations")
+
+    async def count_requeue_deferred(self, where: MessageFilter) -> int:
+        """The ABANDONED | FAILED rows ``where`` matches that a requeue would leave now: a
+        later row of their key is in flight."""
         raise NotImplementedError(f"{type(self).__name__} has no admin operations")
 
     async def replay(

@@ -403,6 +403,7 @@ class MySQLStore(Store):
         *,
         max_attempts: int = Settings.max_attempts,
         recover: bool = True,
+        max_bytes: int = Settings.claim_max_bytes,
     ) -> Claim:
         lease = Lease.new(relay_id)
         abandoned: list[AbandonedRow] = []
@@ -429,7 +430,7 @@ class MySQLStore(Store):
             if heads:
                 rows, recovered = heads[:1], True
             else:
-                rows = await self._due(cursor, destination, limit, abandoned_blocks)
+                rows = await self._due(cursor, destination, limit, abandoned_blocks, max_bytes)
             if rows:
                 updated = await self._execute(
                     cursor,
@@ -474,13 +475,19 @@ class MySQLStore(Store):
         return claim
 
     async def _due(
-        self, cursor: Any, destination: str, limit: int, abandoned_blocks: bool
+        self, cursor: Any, destination: str, limit: int, abandoned_blocks: bool, max_bytes: int
     ) -> list[Mapping[str, Any]]:
-        """The due rows a claim takes (queries.sql: claim), locked, in seq order."""
+        """The due rows a claim takes (queries.sql: claim), locked, in seq order, within
+        ``max_bytes`` of payload (plus one row)."""
         await self._execute(
             cursor,
             "claim",
-            {"destination": destination, "limit": limit, "abandoned_blocks": abandoned_blocks},
+            {
+                "destination": destination,
+                "limit": limit,
+                "abandoned_blocks": abandoned_blocks,
+                "max_bytes": max_bytes,
+            },
         )
         rows: list[Mapping[str, Any]] = await cursor.fetchall()
         if any(row["key"] is not None for row in rows):
@@ -741,23 +748,41 @@ class MySQLStore(Store):
             counts.setdefault(row["destination"], {})[row["status"]] = int(row["count"])
         return counts
 
-    async def _under_destination_locks(self, name: str, where: MessageFilter) -> int:
+    async def _under_destination_locks(
+        self, name: str, where: MessageFilter, then: str | None = None
+    ) -> tuple[int, int]:
         """Run the admin statement ``name`` in one transaction, under the shared lock of every
-        destination it may change (admin.sql: purge)."""
+        destination it may change (admin.sql: purge): the rows it changed, and the value the
+        read ``then`` finds after it, in the transaction (0 without one)."""
         async with self._transaction() as cursor:
             await self._admin(cursor, "destinations_matching", where)
             locked = [row["destination"] for row in await cursor.fetchall()]
             if not locked:
-                return 0
+                return 0, 0
             for destination in locked:
                 await self._lock_destination(cursor, destination, exclusive=False)
-            return await self._admin(cursor, name, where, locked=locked)
+            changed = await self._admin(cursor, name, where, locked=locked)
+            if then is None:
+                return changed, 0
+            await self._admin(cursor, then, where)
+            return changed, int((await cursor.fetchone())["deferred"])
 
     async def purge(self, where: MessageFilter) -> int:
-        return await self._under_destination_locks("purge", where)
+        return (await self._under_destination_locks("purge", where))[0]
 
     async def requeue_matching(self, where: MessageFilter) -> int:
-        return await self._under_destination_locks("requeue_matching", where)
+        return (await self.requeue_matching_counted(where))[0]
+
+    async def requeue_matching_counted(self, where: MessageFilter) -> tuple[int, int]:
+        return await self._under_destination_locks(
+            "requeue_matching", where, then="count_requeue_deferred"
+        )
+
+    async def count_requeue_deferred(self, where: MessageFilter) -> int:
+        async with self._transaction() as cursor:
+            await self._admin(cursor, "count_requeue_deferred", where)
+            row = await cursor.fetchone()
+        return int(row["deferred"])
 
     async def replay(
         self, where: MessageFilter, copy: Callable[[Sequence[Message]], list[Message]]

@@ -661,6 +661,7 @@ class PostgresStore(Store):
         *,
         max_attempts: int = Settings.max_attempts,
         recover: bool = True,
+        max_bytes: int = Settings.claim_max_bytes,
     ) -> Claim:
         lease = Lease.new(relay_id)
         sql, args = self._args(
@@ -675,6 +676,7 @@ class PostgresStore(Store):
                 "max_attempts": max_attempts,
                 "recover": recover,
                 "lock_key": self.lock_key(destination),
+                "max_bytes": max_bytes,
             },
         )
         await self._release_unanswered(destination)
@@ -1069,9 +1071,12 @@ class PostgresStore(Store):
             counts.setdefault(row["destination"], {})[row["status"]] = int(row["count"])
         return counts
 
-    async def _under_destination_locks(self, name: str, where: MessageFilter) -> int:
+    async def _under_destination_locks(
+        self, name: str, where: MessageFilter, then: str | None = None
+    ) -> tuple[int, int]:
         """Run the admin statement ``name`` in one durable transaction, under the shared lock
-        of every destination it may change (admin.sql: purge)."""
+        of every destination it may change (admin.sql: purge): the rows it changed, and the
+        value the read ``then`` finds after it, in the transaction (0 without one)."""
         await self.connect()
         lock_sql, _ = self._sql["destination_lock"]
         async with self._pool.acquire() as conn, conn.transaction():
@@ -1084,13 +1089,25 @@ class PostgresStore(Store):
                 # An operator's deletion, by filter, never by ctid: the partitioned layout's
                 # guard against DELETE (its migration 0001) lets this one through.
                 await conn.execute("SELECT set_config('outboxer.allow_delete', 'on', true)")
-            return _count(await conn.execute(*self._admin(name, where, locked=locked)))
+            changed = _count(await conn.execute(*self._admin(name, where, locked=locked)))
+            read = 0 if then is None else int(await conn.fetchval(*self._admin(then, where)))
+            return changed, read
 
     async def purge(self, where: MessageFilter) -> int:
-        return await self._under_destination_locks("purge", where)
+        return (await self._under_destination_locks("purge", where))[0]
 
     async def requeue_matching(self, where: MessageFilter) -> int:
-        return await self._under_destination_locks("requeue_matching", where)
+        return (await self.requeue_matching_counted(where))[0]
+
+    async def requeue_matching_counted(self, where: MessageFilter) -> tuple[int, int]:
+        return await self._under_destination_locks(
+            "requeue_matching", where, then="count_requeue_deferred"
+        )
+
+    async def count_requeue_deferred(self, where: MessageFilter) -> int:
+        await self.connect()
+        async with self._pool.acquire() as conn:
+            return int(await conn.fetchval(*self._admin("count_requeue_deferred", where)))
 
     async def replay(
         self, where: MessageFilter, copy: Callable[[Sequence[Message]], list[Message]]

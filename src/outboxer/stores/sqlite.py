@@ -241,6 +241,7 @@ class SqliteStore(Store):
         *,
         max_attempts: int = Settings.max_attempts,
         recover: bool = True,
+        max_bytes: int = Settings.claim_max_bytes,
     ) -> Claim:
         lease = Lease.new(relay_id)
         params = {
@@ -251,6 +252,7 @@ class SqliteStore(Store):
             "lock_seconds": lock_seconds,
             "abandoned_blocks": abandoned_blocks,
             "max_attempts": max_attempts,
+            "max_bytes": max_bytes,
             "now": time.time(),
         }
 
@@ -482,23 +484,37 @@ class SqliteStore(Store):
             counts.setdefault(destination, {})[status] = int(count)
         return counts
 
-    async def _change(self, name: str, where: MessageFilter) -> int:
-        """One admin statement in its own BEGIN IMMEDIATE transaction."""
+    async def _change(
+        self, name: str, where: MessageFilter, then: str | None = None
+    ) -> tuple[int, int]:
+        """One admin statement in its own BEGIN IMMEDIATE transaction: the rows it changed,
+        and the value the read ``then`` finds after it, in the transaction (0 without one)."""
         params = _filter_params(where)
 
-        def work(conn: sqlite3.Connection) -> int:
+        def work(conn: sqlite3.Connection) -> tuple[int, int]:
             conn.execute("BEGIN IMMEDIATE")
             count = conn.execute(self._admin_sql[name], params).rowcount
+            read = 0 if then is None else conn.execute(self._admin_sql[then], params).fetchone()[0]
             conn.execute("COMMIT")
-            return int(count)
+            return int(count), int(read)
 
         return await self._run(work)
 
     async def purge(self, where: MessageFilter) -> int:
-        return await self._change("purge", where)
+        return (await self._change("purge", where))[0]
 
     async def requeue_matching(self, where: MessageFilter) -> int:
-        return await self._change("requeue_matching", where)
+        return (await self.requeue_matching_counted(where))[0]
+
+    async def requeue_matching_counted(self, where: MessageFilter) -> tuple[int, int]:
+        return await self._change("requeue_matching", where, then="count_requeue_deferred")
+
+    async def count_requeue_deferred(self, where: MessageFilter) -> int:
+        params = _filter_params(where)
+        row = await self._run(
+            lambda conn: conn.execute(self._admin_sql["count_requeue_deferred"], params).fetchone()
+        )
+        return int(row[0])
 
     async def replay(
         self, where: MessageFilter, copy: Callable[[Sequence[Message]], list[Message]]

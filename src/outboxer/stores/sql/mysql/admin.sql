@@ -46,13 +46,39 @@ WHERE {filter}
 
 -- name: requeue_matching
 -- ABANDONED | FAILED rows the filter matches -> PENDING, due now, attempts reset: one
--- statement under the shared lock of each destination in :locked.
+-- statement under the shared lock of each destination in :locked. As in PostgreSQL's, a
+-- row with a later row of its key in flight stays as it is. MySQL refuses a subquery on
+-- the table an UPDATE changes (error 1093), so the in-flight keys are a derived table,
+-- materialized by its GROUP BY: each key's last seq in flight, its bytes as the key (the
+-- column's collation would take 'a ' for 'a').
 UPDATE {outbox}
+LEFT JOIN (SELECT destination AS flight_destination, CAST(`key` AS BINARY) AS flight_key,
+                  MAX(seq) AS flight_last
+           FROM {outbox}
+           WHERE destination IN (:locked) AND blocker = 1 AND status = 'PROCESSING'
+             AND `key` IS NOT NULL
+           GROUP BY destination, CAST(`key` AS BINARY)) AS in_flight
+  ON in_flight.flight_destination = destination
+ AND in_flight.flight_key = CAST(`key` AS BINARY)
 SET status = 'PENDING', attempts = 0, next_attempt_at = UTC_TIMESTAMP(6),
     updated_at = UTC_TIMESTAMP(6)
 WHERE {filter}
   AND destination IN (:locked)
   AND status IN ('ABANDONED', 'FAILED')
+  AND (in_flight.flight_last IS NULL OR in_flight.flight_last < seq)
+
+-- name: count_requeue_deferred
+-- The ABANDONED | FAILED rows the filter matches that requeue_matching leaves as they are
+-- (a later row of their key is in flight). A plain read.
+SELECT COUNT(*) AS deferred
+FROM {outbox} AS o
+WHERE {filter}
+  AND status IN ('ABANDONED', 'FAILED')
+  AND `key` IS NOT NULL
+  AND EXISTS (SELECT 1 FROM {outbox} AS f
+              WHERE f.destination = o.destination AND f.blocker = 1
+                AND f.`key` = o.`key` AND BINARY f.`key` = o.`key`
+                AND f.status = 'PROCESSING' AND f.seq > o.seq)
 
 -- name: replay_keys
 -- The keys a replay will copy: the store locks their slots (queries.sql: key_lock), sorted,

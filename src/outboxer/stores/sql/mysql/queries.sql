@@ -149,8 +149,22 @@ SELECT seq, id, topic, `key`, attempts, last_error FROM {outbox} WHERE seq IN (:
 -- destination lock is held, so it never skips a due row and lets its key's next row pass.
 -- The NOT EXISTS subquery is a plain read of the latest commits (FOR UPDATE does not reach
 -- into subqueries). ready_idx serves the scan in seq order; blocking_idx the probe.
+-- The byte budget: the locked rows, in seq order, are returned while the payload bytes of
+-- the rows before them stay under :max_bytes: at most :max_bytes plus one row, at least one
+-- row (a larger payload goes alone), and a seq-order prefix, so no key's later row goes
+-- without its earlier one. The rows past the cut stay locked until commit, unchanged. The
+-- payloads are read (by primary key) for the rows returned only, as of the statement's
+-- snapshot (READ COMMITTED): under the exclusive destination lock nothing else changes a
+-- due row, and a row whose insert committed while the statement ran, locked but not seen,
+-- is left for the next claim (claim_earlier then keeps its key's later rows behind it).
+-- LENGTH reads a BLOB whole on InnoDB: the budget bounds what the relay holds, not what
+-- the server reads (up to :limit payloads, one at a time, as before).
 SELECT o.seq, o.id, o.destination, o.topic, o.`key`, o.payload, o.content_type, o.headers,
        o.attempts, o.status, o.created_at
+FROM (SELECT w.seq, SUM(w.bytes) OVER (
+                 ORDER BY w.seq ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS bytes_before
+      FROM (
+SELECT o.seq, LENGTH(o.payload) AS bytes
 FROM {outbox} AS o
 WHERE o.destination = :destination
   AND o.unfinished = 1
@@ -169,6 +183,10 @@ WHERE o.destination = :destination
 ORDER BY o.seq
 LIMIT :limit
 FOR UPDATE SKIP LOCKED
+      ) AS w) AS d
+JOIN {outbox} AS o ON o.seq = d.seq
+WHERE COALESCE(d.bytes_before, 0) < :max_bytes
+ORDER BY o.seq
 
 -- name: claim_earlier
 -- Unfinished keyed rows before the claim's last row, as the latest commits show them: a
@@ -280,13 +298,24 @@ WHERE finished.seq IN (:seqs)
 -- the shared destination lock of each destination. :all_ids, or only the rows in :ids.
 -- :statuses narrows it; the status test is repeated so that no caller's list requeues a
 -- PROCESSING row (a relay holds it) or a PUBLISHED one (sent again): see PostgreSQL's.
+-- A row with a later row of its key in flight stays as it is: see admin.sql,
+-- requeue_matching (and there for the derived table).
 UPDATE {outbox}
+LEFT JOIN (SELECT destination AS flight_destination, CAST(`key` AS BINARY) AS flight_key,
+                  MAX(seq) AS flight_last
+           FROM {outbox}
+           WHERE destination IN (:destinations) AND blocker = 1 AND status = 'PROCESSING'
+             AND `key` IS NOT NULL
+           GROUP BY destination, CAST(`key` AS BINARY)) AS in_flight
+  ON in_flight.flight_destination = destination
+ AND in_flight.flight_key = CAST(`key` AS BINARY)
 SET status = 'PENDING', attempts = 0, next_attempt_at = UTC_TIMESTAMP(6),
     updated_at = UTC_TIMESTAMP(6)
 WHERE destination IN (:destinations)
   AND status IN (:statuses)
   AND status IN ('ABANDONED', 'FAILED')
   AND (:all_ids OR id IN (:ids))
+  AND (in_flight.flight_last IS NULL OR in_flight.flight_last < seq)
 
 -- name: counts
 -- Every row, counted exactly: a pass over the whole table. Only for a small table (see

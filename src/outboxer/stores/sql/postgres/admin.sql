@@ -52,12 +52,36 @@ WHERE {filter}
 -- ABANDONED | FAILED rows the filter matches -> PENDING, due now, attempts reset: an
 -- operator's decision, one statement under the shared lock of each destination in :locked
 -- (see purge for why the lock, and why only those destinations). The status test is
--- repeated here: whatever the filter, no other status is requeued.
-UPDATE {outbox}
+-- repeated here: whatever the filter, no other status is requeued. Invariant: a row is
+-- requeued only while no LATER row of its key (and destination) is in flight; such a row
+-- stays as it is (count_requeue_deferred counts it) until the key's in-flight rows are
+-- settled. Made PENDING before them, it heads its key for the claim, which took it at
+-- once: two rows of one key in flight together, reaching the broker in either order (with
+-- abandoned_blocks_key off a key moves on past its ABANDONED rows, so this happens). The
+-- shared lock keeps the test true until commit: only a claim, which needs the lock
+-- exclusively, puts rows in flight; settles only take rows out of it.
+UPDATE {outbox} AS o
 SET status = 'PENDING', attempts = 0, next_attempt_at = now(), updated_at = now()
 WHERE {filter}
   AND destination = ANY(CAST(:locked AS text[]))
   AND status IN ('ABANDONED', 'FAILED')
+  AND NOT (o.key IS NOT NULL AND EXISTS (
+        SELECT 1 FROM {outbox} AS f
+        WHERE f.destination = o.destination AND f.key = o.key
+          AND f.status = 'PROCESSING' AND f.seq > o.seq))
+
+-- name: count_requeue_deferred
+-- The ABANDONED | FAILED rows the filter matches that requeue_matching leaves as they are:
+-- a later row of their key is in flight. A plain read (a dry run's, or after the requeue in
+-- its transaction, under its locks).
+SELECT count(*) AS deferred
+FROM {outbox} AS o
+WHERE {filter}
+  AND status IN ('ABANDONED', 'FAILED')
+  AND o.key IS NOT NULL AND EXISTS (
+        SELECT 1 FROM {outbox} AS f
+        WHERE f.destination = o.destination AND f.key = o.key
+          AND f.status = 'PROCESSING' AND f.seq > o.seq)
 
 -- name: replay_key_locks
 -- A replay's first statement: the key lock (queries.sql, insert) of every key it will copy,

@@ -59,13 +59,15 @@ SELECT pg_advisory_xact_lock_shared(CAST(:lock_key AS bigint))
 -- name: claim
 -- Expired leases with their attempts used up -> ABANDONED; else the earliest expired lease
 -- that heads its key -> PROCESSING alone (if :recover); else due PENDING | FAILED ->
--- PROCESSING; all under this claim's new lease. One call, one round trip; the SQL and its
--- invariants are in migration 0006.
+-- PROCESSING, within :max_bytes of payload (plus one row); all under this claim's new
+-- lease. One call, one round trip; the SQL and its invariants are in migrations 0006 and
+-- 0010 (the byte budget).
 SELECT seq, id, destination, topic, key, payload, content_type, headers, attempts,
        created_at, taken, last_error
 FROM {schema}.{table_raw}_claim(:destination, :relay_id, CAST(:lease AS uuid), :limit,
                                 CAST(:lock_seconds AS float8), :abandoned_blocks,
-                                :max_attempts, :recover, CAST(:lock_key AS bigint))
+                                :max_attempts, :recover, CAST(:lock_key AS bigint),
+                                CAST(:max_bytes AS bigint))
 
 -- name: settle
 -- PROCESSING -> PUBLISHED | FAILED | ABANDONED | PENDING (released), by the holder of the
@@ -148,12 +150,18 @@ WHERE ctid = ANY(ARRAY(
 -- narrows it; the status test is repeated so that no caller's list requeues another
 -- status: a PROCESSING row made PENDING would be published by a second relay while its
 -- holder still publishes it, a PUBLISHED one would be sent again.
-UPDATE {outbox}
+-- A row with a later row of its key in flight stays as it is: see admin.sql,
+-- requeue_matching (the shared destination locks are the caller's, as there).
+UPDATE {outbox} AS o
 SET status = 'PENDING', attempts = 0, next_attempt_at = now(), updated_at = now()
 WHERE destination = ANY(CAST(:destinations AS text[]))
   AND status = ANY(CAST(:statuses AS text[]))
   AND status IN ('ABANDONED', 'FAILED')
   AND (CAST(:ids AS uuid[]) IS NULL OR id = ANY(CAST(:ids AS uuid[])))
+  AND NOT (o.key IS NOT NULL AND EXISTS (
+        SELECT 1 FROM {outbox} AS f
+        WHERE f.destination = o.destination AND f.key = o.key
+          AND f.status = 'PROCESSING' AND f.seq > o.seq))
 
 -- name: counts
 -- Every row, counted exactly: a pass over the whole table. Only for a small table (see

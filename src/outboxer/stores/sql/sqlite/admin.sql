@@ -31,10 +31,26 @@ DELETE FROM {outbox}
 WHERE {filter} AND status <> 'PROCESSING'
 
 -- name: requeue_matching
--- ABANDONED | FAILED rows the filter matches -> PENDING, due now, attempts reset.
-UPDATE {outbox}
+-- ABANDONED | FAILED rows the filter matches -> PENDING, due now, attempts reset. As in
+-- PostgreSQL's, a row with a later row of its key in flight stays as it is.
+UPDATE {outbox} AS o
 SET status = 'PENDING', attempts = 0, next_attempt_at = :now, updated_at = :now
 WHERE {filter} AND status IN ('ABANDONED', 'FAILED')
+  AND NOT (o.key IS NOT NULL AND EXISTS (
+        SELECT 1 FROM {outbox} AS f
+        WHERE f.destination = o.destination AND f.key = o.key
+          AND f.status = 'PROCESSING' AND f.seq > o.seq))
+
+-- name: count_requeue_deferred
+-- The ABANDONED | FAILED rows the filter matches that requeue_matching leaves as they are
+-- (a later row of their key is in flight).
+SELECT count(*) AS deferred
+FROM {outbox} AS o
+WHERE {filter} AND status IN ('ABANDONED', 'FAILED')
+  AND o.key IS NOT NULL AND EXISTS (
+        SELECT 1 FROM {outbox} AS f
+        WHERE f.destination = o.destination AND f.key = o.key
+          AND f.status = 'PROCESSING' AND f.seq > o.seq)
 
 -- name: replay_page
 -- The next PUBLISHED originals after seq :after, in seq order (the rowid: each page goes on

@@ -90,6 +90,11 @@ RETURNING seq, id, destination, topic, key, payload, content_type, headers,
 -- once its lease expired. An earlier PENDING row not yet due (a released row whose
 -- next_attempt_at a settle set from a later clock reading, or a clock stepped back) holds
 -- them back too: key order does not rest on every relay's clock agreeing.
+-- The byte budget: of those rows, in seq order, it takes each while the payload bytes of
+-- the rows before it stay under :max_bytes: at most :max_bytes plus one row, at least one
+-- row (a larger payload goes alone), and a seq-order prefix, so no key's later row is
+-- taken without its earlier one. length() of a BLOB reads its size from the record header,
+-- not its overflow pages.
 UPDATE {outbox}
 SET status = 'PROCESSING',
     locked_by = :relay_id,
@@ -97,22 +102,27 @@ SET status = 'PROCESSING',
     locked_until = :now + :lock_seconds,
     updated_at = :now
 WHERE seq IN (
-    SELECT o.seq FROM {outbox} AS o
-    WHERE o.destination = :destination
-      AND o.status IN ('PENDING', 'FAILED')
-      AND o.next_attempt_at <= :now
-      AND (o.key IS NULL OR NOT EXISTS (
-            SELECT 1 FROM {outbox} AS b
-            WHERE b.destination = o.destination
-              AND b.key = o.key
-              AND b.status IN ('PROCESSING', 'PENDING', 'FAILED', 'ABANDONED')
-              AND b.seq < o.seq
-              AND CASE b.status WHEN 'PROCESSING' THEN 1
-                                WHEN 'PENDING' THEN b.next_attempt_at > :now
-                                WHEN 'FAILED' THEN b.next_attempt_at > :now
-                                ELSE :abandoned_blocks END))
-    ORDER BY o.seq
-    LIMIT :limit)
+    SELECT d.seq
+    FROM (SELECT c.seq, sum(c.bytes) OVER (
+                  ORDER BY c.seq ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS bytes_before
+          FROM (
+          SELECT o.seq, length(o.payload) AS bytes FROM {outbox} AS o
+          WHERE o.destination = :destination
+            AND o.status IN ('PENDING', 'FAILED')
+            AND o.next_attempt_at <= :now
+            AND (o.key IS NULL OR NOT EXISTS (
+                  SELECT 1 FROM {outbox} AS b
+                  WHERE b.destination = o.destination
+                    AND b.key = o.key
+                    AND b.status IN ('PROCESSING', 'PENDING', 'FAILED', 'ABANDONED')
+                    AND b.seq < o.seq
+                    AND CASE b.status WHEN 'PROCESSING' THEN 1
+                                      WHEN 'PENDING' THEN b.next_attempt_at > :now
+                                      WHEN 'FAILED' THEN b.next_attempt_at > :now
+                                      ELSE :abandoned_blocks END))
+          ORDER BY o.seq
+          LIMIT :limit) AS c) AS d
+    WHERE coalesce(d.bytes_before, 0) < :max_bytes)
 RETURNING seq, id, destination, topic, key, payload, content_type, headers,
           attempts, created_at
 
@@ -248,12 +258,18 @@ LIMIT :limit
 -- ABANDONED | FAILED -> PENDING, due now, attempts reset: an operator's decision.
 -- :statuses narrows it; the status test is repeated so that no caller's list requeues a
 -- PROCESSING row (a relay holds it) or a PUBLISHED one (sent again): see PostgreSQL's.
-UPDATE {outbox}
+-- A row with a later row of its key in flight stays as it is: see admin.sql,
+-- requeue_matching.
+UPDATE {outbox} AS o
 SET status = 'PENDING', attempts = 0, next_attempt_at = :now, updated_at = :now
 WHERE destination IN (SELECT value FROM json_each(:destinations))
   AND status IN (SELECT value FROM json_each(:statuses))
   AND status IN ('ABANDONED', 'FAILED')
   AND (:ids IS NULL OR id IN (SELECT value FROM json_each(:ids)))
+  AND NOT (o.key IS NOT NULL AND EXISTS (
+        SELECT 1 FROM {outbox} AS f
+        WHERE f.destination = o.destination AND f.key = o.key
+          AND f.status = 'PROCESSING' AND f.seq > o.seq))
 
 -- name: inbox_claim
 -- First delivery of (consumer, message_id) -> recorded (1 row); later ones -> 0 rows.
