@@ -686,9 +686,11 @@ class Relay:
         for destination, publisher in self.publishers.items():
             # Known down (its connection closed) before a reconnect has failed: that takes
             # the broker's connect timeout where it accepts connections but never answers.
+            # Blocked (a RabbitMQ resource alarm): connected, but its waves come back unsent.
             place = f"broker {destination}"
-            if self._loops_running and place not in self._outages and not publisher.connected:
-                problems.append(f"{place}: not connected")
+            problem = publisher.problem()
+            if self._loops_running and place not in self._outages and problem is not None:
+                problems.append(f"{place}: {problem}")
         for destination, (at, reason) in sorted(self._refusals.items()):
             ago = time.monotonic() - at
             if ago < REFUSAL_SHOWN_SECONDS:

@@ -24,12 +24,12 @@ import asyncio
 import sys
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from outboxer.brokers.base import Outcome, OutcomeKind, Publisher
-from outboxer.errors import BrokerUnavailableError, ConfigError, StoreError
+from outboxer.errors import BrokerUnavailableError, ConfigError, PublishError, StoreError
 from outboxer.message import Message
 from outboxer.payload_relay import PayloadHandling
 from outboxer.redact import get_logger, redact_text
@@ -219,7 +219,8 @@ class StreamRelay:
         self._held_keys: set[str] = set()
         #: How many keys the table had when ``_held_keys`` was last read from it.
         self._held_keys_read = 0
-        #: Place -> reason of what is backing off now ("database", "broker"); /health reads it.
+        #: Place -> reason of what is backing off now ("database", "broker NAME"); /health
+        #: reads it.
         self._outages: dict[str, str] = {"relay": "starting: not connected yet"}
         self._running = False
 
@@ -236,9 +237,21 @@ class StreamRelay:
         """Messages that failed and are retried (not yet published or dead-lettered)."""
         return len(self._failures)
 
+    @property
+    def _broker(self) -> str:
+        """The broker's place in /health, as the table relay names it."""
+        return f"broker {self.destination}"
+
     def health_problems(self) -> list[str]:
         """Why the relay is not healthy now (empty: it is)."""
         problems = [f"{place}: {reason}" for place, reason in sorted(self._outages.items())]
+        # As the table relay: a connection the broker closed while the stream idled (seen
+        # before the reconnect failed, which a broker that never answers takes its connect
+        # timeout to do), or one it blocks (a resource alarm: waves come back unsent).
+        if self._running and not {"relay", self._broker} & self._outages.keys():
+            problem = self.publisher.problem()
+            if problem is not None:
+                problems.append(f"{self._broker}: {problem}")
         if not self._running and not problems:
             problems.append("relay: not running")
         return problems
@@ -272,12 +285,24 @@ class StreamRelay:
         outage = 0.0
         while not stop.is_set():
             if not self.publisher.connected:
+                # Before the read, as the table relay before its claim: a batch read on a
+                # closed connection would come back unsent, and be read again.
                 try:
                     await self.publisher.connect()
-                    self._outages.pop("broker", None)
-                except BrokerUnavailableError as exc:
+                    if not self.publisher.connected:
+                        # Lost again before its first use (a broker that closes each new
+                        # connection): a failed connect, backed off, not tried again at once.
+                        raise BrokerUnavailableError(
+                            f"{self.publisher.safe_url} closed the new connection"
+                        )
+                except PublishError as exc:
+                    if not exc.retryable:
+                        # Misconfigured (say, an exchange of another type): retrying cannot help.
+                        raise ConfigError(
+                            f"{self._broker} refuses this configuration: {exc}"
+                        ) from exc
                     outage = _next_backoff(outage, self.outage_backoff_max)
-                    self._outage("broker", exc)
+                    self._outage(self._broker, exc)
                     logger.warning(
                         "%s: broker unavailable (%s); retrying in %.1fs",
                         self.source.name,
@@ -286,6 +311,7 @@ class StreamRelay:
                     )
                     await _sleep(stop, outage)
                     continue
+            self._outages.pop(self._broker, None)
             try:
                 await self._probe()
                 entries = await self.source.read(self.batch_size)
@@ -304,7 +330,13 @@ class StreamRelay:
                     exc,
                     outage,
                 )
-                await _reconnect(self.source, stop, outage)
+                await _reconnect(
+                    self.source,
+                    stop,
+                    outage,
+                    lambda exc: self._outage("database", exc),
+                    self.outage_backoff_max,
+                )
                 continue
             outage = 0.0
             if done.stopped is not None:
@@ -568,9 +600,17 @@ def is_database_outage(exc: BaseException) -> bool:
     )
 
 
-async def _reconnect(source: StreamSource, stop: asyncio.Event, first_wait: float) -> None:
+async def _reconnect(
+    source: StreamSource,
+    stop: asyncio.Event,
+    first_wait: float,
+    failed: Callable[[BaseException], None],
+    limit: float = OUTAGE_BACKOFF_MAX,
+) -> None:
     """Close ``source`` and connect it again, waiting before each try; returns once
-    connected or stopped."""
+    connected or stopped. ``failed`` gets each failed try's error: /health shows why the
+    database is out now (a slot dropped meanwhile, a refused login), not the first error
+    the lost connection gave (asyncpg's "cannot switch to state …", for ever)."""
     wait = first_wait
     while not stop.is_set():
         try:
@@ -589,7 +629,8 @@ async def _reconnect(source: StreamSource, stop: asyncio.Event, first_wait: floa
         except Exception as exc:
             if not is_database_outage(exc):
                 raise
-            wait = _next_backoff(wait, OUTAGE_BACKOFF_MAX)
+            failed(exc)
+            wait = _next_backoff(wait, limit)  # the relay's outage_backoff_max, not 30 s
             logger.warning("%s: still no database (%s); next try in %.1fs", source.name, exc, wait)
 
 

@@ -185,6 +185,19 @@ class Publisher(ABC):
         # next claim, rather than claim rows and fail them on a dead connection.
         return self._connected and not self._transport_lost()
 
+    @property
+    def blocked(self) -> str | None:
+        """Why the broker holds this publisher's messages back on a connection that is up
+        (RabbitMQ's ``connection.blocked``: a resource alarm), or None. Its waves come back
+        unsent meanwhile, so /health names it rather than say "ok"."""
+        return None
+
+    def problem(self) -> str | None:
+        """What /health says of this publisher when it cannot publish now, or None."""
+        if not self.connected:
+            return "not connected"
+        return self.blocked
+
     async def connect(self) -> bool:
         """Connect unless connected; return whether this call made the connection (the
         loops sharing a publisher wait here for the one that connects)."""

@@ -566,6 +566,18 @@ class RabbitMQPublisher(Publisher):
     def _transport_lost(self) -> bool:
         return self._connection_lost()
 
+    @property
+    def blocked(self) -> str | None:
+        # aiormq records connection.blocked / connection.unblocked (frames on channel 0) in
+        # the event that ``_unblocked`` reads; a new connection starts unblocked.
+        if self._connection_lost():
+            return None
+        transport = getattr(self._connection, "transport", None)
+        unblocked = _unblocked(getattr(transport, "connection", None))
+        if unblocked is None or unblocked.is_set():
+            return None
+        return "blocked by the broker (resource alarm)"
+
     async def _take_lane(self) -> _Lane:
         """An open channel of the current connection for one wave: an idle one if there is
         one, else a new one."""

@@ -206,6 +206,11 @@ class WalReader:
             try:
                 return await call()
             except Exception as exc:
+                if getattr(exc, "sqlstate", None) == "42704":
+                    # The slot (or the publication) was dropped under a running relay: a
+                    # StoreError, as connect's, that /health names while the relay waits for
+                    # it to be created again, where the driver's error ended the relay.
+                    raise StoreError(f"{self.name}: {exc}") from exc
                 if getattr(exc, "sqlstate", None) != "55006":
                     raise
                 if time.monotonic() > deadline:
