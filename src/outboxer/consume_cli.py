@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -47,7 +49,7 @@ from outboxer.config import (
     read_config_file,
     setting,
 )
-from outboxer.errors import ConfigError
+from outboxer.errors import ConfigError, ConsumerShutdownError
 from outboxer.redact import printable
 
 if TYPE_CHECKING:
@@ -104,8 +106,9 @@ class ConsumerSettings:
     shutdown_timeout: float = setting(
         30.0,
         kind=Duration(LONGEST_INTERVAL, positive=True, low=SHORTEST_INTERVAL),
-        help="how long handlers in flight get to finish on SIGTERM before they roll back "
-        "(a sync handler's thread cannot be interrupted: the process exits once it returns)",
+        help="how long handlers in flight get to finish on SIGTERM; then they are cut short "
+        "(rolled back, not acked) and the process exits 1 naming their messages, even if a "
+        "sync handler never returns (a second SIGTERM or Ctrl-C cuts them short at once)",
         commands=CONSUME,
         # Its own variable: OUTBOXER_SHUTDOWN_TIMEOUT is the relay's (20 s by default).
         env="OUTBOXER_CONSUMER_SHUTDOWN_TIMEOUT",
@@ -298,10 +301,16 @@ async def _consume(args: argparse.Namespace) -> int:
 
 async def run_consumer(consumer: Consumer, settings: Settings) -> ConsumerStats:
     """Run ``consumer`` until SIGTERM or SIGINT (or idle, with ``exit_when_idle``), with the
-    HTTP API's metrics when ``settings.http`` is set; returns its counters."""
+    HTTP API's metrics when ``settings.http`` is set; returns its counters.
+
+    A second signal cuts the wait for the batches in flight short. Handlers that had not
+    returned by then are named (ConsumerShutdownError, exit 1); if one still runs (a sync
+    handler's thread cannot be interrupted), the process exits 1 here and now: the
+    interpreter's exit would wait for that thread for ever, and the process's end closes
+    its connection, which rolls back what the handler wrote."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, consumer.stop)
+        loop.add_signal_handler(sig, consumer.signalled)
     server = None
     if settings.http:
         from outboxer.consumer import ConsumerCollector
@@ -310,9 +319,27 @@ async def run_consumer(consumer: Consumer, settings: Settings) -> ConsumerStats:
         server = await start_http_api(settings, collectors=[ConsumerCollector([consumer])])
     try:
         return await consumer.run_async()
+    except ConsumerShutdownError as exc:
+        if exc.hung:
+            _exit_now(EXIT_HUNG)
+        raise
     finally:
         if server is not None:
             await server.close()
+
+
+#: The exit status when handlers did not return at shutdown (the CLI's EXIT_ERROR).
+EXIT_HUNG = 1
+
+
+def _exit_now(code: int) -> None:
+    """Exit without waiting for the threads still running (os._exit), what was written
+    to the log and to stdout first."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # closed, or its reader gone
+            stream.flush()
+    os._exit(code)
 
 
 async def _replay(args: argparse.Namespace) -> int:

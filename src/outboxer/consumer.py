@@ -35,16 +35,22 @@ repeat for ever. A handler that returns a coroutine without being a coroutine fu
 (a plain decorator around one) fails the same way: nothing awaited it, nothing is applied.
 
 Shutdown (SIGTERM, ``stop()``): stop fetching; batches in flight commit and are acked
-(given ``shutdown_timeout``, after which they are cancelled and roll back); messages held
-but not started, or waiting for a retry, are handed back unacknowledged. A sync handler's
-thread cannot be interrupted: its batch is never acked (a commit that still happens makes
-the redelivery a duplicate), but closing its session, and the process's exit, wait for the
-handler to return.
+(given ``shutdown_timeout``, or until a second SIGTERM/SIGINT, ``signalled()``); messages
+held but not started, or waiting for a retry, are handed back unacknowledged. Batches still
+running then are cancelled: never acked, rolled back, delivered again. An async handler's
+cancellation ends it; a sync handler's thread cannot be interrupted, nor an async handler
+that ignores its cancellation: given ``CANCELLED_WAIT`` to end, such a batch is abandoned
+(its session is left open, not closed under the handler, and refuses to commit if the
+handler ever returns). Either way ``run_async`` names the messages whose handlers had not
+returned in an ERROR line and raises ConsumerShutdownError (``hung`` if any still runs:
+``outboxer consume`` then exits 1 at once, its connections closing with the process, so
+what the handler wrote is rolled back by the database).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import importlib
 import inspect
@@ -72,7 +78,14 @@ from outboxer.consumer_db import (
     is_async_handler,
     session_factory,
 )
-from outboxer.errors import BrokerUnavailableError, ConfigError, PayloadError, SchemaError
+from outboxer.errors import (
+    BrokerUnavailableError,
+    ConfigError,
+    ConsumerShutdownError,
+    InsecureConnectionError,
+    PayloadError,
+    SchemaError,
+)
 from outboxer.receivers import create_receiver, receiver_class
 from outboxer.receivers.base import Delivery, Incoming, MalformedMessage, Receiver, decode_payload
 from outboxer.relay import OUTAGE_BACKOFF
@@ -94,6 +107,9 @@ FETCH_WAIT = 0.5
 #: Seconds a broker connection must have lasted for its loss to count as the first in a row
 #: (reconnected at once); losses sooner after the connect back off (``_fetch``).
 STABLE_CONNECTION = 10.0
+#: Seconds batches cancelled at shutdown get to roll back before they are abandoned (a sync
+#: handler's thread, an async handler that ignores its cancellation).
+CANCELLED_WAIT = 1.0
 
 
 @dataclass
@@ -293,7 +309,19 @@ class Consumer:
         self.stats = ConsumerStats()
         self._stats_lock = threading.Lock()
         self._stopping = asyncio.Event()
+        #: A second SIGTERM/SIGINT: the batches in flight are not waited for.
+        self._forced = asyncio.Event()
         self._fatal: BaseException | None = None
+        #: The deliveries whose handler is running now (sync ones in threads) and the
+        #: connection each was given, by call.
+        self._running: dict[object, tuple[Delivery, Any]] = {}
+        #: Each worker's session and the batch it is applying.
+        self._batches: dict[asyncio.Task[None], tuple[Session, list[_Lane]]] = {}
+        #: Workers abandoned at shutdown (see DESIGN).
+        self._given_up: set[asyncio.Task[None]] = set()
+        #: Set (from any thread) when a handler returns while stopping; the loop it is of.
+        self._returned = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Queue[_Lane] = asyncio.Queue()
         #: Lanes by key; keyless lanes are only in ``_lanes_all``.
         self._lanes: dict[str, _Lane] = {}
@@ -326,13 +354,28 @@ class Consumer:
         self._stopping.set()
         self._room.set()
 
+    def signalled(self) -> None:
+        """SIGTERM or SIGINT: the first stops the consumer (``shutdown_timeout`` for the
+        batches in flight), the next one cuts that wait short."""
+        if not self.stopping:
+            self.stop()
+            return
+        if not self._forced.is_set():
+            logger.warning(
+                "consumer %s: stopping now, not waiting for the batches in flight", self.group
+            )
+        self._forced.set()
+
     def run(self) -> ConsumerStats:
-        """Run until SIGTERM or SIGINT (or, with ``exit_when_idle``, until nothing comes)."""
+        """Run until SIGTERM or SIGINT (or, with ``exit_when_idle``, until nothing comes).
+
+        ConsumerShutdownError if handlers had not returned at shutdown; with ``hung``, a
+        thread of a sync handler still runs, and the interpreter's exit waits for it."""
 
         async def main() -> ConsumerStats:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self.stop)
+                loop.add_signal_handler(sig, self.signalled)
             return await self.run_async()
 
         return asyncio.run(main())
@@ -341,7 +384,11 @@ class Consumer:
         """Run until ``stop()``; returns the counters."""
         receiver = self.receiver  # ConfigError now if there is no broker
         self._stopping.clear()
+        self._forced.clear()
         self._fatal = None
+        self._running, self._batches, self._given_up = {}, {}, set()
+        self._loop = asyncio.get_running_loop()
+        cut_short: ConsumerShutdownError | None = None
         # Nothing carries over from an earlier run: its unacked messages come again.
         self._ready, self._lanes, self._lanes_all, self._held = asyncio.Queue(), {}, set(), 0
         executor = self._threads()
@@ -369,20 +416,26 @@ class Consumer:
             if receiver.extend_interval:
                 tasks.append(asyncio.create_task(self._extend(receiver.extend_interval)))
             await self._stopping.wait()
-            await self._shutdown(fetcher, workers)
+            cut_short = await self._shutdown(fetcher, workers)
         finally:
             self._stopping.set()
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # Not those _shutdown abandoned (they may never end), and bounded all the same.
+            if waiting := [task for task in tasks if task not in self._given_up]:
+                await asyncio.wait(waiting, timeout=CANCELLED_WAIT)
             await self._release_all()
             await self._quietly(receiver.close(), "closing the broker connection")
+            abandoned = set(self._abandoned().values())
             for session in sessions:
-                await self._quietly(session.close(), "closing a database connection")
+                if session not in abandoned:  # closing one a handler still uses would hang
+                    await self._quietly(session.close(), "closing a database connection")
             executor.shutdown(wait=False)
             logger.info("consumer %s stopped: %s", self.group, self.stats.as_dict())
         if self._fatal is not None:
             raise self._fatal
+        if cut_short is not None:
+            raise cut_short
         return self.stats
 
     def _threads(self) -> ThreadPoolExecutor:
@@ -391,26 +444,100 @@ class Consumer:
 
     async def _shutdown(
         self, fetcher: asyncio.Task[None], workers: list[asyncio.Task[None]]
-    ) -> None:
+    ) -> ConsumerShutdownError | None:
+        """Wait for the batches in flight (``shutdown_timeout``, or until forced), then cut
+        those still running short: the error to raise once the consumer has stopped."""
         fetcher.cancel()
         await asyncio.gather(fetcher, return_exceptions=True)
         for lane in self._lanes_all:
             if lane.retry is not None:
                 lane.retry.cancel()
-        if not workers:
-            return
-        _, late = await asyncio.wait(workers, timeout=self.shutdown_timeout)
-        if late:
-            logger.warning(
-                "consumer %s: %d batch(es) still running after %.0fs: rolled back, their "
-                "messages are delivered again",
-                self.group,
-                len(late),
-                self.shutdown_timeout,
-            )
-            for task in late:
-                task.cancel()
-            await asyncio.gather(*late, return_exceptions=True)
+        if not await self._wait_or_forced(workers, self.shutdown_timeout):
+            return None
+        late = [task for task in workers if not task.done()]
+        # Snapshots: what runs at the bound, and the batches it belongs to.
+        with self._stats_lock:  # sync handlers' threads change it
+            running = list(self._running.values())
+        batches = [self._batches[task][1] for task in late if task in self._batches]
+        for task in late:
+            if task in self._batches:
+                # Now, not after the wait: a sync handler returning meanwhile must not commit
+                # what is about to be handed back to the broker as not applied.
+                self._batches[task][0].abandoned = True
+            task.cancel()
+        # Even when forced: a cancelled async handler rolls back in a round trip or two, and
+        # a sync handler just over the bound may return (its batch then rolls back).
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CANCELLED_WAIT
+        while True:
+            self._returned.clear()
+            hung = self._abandoned()
+            left = deadline - loop.time()
+            if not hung or left <= 0:
+                break
+            returned = asyncio.ensure_future(self._returned.wait())
+            ending = {task for task in hung if not task.done()}
+            await asyncio.wait({returned, *ending}, timeout=left, return_when="FIRST_COMPLETED")
+            returned.cancel()
+        self._given_up = set(hung)
+        named = [delivery for delivery, _ in running] or [
+            lane.head.delivery for lanes in batches for lane in lanes
+        ]
+        what = "handler(s) that did not return" if running else "batch(es) that did not finish"
+        why = (
+            "at a second SIGTERM/SIGINT"
+            if self._forced.is_set()
+            else f"within shutdown_timeout ({self.shutdown_timeout:g}s)"
+        )
+        listed = "; ".join(
+            f"{delivery.id} (topic {delivery.topic}, key {delivery.key})" for delivery in named
+        )
+        logger.error(
+            "consumer %s: message(s) with %s %s: %s; not acked, their transaction not "
+            "committed: the broker delivers them again%s",
+            self.group,
+            what,
+            why,
+            listed,
+            f"; {len(hung)} batch(es) still running, abandoned" if hung else "",
+        )
+        return ConsumerShutdownError(
+            f"consumer {self.group}: message(s) with {what} {why}: {listed}",
+            message_ids=[str(delivery.id) for delivery in named],
+            hung=bool(hung),
+        )
+
+    def _abandoned(self) -> dict[asyncio.Task[None], Session]:
+        """The workers of batches cut short whose handler still runs (a sync handler's
+        thread, an async handler that ignored its cancellation), with their sessions: left
+        open, for closing one would wait for the handler (or pull the connection from under
+        it), and marked so that its transaction never commits if the handler returns."""
+        with self._stats_lock:
+            busy = [conn for _, conn in self._running.values()]
+        workers: dict[asyncio.Task[None], Session] = {}
+        for task, (session, _) in list(self._batches.items()):
+            if not task.done() or any(conn is session.conn for conn in busy):
+                session.abandoned = True
+                workers[task] = session
+            else:
+                del self._batches[task]
+        return workers
+
+    async def _wait_or_forced(self, tasks: Sequence[asyncio.Task[None]], timeout: float) -> bool:
+        """Wait for ``tasks`` to end, at most ``timeout`` or until forced; whether any is left."""
+        forced = asyncio.ensure_future(self._forced.wait())
+        try:
+            pending = {task for task in tasks if not task.done()}
+            deadline = asyncio.get_running_loop().time() + timeout
+            while pending and not forced.done():
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    break
+                await asyncio.wait({*pending, forced}, timeout=left, return_when="FIRST_COMPLETED")
+                pending = {task for task in pending if not task.done()}
+            return bool(pending)
+        finally:
+            forced.cancel()
 
     async def _release_all(self) -> None:
         unacked = [incoming for lane in self._lanes_all for incoming in lane.queue]
@@ -442,7 +569,7 @@ class Consumer:
                     await store.connect()
                     await store.check_schema()
                     return True
-                except SchemaError:
+                except (SchemaError, InsecureConnectionError):  # no outage: retrying cannot help
                     raise
                 except Exception as exc:  # noqa: BLE001 -- the database may be starting
                     failures += 1
@@ -551,11 +678,21 @@ class Consumer:
     # ----- applying --------------------------------------------------------------------------
 
     async def _work(self, session: Session) -> None:
+        me = asyncio.current_task()
+        assert me is not None
         while True:
             lanes = await self._take()
             if not lanes:
                 return
-            await self._apply(session, lanes)
+            self._batches[me] = (session, lanes)  # named at shutdown if it does not finish
+            try:
+                await self._apply(session, lanes)
+            except asyncio.CancelledError:
+                raise  # the entry stays: _abandoned() tells whether its handler still runs
+            except BaseException:
+                del self._batches[me]
+                raise
+            del self._batches[me]
 
     async def _take(self) -> list[_Lane]:
         """Up to ``batch`` ready lanes (waiting for the first); empty once stopping."""
@@ -709,14 +846,26 @@ class Consumer:
     def _timed(self, handler: Handler) -> Handler:
         stats, lock = self.stats, self._stats_lock
 
-        def add(started: float) -> None:
+        def add(started: float, call: object) -> None:
             with lock:  # sync handlers run in several threads
                 stats.handler_seconds += time.perf_counter() - started
+                self._running.pop(call, None)  # gone if run_async began anew since
+            if self.stopping and self._loop is not None:
+                # _shutdown may be waiting for this handler (a thread cannot wake the loop
+                # otherwise); only then, not a wake-up per message.
+                with contextlib.suppress(RuntimeError):  # its loop closed: nobody waits
+                    self._loop.call_soon_threadsafe(self._returned.set)
+
+        def begin(delivery: Delivery, conn: Any) -> object:
+            call = object()
+            with lock:
+                self._running[call] = (delivery, conn)
+            return call
 
         if self.is_async:
 
             async def timed_async(delivery: Delivery, conn: Any) -> Any:
-                started = time.perf_counter()
+                started, call = time.perf_counter(), begin(delivery, conn)
                 try:
                     return await handler(delivery, conn)
                 except asyncio.CancelledError as exc:
@@ -729,16 +878,16 @@ class Consumer:
                         "the handler raised CancelledError without being cancelled"
                     ) from exc
                 finally:
-                    add(started)
+                    add(started, call)
 
             return timed_async
 
         def timed(delivery: Delivery, conn: Any) -> Any:
-            started = time.perf_counter()
+            started, call = time.perf_counter(), begin(delivery, conn)
             try:
                 return call_sync_handler(handler, delivery, conn)  # names the user's handler
             finally:
-                add(started)
+                add(started, call)
 
         return timed
 

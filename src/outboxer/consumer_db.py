@@ -198,6 +198,10 @@ class Session(ABC):
         self.schema = schema
         self.inbox = Inbox(schema=schema)
         self.conn: Any = None
+        #: Set by the runner when it gave up on this session's batch at shutdown (its handler
+        #: did not return): if the handler returns after all, the batch rolls back, for its
+        #: messages were handed back to the broker.
+        self.abandoned = False
 
     # ----- what each driver provides -----------------------------------------------------
 
@@ -563,6 +567,7 @@ class SyncSession(Session):
                 raise BatchFailed("statement", exc) from exc
             if rolled_back:
                 raise BatchFailed("commit", AbortedTransaction(_ROLLED_BACK_UNDER_HANDLERS))
+            _refuse_abandoned(self)
             return _finish(results)
 
         try:
@@ -731,10 +736,11 @@ class PyMySQLSession(SyncSession):
     dialect = "mysql"
 
     def _connect(self) -> Any:
-        pymysql = _require("pymysql", "mysql")
+        _require("pymysql", "mysql")
         from outboxer.stores.mysql import mysql_connect_args
+        from outboxer.stores.mysql_tls import connect_pymysql
 
-        return pymysql.connect(**mysql_connect_args(self.url))
+        return connect_pymysql(mysql_connect_args(self.url))
 
     def _begin(self) -> None:
         self.conn.begin()
@@ -843,6 +849,7 @@ class AsyncSession(Session):
                     # failure, the later messages' claims released (SyncSession._apply).
                     release.extend(_unhandled(deliveries, todo, claimed, index))
                     raise BatchFailed("handler", HandlerEndedTransaction(), index)
+            _refuse_abandoned(self)
             return _finish(results)
 
         release: list[uuid.UUID] = []
@@ -863,6 +870,16 @@ class AsyncSession(Session):
 
     async def fetch(self, name: str, params: Mapping[str, Any]) -> list[dict[str, Any]]:
         return await self._transaction(functools.partial(self._fetch, name, params))
+
+
+def _refuse_abandoned(session: Session) -> None:
+    """Before the commit: a batch the runner gave up on at shutdown never commits (its
+    messages are the broker's again); raised inside the transaction, which rolls back."""
+    if session.abandoned:
+        raise BatchFailed(
+            "commit",
+            AbortedTransaction("the consumer stopped without waiting for this batch: rolled back"),
+        )
 
 
 class HandlerEndedTransaction(RuntimeError):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class OutboxerError(Exception):
     """Base class of every error outboxer raises on purpose."""
@@ -48,6 +50,15 @@ class StoreError(OutboxerError):
     """The database rejected or could not run an outbox statement."""
 
 
+class InsecureConnectionError(ConfigError, StoreError):
+    """A database URL asks for TLS (a MySQL ``ssl_mode`` but ``disabled``) and the server did
+    not offer it: TLS is off on the server, or something in between removed it.
+
+    Fatal when the relay or a consumer starts, as SchemaError: trying again would not make
+    the server offer TLS, and connecting anyway would send the data in clear.
+    """
+
+
 class SchemaError(ConfigError):
     """The outbox schema is missing or older than this version of outboxer needs.
 
@@ -78,3 +89,19 @@ class BrokerUnavailableError(PublishError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, retryable=True)
+
+
+class ConsumerShutdownError(OutboxerError):
+    """The consumer stopped with handlers that had not returned (``shutdown_timeout`` passed,
+    or a second SIGTERM/SIGINT): their messages were not acked, their transactions not
+    committed, and the broker delivers them again.
+
+    ``message_ids`` names them; ``hung`` says whether any still runs (a sync handler's thread,
+    which cannot be interrupted, or an async one that ignored its cancellation): then only the
+    process's exit ends it (``outboxer consume`` exits 1 without waiting for it).
+    """
+
+    def __init__(self, message: str, *, message_ids: Sequence[str], hung: bool) -> None:
+        super().__init__(message)
+        self.message_ids = list(message_ids)
+        self.hung = hung

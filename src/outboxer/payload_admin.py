@@ -68,11 +68,10 @@ def connect(url: str) -> Any:
         # sqlite3's default: a transaction opens before the first write (as enqueue needs).
         return sqlite3.connect(sqlite_path(url), timeout=30)
     if dialect == "mysql":
-        import pymysql
-
         from outboxer.stores.mysql import mysql_connect_args
+        from outboxer.stores.mysql_tls import connect_pymysql
 
-        return pymysql.connect(**mysql_connect_args(url))
+        return connect_pymysql(mysql_connect_args(url))
     import psycopg
 
     return psycopg.connect(url)

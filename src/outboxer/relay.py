@@ -24,7 +24,7 @@ from outboxer import logjson, payload_admin, tracing
 from outboxer.brokers import Publisher, create_publisher
 from outboxer.brokers.base import Outcome, OutcomeKind, describe
 from outboxer.config import DEFAULT_DATABASE, DestinationSettings, Settings
-from outboxer.errors import ConfigError, PublishError, SchemaError
+from outboxer.errors import ConfigError, InsecureConnectionError, PublishError, SchemaError
 from outboxer.message import Message
 from outboxer.payload_relay import PayloadHandling
 from outboxer.redact import get_logger, redact_text
@@ -789,7 +789,7 @@ class Relay:
                 attempt.result()
                 outage.over()
                 return True
-            except SchemaError:
+            except (SchemaError, InsecureConnectionError):  # no outage: retrying cannot help
                 raise
             except Exception as exc:  # noqa: BLE001 -- the database may be starting: keep trying, never exit
                 if await outage.back_off(exc):

@@ -28,6 +28,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
 from outboxer.brokers.base import AckedPublisher, option_bool, parse_options
+from outboxer.brokers.tlsfiles import client_context, tls_files
 from outboxer.config import int_option, whole_seconds_option
 from outboxer.errors import ConfigError, PublishError
 from outboxer.message import Message
@@ -158,6 +159,9 @@ class MqttPublisher(AckedPublisher[ReasonCode]):
         client_id: str | None = None,
         keepalive: int | None = None,
         max_inflight: int | None = None,
+        cafile: str | None = None,
+        certfile: str | None = None,
+        keyfile: str | None = None,
     ) -> None:
         super().__init__(url, routes=routes, publish_timeout=publish_timeout)
         parts, options = parse_options(url)
@@ -165,6 +169,12 @@ class MqttPublisher(AckedPublisher[ReasonCode]):
             raise ConfigError(f"MQTT URL needs a host: {redact_url(url)!r} (mqtt://127.0.0.1:1883)")
         self.hostname: str = parts.hostname
         self.tls = parts.scheme == "mqtts"
+        files = tls_files(options, {"cafile": cafile, "certfile": certfile, "keyfile": keyfile})
+        if files and not self.tls:  # else ignored: the connection would be plaintext
+            raise ConfigError(f"mqtt option {', '.join(files)}: TLS needs an mqtts:// URL")
+        #: Made now when files are given (a bad one is a ConfigError at start), else at the
+        #: first connect: the system's CA certificates take a while to load.
+        self._tls_context = client_context("mqtt", files) if files else None
         self.port = parts.port or (8883 if self.tls else 1883)
         self.username = parts.username
         self.password = parts.password
@@ -192,6 +202,13 @@ class MqttPublisher(AckedPublisher[ReasonCode]):
     def topic_for(self, message: Message) -> str:
         return self.topic_prefix + self.destination_for(message)
 
+    def tls_context(self) -> ssl.SSLContext | None:
+        """The context of an mqtts:// URL (verifying, against ``cafile`` if given); None for
+        mqtt://. The consumer side (outboxer.receivers.mqtt) connects with it too."""
+        if self.tls and self._tls_context is None:
+            self._tls_context = ssl.create_default_context()
+        return self._tls_context
+
     async def _connect(self) -> None:
         await self._close()
         client = _Client(
@@ -204,7 +221,7 @@ class MqttPublisher(AckedPublisher[ReasonCode]):
             keepalive=self.keepalive,
             timeout=min(self.publish_timeout, 10.0),
             max_inflight=self.max_inflight,
-            tls_context=ssl.create_default_context() if self.tls else None,
+            tls_context=self.tls_context(),
         )
         try:
             await client.__aenter__()

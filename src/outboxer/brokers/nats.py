@@ -38,6 +38,7 @@ from nats.js import JetStreamContext
 from nats.js.api import Header, PubAck
 
 from outboxer.brokers.base import AckedPublisher, option_bool, parse_options
+from outboxer.brokers.tlsfiles import client_context, tls_files
 from outboxer.config import LONGEST_INTERVAL, duration_option
 from outboxer.errors import ConfigError, PublishError
 from outboxer.message import Message
@@ -166,6 +167,9 @@ class NatsPublisher(AckedPublisher[Msg]):
         tls: bool | None = None,
         creds: str | None = None,
         connect_timeout: float | None = None,
+        cafile: str | None = None,
+        certfile: str | None = None,
+        keyfile: str | None = None,
     ) -> None:
         super().__init__(url, routes=routes, publish_timeout=publish_timeout)
         parts, options = parse_options(url)
@@ -213,7 +217,22 @@ class NatsPublisher(AckedPublisher[Msg]):
         if self.create_stream and not self.subjects:
             raise ConfigError("create_stream needs subjects (option subjects, or a subject_prefix)")
         self.tls = option_bool(options, "tls", tls, False)
+        files = tls_files(options, {"cafile": cafile, "certfile": certfile, "keyfile": keyfile})
+        if files and not self.tls:  # else ignored: nats-py would use the system's CAs
+            raise ConfigError(f"nats option {', '.join(files)} needs tls=true")
+        #: Made now when files are given (a bad one is a ConfigError at start), else at the
+        #: first connect: the system's CA certificates take a while to load.
+        self._tls_context = client_context("nats", files) if files else None
         self.creds = creds if creds is not None else (options.get("creds") or None)
+        if self.creds:  # nats-py reads it at each connect, where a bad one was an outage
+            try:
+                with open(self.creds, "rb"):
+                    pass
+            except OSError as exc:
+                reason = exc.strerror or type(exc).__name__
+                raise ConfigError(
+                    f"nats option creds: cannot read {self.creds!r}: {reason}"
+                ) from None
         self.connect_timeout = duration_option(
             connect_timeout
             if connect_timeout is not None
@@ -292,7 +311,9 @@ class NatsPublisher(AckedPublisher[Msg]):
             "connect_timeout": max(1, round(self.connect_timeout)),
         }
         if self.tls:
-            options["tls"] = ssl.create_default_context()
+            if self._tls_context is None:
+                self._tls_context = ssl.create_default_context()
+            options["tls"] = self._tls_context
         if self.creds:
             options["user_credentials"] = self.creds
         return options

@@ -84,6 +84,7 @@ from pamqp import encode
 from pamqp.common import FieldTable
 
 from outboxer.brokers.base import NotSent, Publisher, option_bool, parse_options
+from outboxer.brokers.tlsfiles import client_context, tls_files
 from outboxer.config import duration_option
 from outboxer.errors import BrokerUnavailableError, ConfigError, PublishError
 from outboxer.message import Message
@@ -440,6 +441,11 @@ class RabbitMQPublisher(Publisher):
         for topic, route in self.routes.items():
             if not route:
                 raise ConfigError(f"route for topic {topic!r} is empty")
+        if files := tls_files(options, {}):
+            # aiormq loads them at each connect, where a bad one read as an outage for ever.
+            if parts.scheme.lower() != "amqps":
+                raise ConfigError(f"rabbitmq option {', '.join(files)}: TLS needs an amqps:// URL")
+            client_context("rabbitmq", files)
         rest = {name: value for name, value in options.items() if name not in _OPTIONS}
         self._driver_url = parts._replace(query=urlencode(rest)).geturl()
         self._connection: AbstractConnection | None = None

@@ -39,8 +39,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from outboxer.brokers.base import NotSent, Publisher, parse_options
+from outboxer.brokers.tlsfiles import TLS_FILE_OPTIONS, client_context
 from outboxer.config import int_option
-from outboxer.errors import PublishError
+from outboxer.errors import ConfigError, PublishError
 from outboxer.message import Message
 
 #: Our own URL options; the rest of the query string goes to redis-py.
@@ -149,6 +150,7 @@ class RedisPublisher(Publisher):
             maxlen = int_option(given, "redis option maxlen", 1, 2**63 - 1)
         #: Trim each stream to about this many entries (``XADD … MAXLEN ~ n``); None keeps all.
         self.maxlen = maxlen
+        _check_tls_files(parts.scheme, options)
         rest = {name: value for name, value in options.items() if name not in _OPTIONS}
         self._driver_url = parts._replace(query=urlencode(rest)).geturl()
         self._client: aioredis.Redis | None = None
@@ -268,3 +270,23 @@ class RedisPublisher(Publisher):
 
 
 __all__ = ["RedisPublisher", "entry_fields"]
+
+
+#: redis-py's TLS file options, in tlsfiles' order (CA, certificate, key).
+_TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+
+
+def _check_tls_files(scheme: str, options: Mapping[str, str]) -> None:
+    """Load the URL's TLS files once now: redis-py loads them at each connect, where a bad
+    one read as an outage for ever ("Error 2 connecting … No such file or directory")."""
+    files = {
+        ours: options[theirs]
+        for ours, theirs in zip(TLS_FILE_OPTIONS, _TLS_FILES, strict=True)
+        if options.get(theirs)
+    }
+    if not files:
+        return
+    if scheme.lower() != "rediss":
+        named = ", ".join(theirs for theirs in _TLS_FILES if options.get(theirs))
+        raise ConfigError(f"redis option {named}: TLS needs a rediss:// URL")
+    client_context("redis", files, names=_TLS_FILES, password=options.get("ssl_password"))

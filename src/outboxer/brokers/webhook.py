@@ -277,6 +277,15 @@ class WebhookPublisher(Publisher):
                 )
         self.verify = verify
         self._ssl: ssl.SSLContext | None = None
+        if isinstance(verify, str):
+            # Loaded now (that file alone: quick), so that a path that cannot be read is a
+            # ConfigError at start naming the option, not an outage at every connect.
+            try:
+                self._ssl = _ssl_context(verify)
+            except (OSError, ssl.SSLError) as exc:
+                raise ConfigError(
+                    f"webhook option verify: cannot load CA certificates from {verify!r}: {exc}"
+                ) from exc
         self._lanes: _Lanes | None = None
         #: A URL that refused a connection: the next connect probes it (see _connect).
         self._unreachable: str | None = None

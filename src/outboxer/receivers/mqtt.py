@@ -27,7 +27,6 @@ by :class:`MqttPublisher`.
 
 from __future__ import annotations
 
-import ssl
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -151,7 +150,7 @@ class MqttReceiver(Receiver):
             keepalive=mqtt.keepalive,
             timeout=min(self.connect_timeout, 10.0),
             max_inflight=mqtt.max_inflight,
-            tls_context=ssl.create_default_context() if mqtt.tls else None,
+            tls_context=mqtt.tls_context(),
             clean_start=False,
             properties=properties,
             qos0_limit=self.prefetch,

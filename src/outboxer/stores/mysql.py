@@ -54,7 +54,7 @@ from outboxer.stores.base import (
     sample_seqs,
     with_published_estimates,
 )
-from outboxer.stores.mysql_tls import SSL_OPTIONS, ssl_args
+from outboxer.stores.mysql_tls import SSL_OPTIONS, refuse_plaintext, ssl_args
 from outboxer.stores.sqlfiles import (
     admin_queries,
     migrations,
@@ -271,6 +271,22 @@ class MySQLStore(Store):
             )
         except (OSError, aiomysql.Error) as exc:
             raise StoreError(f"cannot connect to MySQL: {exc}") from exc
+        try:  # the pool's first connection, made above: refused here, not at the first claim
+            async with self._pool.acquire() as conn:
+                self._refuse_plaintext(conn)
+        except BaseException:
+            await self.close()
+            raise
+
+    def _refuse_plaintext(self, conn: Any) -> None:
+        """An unencrypted pool connection where the URL asks for TLS is closed, and
+        InsecureConnectionError raised (mysql_tls: aiomysql would use it); an attribute test,
+        no round trip."""
+        try:
+            refuse_plaintext(self.connect_args, conn)
+        except BaseException:
+            conn.close()
+            raise
 
     async def close(self) -> None:
         if self._pool is not None:
@@ -291,6 +307,8 @@ class MySQLStore(Store):
         aiomysql = _aiomysql()
         try:
             async with self._pool.acquire() as conn:
+                # Each time, as the pool opens connections on its own when it runs short.
+                self._refuse_plaintext(conn)
                 try:
                     async with conn.cursor(aiomysql.DictCursor) as cursor:
                         yield cursor

@@ -13,8 +13,15 @@ aiomysql both take.
 Without ``ssl_mode``: ``verify_identity`` when ``ssl_ca`` is given, else ``required`` when a
 client certificate is (PyMySQL's own defaults for its ``ssl`` dict). A file that cannot be
 read, or a mode with options it contradicts, is a ConfigError when the URL is parsed, not a
-failure at the first connect. Neither driver refuses a server without TLS support: TLS is
-only as required as the server enforces (``REQUIRE SSL`` on the account).
+failure at the first connect.
+
+Every mode but ``disabled`` refuses a connection that is not encrypted (a server with TLS
+off, or something in between that strips the TLS capability from the server's greeting):
+aiomysql, and PyMySQL before 1.2, would carry on in plaintext. PyMySQL connections
+(:func:`connect_pymysql`) are refused before the credentials are sent; aiomysql's pool makes
+its connections itself, so the store checks each one it takes (:func:`refuse_plaintext`),
+after the login but before any statement. As with the MySQL client, a Unix socket counts as
+secure: it does not leave the host.
 """
 
 from __future__ import annotations
@@ -23,7 +30,17 @@ import ssl
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from outboxer.errors import ConfigError
+from outboxer.errors import ConfigError, InsecureConnectionError
+
+#: pymysql.constants.CLIENT.SSL: the server's greeting offers TLS.
+_CLIENT_SSL = 1 << 11
+
+
+class _TLSContext(ssl.SSLContext):
+    """The context of one URL, knowing its ``ssl_mode`` for the refusal's message."""
+
+    ssl_mode: str
+
 
 #: The URL query options this module reads.
 SSL_OPTIONS = ("ssl_mode", "ssl_ca", "ssl_cert", "ssl_key")
@@ -57,7 +74,8 @@ def ssl_args(options: Mapping[str, str]) -> dict[str, Any]:
             "MySQL URL option ssl_ca with ssl_mode=required: the CA would not be checked; "
             "use ssl_mode=verify_ca or verify_identity"
         )
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context = _TLSContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.ssl_mode = mode
     if mode == "required":
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
@@ -69,7 +87,9 @@ def ssl_args(options: Mapping[str, str]) -> dict[str, Any]:
             context.load_default_certs()
     if cert:
         paths = f"{cert}, {key}" if key else cert
-        _load(lambda: context.load_cert_chain(cert, key), "ssl_cert/ssl_key", paths)
+        # An empty passphrase: an encrypted key fails here, instead of OpenSSL asking for
+        # the passphrase on the terminal (a service has none; it would hang).
+        _load(lambda: context.load_cert_chain(cert, key, password=""), "ssl_cert/ssl_key", paths)
     return {"ssl": context}
 
 
@@ -78,3 +98,61 @@ def _load(load: Callable[[], object], option: str, path: str) -> None:
         load()
     except (OSError, ssl.SSLError) as exc:  # FileNotFoundError, a file that is no PEM …
         raise ConfigError(f"MySQL URL option {option}: cannot load {path!r}: {exc}") from exc
+
+
+def refuse_plaintext(args: Mapping[str, Any], conn: Any) -> None:
+    """InsecureConnectionError if ``args`` (``mysql_connect_args``) ask for TLS and ``conn``,
+    a PyMySQL or aiomysql connection past the server's greeting, is not encrypted. No round
+    trip: both drivers negotiate TLS exactly when they were given a context and the
+    greeting's capability flags offer it."""
+    context = args.get("ssl")
+    if not isinstance(context, _TLSContext) or conn.unix_socket:
+        return
+    if conn.server_capabilities & _CLIENT_SSL:
+        return
+    raise InsecureConnectionError(
+        f"MySQL server {conn.host}:{conn.port} does not offer TLS, and ssl_mode="
+        f"{context.ssl_mode} refuses an unencrypted connection (TLS is off on the server, "
+        "or something in between removed it)"
+    )
+
+
+def connect_pymysql(args: Mapping[str, Any]) -> Any:
+    """``pymysql.connect(**args)``, refusing an unencrypted connection (see
+    :func:`refuse_plaintext`) before the credentials go out when ``args`` ask for TLS."""
+    import pymysql
+
+    if not isinstance(args.get("ssl"), _TLSContext):
+        return pymysql.connect(**args)
+    conn = _pymysql_class()(**args, defer_connect=True)
+    conn.refuse_plaintext_args = args
+    conn.connect()
+    try:
+        # Again after the login, in case a PyMySQL release no longer calls the hook.
+        refuse_plaintext(args, conn)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+_PYMYSQL_CLASS: Any = None
+
+
+def _pymysql_class() -> Any:
+    """A PyMySQL Connection that checks the greeting before sending the login: the check
+    cannot go after ``connect`` only, as the login may carry the password itself (a server,
+    or a man in the middle, can ask for ``mysql_clear_password``)."""
+    global _PYMYSQL_CLASS
+    if _PYMYSQL_CLASS is None:
+        from pymysql.connections import Connection
+
+        class _Connection(Connection):  # type: ignore[misc]
+            refuse_plaintext_args: Mapping[str, Any] = {}
+
+            def _request_authentication(self) -> None:
+                refuse_plaintext(self.refuse_plaintext_args, self)
+                super()._request_authentication()
+
+        _PYMYSQL_CLASS = _Connection
+    return _PYMYSQL_CLASS

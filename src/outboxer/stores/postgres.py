@@ -47,6 +47,7 @@ from outboxer.stores.pgpartitions import (
     PartitionReport,
     Partitions,
 )
+from outboxer.stores.pgtls import check_tls_files
 from outboxer.stores.sqlfiles import (
     Migration,
     admin_queries,
@@ -171,6 +172,7 @@ class PostgresStore(Store):
         self, url: str, *, schema: str = "outboxer", table: str = "outbox", pool_size: int = 10
     ) -> None:
         super().__init__(url, schema=schema, table=table)
+        check_tls_files(url)  # a ConfigError now, not an outage at every connect
         self.pool_size = pool_size
         self._pool: Any = None
         #: Pool connections the relay's claims, settles and renewals reuse (see _statement).
