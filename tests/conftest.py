@@ -18,6 +18,30 @@ import pytest
 from outboxer.stores import create_store
 from tests.services import require
 
+#: Tests that run alone, after the others (scripts/test runs the rest on two workers): they
+#: stop or restart a shared service, count the machine's sockets, start private servers on
+#: fixed ports, or measure under load; or their reports carry bytes the workers' channel
+#: cannot send (a lone surrogate).
+SERIAL = (
+    "tests/chaos/",
+    "tests/pgmodes/",
+    "tests/integration/test_broker_nats.py",
+    "tests/integration/test_broker_mqtt.py",
+    "tests/integration/test_broker_rabbitmq.py",
+    "tests/integration/test_broker_redis.py",
+    "tests/integration/test_broker_connect_leaks.py",
+    "tests/integration/test_receiver_connect_leaks.py",
+    "tests/unit/test_config_audit_logs.py",
+)
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        path = Path(str(item.fspath)).resolve().relative_to(_ROOT).as_posix()
+        if path.startswith(SERIAL):
+            item.add_marker(pytest.mark.serial)
+
 PG_ADMIN = os.environ.get("OUTBOXER_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 # One template per pytest process: several runs (a developer's and CI's, or parallel
 # worktrees) share the server, and one run must not drop the template another is cloning.
