@@ -42,6 +42,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if path.startswith(SERIAL):
             item.add_marker(pytest.mark.serial)
 
+
 PG_ADMIN = os.environ.get("OUTBOXER_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 # One template per pytest process: several runs (a developer's and CI's, or parallel
 # worktrees) share the server, and one run must not drop the template another is cloning.
