@@ -27,6 +27,8 @@ by :class:`MqttPublisher`.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -46,6 +48,10 @@ logger = get_logger("outboxer.receiver")
 
 #: The largest Receive Maximum MQTT allows.
 _RECEIVE_MAXIMUM = 65_535
+#: A filter never subscribed: its UNSUBACK, before a close, proves the PUBACKs taken.
+_CLOSE_BARRIER = "outboxer/close-barrier"
+#: How long a close waits for that UNSUBACK.
+_CLOSE_BARRIER_TIMEOUT = 2.0
 
 
 class _Token(NamedTuple):
@@ -123,6 +129,8 @@ class MqttReceiver(Receiver):
         #: Arrival numbers (``_Token.seq``) of those done, waiting for the ones before them.
         self._done: set[int] = set()
         self._arrivals = 0
+        #: PUBACKs went out on this connection that no later round trip proved read.
+        self._unconfirmed_acks = False
         #: QoS 0 messages dropped because too many were waiting (see ``_ReceivingClient``).
         self.qos0_dropped = 0
 
@@ -158,6 +166,7 @@ class MqttReceiver(Receiver):
         )
         client._client.manual_ack_set(True)
         self._unacked, self._done, self._arrivals = deque(), set(), 0
+        self._unconfirmed_acks = False
         try:
             await client.__aenter__()
         except BaseException:
@@ -171,7 +180,22 @@ class MqttReceiver(Receiver):
 
     async def _close(self) -> None:
         client, self._client = self._client, None
-        if client is not None:
+        if client is None:
+            return
+        try:
+            if self._unconfirmed_acks and not client.lost.is_set():
+                # paho counts the connection closed once the DISCONNECT is written, but
+                # Mosquitto reads one packet per socket per turn of its loop: the PUBACKs
+                # may still wait unread when the same client id connects again (the next
+                # connect, a restarted consumer), which takes the session over and drops
+                # the old socket with them; the session then redelivers those messages.
+                # The broker handles a client's packets in order, so the UNSUBACK proves
+                # every PUBACK before it was taken (the filter was never subscribed: the
+                # UNSUBSCRIBE changes nothing). Bounded: a dead connection only delays.
+                with contextlib.suppress(aiomqtt.MqttError, OSError, asyncio.TimeoutError):
+                    await client.unsubscribe(_CLOSE_BARRIER, timeout=_CLOSE_BARRIER_TIMEOUT)
+        finally:
+            self._unconfirmed_acks = False
             await disconnect(client)
 
     async def _receive(self, limit: int, timeout: float) -> list[Incoming]:
@@ -223,6 +247,7 @@ class MqttReceiver(Receiver):
             token = self._unacked.popleft()
             self._done.discard(token.seq)
             code = client._client.ack(token.mid, token.qos)
+            self._unconfirmed_acks = True
             if code != paho.MQTT_ERR_SUCCESS:
                 raise ConnectionError(f"PUBACK not sent: {paho.error_string(code)}")
 
