@@ -227,6 +227,11 @@ class MySQLStore(Store):
         self._nudged: set[str] = set()
         self._probe_lock = asyncio.Lock()
         self._probed_at = 0.0
+        #: Per destination, the claims whose COMMIT got no answer (the connection broke, or
+        #: the claim was cancelled): their lease, seqs, whether they recovered an expired
+        #: row, and until when the lease lasts. The COMMIT may have reached the server: the
+        #: rows then wait in flight for nobody (see _release_unanswered).
+        self._unanswered: dict[str, list[tuple[Lease, list[int], bool, float]]] = {}
         tokens = self.tokens()
         self._sql = {
             name: to_pyformat(strip_comments(render(sql, tokens)))
@@ -426,45 +431,64 @@ class MySQLStore(Store):
         lease = Lease.new(relay_id)
         abandoned: list[AbandonedRow] = []
         recovered = False
-        async with self._transaction() as cursor:
-            await self._lock_destination(cursor, destination, exclusive=True)
-            await self._execute(
-                cursor,
-                "claim_expired",
-                {"destination": destination, "limit": limit, "abandoned_blocks": abandoned_blocks},
-            )
-            expired = await cursor.fetchall()
-            exhausted = [row["seq"] for row in expired if row["attempts"] + 1 >= max_attempts]
-            if exhausted:
+        await self._release_unanswered(destination)
+        sent_at = time.monotonic()
+        taken: list[int] = []  # the seqs claim_update took: after it, only COMMIT can fail
+        try:
+            async with self._transaction() as cursor:
+                await self._lock_destination(cursor, destination, exclusive=True)
                 await self._execute(
-                    cursor, "abandon_expired", {"seqs": exhausted, "destination": destination}
-                )
-                abandoned = await self._abandoned(cursor, exhausted)
-                if abandoned_blocks:  # else such a row heads its key: recovered alone
-                    await self._release_behind(cursor, destination, abandoned, max_attempts)
-            heads = [row for row in expired if row["seq"] not in exhausted and row["heads_key"]]
-            if heads and not recover:
-                return Claim(lease=lease, recovery_waiting=True, abandoned=abandoned)
-            if heads:
-                rows, recovered = heads[:1], True
-            else:
-                rows = await self._due(cursor, destination, limit, abandoned_blocks, max_bytes)
-            if rows:
-                updated = await self._execute(
                     cursor,
-                    "claim_update",
+                    "claim_expired",
                     {
-                        "seqs": [row["seq"] for row in rows],
                         "destination": destination,
-                        "relay_id": relay_id,
-                        "lease": lease.token,
-                        "lock_seconds": float(lock_seconds),
+                        "limit": limit,
+                        "abandoned_blocks": abandoned_blocks,
                     },
                 )
-                if updated != len(
-                    rows
-                ):  # cannot happen under the locks; never hand out a row we lack
-                    raise StoreError(f"claim locked {len(rows)} rows but updated {updated}")
+                expired = await cursor.fetchall()
+                exhausted = [row["seq"] for row in expired if row["attempts"] + 1 >= max_attempts]
+                if exhausted:
+                    await self._execute(
+                        cursor, "abandon_expired", {"seqs": exhausted, "destination": destination}
+                    )
+                    abandoned = await self._abandoned(cursor, exhausted)
+                    if abandoned_blocks:  # else such a row heads its key: recovered alone
+                        await self._release_behind(cursor, destination, abandoned, max_attempts)
+                heads = [row for row in expired if row["seq"] not in exhausted and row["heads_key"]]
+                if heads and not recover:
+                    return Claim(lease=lease, recovery_waiting=True, abandoned=abandoned)
+                if heads:
+                    rows, recovered = heads[:1], True
+                else:
+                    rows = await self._due(cursor, destination, limit, abandoned_blocks, max_bytes)
+                if rows:
+                    updated = await self._execute(
+                        cursor,
+                        "claim_update",
+                        {
+                            "seqs": [row["seq"] for row in rows],
+                            "destination": destination,
+                            "relay_id": relay_id,
+                            "lease": lease.token,
+                            "lock_seconds": float(lock_seconds),
+                        },
+                    )
+                    if updated != len(rows):
+                        # Cannot happen under the locks; never hand out a row we lack.
+                        raise StoreError(f"claim locked {len(rows)} rows but updated {updated}")
+                    taken = [row["seq"] for row in rows]
+        except BaseException:
+            if taken:
+                # The COMMIT got no answer (or the claim was cancelled then): it may have
+                # committed, its rows held under a lease this relay never learnt. Left
+                # there, they waited for the lock timeout, then went to recovery one a
+                # claim, each charged an attempt it never made. An error the server
+                # reported means it rolled back: the release then matches nothing.
+                self._unanswered.setdefault(destination, []).append(
+                    (lease, taken, recovered, sent_at + float(lock_seconds))
+                )
+            raise
 
         def attempts(row: Mapping[str, Any]) -> int:
             # As claim_update counted it: taking over an expired lease counts the attempt.
@@ -491,6 +515,42 @@ class MySQLStore(Store):
         claim = Claim(messages, lease=lease, recovered=recovered, abandoned=abandoned)
         await self.abandon_unreadable(destination, claim, unreadable, max_attempts)
         return claim
+
+    async def _release_unanswered(self, destination: str) -> None:
+        """Give back the rows of this destination's claims whose COMMIT got no answer, before
+        the next claim (whose order they would otherwise hold up). One transaction under the
+        shared destination lock, as a settle (queries.sql: release,
+        expire_unanswered_recovery). A failure raises: the relay backs off as from a failed
+        claim, and the leases are tried again next time."""
+        now = time.monotonic()
+        # A lease that ran out needs no release: recovery takes its rows over (fenced).
+        pending = [entry for entry in self._unanswered.pop(destination, []) if entry[3] > now]
+        if not pending:
+            return
+        try:
+            released = 0
+            async with self._transaction() as cursor:
+                await self._lock_destination(cursor, destination, exclusive=False)
+                for lease, seqs, recovered, _ in pending:
+                    holder = {
+                        "destination": destination,
+                        "relay_id": lease.relay_id,
+                        "lease": lease.token,
+                        "seqs": seqs,
+                    }
+                    # A recovered row (the only one its claim took) is recovered alone again.
+                    name = "expire_unanswered_recovery" if recovered else "release"
+                    released += await self._execute(cursor, name, holder)
+        except BaseException:
+            self._unanswered.setdefault(destination, [])[:0] = pending
+            raise
+        if released:
+            logger.warning(
+                "destination %s: %d message(s) taken by a claim whose answer was lost "
+                "(its connection broke) went back to the queue",
+                destination,
+                released,
+            )
 
     async def _due(
         self, cursor: Any, destination: str, limit: int, abandoned_blocks: bool, max_bytes: int

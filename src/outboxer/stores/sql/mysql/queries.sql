@@ -262,11 +262,31 @@ WHERE seq = :seq AND destination = :destination
 -- name: release
 -- PROCESSING -> claimable again without counting an attempt (not tried, or its lease ran
 -- out mid-publish: shutdown, an earlier message of its key failed, the database
--- unreachable). Only by the lease holder.
+-- unreachable; or taken by a claim whose COMMIT got no answer, so never published: see
+-- expire_unanswered_recovery). Only by the lease holder: rows taken over or settled since
+-- are left alone, and none match if that claim never committed. A claim's rows go back
+-- all together (it took each key's rows in seq order with every unfinished row before
+-- them), in a transaction holding the shared destination lock, as a settle.
 UPDATE {outbox}
 SET status = IF(attempts > 0, 'FAILED', 'PENDING'),
     next_attempt_at = UTC_TIMESTAMP(6), locked_by = NULL, locked_until = NULL, lease = NULL,
     updated_at = UTC_TIMESTAMP(6)
+WHERE seq IN (:seqs) AND destination = :destination
+  AND status = 'PROCESSING' AND lease = :lease AND locked_by = :relay_id
+
+-- name: expire_unanswered_recovery
+-- PROCESSING, taken over from an expired lease by a claim whose COMMIT got no answer ->
+-- still PROCESSING, its lease expired now, so the next claim recovers it alone (claim_expired,
+-- another attempt counted). In the transaction of the other rows' release, under the
+-- shared destination lock. Invariants:
+--  * a row recovered alone stays alone: released, it would be FAILED and claimed in a batch
+--    with others, and if it is what kills its relay they would die with it again;
+--  * only the row that claim recovered (:seqs, the one row it took), still under its lease
+--    (lease and locked_by): a row taken over or settled since is left alone;
+--  * lease cleared: no settle, renewal or release matches it any more; locked_by still
+--    names the relay, for last_error.
+UPDATE {outbox}
+SET locked_until = UTC_TIMESTAMP(6) - INTERVAL 1000 MICROSECOND, lease = NULL
 WHERE seq IN (:seqs) AND destination = :destination
   AND status = 'PROCESSING' AND lease = :lease AND locked_by = :relay_id
 
