@@ -89,6 +89,13 @@ _SESSION_SETUP = "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"
 #: Seconds ``apply_schema`` waits for another process applying the schema.
 _SCHEMA_LOCK_WAIT = 60
 
+
+def schema_lock_name(database: str, table: str) -> str:
+    """The GET_LOCK name of the schema changes of ``table`` (Django's migrations take it too);
+    MySQL caps lock names at 64 characters."""
+    return f"outboxer:schema:{database}.{table}"[:64]
+
+
 #: MySQL error numbers.
 ER_DUP_ENTRY = 1062
 ER_ACCESS_DENIED = (1227, 1142)
@@ -341,7 +348,7 @@ class MySQLStore(Store):
     async def apply_schema(self) -> list[str]:
         tokens = self.tokens()
         applied: list[str] = []
-        lock_name = f"outboxer:schema:{self.connect_args['database']}.{self.table}"[:64]
+        lock_name = schema_lock_name(self.connect_args["database"], self.table)
         async with self._transaction() as cursor:
             # One schema change at a time, whoever runs it (GET_LOCK is the session's).
             await cursor.execute(

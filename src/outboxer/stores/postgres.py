@@ -127,9 +127,12 @@ async def lock_schema(conn: Any, schema: str) -> None:
     fail with a duplicate key of the catalog: applies of two tables (two services
     deploying together), each under its own table's lock, failed that way. Taken before
     the table's own lock, by every schema change (apply, migrate-partitioned, modes)."""
-    await conn.execute(
-        "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", f"outboxer-schema:{schema}"
-    )
+    await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", schema_lock(schema))
+
+
+def schema_lock(schema: str) -> str:
+    """The text whose hash keys ``lock_schema``'s lock (Django's migrations take it too)."""
+    return f"outboxer-schema:{schema}"
 
 
 def _asyncpg() -> Any:

@@ -2,32 +2,40 @@
 letters, with a replay action.
 
 Rows are the relay's and the consumer's: the admin shows them and never edits or deletes
-one. The requeue action goes through the store's ``requeue`` (what ``outboxer requeue``
-runs), under the relay's destination lock; the replay action applies dead letters again
+one. The requeue action goes through the store's ``requeue_matching_counted`` (what
+``outboxer requeue --id`` runs), under the relays' destination locks, and reports the rows
+it deferred behind a later message of their key in flight; the replay action applies dead letters again
 with the handler of ``OUTBOXER["consumer"]`` (what ``outboxer dead-letters replay`` does),
 on Django's connection as ``manage.py outboxer_consume`` does. Each needs the ``change``
 permission of its model.
 
 On PostgreSQL the outbox has no index on ``seq`` alone (the relay's indexes are partial):
 on a large table, filter by status (the finished rows' index serves it) rather than
-paging through everything.
+paging through everything. A page load never reads the whole table otherwise: the filters'
+choices are fixed (no ``SELECT DISTINCT``) and the paginator counts at most ``cap`` rows.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import defaultdict
+import json
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
 from django.contrib import admin, messages
+from django.core.paginator import Paginator
+from django.db import DatabaseError
 from django.db.models import QuerySet
 from django.http import HttpRequest
+from django.utils.functional import cached_property
 
+from outboxer.admin import MessageFilter
 from outboxer.contrib.django import conf
 from outboxer.contrib.django.consumer import django_consumer
 from outboxer.contrib.django.models import DeadLetter, OutboxMessage
 from outboxer.errors import OutboxerError
+from outboxer.message import Status
 from outboxer.redact import redact_text
 from outboxer.stores import create_store
 
@@ -35,23 +43,107 @@ from outboxer.stores import create_store
 REQUEUED_STATUSES = ("ABANDONED", "FAILED")
 
 
-async def _requeue(by_destination: dict[str, list[str]]) -> int:
+async def _requeue(ids: list[uuid.UUID], destinations: list[str]) -> tuple[int, int]:
     current = conf.outboxer_settings()
     async with create_store(
         current.require_db(), schema=current.schema, table=current.table
     ) as store:
-        count = 0
-        for destination, ids in by_destination.items():
-            count += await store.requeue([destination], REQUEUED_STATUSES, ids)
-        return count
+        where = MessageFilter(
+            ids=tuple(ids), destinations=tuple(destinations), statuses=REQUEUED_STATUSES
+        )
+        return await store.requeue_matching_counted(where)
 
 
-def requeue_messages(rows: Sequence[tuple[Any, str]]) -> int:
-    """Requeue the ABANDONED or FAILED ones of ``rows`` (message id, destination)."""
-    by_destination: dict[str, list[str]] = defaultdict(list)
-    for message_id, destination in rows:
-        by_destination[destination].append(str(message_id))
-    return asyncio.run(_requeue(by_destination))
+def requeue_messages(rows: Sequence[tuple[Any, str]]) -> tuple[int, int]:
+    """Requeue the ABANDONED or FAILED ones of ``rows`` (message id, destination), in one
+    transaction under the lock of each of their destinations (what ``outboxer requeue
+    --id`` runs): how many were requeued, and how many were deferred because a later
+    message of their key is in flight (requeued, it would go out after that one)."""
+    if not rows:
+        return 0, 0
+    ids = [uuid.UUID(str(message_id)) for message_id, _ in rows]
+    return asyncio.run(_requeue(ids, sorted({destination for _, destination in rows})))
+
+
+class CappedPaginator(Paginator):
+    """Counts no further than ``cap`` rows: Django's paginator counted every row the page's
+    filter matches (``COUNT(*)`` of millions of PUBLISHED rows on each page load). Beyond
+    the cap the count is the planner's estimate (PostgreSQL, MySQL), never below the cap:
+    the page links stay roughly right, a page past the real end is merely empty."""
+
+    cap = 10_000
+
+    @cached_property
+    def count(self) -> int:
+        queryset = self.object_list
+        if not isinstance(queryset, QuerySet):
+            return int(super().count)
+        # A LIMIT inside the count's subquery: the scan stops at cap + 1 rows.
+        counted = int(queryset.order_by()[: self.cap + 1].count())
+        if counted <= self.cap:
+            return counted
+        return max(counted, _estimated_rows(queryset))
+
+
+def _estimated_rows(queryset: QuerySet[Any]) -> int:
+    """The planner's estimate of the rows ``queryset`` returns (0 when it gives none)."""
+    try:
+        plan = json.loads(queryset.order_by().explain(format="json"))
+        if isinstance(plan, str):  # MariaDB's plan arrives as a JSON string of JSON
+            plan = json.loads(plan)
+    except (DatabaseError, ValueError, TypeError):  # SQLite: no JSON plan
+        return 0
+    return _first_rows(plan)
+
+
+def _first_rows(plan: Any) -> int:
+    """The top node's row estimate: PostgreSQL's "Plan Rows"; MySQL's and MariaDB's "rows"
+    read, times the percentage of them its condition keeps ("filtered")."""
+    if isinstance(plan, dict):
+        if isinstance(rows := plan.get("Plan Rows"), int | float):
+            return int(rows)
+        if isinstance(rows := plan.get("rows"), int | float):
+            kept = plan.get("filtered", 100)
+            return int(rows * (kept if isinstance(kept, int | float) else 100) / 100)
+        plan = list(plan.values())
+    if isinstance(plan, list):
+        for item in plan:
+            if found := _first_rows(item):
+                return found
+    return 0
+
+
+class ChoicesFilter(admin.SimpleListFilter):
+    """A filter of fixed choices: Django's own filter of a field lists the values with a
+    ``SELECT DISTINCT`` over the whole table on every page load."""
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        if value is None:
+            return queryset
+        return queryset.filter(**{self.parameter_name: value})
+
+
+class StatusFilter(ChoicesFilter):
+    title = "status"
+    parameter_name = "status__exact"  # the URL Django's field filter made: links stay good
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [(status.value, status.value) for status in Status]
+
+
+class DestinationFilter(ChoicesFilter):
+    title = "destination"
+    parameter_name = "destination__exact"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        # The configured destinations; one asked for in the URL too (a row of a destination
+        # no longer configured stays reachable by its link).
+        names = list(conf.outbox_names().destinations)
+        asked = self.value()
+        if asked is not None and asked not in names:
+            names.append(asked)
+        return [(name, name) for name in names]
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -59,6 +151,7 @@ class ReadOnlyAdmin(admin.ModelAdmin):
 
     list_per_page = 50
     show_full_result_count = False  # no COUNT(*) of the whole table on every page
+    paginator = CappedPaginator  # nor of every row the filter matches
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -84,7 +177,7 @@ class OutboxMessageAdmin(ReadOnlyAdmin):
         "next_attempt_at",
         "last_error",
     )
-    list_filter = ("status", "destination")
+    list_filter = (StatusFilter, DestinationFilter)
     search_fields = ("=topic", "=key")
     fields = (
         *(field.name for field in OutboxMessage._meta.fields if field.name != "payload"),
@@ -104,19 +197,26 @@ class OutboxMessageAdmin(ReadOnlyAdmin):
     def requeue(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> None:
         rows = list(queryset.values_list("message_id", "destination"))
         try:
-            count = requeue_messages(rows)
+            count, deferred = requeue_messages(rows)
         except OutboxerError as exc:
             # A message, as the replay action gives, not a server error: outboxer's own
             # connection can fail where Django's did not (OUTBOXER["db"], a missing driver).
-            # Each destination's rows are requeued in a transaction of their own.
-            several = len({destination for _, destination in rows}) > 1
-            note = " (those of an earlier destination may be requeued already)" if several else ""
-            text = f"Requeue failed{note}: {redact_text(str(exc))}"
+            # One transaction: nothing was requeued.
+            text = f"Requeue failed: {redact_text(str(exc))}"
             self.message_user(request, text, messages.ERROR)
             return
-        skipped = len(rows) - count
-        note = f"; {skipped} not ABANDONED or FAILED, left alone" if skipped else ""
-        self.message_user(request, f"Requeued {count} message(s){note}.", messages.SUCCESS)
+        text = f"Requeued {count} message(s)"
+        if deferred:
+            # Left ABANDONED or FAILED, not silently: the operator requeues them again once
+            # the later message of their key is published.
+            text += (
+                f"; {deferred} deferred: a later message of their key is in flight "
+                "(requeue them once it is published)"
+            )
+        if skipped := len(rows) - count - deferred:
+            text += f"; {skipped} not ABANDONED or FAILED, left alone"
+        level = messages.WARNING if deferred else messages.SUCCESS
+        self.message_user(request, f"{text}.", level)
 
 
 def replay_dead_letters(rows: Sequence[tuple[str, Any]]) -> tuple[str, dict[str, int], int]:

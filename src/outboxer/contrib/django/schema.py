@@ -13,6 +13,8 @@ outboxer gains a migration file, a new Django migration here raises the pins
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from django.db import router
@@ -21,7 +23,9 @@ from django.db.migrations.operations.base import Operation
 from outboxer.contrib.django import conf
 from outboxer.errors import SchemaError
 from outboxer.stores import Store, create_store
+from outboxer.stores.mysql import _SCHEMA_LOCK_WAIT, schema_lock_name
 from outboxer.stores.pgpartitions import PARTITIONED
+from outboxer.stores.postgres import schema_lock
 from outboxer.stores.sqlfiles import migrations, render, statements
 
 #: A URL of each dialect: only names and SQL are taken from these stores, never a connection.
@@ -76,9 +80,39 @@ class ApplyOutboxerSchema(Operation):
         def run(sql: str) -> None:
             schema_editor.execute(sql, params=None)  # None: no %-formatting of the SQL
 
-        if dialect == "postgres" and not schema_editor.collect_sql:
-            # The lock `outboxer schema apply` takes: one schema change at a time.
+        if schema_editor.collect_sql:  # sqlmigrate: SQL only, no locks
+            self._apply(schema_editor, dialect, store, tokens, split, run)
+        elif dialect == "postgres":
+            # The locks `outboxer schema apply` takes, in its order (postgres.lock_schema):
+            # the schema's, whose shared objects (the schema, inbox, dead letters) another
+            # table's apply may be creating, then the table's. Held until the migration's
+            # transaction ends (Django runs each in one on PostgreSQL).
+            schema_editor.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+                params=[schema_lock(store.schema)],
+            )
             run(f"SELECT pg_advisory_xact_lock({store.lock_key('schema')})")
+            self._apply(schema_editor, dialect, store, tokens, split, run)
+        elif dialect == "mysql":
+            # The session lock `outboxer schema apply` takes: MySQL's DDL commits statement by
+            # statement, so a second migrate (or apply) reading the recorded versions before
+            # this one recorded them ran the same ALTERs again and failed half-way.
+            with _mysql_schema_lock(schema_editor.connection, store.table):
+                self._apply(schema_editor, dialect, store, tokens, split, run)
+        else:  # SQLite: one writer at a time already
+            self._apply(schema_editor, dialect, store, tokens, split, run)
+
+    def _apply(
+        self,
+        schema_editor: Any,
+        dialect: str,
+        store: Store,
+        tokens: dict[str, str],
+        split: Callable[[str], list[str]],
+        run: Callable[[str], None],
+    ) -> None:
+        """The pending migrations up to the pin, each recorded; under the locks taken."""
+        connection = schema_editor.connection
         for sql in split(render(store.migrations_table_sql, tokens)):
             run(sql)
         done = set() if schema_editor.collect_sql else self._recorded(connection, tokens)
@@ -100,6 +134,27 @@ class ApplyOutboxerSchema(Operation):
         self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
     ) -> None:
         raise NotImplementedError("outboxer's schema is never dropped by a migration")
+
+
+@contextlib.contextmanager
+def _mysql_schema_lock(connection: Any, table: str) -> Iterator[None]:
+    """GET_LOCK of ``outboxer schema apply`` (mysql.schema_lock_name) on Django's session,
+    released however the migration ends: a failed one in a long-lived process (a test run,
+    ``call_command``) must not keep every later apply waiting."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT DATABASE()")
+        [database] = cursor.fetchone()
+        name = schema_lock_name(database, table)
+        cursor.execute("SELECT GET_LOCK(%s, %s)", [name, _SCHEMA_LOCK_WAIT])
+        if cursor.fetchone()[0] != 1:
+            raise SchemaError(
+                f"another process has been applying outboxer's schema for {_SCHEMA_LOCK_WAIT}s"
+            )
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT RELEASE_LOCK(%s)", [name])
 
 
 def _postgres_layout(schema_editor: Any) -> str | None:
