@@ -14,7 +14,10 @@ committed offset; what was applied since is recognised by the inbox. Before a re
 takes a partition away, what is done of it is committed; acks of messages from a
 partition this process no longer owns are dropped, and those of its messages still waiting
 for the runner are not handed over (its new owner gets them again). A commit the
-coordinator refuses is tried again while the partition is still this process's.
+coordinator refuses is tried again while the partition is still this process's. If
+``auto.offset.reset`` moves a partition back while it stays this process's (its position out
+of range: a truncated log), the records read again are tracked apart from the earlier ones
+(whose acks then commit nothing), and the committed offset never goes back.
 
 librdkafka wants its consumer polled continuously (``max.poll.interval.ms``), also while
 the runner is busy, so a thread of the receiver's own polls it, pausing the partitions
@@ -70,20 +73,41 @@ _QUIET = 2.0
 
 @dataclass
 class _Partition:
-    """A partition this process owns: offsets received in order, and which are done."""
+    """A partition this process owns: offsets received in order, and which are done.
+
+    ``epoch`` names the series of offsets ``received`` holds: a new assignment starts one
+    (``assigned``), and so does ``auto.offset.reset`` moving the position back while the
+    partition stays ours (a truncated log: the same offsets may then hold other records)."""
 
     epoch: int
+    assigned: int
     received: deque[int] = field(default_factory=deque)
     done: set[int] = field(default_factory=set)
+    #: The highest offset received in this series (-1: none yet).
+    last: int = -1
+    #: The highest offset queued for commit under this assignment: never committed lower.
+    floor: int = 0
+
+    def restart(self, epoch: int) -> None:
+        """A new series (the position moved back): what the old one received counts no more."""
+        self.epoch = epoch
+        self.received.clear()
+        self.done.clear()
+        self.last = -1
 
     def complete(self, offset: int) -> int | None:
-        """Mark ``offset`` done; the offset to commit now (next to read), if it moved."""
+        """Mark ``offset`` done; the offset to commit now (next to read), if it moved on."""
         self.done.add(offset)
         last = None
         while self.received and self.received[0] in self.done:
             last = self.received.popleft()
             self.done.discard(last)
-        return None if last is None else last + 1
+        if last is None or last + 1 <= self.floor:
+            # Re-read after a reset backwards: committing it would move the group back, and a
+            # restart would read (and apply) again all that was already committed.
+            return None
+        self.floor = last + 1
+        return self.floor
 
 
 class KafkaReceiver(Receiver):
@@ -131,8 +155,10 @@ class KafkaReceiver(Receiver):
         self._epoch = 0
         #: Messages handed to the event loop and not yet taken by the runner.
         self._waiting = 0
-        #: When an assignment or a message last came (``idle``).
+        #: When an assignment, a revoke or a message last came (``idle``).
         self._last_news = 0.0
+        #: The group gave this member its share (``idle``), since the last connect.
+        self._assigned = False
 
     @property
     def _kafka(self) -> KafkaPublisher:
@@ -147,11 +173,17 @@ class KafkaReceiver(Receiver):
     async def _connect(self) -> None:
         await self._close()
         consumer = Consumer(self.config)
+        probe = _Probe(consumer)
         try:
-            await asyncio.to_thread(consumer.list_topics, None, self.connect_timeout)
-        except KafkaException as exc:
-            await asyncio.to_thread(consumer.close)
+            await asyncio.to_thread(probe.run, self.connect_timeout)
+        except KafkaException as exc:  # closed by the probe
             raise ConnectionError(f"no Kafka broker answered: {exc}") from exc
+        except BaseException:
+            # connect()'s own timeout (the same as the request's, so the first to end): the
+            # consumer, its threads and sockets, was left to the garbage collector, never
+            # closed while anything (a logged traceback) held the failed attempt.
+            probe.abandon()
+            raise
         try:
             consumer.subscribe(self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke)
         except KafkaException as exc:
@@ -168,6 +200,7 @@ class KafkaReceiver(Receiver):
         self._waiting = 0
         self._lost = asyncio.Event()
         self._stop = threading.Event()
+        self._assigned = False
         self._thread = threading.Thread(
             target=self._poll,
             args=(consumer, asyncio.get_running_loop()),
@@ -248,8 +281,17 @@ class KafkaReceiver(Receiver):
         with self._lock:
             partition = self._partitions.get(where)
             if partition is None:  # assigned before on_assign ran (it runs in this thread)
-                partition = self._partitions[where] = _Partition(self._epoch)
-            partition.received.append(message.offset())
+                partition = self._partitions[where] = _Partition(self._epoch, self._epoch)
+            offset = message.offset()
+            if offset <= partition.last:
+                # auto.offset.reset moved the position back (out of range) while the partition
+                # stayed ours. Recorded in the same series, an offset would be there twice, and
+                # the ack of one copy would count for the other (after a truncation, another
+                # record): a new series; acks of the old one's messages commit nothing.
+                self._epoch += 1
+                partition.restart(self._epoch)
+            partition.last = offset
+            partition.received.append(offset)
             incoming.token = (where, message.offset(), partition.epoch)
         return incoming
 
@@ -257,18 +299,21 @@ class KafkaReceiver(Receiver):
         with self._lock:
             self._last_news = time.monotonic()
             self._epoch += 1
+            self._assigned = True  # also with no partition: more members than partitions
             for tp in assigned:
-                self._partitions[(tp.topic, tp.partition)] = _Partition(self._epoch)
+                self._partitions[(tp.topic, tp.partition)] = _Partition(self._epoch, self._epoch)
 
     def idle(self) -> bool:
-        """Idle once the group gave this member partitions and nothing came for a while since
-        (an empty poll before that, or right after, says nothing about the topics)."""
+        """Idle once the group gave this member its share (no partition at all, when the group
+        has more members than partitions) and nothing came for a while since (an empty poll
+        before that, or right after, says nothing about the topics)."""
         with self._lock:
-            return bool(self._partitions) and time.monotonic() - self._last_news > _QUIET
+            return self._assigned and time.monotonic() - self._last_news > _QUIET
 
     def _on_revoke(self, consumer: Consumer, revoked: list[TopicPartition]) -> None:
         """Before the partitions go: what is done is committed, the rest is the new owner's."""
         with self._lock:
+            self._last_news = time.monotonic()  # a rebalance: not idle before its assignment
             for tp in revoked:
                 self._partitions.pop((tp.topic, tp.partition), None)
         self._commit(consumer)
@@ -302,19 +347,56 @@ class KafkaReceiver(Receiver):
         """Whether ``incoming`` came under the assignment of its partition that still holds."""
         where, _offset, epoch = incoming.token
         partition = self._partitions.get(where)
-        return partition is not None and partition.epoch == epoch
+        return partition is not None and epoch >= partition.assigned
 
     async def _ack(self, incomings: Sequence[Incoming]) -> None:
         """Record the offsets done; the polling thread commits them before its next poll."""
         with self._lock:
             for incoming in incomings:
-                where, offset, _epoch = incoming.token
+                where, offset, epoch = incoming.token
                 if not self._owned(incoming):
                     continue  # revoked meanwhile: its new owner reads it again
                 partition = self._partitions[where]
+                if epoch != partition.epoch:
+                    continue  # read before a reset moved the position back: counts no more
                 moved = partition.complete(offset)
                 if moved is not None:
                     self._to_commit[where] = moved
+
+
+class _Probe:
+    """A new consumer's first metadata request, in a thread of its own. If the connect stops
+    waiting for it, the consumer is closed once the request ends, by whichever side comes
+    last (closed at once, it would be freed under the request still using it)."""
+
+    def __init__(self, consumer: Consumer) -> None:
+        self.consumer = consumer
+        self._lock = threading.Lock()
+        self._abandoned = self._finished = False
+
+    def run(self, timeout: float) -> None:
+        try:
+            self.consumer.list_topics(None, timeout)
+        except BaseException:
+            _close(self.consumer)
+            raise
+        with self._lock:
+            self._finished = True
+            abandoned = self._abandoned
+        if abandoned:
+            _close(self.consumer)
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned = True
+            finished = self._finished
+        if finished:  # the request ended as the connect gave up: nobody else will close it
+            threading.Thread(target=_close, args=(self.consumer,), daemon=True).start()
+
+
+def _close(consumer: Consumer) -> None:
+    with contextlib.suppress(KafkaException, RuntimeError):  # a broken consumer: nothing left
+        consumer.close()
 
 
 def _read(message: Any) -> Incoming:
