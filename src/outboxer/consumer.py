@@ -765,7 +765,8 @@ class Consumer:
                 if failure.index is not None:  # its handler raised
                     await self._failed(session, todo.pop(failure.index), failure.cause)
                     continue  # the others again at once: not their fault
-                self.stats.database_errors += 1
+                # A handler's COMMIT found by the batch's check, not the database's fault.
+                self.stats.database_errors += not isinstance(failure.cause, HandlerEndedTransaction)
                 if len(todo) > 1 and not alone:
                     # A statement or the commit failed with no handler raising (a deadlock,
                     # a deferred constraint): alone, each message's own failure shows.

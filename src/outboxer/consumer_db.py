@@ -274,6 +274,40 @@ class Session(ABC):
         ran. Left there, every redelivery of them is a duplicate: never applied."""
         return "inbox_release_many", _many(group, ids)
 
+    #: The id of the batch's transaction, as its inbox claim read it (PostgreSQL, whose
+    #: claim of the batch at once returns it); None where it is not tracked.
+    _xid: Any = None
+
+    def _ended(self, ran: Sequence[int]) -> BatchFailed:
+        """The batch's failure when its transaction id changed under the handlers that ran
+        (indexes ``ran``): the attempt of the one handler that ran, or with several (which
+        of them ran COMMIT is not known: one check a batch, not one a message) no index,
+        and the runner applies each alone, where it is known."""
+        if len(ran) == 1:
+            return BatchFailed("handler", HandlerEndedTransaction(), ran[0])
+        return BatchFailed("commit", HandlerEndedTransaction())
+
+    @staticmethod
+    def _stuck(claimed: Sequence[uuid.UUID], ran: Sequence[uuid.UUID]) -> list[uuid.UUID]:
+        """The claims to release when a handler's own COMMIT committed the batch's claims
+        (all made before the first handler), and which handler did is not known. The first
+        handler's claim committed exactly when its writes did (they came before that COMMIT,
+        or its own COMMIT took both): kept. Every later claim committed with it, their
+        writes perhaps not: released, so that those messages are applied again (at worst
+        twice) rather than skipped for ever as duplicates."""
+        return [i for i in claimed if not ran or i != ran[0]]
+
+    def committed_early(self, group: str, ids: Sequence[uuid.UUID]) -> None:
+        if not ids:
+            return  # the one handler's own failure says it (HandlerEndedTransaction)
+        logger.error(
+            "consumer %s: a handler committed the batch's transaction itself (a COMMIT "
+            "statement), and with it the inbox claims of the whole batch; the batch failed, "
+            "the claims of the messages after the first released to be applied again: %s",
+            group,
+            ", ".join(str(i) for i in ids),
+        )
+
     def release_failed(self, group: str, ids: Sequence[uuid.UUID], exc: BaseException) -> None:
         logger.error(
             "consumer %s: a handler ended the batch's transaction, and deleting the inbox "
@@ -515,6 +549,24 @@ class SyncSession(Session):
         """The ids of ``ids`` claimed now (first deliveries); one statement a message here."""
         return {i for i in ids if self.inbox.claim(self.conn, group, i)}
 
+    def _moved(self) -> bool:
+        """Whether the transaction id differs from ``_xid``, the batch's at its claim."""
+        return bool(self._fetch("transaction_id", {})[0]["xid"] != self._xid)
+
+    def _committed_early(self) -> bool:
+        """After a failed batch's rollback: whether its transaction committed all the same (a
+        handler's COMMIT); False if that cannot be read (the connection is gone)."""
+        if self.broken():
+            return False
+        try:
+            rows = self._transaction(
+                functools.partial(self._fetch, "transaction_committed", {"xid": self._xid})
+            )
+        except Exception as exc:  # noqa: BLE001 -- the batch's own failure is what counts
+            logger.warning("reading whether a failed batch committed early failed: %s", exc)
+            return False
+        return bool(rows and rows[0]["committed"])
+
     def _apply(
         self,
         group: str,
@@ -524,6 +576,9 @@ class SyncSession(Session):
         replaying: bool,
     ) -> list[Result]:
         release: list[uuid.UUID] = []  # see _release
+        claims: list[uuid.UUID] = []  # made at once for the batch, before its handlers
+        ran: list[int] = []  # the indexes of the messages whose handlers were called
+        self._xid = None
 
         def work() -> list[Result]:
             try:
@@ -534,8 +589,7 @@ class SyncSession(Session):
                     if self.claims_each
                     else self._claim(group, [deliveries[i].id for i in todo])
                 )
-                for i in todo if replaying else ():
-                    self._execute("delete", self.id_params(group, deliveries[i].id))
+                claims.extend(claimed or ())
             except Exception as exc:
                 raise BatchFailed("statement", exc) from exc
             kept: uuid.UUID | None = None  # the transaction's first claim
@@ -549,6 +603,7 @@ class SyncSession(Session):
                     results[index] = Result.DUPLICATE
                     continue
                 kept = kept or message_id
+                ran.append(index)
                 try:
                     call_sync_handler(handler, deliveries[index], self.conn)
                 except Exception as exc:
@@ -562,17 +617,27 @@ class SyncSession(Session):
                     release.extend(_unhandled(deliveries, todo, claimed, index))
                     raise BatchFailed("handler", HandlerEndedTransaction(), index)
             try:
+                # After the handlers, not before: a handler's COMMIT would have committed
+                # the dead letter's removal, and a failed replay lost it.
+                for i in todo if replaying else ():
+                    self._execute("delete", self.id_params(group, deliveries[i].id))
                 rolled_back = kept is not None and self._rolled_back(group, kept)
+                moved = bool(ran) and self._xid is not None and self._moved()
             except Exception as exc:
                 raise BatchFailed("statement", exc) from exc
             if rolled_back:
                 raise BatchFailed("commit", AbortedTransaction(_ROLLED_BACK_UNDER_HANDLERS))
+            if moved:
+                raise self._ended(ran)
             _refuse_abandoned(self)
             return _finish(results)
 
         try:
             return self._transaction(work)
         except BatchFailed:
+            if not release and ran and self._xid is not None and self._committed_early():
+                release = self._stuck(claims, [deliveries[i].id for i in ran])
+                self.committed_early(group, release)
             if release:
                 self._release(group, release)
             raise
@@ -630,8 +695,9 @@ def _psycopg_in_transaction(conn: Any) -> bool:
     """libpq's transaction status of the last answer, no round trip: IDLE after a handler
     means it ran COMMIT or ROLLBACK itself (psycopg's transaction block refuses only its own
     commit() and rollback()). Not seen: a handler that went on writing after it, in a
-    transaction psycopg began anew. A broken connection counts as open: the runner's own
-    checks of a lost one apply."""
+    transaction psycopg began anew (the batch's transaction id shows it: transaction_id in
+    consumer.sql). A broken connection counts as open: the runner's own checks of a lost
+    one apply."""
     return bool(conn.closed or conn.broken or conn.info.transaction_status != _IDLE)
 
 
@@ -676,7 +742,9 @@ class PsycopgSession(SyncSession):
     def _claim(self, group: str, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
         if not ids:
             return set()
-        return {row["message_id"] for row in self._fetch("inbox_claim_many", _many(group, ids))}
+        rows = self._fetch("inbox_claim_many", _many(group, ids))
+        self._xid = rows[0]["xid"] if rows else None
+        return {row["message_id"] for row in rows}
 
     def _in_transaction(self) -> bool:
         return _psycopg_in_transaction(self.conn)
@@ -817,6 +885,30 @@ class AsyncSession(Session):
         """The ids of ``ids`` claimed now (first deliveries)."""
         return {i for i in ids if await self.inbox.claim_async(self.conn, group, i)}
 
+    async def _claim_many(self, group: str, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
+        """PostgreSQL's claim of the batch at once, which reads the transaction's id too."""
+        if not ids:
+            return set()
+        rows = await self._fetch("inbox_claim_many", _many(group, ids))
+        self._xid = rows[0]["xid"] if rows else None
+        return {row["message_id"] for row in rows}
+
+    async def _moved(self) -> bool:
+        """Whether the transaction id differs from ``_xid`` (SyncSession._moved)."""
+        return bool((await self._fetch("transaction_id", {}))[0]["xid"] != self._xid)
+
+    async def _committed_early(self) -> bool:
+        """After a failed batch's rollback: whether its transaction committed all the same
+        (SyncSession._committed_early)."""
+        if self.broken():
+            return False
+        try:
+            rows = await self.fetch("transaction_committed", {"xid": self._xid})
+        except Exception as exc:  # noqa: BLE001 -- the batch's own failure is what counts
+            logger.warning("reading whether a failed batch committed early failed: %s", exc)
+            return False
+        return bool(rows and rows[0]["committed"])
+
     async def apply(
         self,
         group: str,
@@ -831,14 +923,14 @@ class AsyncSession(Session):
                 held = [hold_keys and await self._hold(group, d) for d in deliveries]
                 todo, results = _claimable(deliveries, held)
                 claimed = await self._claim(group, [deliveries[i].id for i in todo])
-                for i in todo if replaying else ():
-                    await self._execute("delete", self.id_params(group, deliveries[i].id))
+                claims.extend(claimed)
             except Exception as exc:
                 raise BatchFailed("statement", exc) from exc
             for index in todo:
                 if deliveries[index].id not in claimed:
                     results[index] = Result.DUPLICATE
                     continue
+                ran.append(index)
                 try:
                     await handler(deliveries[index], self.conn)
                 except Exception as exc:
@@ -849,13 +941,28 @@ class AsyncSession(Session):
                     # failure, the later messages' claims released (SyncSession._apply).
                     release.extend(_unhandled(deliveries, todo, claimed, index))
                     raise BatchFailed("handler", HandlerEndedTransaction(), index)
+            try:
+                # After the handlers (SyncSession._apply says why).
+                for i in todo if replaying else ():
+                    await self._execute("delete", self.id_params(group, deliveries[i].id))
+                moved = bool(ran) and self._xid is not None and await self._moved()
+            except Exception as exc:
+                raise BatchFailed("statement", exc) from exc
+            if moved:
+                raise self._ended(ran)
             _refuse_abandoned(self)
             return _finish(results)
 
         release: list[uuid.UUID] = []
+        claims: list[uuid.UUID] = []  # made at once for the batch, before its handlers
+        ran: list[int] = []  # the indexes of the messages whose handlers were called
+        self._xid = None
         try:
             return await self._transaction(work)
         except BatchFailed:
+            if not release and ran and self._xid is not None and await self._committed_early():
+                release = self._stuck(claims, [deliveries[i].id for i in ran])
+                self.committed_early(group, release)
             if release:
                 try:
                     await self.run(*self.released(group, release))
@@ -918,12 +1025,15 @@ class _AsyncpgTransaction:
         self.conn = conn
         self.transaction = transaction
         self.committing = False
+        #: A statement ran after the handlers already (the transaction id's): no SELECT 1.
+        self.checked = False
 
     async def commit(self) -> None:
         from asyncpg.exceptions import InFailedSQLTransactionError
 
         try:
-            await self.conn.execute("SELECT 1")
+            if not self.checked:
+                await self.conn.execute("SELECT 1")
         except InFailedSQLTransactionError:
             raise AbortedTransaction from None
         self.committing = True
@@ -939,6 +1049,7 @@ class _AsyncpgTransaction:
 
 class AsyncpgSession(AsyncSession):
     dialect = "postgres"
+    _current: _AsyncpgTransaction
 
     async def open(self) -> None:
         asyncpg = _require("asyncpg", "postgres")
@@ -980,7 +1091,20 @@ class AsyncpgSession(AsyncSession):
     async def _begin(self) -> Any:
         transaction = self.conn.transaction()
         await transaction.start()
-        return _AsyncpgTransaction(self.conn, transaction)
+        self._current = _AsyncpgTransaction(self.conn, transaction)
+        return self._current
+
+    async def _moved(self) -> bool:
+        # The statement that tells an aborted transaction before the commit, as its SELECT 1
+        # would: one round trip for both.
+        from asyncpg.exceptions import InFailedSQLTransactionError
+
+        try:
+            moved = await super()._moved()
+        except InFailedSQLTransactionError:
+            raise AbortedTransaction from None
+        self._current.checked = True
+        return moved
 
     async def _execute(self, name: str, params: Mapping[str, Any]) -> int:
         sql, names = _numbered(self.sql(name))
@@ -992,11 +1116,7 @@ class AsyncpgSession(AsyncSession):
         return [dict(row) for row in await self.conn.fetch(sql, *(params[n] for n in names))]
 
     async def _claim(self, group: str, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
-        if not ids:
-            return set()
-        return {
-            row["message_id"] for row in await self._fetch("inbox_claim_many", _many(group, ids))
-        }
+        return await self._claim_many(group, ids)
 
 
 class _PsycopgTransaction:
@@ -1057,11 +1177,7 @@ class PsycopgAsyncSession(AsyncSession):
         return [dict(zip(names, row, strict=True)) for row in await cursor.fetchall()]
 
     async def _claim(self, group: str, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
-        if not ids:
-            return set()
-        return {
-            row["message_id"] for row in await self._fetch("inbox_claim_many", _many(group, ids))
-        }
+        return await self._claim_many(group, ids)
 
 
 # ----- choosing one -------------------------------------------------------------------------

@@ -10,14 +10,29 @@
 INSERT INTO {inbox} (consumer, message_id)
 SELECT :consumer, id FROM unnest(CAST(:message_ids AS uuid[])) AS id
 ON CONFLICT DO NOTHING
-RETURNING message_id
+RETURNING message_id, txid_current_if_assigned() AS xid
+
+-- name: transaction_id
+-- The batch transaction's id, read once just before its commit: the one inbox_claim_many
+-- returned unless a handler ran COMMIT or ROLLBACK and wrote again in a transaction the
+-- driver began anew (psycopg does at once, unseen by its transaction status). Then the
+-- batch is no longer one transaction: it must not commit as if it were.
+SELECT txid_current_if_assigned() AS xid
+
+-- name: transaction_committed
+-- After a failed batch's rollback: whether its transaction (inbox_claim_many's) committed
+-- all the same, by a handler's own COMMIT, taking the claims of the whole batch with it.
+SELECT txid_status(CAST(:xid AS bigint)) = 'committed' AS committed
 
 -- name: inbox_release_many
 -- Claims of a batch whose handlers never ran -> gone, in a transaction of their own after the
 -- batch's. Only when a handler ended the batch's transaction itself (a raw COMMIT): that
 -- committed the claims inbox_claim_many made for the batch's later messages, which would
 -- then be skipped as duplicates, never applied. Their handlers did not run, so the claims
--- stand for nothing: deleting them leaves inbox row <=> message applied true again.
+-- stand for nothing: deleting them leaves inbox row <=> message applied true again. When
+-- which handler committed is not known (transaction_id moved, or transaction_committed
+-- after a failure), the claims of all but the batch's first handled message: a message
+-- applied twice rather than one never applied.
 DELETE FROM {inbox}
 WHERE consumer = :consumer AND message_id = ANY(CAST(:message_ids AS uuid[]))
 
