@@ -50,6 +50,21 @@ class StoreError(OutboxerError):
     """The database rejected or could not run an outbox statement."""
 
 
+class SlotInvalidatedError(OutboxerError):
+    """A WAL outbox slot was invalidated (``pg_replication_slots.wal_status = 'lost'``): the
+    server removed WAL it still needed, past ``max_slot_wal_keep_size``, and it can never be
+    read again. Messages written since its last confirmed position may be lost for its
+    destination.
+
+    Not a StoreError (an outage the relay waits out): waiting cannot bring the WAL back, so
+    the stream relay stops for good, and the slot must be dropped and created again.
+    """
+
+    def __init__(self, message: str, *, slot: str) -> None:
+        super().__init__(message)
+        self.slot = slot
+
+
 class InsecureConnectionError(ConfigError, StoreError):
     """A database URL asks for TLS (a MySQL ``ssl_mode`` but ``disabled``) and the server did
     not offer it: TLS is off on the server, or something in between removed it.

@@ -24,6 +24,7 @@ from outboxer.http import (
     Response,
     error_response,
     json_response,
+    metrics_accept,
 )
 from outboxer.streamrelay import StreamRelay
 
@@ -62,6 +63,10 @@ STREAM_COUNTERS: tuple[tuple[str, str, str], ...] = (
         "Rounds cut short by a lost database connection (the relay reconnects).",
     ),
 )
+
+
+#: pg_replication_slots.wal_status's values (PostgreSQL 13 and later).
+WAL_STATUSES = ("reserved", "extended", "unreserved", "lost")
 
 
 class StreamCollector:
@@ -121,6 +126,30 @@ class StreamCollector:
                 "WAL between the slot's confirmed position and the WAL's end.",
                 backlog.wal_behind_bytes if backlog is not None else None,
             )
+            yield gauge(
+                "outboxer_stream_wal_safe_bytes",
+                "WAL that may still be written before the server invalidates the slot "
+                "(safe_wal_size; <= 0 once unreserved); absent without max_slot_wal_keep_size.",
+                backlog.wal_safe_bytes if backlog is not None else None,
+            )
+            yield gauge(
+                "outboxer_stream_wal_keep_limit_bytes",
+                "The server's max_slot_wal_keep_size in bytes; absent when it is -1 (no limit).",
+                backlog.wal_keep_limit_bytes if backlog is not None else None,
+            )
+            # A state set (one series per state, 1 for the current one): every series is
+            # always there, so an alert's `for` and a dashboard see 0 -> 1, not a series
+            # that appears; a status label on a single series would change its identity.
+            status = core.GaugeMetricFamily(
+                "outboxer_stream_wal_status",
+                "1 for the slot's wal_status at the last backlog probe (unreserved: the next "
+                "checkpoint may invalidate it; lost: invalidated), 0 for the others.",
+                labels=[*names, "status"],
+            )
+            if backlog is not None and backlog.wal_status is not None:
+                for state in WAL_STATUSES:
+                    status.add_metric([*labels, state], int(backlog.wal_status == state))
+            yield status
         yield gauge(
             "outboxer_stream_relay_healthy",
             "1 while the stream relay runs and nothing is in an outage backoff (as /health).",
@@ -153,6 +182,7 @@ def status_view(relay: StreamRelay) -> dict[str, Any]:
         "destination": relay.destination,
         "healthy": not relay.health_problems(),
         "problems": relay.health_problems(),
+        "warnings": relay.health_warnings(),
         "published": stats.published,
         "failed_attempts": stats.failed,
         "dead_letters": stats.dead_lettered,
@@ -163,6 +193,8 @@ def status_view(relay: StreamRelay) -> dict[str, Any]:
         "entries_behind_capped": backlog.capped if backlog is not None else None,
         "oldest_unpublished_age_seconds": round(backlog.age(), 3) if backlog is not None else None,
         "wal_retained_bytes": backlog.wal_retained_bytes if backlog is not None else None,
+        "wal_status": backlog.wal_status if backlog is not None else None,
+        "wal_safe_bytes": backlog.wal_safe_bytes if backlog is not None else None,
     }
 
 
@@ -192,18 +224,24 @@ class StreamApi:
 
     async def health(self, request: Request) -> Response:
         problems = self.relay.health_problems()
+        # Working but at risk (a slot close to invalidation): "degraded" and 200, as the
+        # table relay's API for one database down of several: failing the probe would have
+        # an orchestrator restart the one process that can still save the slot.
+        warnings = self.relay.health_warnings()
+        status = "unavailable" if problems else "degraded" if warnings else "ok"
         body: dict[str, object] = {
-            "status": "unavailable" if problems else "ok",
+            "status": status,
             "mode": self.relay.mode,
             "destination": self.relay.destination,
         }
+        if problems or warnings:
+            body["reasons"] = problems + warnings
         if problems:
-            body["reasons"] = problems
             return json_response(http.HTTPStatus.SERVICE_UNAVAILABLE, body)
         return json_response(http.HTTPStatus.OK, body)
 
     async def render(self, request: Request) -> Response:
-        body, content_type = self.metrics.render(request.headers.get("accept"))
+        body, content_type = self.metrics.render(metrics_accept(request))
         return Response(http.HTTPStatus.OK, body, content_type)
 
     async def status(self, request: Request) -> Response:
@@ -234,4 +272,11 @@ async def start_stream_api(
     ).start()
 
 
-__all__ = ["STREAM_COUNTERS", "StreamApi", "StreamCollector", "start_stream_api", "stream_metrics"]
+__all__ = [
+    "STREAM_COUNTERS",
+    "WAL_STATUSES",
+    "StreamApi",
+    "StreamCollector",
+    "start_stream_api",
+    "stream_metrics",
+]

@@ -309,18 +309,32 @@ async def stream_status(
                 destination = slot["slot_name"].removeprefix(prefix)
                 if own.destination is not None and destination != own.destination:
                     continue
-                backlog = await schema_object.reader(destination).backlog(BACKLOG_LIMIT)
-                streams.append(
-                    {
-                        "destination": destination,
-                        "slot": slot["slot_name"],
-                        "relay_pid": slot["active_pid"],
-                        "checkpoint": slot["confirmed_flush_lsn"],
+                stream = {
+                    "destination": destination,
+                    "slot": slot["slot_name"],
+                    "relay_pid": slot["active_pid"],
+                    "checkpoint": slot["confirmed_flush_lsn"],
+                    "wal_status": slot["wal_status"],
+                    "safe_wal_size_bytes": slot["safe_wal_size"],
+                }
+                if slot["wal_status"] == "lost":
+                    # Invalidated: it cannot be peeked (its WAL is gone), and the status
+                    # must still show it, the one slot that most needs attention.
+                    stream.update(
+                        entries_behind=None,
+                        entries_behind_capped=False,
+                        oldest_unpublished_age_seconds=None,
+                        wal_retained_bytes=None,
+                        wal_behind_bytes=slot["behind"],
+                    )
+                else:
+                    backlog = await schema_object.reader(destination).backlog(BACKLOG_LIMIT)
+                    stream.update(
                         **_backlog_fields(backlog),
-                        "wal_retained_bytes": backlog.wal_retained_bytes,
-                        "wal_behind_bytes": backlog.wal_behind_bytes,
-                    }
-                )
+                        wal_retained_bytes=backlog.wal_retained_bytes,
+                        wal_behind_bytes=backlog.wal_behind_bytes,
+                    )
+                streams.append(stream)
     for stream in streams:
         counts = letters.get(stream["destination"], {})
         stream["dead_letters"] = counts.get("letters", 0)
@@ -384,7 +398,12 @@ async def _status(args: argparse.Namespace) -> int:
                 f"(destination {printable(stream['destination'])}, {relay}):"
             )
             print(f"  checkpoint          {stream['checkpoint']}")
-        behind = f"{stream['entries_behind']}{'+' if stream['entries_behind_capped'] else ''}"
+            print(f"  WAL status          {_wal_status(stream['wal_status'])}")
+        behind = (
+            "-"  # an invalidated slot cannot be read
+            if stream["entries_behind"] is None
+            else f"{stream['entries_behind']}{'+' if stream['entries_behind_capped'] else ''}"
+        )
         print(f"  entries behind      {behind}")
         print(
             f"  oldest unpublished  {_format_age(stream['oldest_unpublished_age_seconds'] or None)}"
@@ -392,11 +411,28 @@ async def _status(args: argparse.Namespace) -> int:
         if report["mode"] == "wal":
             print(f"  WAL retained        {_format_bytes(stream['wal_retained_bytes'])}")
             print(f"  WAL behind          {_format_bytes(stream['wal_behind_bytes'])}")
+            if stream["wal_status"] != "lost":
+                unlimited = stream["safe_wal_size_bytes"] is None
+                print(
+                    f"  WAL until invalid   {_format_bytes(stream['safe_wal_size_bytes'])}"
+                    f"{' (no max_slot_wal_keep_size)' if unlimited else ''}"
+                )
         print(f"  dead letters        {stream['dead_letters']} ({stream['held']} held)")
         print(
             f"  failing             {stream['failing']} (most attempts {stream['most_attempts']})"
         )
     return 0
+
+
+def _wal_status(status: str | None) -> str:
+    if status == "lost":
+        return (
+            "lost: INVALIDATED, its unread messages are gone; drop the slot and create it "
+            "again (--create-slot)"
+        )
+    if status == "unreserved":
+        return "unreserved: about to be invalidated (max_slot_wal_keep_size)"
+    return str(status)
 
 
 def _format_bytes(count: int | None) -> str:

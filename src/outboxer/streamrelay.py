@@ -29,7 +29,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from outboxer.brokers.base import Outcome, OutcomeKind, Publisher
-from outboxer.errors import BrokerUnavailableError, ConfigError, PublishError, StoreError
+from outboxer.errors import (
+    BrokerUnavailableError,
+    ConfigError,
+    PublishError,
+    SlotInvalidatedError,
+    StoreError,
+)
 from outboxer.message import Message
 from outboxer.payload_relay import PayloadHandling
 from outboxer.redact import get_logger, redact_text
@@ -222,6 +228,9 @@ class StreamRelay:
         #: Place -> reason of what is backing off now ("database", "broker NAME"); /health
         #: reads it.
         self._outages: dict[str, str] = {"relay": "starting: not connected yet"}
+        #: Why the WAL slot is close to being invalidated, at the last backlog probe (None:
+        #: it is not); warned once when it starts, /health reports it without failing.
+        self._slot_at_risk: str | None = None
         self._running = False
 
     @property
@@ -256,6 +265,12 @@ class StreamRelay:
             problems.append("relay: not running")
         return problems
 
+    def health_warnings(self) -> list[str]:
+        """What still works but needs an operator soon (/health stays 200, "degraded")."""
+        if self._slot_at_risk is None:
+            return []
+        return [f"slot: {self.source.name}: {self._slot_at_risk}"]
+
     # ----- the loop ----------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> StreamStats:
@@ -266,6 +281,12 @@ class StreamRelay:
             await self._load()
             self._outages.pop("relay", None)
             await self._loop(stop)
+        except SlotInvalidatedError as exc:
+            # Messages are lost for this destination: an outage retried for ever would hide
+            # it. The relay stops (a non-zero exit from the CLI); /health names the slot.
+            self._outages["slot"] = redact_text(str(exc))
+            logger.error("stream relay stopping: %s", exc)
+            raise
         finally:
             self._running = False
         return self.stats
@@ -368,6 +389,24 @@ class StreamRelay:
             return
         self.stats.backlog = await self.source.backlog(BACKLOG_LIMIT)
         self.stats.backlog_at = now
+        self._watch_slot(self.stats.backlog)
+
+    def _watch_slot(self, backlog: Backlog) -> None:
+        """Warn once when the WAL slot comes close to being invalidated (its messages would
+        be lost), not at every probe; say when it is out of danger again."""
+        at_risk = backlog.wal_at_risk()
+        if at_risk is not None and self._slot_at_risk is None:
+            logger.warning(
+                "%s is close to being invalidated: %s. Messages not yet published for "
+                "destination %r would be lost: get this relay to catch up (is it failing "
+                "or down?), or raise max_slot_wal_keep_size",
+                self.source.name,
+                at_risk,
+                self.destination,
+            )
+        elif at_risk is None and self._slot_at_risk is not None:
+            logger.info("%s is no longer close to being invalidated", self.source.name)
+        self._slot_at_risk = at_risk
 
     async def _wait_after_failure(
         self, stop: asyncio.Event, message: Message, outcome: Outcome, attempts: int

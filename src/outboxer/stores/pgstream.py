@@ -110,6 +110,11 @@ class StoredLetter:
         }
 
 
+#: A slot with less than this share of max_slot_wal_keep_size left to write before the
+#: server invalidates it is at risk (a warning, /health "degraded").
+WAL_SAFE_SHARE = 0.1
+
+
 @dataclass(frozen=True)
 class Backlog:
     """How far a stream is behind its head."""
@@ -124,6 +129,31 @@ class Backlog:
     wal_retained_bytes: int | None = None
     #: WAL mode: bytes between the slot's confirmed position and the WAL's end.
     wal_behind_bytes: int | None = None
+    #: WAL mode: the slot's ``wal_status`` (reserved, extended, unreserved: about to be
+    #: invalidated; lost).
+    wal_status: str | None = None
+    #: WAL mode: bytes of WAL that may still be written before the server invalidates the
+    #: slot (``safe_wal_size``; <= 0 once unreserved); None without max_slot_wal_keep_size.
+    wal_safe_bytes: int | None = None
+    #: WAL mode: ``max_slot_wal_keep_size`` in bytes; None when it is -1 (no limit).
+    wal_keep_limit_bytes: int | None = None
+
+    def wal_at_risk(self) -> str | None:
+        """Why the slot is close to being invalidated (None: it is not): 'unreserved', or
+        less than WAL_SAFE_SHARE of max_slot_wal_keep_size left to write."""
+        if self.wal_status == "unreserved":
+            return (
+                "wal_status 'unreserved': the slot is behind by more than "
+                "max_slot_wal_keep_size and the next checkpoint may invalidate it"
+            )
+        limit, safe = self.wal_keep_limit_bytes, self.wal_safe_bytes
+        if limit is not None and safe is not None and safe < limit * WAL_SAFE_SHARE:
+            return (
+                f"only {safe} bytes of WAL may still be written before the server "
+                f"invalidates the slot (under {WAL_SAFE_SHARE:.0%} of "
+                f"max_slot_wal_keep_size, {limit} bytes)"
+            )
+        return None
 
     def age(self, now: dt.datetime | None = None) -> float:
         """Seconds the oldest unpublished message has waited (0 when there is none)."""

@@ -14,7 +14,11 @@ again from the slot: what was confirmed is not sent again, the rest is.
 
 Needs ``wal_level = logical`` and a free slot per destination. A slot keeps WAL until it
 is advanced: a relay that stays down keeps WAL growing (watch
-``pg_replication_slots``; drop the slot of a destination you retire).
+``pg_replication_slots``; drop the slot of a destination you retire). With
+``max_slot_wal_keep_size`` set, the server invalidates a slot that falls that far behind
+(``wal_status`` 'lost'): its unread messages are gone, and the relay stops with
+:class:`~outboxer.errors.SlotInvalidatedError` (``PgWal.slots`` shows ``safe_wal_size``,
+the WAL that may still be written before that happens).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from outboxer.errors import ConfigError, StoreError
+from outboxer.errors import ConfigError, SlotInvalidatedError, StoreError
 from outboxer.message import Message, check_text
 from outboxer.redact import get_logger
 from outboxer.stores.pgmodes import ModeSchema, ReaderLock, wal_prefix
@@ -47,6 +51,9 @@ KEEPALIVE_PREFIX = "outboxer-keepalive"
 #: What no text column stores: NUL and lone surrogates (not encodable as UTF-8).
 _UNSTORABLE = re.compile(r"[\x00\ud800-\udfff]")
 _SLOT_NAME = re.compile(r"^[a-z0-9_]{1,63}$")
+#: The SQLSTATE of a slot call on an invalidated slot (object_not_in_prerequisite_state); it
+#: has other causes too, so the catalog's wal_status decides.
+_NOT_IN_PREREQUISITE_STATE = "55000"
 #: Seconds a slot call waits for a slot another session holds for a moment (a status
 #: query peeking it) before it gives up.
 SLOT_BUSY_SECONDS = 10.0
@@ -115,7 +122,10 @@ class PgWal(ModeSchema):
 
     async def slots(self) -> list[dict[str, Any]]:
         """The slots of this outbox (named ``<slot prefix>_<destination>``), with how much
-        WAL each keeps and how far it is behind the WAL's end, in bytes."""
+        WAL each keeps and how far it is behind the WAL's end, in bytes, its ``wal_status``
+        ('lost': invalidated, its unread messages gone) and ``safe_wal_size`` (bytes of WAL
+        that may still be written before the server invalidates it; None without
+        ``max_slot_wal_keep_size``)."""
         await self.connect()
         sql, _ = to_numbered(queries("pgwal")["slots"])
         rows = await self.conn.fetch(sql, self.slot_prefix + "_")
@@ -179,8 +189,9 @@ class WalReader:
     async def connect(self) -> None:
         await self.wal.connect()
         row = await self.wal.conn.fetchrow(
-            "SELECT plugin, database = current_database() AS here FROM pg_replication_slots "
-            "WHERE slot_name = $1",
+            "SELECT plugin, database = current_database() AS here, wal_status, "
+            "CAST(confirmed_flush_lsn AS text) AS confirmed_flush_lsn "
+            "FROM pg_replication_slots WHERE slot_name = $1",
             self.slot,
         )
         if row is None or row["plugin"] != "pgoutput" or not row["here"]:
@@ -189,6 +200,10 @@ class WalReader:
                 "create it with PgWal.create_slot (outboxer stream-relay --mode wal "
                 "--create-slot)"
             )
+        if row["wal_status"] == "lost":
+            # Before the lock: a relay restarted on an invalidated slot stops at once, with
+            # the reason, instead of failing on its first read with the driver's error.
+            raise self._invalidated(row["confirmed_flush_lsn"])
         await self.book.check(self.wal.conn)
         if not await self._lock.acquire():
             await self.close()
@@ -211,6 +226,11 @@ class WalReader:
                     # StoreError, as connect's, that /health names while the relay waits for
                     # it to be created again, where the driver's error ended the relay.
                     raise StoreError(f"{self.name}: {exc}") from exc
+                if getattr(exc, "sqlstate", None) == _NOT_IN_PREREQUISITE_STATE:
+                    # "can no longer get changes from replication slot": invalidated by
+                    # max_slot_wal_keep_size. Its WAL is gone; retrying cannot help, and the
+                    # driver's error said neither what was lost nor what to do.
+                    await self._check_not_invalidated()
                 if getattr(exc, "sqlstate", None) != "55006":
                     raise
                 if time.monotonic() > deadline:
@@ -385,7 +405,28 @@ class WalReader:
         row = await self.wal.conn.fetchrow(sql, self.slot)
         if row is None:
             raise StoreError(f"{self.name} does not exist any more")
+        if row["wal_status"] == "lost":
+            confirmed = row["confirmed"]
+            raise self._invalidated(None if confirmed is None else lsn_text(int(confirmed)))
         return row
+
+    async def _check_not_invalidated(self) -> None:
+        """Raise SlotInvalidatedError if the server invalidated the slot."""
+        await self._slot_state()
+
+    def _invalidated(self, confirmed: str | None) -> SlotInvalidatedError:
+        since = f"its last confirmed position {confirmed}" if confirmed else "its creation"
+        return SlotInvalidatedError(
+            f"{self.name} was invalidated by the server (wal_status 'lost'): the WAL it still "
+            f"needed was removed (it fell behind by more than max_slot_wal_keep_size), so "
+            f"messages written since {since} may be lost for destination "
+            f"{self.destination!r}. The slot cannot be read again: drop it "
+            f"(SELECT pg_drop_replication_slot('{self.slot}')), create it again "
+            f"(outboxer stream-relay --mode wal --destination {self.destination} "
+            "--create-slot), check max_slot_wal_keep_size against how long this relay may be "
+            "down, and recover the lost messages from their writers if they matter",
+            slot=self.slot,
+        )
 
     async def failures(self) -> dict[int, StreamFailure]:
         """The failing messages ahead of the slot; rows a relay that died after an advance
@@ -414,6 +455,9 @@ class WalReader:
             messages[0].created_at if messages else None,
             int(state["retained"]),
             int(state["behind"]),
+            wal_status=state["wal_status"],
+            wal_safe_bytes=state["safe_wal_size"],
+            wal_keep_limit_bytes=state["keep_limit"],
         )
 
     async def idle(self) -> None:
