@@ -62,7 +62,14 @@ from outboxer.crypto import (
     is_encrypted,
 )
 from outboxer.errors import AdminRequestError, ConfigError, PayloadError, ReplayError
-from outboxer.message import MAX_DESTINATION_LENGTH, Message, Status, check_text, uuid7
+from outboxer.message import (
+    MAX_DESTINATION_LENGTH,
+    Message,
+    Status,
+    check_text,
+    destination_name_problem,
+    uuid7,
+)
 from outboxer.redact import get_logger
 
 if TYPE_CHECKING:
@@ -379,6 +386,9 @@ def check_destination(name: object, known: Sequence[str] | None) -> str:
             f"characters; got {name!r:.60}"
         )
     _text(name, "to")
+    if problem := destination_name_problem(name):
+        # Checked whether or not the destinations are known: a library caller may pass none.
+        raise AdminRequestError(f"the destination to replay to: {problem}")
     if known is not None and name not in known:
         raise AdminRequestError(
             f"destination {name!r} is not configured (configured: {', '.join(sorted(known))}): no "

@@ -51,7 +51,7 @@ from typing import Any, ClassVar, Generic, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from outboxer.errors import ConfigError
-from outboxer.message import DEFAULT_DESTINATION
+from outboxer.message import DEFAULT_DESTINATION, destination_name_problem
 from outboxer.options import parse_bool
 from outboxer.redact import (
     LONGEST_PORT,
@@ -964,6 +964,10 @@ class DestinationSettings:
         register_url_secrets(self.broker)
         for name, value in self.options.items():
             _register_option_secrets(name, value)
+        if problem := destination_name_problem(self.name):
+            # A relay of a name no writer can use would wait for ever (and on MySQL, whose
+            # collation pads with spaces, 'orders ' would claim the rows of 'orders').
+            raise ConfigError(f"destination {self.name!r:.80}: {problem}")
         if self.envelope not in ("full", "stripped"):
             raise ConfigError(f"destination {self.name!r}: envelope must be 'full' or 'stripped'")
         if self.payload not in ("decrypt", "forward"):
@@ -1448,6 +1452,8 @@ def read_config_file(
         raise ConfigError(
             f"config file {path} is not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#x})"
         ) from None
+    except ValueError:  # a NUL or a lone surrogate: no file system can name such a file
+        raise ConfigError(f"config file name {str(path)!r} is not a usable path") from None
     try:
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

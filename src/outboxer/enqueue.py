@@ -20,8 +20,8 @@ from outboxer.message import (
     DEFAULT_DESTINATION,
     MAX_DESTINATION_LENGTH,
     Message,
-    check_text,
     coerce_message_id,
+    destination_name_problem,
     encode_payload,
     validate_envelope,
 )
@@ -381,10 +381,8 @@ def _destination_names(destinations: Iterable[object]) -> tuple[str, ...]:
             f"got {destinations!r:.100}"
         )
     for name in names:
-        try:
-            check_text(name, "a destination name")
-        except PayloadError as exc:
-            raise ConfigError(str(exc)) from None
+        if problem := destination_name_problem(name):
+            raise ConfigError(problem)
     return names
 
 

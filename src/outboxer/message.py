@@ -175,6 +175,29 @@ def text_bytes(value: str, what: str, *, hint: str = "") -> bytes:
         ) from None
 
 
+def destination_name_problem(name: object) -> str | None:
+    """Why ``name`` cannot name a destination (None: it can). A destination is a name of 1 to
+    MAX_DESTINATION_LENGTH characters, storable text, without whitespace around it: MySQL's
+    utf8mb4_bin collation pads with spaces, so 'orders ' and 'orders' were one destination
+    there (the relay of 'orders' claimed the other's rows) and two elsewhere (nobody
+    claimed them)."""
+    if not isinstance(name, str) or not name or len(name) > MAX_DESTINATION_LENGTH:
+        return (
+            f"a destination name must be a string of 1 to {MAX_DESTINATION_LENGTH} "
+            f"characters; got {name!r:.80}"
+        )
+    if name.strip() != name:
+        return (
+            f"a destination name must not begin or end with whitespace; got {name!r:.80} "
+            f"(did you mean {name.strip()!r:.80}?)"
+        )
+    try:
+        check_text(name, "a destination name")
+    except PayloadError as exc:
+        return f"{exc}; got {name!r:.80}"
+    return None
+
+
 def check_content_type(content_type: object) -> None:
     # A media type is printable ASCII (RFC 9110, 8.3); it goes into broker and HTTP headers.
     if (

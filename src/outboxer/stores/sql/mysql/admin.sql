@@ -24,11 +24,12 @@ AND (:created_before IS NULL OR created_at < :created_before)
 AND (:error IS NULL OR LOCATE(:error, last_error) > 0)
 
 -- name: count_matching
--- A dry run: the rows the filter matches, by destination and status. A plain read.
-SELECT destination, status, COUNT(*) AS count
+-- A dry run: the rows the filter matches, by destination (its bytes: see queries.sql) and
+-- status. A plain read.
+SELECT MIN(destination) AS destination, status, COUNT(*) AS count
 FROM {outbox}
 WHERE {filter}
-GROUP BY destination, status
+GROUP BY CAST(destination AS BINARY), status
 
 -- name: destinations_matching
 -- The destinations whose shared lock (a row of {destinations}) a purge or requeue takes
@@ -50,15 +51,15 @@ WHERE {filter}
 -- row with a later row of its key in flight stays as it is. MySQL refuses a subquery on
 -- the table an UPDATE changes (error 1093), so the in-flight keys are a derived table,
 -- materialized by its GROUP BY: each key's last seq in flight, its bytes as the key (the
--- column's collation would take 'a ' for 'a').
+-- column's collation would take 'a ' for 'a'; the destination's bytes likewise).
 UPDATE {outbox}
-LEFT JOIN (SELECT destination AS flight_destination, CAST(`key` AS BINARY) AS flight_key,
-                  MAX(seq) AS flight_last
+LEFT JOIN (SELECT CAST(destination AS BINARY) AS flight_destination,
+                  CAST(`key` AS BINARY) AS flight_key, MAX(seq) AS flight_last
            FROM {outbox}
            WHERE destination IN (:locked) AND blocker = 1 AND status = 'PROCESSING'
              AND `key` IS NOT NULL
-           GROUP BY destination, CAST(`key` AS BINARY)) AS in_flight
-  ON in_flight.flight_destination = destination
+           GROUP BY CAST(destination AS BINARY), CAST(`key` AS BINARY)) AS in_flight
+  ON in_flight.flight_destination = CAST(destination AS BINARY)
  AND in_flight.flight_key = CAST(`key` AS BINARY)
 SET status = 'PENDING', attempts = 0, next_attempt_at = UTC_TIMESTAMP(6),
     updated_at = UTC_TIMESTAMP(6)
@@ -76,7 +77,8 @@ WHERE {filter}
   AND status IN ('ABANDONED', 'FAILED')
   AND `key` IS NOT NULL
   AND EXISTS (SELECT 1 FROM {outbox} AS f
-              WHERE f.destination = o.destination AND f.blocker = 1
+              WHERE f.destination = o.destination
+                AND BINARY f.destination = BINARY o.destination AND f.blocker = 1
                 AND f.`key` = o.`key` AND BINARY f.`key` = o.`key`
                 AND f.status = 'PROCESSING' AND f.seq > o.seq)
 

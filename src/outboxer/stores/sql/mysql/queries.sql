@@ -13,6 +13,11 @@
 -- collation pads with spaces (PAD SPACE, on MariaDB and MySQL alike), so `key` = x alone
 -- made 'a' and 'a ' one key: a row of one held back the other's. The plain equality
 -- keeps the index seek; BINARY (no padding) drops the rows that only pad-equal x.
+-- Destinations likewise, in every statement that chooses rows by destination rather than
+-- by seq: 'orders ' cannot be enqueued any more (outboxer.message.destination_name_problem),
+-- but an older version wrote such rows, and the relay of 'orders' claimed and published
+-- them. Counts group by the bytes too. The destination lock ({destinations}) still takes
+-- 'orders' and 'orders ' for one row: it only makes them wait for each other.
 
 -- name: key_lock
 -- The key lock. Runs on the caller's connection, in the caller's transaction, before the
@@ -70,6 +75,7 @@ SELECT o.seq, o.id, o.destination, o.topic, o.`key`, o.payload, o.content_type, 
        (o.`key` IS NULL OR NOT EXISTS (
             SELECT 1 FROM {outbox} AS b
             WHERE b.destination = o.destination
+              AND BINARY b.destination = BINARY o.destination
               AND b.blocker = 1
               AND b.`key` = o.`key`
               AND BINARY b.`key` = BINARY o.`key`
@@ -77,6 +83,7 @@ SELECT o.seq, o.id, o.destination, o.topic, o.`key`, o.payload, o.content_type, 
               AND (b.status <> 'ABANDONED' OR :abandoned_blocks))) AS heads_key
 FROM {outbox} AS o
 WHERE o.destination = :destination
+  AND BINARY o.destination = :destination
   AND o.locked_until < UTC_TIMESTAMP(6)
   AND o.status = 'PROCESSING'
 ORDER BY o.seq
@@ -119,6 +126,7 @@ SET attempts = attempts + 1,
     next_attempt_at = UTC_TIMESTAMP(6),
     locked_by = NULL, locked_until = NULL, lease = NULL, updated_at = UTC_TIMESTAMP(6)
 WHERE destination = :destination
+  AND BINARY destination = :destination
   AND blocker = 1
   AND `key` = :key
   AND BINARY `key` = :key
@@ -167,12 +175,14 @@ FROM (SELECT w.seq, SUM(w.bytes) OVER (
 SELECT o.seq, LENGTH(o.payload) AS bytes
 FROM {outbox} AS o
 WHERE o.destination = :destination
+  AND BINARY o.destination = :destination
   AND o.unfinished = 1
   AND o.status <> 'PROCESSING'
   AND o.next_attempt_at <= UTC_TIMESTAMP(6)
   AND (o.`key` IS NULL OR NOT EXISTS (
         SELECT 1 FROM {outbox} AS b
         WHERE b.destination = o.destination
+          AND BINARY b.destination = BINARY o.destination
           AND b.blocker = 1
           AND b.`key` = o.`key`
           AND BINARY b.`key` = BINARY o.`key`
@@ -195,7 +205,8 @@ ORDER BY o.seq
 -- otherwise go ahead of an earlier one that was locked, or committed, while claim ran. The
 -- store keeps a claimed row only if no row of its key outside the batch comes before it.
 SELECT seq, `key` FROM {outbox}
-WHERE destination = :destination AND unfinished = 1 AND seq < :last_seq AND `key` IS NOT NULL
+WHERE destination = :destination AND BINARY destination = :destination
+  AND unfinished = 1 AND seq < :last_seq AND `key` IS NOT NULL
 
 -- name: claim_update
 -- The rows claim (or claim_expired) locked -> PROCESSING under this claim's new lease,
@@ -321,17 +332,18 @@ WHERE finished.seq IN (:seqs)
 -- A row with a later row of its key in flight stays as it is: see admin.sql,
 -- requeue_matching (and there for the derived table).
 UPDATE {outbox}
-LEFT JOIN (SELECT destination AS flight_destination, CAST(`key` AS BINARY) AS flight_key,
-                  MAX(seq) AS flight_last
+LEFT JOIN (SELECT CAST(destination AS BINARY) AS flight_destination,
+                  CAST(`key` AS BINARY) AS flight_key, MAX(seq) AS flight_last
            FROM {outbox}
            WHERE destination IN (:destinations) AND blocker = 1 AND status = 'PROCESSING'
              AND `key` IS NOT NULL
-           GROUP BY destination, CAST(`key` AS BINARY)) AS in_flight
-  ON in_flight.flight_destination = destination
+           GROUP BY CAST(destination AS BINARY), CAST(`key` AS BINARY)) AS in_flight
+  ON in_flight.flight_destination = CAST(destination AS BINARY)
  AND in_flight.flight_key = CAST(`key` AS BINARY)
 SET status = 'PENDING', attempts = 0, next_attempt_at = UTC_TIMESTAMP(6),
     updated_at = UTC_TIMESTAMP(6)
 WHERE destination IN (:destinations)
+  AND BINARY destination IN (:destinations)
   AND status IN (:statuses)
   AND status IN ('ABANDONED', 'FAILED')
   AND (:all_ids OR id IN (:ids))
@@ -340,11 +352,11 @@ WHERE destination IN (:destinations)
 -- name: counts
 -- Every row, counted exactly: a pass over the whole table. Only for a small table (see
 -- seq_range); a big one is counted by counts_tally and sample_published.
-SELECT destination, status, COUNT(*) AS count,
+SELECT MIN(destination) AS destination, status, COUNT(*) AS count,
        SUM(attempts > 0) AS retried,
        TIMESTAMPDIFF(MICROSECOND, MIN(created_at), UTC_TIMESTAMP(6)) / 1000000 AS oldest_age
 FROM {outbox}
-GROUP BY destination, status
+GROUP BY CAST(destination AS BINARY), status
 
 -- name: seq_range
 -- The first and last seq: the two ends of the primary key. last - first + 1 bounds the
@@ -356,13 +368,13 @@ SELECT MIN(seq) AS first_seq, MAX(seq) AS last_seq FROM {outbox}
 -- ABANDONED rows and the PUBLISHED ones that were retried, with the oldest created_at.
 -- Ranges of status_idx (status, attempts, destination, created_at), covered (migration
 -- 0004): its cost follows the backlog, not the published history.
-SELECT destination, status, COUNT(*) AS count,
+SELECT MIN(destination) AS destination, status, COUNT(*) AS count,
        SUM(attempts > 0) AS retried,
        TIMESTAMPDIFF(MICROSECOND, MIN(created_at), UTC_TIMESTAMP(6)) / 1000000 AS oldest_age
 FROM {outbox} FORCE INDEX (status_idx)
 WHERE status IN ('PENDING', 'PROCESSING', 'FAILED', 'ABANDONED')
    OR (status = 'PUBLISHED' AND attempts > 0)
-GROUP BY destination, status
+GROUP BY CAST(destination AS BINARY), status
 
 -- name: sample_published
 -- The PUBLISHED rows of a first attempt among :seqs, seqs drawn at random between the first
@@ -370,10 +382,10 @@ GROUP BY destination, status
 -- seq (forced: status_idx covers the columns too, and the optimizer may pick it and read
 -- every PUBLISHED row). Their share of the draw estimates their share of the range (a
 -- deleted row's seq is drawn as often, and found nowhere).
-SELECT destination, COUNT(*) AS hits
+SELECT MIN(destination) AS destination, COUNT(*) AS hits
 FROM {outbox} FORCE INDEX (PRIMARY)
 WHERE seq IN (:seqs) AND status = 'PUBLISHED' AND attempts = 0
-GROUP BY destination
+GROUP BY CAST(destination AS BINARY)
 
 -- name: list
 -- The newest changes first (updated_at, then seq: a stable order), at most :limit rows.
