@@ -108,7 +108,8 @@ WHERE seq IN (
           FROM (
           SELECT o.seq, length(o.payload) AS bytes FROM {outbox} AS o
           WHERE o.destination = :destination
-            AND o.status IN ('PENDING', 'FAILED')
+            -- ready_idx's condition word for word (its rows in seq order), then its part.
+            AND o.status IN ('PENDING', 'FAILED', 'PROCESSING') AND o.status <> 'PROCESSING'
             AND o.next_attempt_at <= :now
             AND (o.key IS NULL OR NOT EXISTS (
                   SELECT 1 FROM {outbox} AS b
