@@ -19,7 +19,9 @@ runs this with its cleanup (every ``cleanup_interval``), and so does ``outboxer 
 Every change runs in a READ COMMITTED transaction of its own (whatever the database's
 default: its checks read the rows as its locks find them) with a short lock_timeout: DDL
 waiting for a lock holds every later statement on the table (writers too) behind it, so
-it gives up and the next round tries again.
+it gives up and the next round tries again. Once one change has given up, the round makes
+no other: the transaction it waited for is likely still open, and each further change would
+hold the relay's claims and settles back for another lock_timeout.
 """
 
 from __future__ import annotations
@@ -94,7 +96,8 @@ class PartitionReport:
     dropped: list[Partition] = field(default_factory=list)
     #: Past retention, but holding an unfinished row or one younger than its retention.
     kept: list[str] = field(default_factory=list)
-    #: Left for the next round: a lock was not granted within LOCK_TIMEOUT.
+    #: Left for the next round: a lock was not granted within LOCK_TIMEOUT (the first
+    #: one), and those after it, not tried once the table was found busy.
     busy: list[str] = field(default_factory=list)
     #: Rows moved out of the default partition.
     moved: int = 0
@@ -260,6 +263,10 @@ class Partitions:
             else []
         )
         for lower, upper in plan_ranges(ranged, width, now, policy.ahead, default_span, slots):
+            if report.busy:
+                # Another wait for the lock would stall the relay's claims once more.
+                report.busy.append(partition_name(self.table, lower))
+                continue
             soon = lower <= now + SOON
             await self._create(conn, lower, upper, report, soon=soon, move=default_span is not None)
         if default_span is not None:
@@ -355,6 +362,10 @@ class Partitions:
         for partition in await self.list(conn):
             if partition.upper is None or partition.upper > before:
                 continue
+            if report.busy:
+                # Another wait for the lock would stall the relay's claims once more.
+                report.busy.append(partition.name)
+                continue
             # First without a lock: most partitions kept stay kept, and need not stop the
             # table's writers for a moment to learn it.
             try:
@@ -418,11 +429,13 @@ class Partitions:
                 self.table,
             )
         if report.busy:
-            logger.info(
-                "partition(s) %s of %s.%s left for the next round: the table stayed busy for %s",
-                ", ".join(report.busy),
+            logger.warning(
+                "partition upkeep of %s.%s gave up until its next round: a lock on the table "
+                "was not granted within %s (a long-running transaction holds it), so "
+                "partition(s) %s wait",
                 self.schema,
                 self.table,
                 LOCK_TIMEOUT,
+                ", ".join(report.busy),
             )
         return report

@@ -314,13 +314,17 @@ VALUES (:consumer, CAST(:message_id AS uuid))
 ON CONFLICT DO NOTHING
 
 -- name: inbox_cleanup
--- Inbox entries older than the retention -> deleted, :limit a statement.
+-- Inbox entries older than the retention -> deleted, :limit a statement. SKIP LOCKED, as
+-- the outbox's cleanup: an entry a consumer's or an operator's open transaction holds (one
+-- it deletes to have a message applied again, or locks) is left for a later round instead
+-- of holding this statement, and the relay's connection, until that transaction ends.
 DELETE FROM {inbox}
-WHERE ctid IN (
+WHERE ctid = ANY(ARRAY(
     SELECT ctid FROM {inbox}
     WHERE received_at < now() - make_interval(secs => CAST(:retention AS float8))
     ORDER BY received_at
-    LIMIT :limit)
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED))
 
 -- name: register_listener
 -- This relay is idle and listening until :seconds from now: writers NOTIFY meanwhile.
