@@ -61,7 +61,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -70,6 +70,7 @@ from urllib.parse import urlsplit
 from outboxer.brokers.base import describe
 from outboxer.consumer_db import (
     BatchFailed,
+    DeadLetter,
     HandlerEndedTransaction,
     HandlerReturnedAwaitable,
     Result,
@@ -110,6 +111,8 @@ STABLE_CONNECTION = 10.0
 #: Seconds batches cancelled at shutdown get to roll back before they are abandoned (a sync
 #: handler's thread, an async handler that ignores its cancellation).
 CANCELLED_WAIT = 1.0
+#: Dead letters a replay reads at a time: a group of millions is walked, not loaded.
+REPLAY_PAGE_SIZE = 1000
 
 
 @dataclass
@@ -1007,6 +1010,10 @@ class Consumer:
         with one more attempt and its new error; with ``abandoned_blocks_key`` the later dead
         letters of its key stay too (so do those behind a dead letter that was not chosen).
         Returns counts: replayed, duplicates, failed, skipped.
+
+        Only the chosen dead letters are read (a whole group in pages of
+        ``REPLAY_PAGE_SIZE``): whether one is behind an earlier dead letter of its key is
+        asked of the table, where that earlier one still is (not chosen, or failed again).
         """
         wanted = None if ids is None else {parse_message_id(value) for value in ids}
         counts = dict.fromkeys(("replayed", "duplicates", "failed", "skipped"), 0)
@@ -1014,43 +1021,86 @@ class Consumer:
         session = self._make_session(executor)
         await session.open()
         try:
-            blocked: set[str] = set()
-            for letter in await session.dead_letters(self.group, limit=10_000_000):
-                delivery = letter.delivery
-                chosen = wanted is None or delivery.id in wanted
-                if delivery.key is not None and delivery.key in blocked:
-                    counts["skipped"] += chosen
-                    continue
-                if not chosen:
-                    if delivery.key is not None and self.abandoned_blocks_key:
-                        blocked.add(delivery.key)
-                    continue
-                retry = dataclasses.replace(delivery, attempt=letter.attempts + 1)
-                try:
-                    retry = await self.unwrap(retry)
-                    [result] = await session.apply(
-                        self.group, [retry], self._timed_handler, hold_keys=False, replaying=True
-                    )
-                    counts["replayed" if result is Result.APPLIED else "duplicates"] += 1
-                    continue
-                except BatchFailed as failure:
-                    if session.lost(failure):
-                        raise failure.cause from failure
-                    cause: BaseException = failure.cause
-                except Exception as exc:  # noqa: BLE001 -- unwrapping failed: recorded below
-                    cause = exc
-                error = {"error": session.text(describe(cause))[:4000]}
-                await session.run(
-                    "failed_again", {**session.id_params(self.group, delivery.id), **error}
-                )
-                counts["failed"] += 1
-                logger.warning("dead letter %s failed again: %s", delivery.id, error["error"])
-                if delivery.key is not None and self.abandoned_blocks_key:
-                    blocked.add(delivery.key)
+            pages = self._group_pages(session) if wanted is None else self._chosen(session, wanted)
+            async for page in pages:
+                # Keys known blocked, and (a whole group only) keys known free, within the
+                # page: a cache of key_blocked_before, bounded by the page like the page.
+                blocked: set[str] = set()
+                free: set[str] = set()
+                for letter in page:
+                    key = letter.delivery.key if self.abandoned_blocks_key else None
+                    if key is not None and key not in free:
+                        if key in blocked or await session.key_blocked_before(
+                            self.group, key, letter.seq
+                        ):
+                            blocked.add(key)
+                            counts["skipped"] += 1
+                            continue
+                        # Walking the whole group, every earlier dead letter of the key in this
+                        # page was seen here: one that fails again lands in blocked.
+                        if wanted is None:
+                            free.add(key)
+                    outcome = await self._replay_one(session, letter)
+                    counts[outcome] += 1
+                    if outcome == "failed" and key is not None:
+                        blocked.add(key)
+                        free.discard(key)
         finally:
             await session.close()
             executor.shutdown(wait=False)
         return counts
+
+    async def _group_pages(self, session: Session) -> AsyncIterator[list[DeadLetter]]:
+        """The group's dead letters, page by page (keyset on seq)."""
+        after = 0
+        while True:
+            page = await session.dead_letters_after(self.group, after, REPLAY_PAGE_SIZE)
+            if page:
+                yield page
+            if len(page) < REPLAY_PAGE_SIZE:
+                return
+            after = page[-1].seq
+
+    async def _chosen(
+        self, session: Session, wanted: set[uuid.UUID]
+    ) -> AsyncIterator[list[DeadLetter]]:
+        """The dead letters of ``wanted`` in arrival order, page by page; ids that are not
+        (or no longer) dead letters of the group are left out."""
+        places: list[tuple[int, uuid.UUID]] = []
+        for message_id in wanted:
+            seq = await session.dead_letter_seq(self.group, message_id)
+            if seq is not None:
+                places.append((seq, message_id))
+        places.sort()
+        for start in range(0, len(places), REPLAY_PAGE_SIZE):
+            page = []
+            for _, message_id in places[start : start + REPLAY_PAGE_SIZE]:
+                letter = await session.dead_letter(self.group, message_id)
+                if letter is not None:
+                    page.append(letter)
+            yield page
+
+    async def _replay_one(self, session: Session, letter: DeadLetter) -> str:
+        """Apply one dead letter again: replayed, duplicates or failed (then it stays, with
+        one more attempt and its error)."""
+        delivery = letter.delivery
+        retry = dataclasses.replace(delivery, attempt=letter.attempts + 1)
+        try:
+            retry = await self.unwrap(retry)
+            [result] = await session.apply(
+                self.group, [retry], self._timed_handler, hold_keys=False, replaying=True
+            )
+            return "replayed" if result is Result.APPLIED else "duplicates"
+        except BatchFailed as failure:
+            if session.lost(failure):
+                raise failure.cause from failure
+            cause: BaseException = failure.cause
+        except Exception as exc:  # noqa: BLE001 -- unwrapping failed: recorded below
+            cause = exc
+        error = {"error": session.text(describe(cause))[:4000]}
+        await session.run("failed_again", {**session.id_params(self.group, delivery.id), **error})
+        logger.warning("dead letter %s failed again: %s", delivery.id, error["error"])
+        return "failed"
 
 
 class Unreadable(Exception):

@@ -399,6 +399,26 @@ class Session(ABC):
         rows = await self.fetch("list", {"consumer": group, "limit": limit})
         return [DeadLetter(row) for row in rows]
 
+    async def dead_letters_after(self, group: str, after: int, limit: int) -> list[DeadLetter]:
+        """The group's next ``limit`` dead letters after seq ``after``, in arrival order."""
+        rows = await self.fetch("page_after", {"consumer": group, "after": after, "limit": limit})
+        return [DeadLetter(row) for row in rows]
+
+    async def dead_letter_seq(self, group: str, message_id: uuid.UUID) -> int | None:
+        """Where the dead letter of ``message_id`` stands in arrival order; None: not here."""
+        rows = await self.fetch("seq_of", self.id_params(group, message_id))
+        return int(rows[0]["seq"]) if rows else None
+
+    async def dead_letter(self, group: str, message_id: uuid.UUID) -> DeadLetter | None:
+        rows = await self.fetch("one", self.id_params(group, message_id))
+        return DeadLetter(rows[0]) if rows else None
+
+    async def key_blocked_before(self, group: str, key: str, seq: int) -> bool:
+        """Whether a dead letter of ``key`` that came before seq ``seq`` is still here (``key``
+        as the table holds it: a dead letter's own)."""
+        params = {"consumer": group, "key": key, "seq": seq}
+        return bool(await self.fetch("key_blocked_before", params))
+
 
 class DeadLetter:
     """A row of the dead-letter table, and the delivery a replay hands the handler."""

@@ -13,6 +13,12 @@ On PostgreSQL the outbox has no index on ``seq`` alone (the relay's indexes are 
 on a large table, filter by status (the finished rows' index serves it) rather than
 paging through everything. A page load never reads the whole table otherwise: the filters'
 choices are fixed (no ``SELECT DISTINCT``) and the paginator counts at most ``cap`` rows.
+The dead letters are listed in arrival order (``seq``, their primary key: the order a
+replay applies them in, as ``outboxer dead-letters list`` shows them).
+
+An action takes at most ``MAX_ACTION_ROWS`` rows: "Select all N" across the pages of a big
+table is refused (nothing changed) rather than read into memory and sent as one statement;
+the CLI (``outboxer requeue``, ``outboxer dead-letters replay`` or ``purge``) does bulk work.
 """
 
 from __future__ import annotations
@@ -41,6 +47,10 @@ from outboxer.stores import create_store
 
 #: The statuses the requeue action moves back to PENDING (as the HTTP API's requeue allows).
 REQUEUED_STATUSES = ("ABANDONED", "FAILED")
+
+#: The most rows one action takes: a selection of more (typically "Select all N" across the
+#: pages of a big table) is refused with nothing changed, and the operator pointed at the CLI.
+MAX_ACTION_ROWS = 10_000
 
 
 async def _requeue(ids: list[uuid.UUID], destinations: list[str]) -> tuple[int, int]:
@@ -146,12 +156,57 @@ class DestinationFilter(ChoicesFilter):
         return [(name, name) for name in names]
 
 
+class ConsumerFilter(ChoicesFilter):
+    title = "consumer"
+    parameter_name = "consumer"  # the URL Django's field filter made: links stay good
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        # The configured group (the one the replay action serves); one asked for in the URL
+        # too (another group's dead letters stay reachable by their link).
+        names = []
+        try:
+            group = conf.consumer_settings().group
+        except OutboxerError:  # a bad OUTBOXER["consumer"]: the replay action reports it
+            group = None
+        if group:
+            names.append(group)
+        asked = self.value()
+        if asked is not None and asked not in names:
+            names.append(asked)
+        return [(name, name) for name in names]
+
+
+def selected_rows(
+    model_admin: admin.ModelAdmin,
+    request: HttpRequest,
+    queryset: QuerySet[Any],
+    fields: tuple[str, ...],
+    bulk_command: str,
+) -> list[tuple[Any, ...]] | None:
+    """``fields`` of the selected rows, or None (the admin told why) when there are more than
+    ``MAX_ACTION_ROWS``: read with a LIMIT of one past the cap, unordered, so a "select all"
+    over millions of rows neither scans nor loads them all (nor counts them)."""
+    rows = list(queryset.order_by().values_list(*fields)[: MAX_ACTION_ROWS + 1])
+    if len(rows) <= MAX_ACTION_ROWS:
+        return rows
+    model_admin.message_user(
+        request,
+        f"Nothing done: the selection has more than {MAX_ACTION_ROWS:,} rows, the most one "
+        f"action takes. Narrow it with the filters, or use `{bulk_command}` for bulk work.",
+        messages.ERROR,
+    )
+    return None
+
+
 class ReadOnlyAdmin(admin.ModelAdmin):
     """Rows the relay or the consumer own: listed and shown, changed only by actions."""
 
     list_per_page = 50
     show_full_result_count = False  # no COUNT(*) of the whole table on every page
     paginator = CappedPaginator  # nor of every row the filter matches
+    # Nor Django 5's "Show counts" (?_facets): a COUNT of every row per filter choice. Django
+    # 4.2 has no facets.
+    show_facets = admin.ShowFacets.NEVER if hasattr(admin, "ShowFacets") else None
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -195,7 +250,15 @@ class OutboxMessageAdmin(ReadOnlyAdmin):
         permissions=["requeue"],
     )
     def requeue(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> None:
-        rows = list(queryset.values_list("message_id", "destination"))
+        rows = selected_rows(
+            self,
+            request,
+            queryset,
+            ("message_id", "destination"),
+            "outboxer requeue --status … --destination … --older-than …",
+        )
+        if rows is None:
+            return
         try:
             count, deferred = requeue_messages(rows)
         except OutboxerError as exc:
@@ -252,7 +315,7 @@ class DeadLetterAdmin(ReadOnlyAdmin):
         "failed_at",
         "error",
     )
-    list_filter = ("consumer", "held")
+    list_filter = (ConsumerFilter, "held")  # held: Django's Yes/No filter reads no rows
     search_fields = ("=topic", "=key")
     fields = (
         *(field.name for field in DeadLetter._meta.fields if field.name != "payload"),
@@ -275,7 +338,12 @@ class DeadLetterAdmin(ReadOnlyAdmin):
     def purge(self, request: HttpRequest, queryset: QuerySet[DeadLetter]) -> None:
         # As `outboxer dead-letters purge --id`: the rows go, in one statement; a later
         # message of a key a held dead letter blocked is applied at its next delivery.
-        count, _ = queryset.delete()
+        # Only the rows counted: one arriving since is not deleted unseen.
+        command = "outboxer dead-letters purge --group … --all (or --id …)"
+        seqs = selected_rows(self, request, queryset, ("seq",), command)
+        if seqs is None:
+            return
+        count, _ = queryset.filter(seq__in=[seq for (seq,) in seqs]).delete()
         self.message_user(request, f"Purged {count} dead letter(s).", messages.SUCCESS)
 
     @admin.action(
@@ -283,7 +351,15 @@ class DeadLetterAdmin(ReadOnlyAdmin):
         permissions=["replay"],
     )
     def replay(self, request: HttpRequest, queryset: QuerySet[DeadLetter]) -> None:
-        rows = list(queryset.values_list("consumer", "message_id"))
+        rows = selected_rows(
+            self,
+            request,
+            queryset,
+            ("consumer", "message_id"),
+            "outboxer dead-letters replay --group …",
+        )
+        if rows is None:
+            return
         try:
             group, counts, others = replay_dead_letters(rows)
         except OutboxerError as exc:

@@ -60,6 +60,33 @@ WHERE consumer = :consumer OR CAST(:consumer AS text) IS NULL
 ORDER BY seq
 LIMIT :limit
 
+-- name: page_after
+-- A replay of a whole group walks it in pages of seq (keyset): memory bounded by the page.
+SELECT seq, consumer, message_id, topic, key, headers::text AS headers, content_type, payload,
+       created_at, error, attempts, held, failed_at
+FROM {dead_letters}
+WHERE consumer = :consumer AND seq > :after
+ORDER BY seq
+LIMIT :limit
+
+-- name: seq_of
+-- A replay of chosen ids puts them in arrival order before it reads their rows.
+SELECT seq FROM {dead_letters}
+WHERE consumer = :consumer AND message_id = CAST(:message_id AS uuid)
+
+-- name: one
+SELECT seq, consumer, message_id, topic, key, headers::text AS headers, content_type, payload,
+       created_at, error, attempts, held, failed_at
+FROM {dead_letters}
+WHERE consumer = :consumer AND message_id = CAST(:message_id AS uuid)
+
+-- name: key_blocked_before
+-- Whether an earlier dead letter of the key is still here (abandoned_blocks_key): one not
+-- chosen for the replay, or one that failed again in it; a dead letter behind it stays.
+SELECT 1 AS blocked FROM {dead_letters}
+WHERE consumer = :consumer AND key = :key AND seq < :seq
+LIMIT 1
+
 -- name: delete
 -- Replayed (in the transaction that applied it) or purged -> gone.
 DELETE FROM {dead_letters} WHERE consumer = :consumer AND message_id = CAST(:message_id AS uuid)

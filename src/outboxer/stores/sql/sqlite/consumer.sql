@@ -19,6 +19,28 @@ WHERE consumer = :consumer OR :consumer IS NULL
 ORDER BY seq
 LIMIT :limit
 
+-- name: page_after
+SELECT seq, consumer, message_id, topic, key, headers, content_type, payload, created_at, error,
+       attempts, held, failed_at
+FROM {dead_letters}
+WHERE consumer = :consumer AND seq > :after
+ORDER BY seq
+LIMIT :limit
+
+-- name: seq_of
+SELECT seq FROM {dead_letters} WHERE consumer = :consumer AND message_id = :message_id
+
+-- name: one
+SELECT seq, consumer, message_id, topic, key, headers, content_type, payload, created_at, error,
+       attempts, held, failed_at
+FROM {dead_letters}
+WHERE consumer = :consumer AND message_id = :message_id
+
+-- name: key_blocked_before
+SELECT 1 AS blocked FROM {dead_letters}
+WHERE consumer = :consumer AND key = :key AND seq < :seq
+LIMIT 1
+
 -- name: delete
 DELETE FROM {dead_letters} WHERE consumer = :consumer AND message_id = :message_id
 
