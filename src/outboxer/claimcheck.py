@@ -383,7 +383,12 @@ def create_object_store(url: str) -> ObjectStore:
         path = unquote(parts.netloc + parts.path)
         if not path:
             raise ConfigError("a file claim-check store needs a directory: file:///path/to/dir")
-        return FileObjectStore(path)
+        try:
+            return FileObjectStore(path)
+        except ValueError:  # a NUL or a lone surrogate: no file system can name it
+            raise ConfigError(
+                f"claim-check store {redact_url(url)!r}: {path!r} is not a usable directory path"
+            ) from None
     if parts.scheme == "s3":
         options = dict(parse_qsl(parts.query))
         unknown = set(options) - {"endpoint_url", "region", "access_key_id", "secret_access_key"}

@@ -58,7 +58,10 @@ class _Parser(argparse.ArgumentParser):
     """argparse, with its errors on one line (no usage block) and exit status 2."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
+        # argparse quotes the offending argument as given: a mistyped --db URL may carry a
+        # password, and a control character or newline would break the one-line message.
+        shown = printable(redact_text(message))
+        self.exit(EXIT_USAGE, f"{self.prog}: {shown} (see {self.prog} --help)\n")
 
 
 def _asynchronous(
@@ -689,6 +692,8 @@ def _enqueue(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"--payload is not JSON ({exc}); pass --text to send it as text"
             ) from None
+        except RecursionError:
+            raise UsageError("--payload nests arrays or objects too deeply to decode") from None
     headers = {}
     for item in args.header:
         name, sep, value = item.partition("=")
@@ -783,6 +788,12 @@ def _claim_check_sweep(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from outboxer.demo import run_demo
 
+    try:
+        os.fsencode(args.dir)
+    except UnicodeEncodeError:
+        raise UsageError(f"--dir {args.dir!r} is not a usable path") from None
+    if "\x00" in args.dir:
+        raise UsageError(f"--dir {args.dir!r} is not a usable path (it has a NUL)")
     return run_demo(args.dir)
 
 

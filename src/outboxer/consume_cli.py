@@ -58,6 +58,8 @@ if TYPE_CHECKING:
 CONSUME = ("consume",)
 #: Every command that names a group.
 GROUPS = ("consume", "dead-letters list", "dead-letters replay", "dead-letters purge")
+#: The most dead letters `dead-letters list` prints at once (as `outboxer messages`).
+DEAD_LETTERS_LIMIT = 10_000
 
 
 @dataclass(frozen=True)
@@ -192,7 +194,12 @@ def add_commands(commands: Any, add_command: AddCommand) -> None:
         settings_of="dead-letters list",
     )
     _consumer_flags(listing, "dead-letters list")
-    listing.add_argument("--limit", type=int, default=100, help="the most to list (default 100)")
+    listing.add_argument(
+        "--limit",
+        type=int,
+        default=100,
+        help=f"the most to list (default 100, at most {DEAD_LETTERS_LIMIT})",
+    )
     listing.add_argument("--json", action="store_true", help="machine-readable output")
     replay = add_command(
         actions,
@@ -353,8 +360,9 @@ async def _replay(args: argparse.Namespace) -> int:
 
 async def _list(args: argparse.Namespace) -> int:
     settings, own = _load(args)
-    if args.limit < 1:
-        raise ConfigError(f"--limit must be at least 1, not {args.limit}")
+    if not 1 <= args.limit <= DEAD_LETTERS_LIMIT:
+        # Past a bigint (or SQLite's INTEGER) the database refuses it with its own error.
+        raise ConfigError(f"--limit must be between 1 and {DEAD_LETTERS_LIMIT}, not {args.limit}")
     async with _session(settings) as session:
         letters = await session.dead_letters(own.group, args.limit)
     _print_letters([letter.as_dict() for letter in letters], as_json=args.json)

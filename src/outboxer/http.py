@@ -96,6 +96,10 @@ _ORIGIN = re.compile(r"https?://([^/?#@\s]+)", re.IGNORECASE)
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 #: What ``parse_ascii_int`` returns for a number of more digits than any limit here needs.
 _HUGE = 10**18
+#: A ``version`` parameter of an Accept media range ``/metrics`` answers by (unquoted).
+_MEDIA_VERSION = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,9}){0,5}")
+#: The media types whose ``version`` prometheus_client compares.
+_METRICS_MEDIA_TYPES = ("application/openmetrics-text", "text/plain")
 #: The blank line that ends a request head (h11 also takes bare newlines).
 _END_OF_HEAD = re.compile(rb"\r?\n\r?\n")
 #: HTTP versions answered; uvicorn hands "2.0" in a request line through as is.
@@ -343,6 +347,29 @@ def require_json(request: Request) -> None:
             + ("no Content-Type" if given is None else repr(given[:100])),
             headers={"Accept": JSON_CONTENT_TYPE},
         )
+
+
+def metrics_accept(request: Request) -> str | None:
+    """The request's Accept header, for ``Metrics.render``; BadRequest for a version it
+    cannot read.
+
+    prometheus_client compares a version of text parts with numbers: ``version=abc`` (or a
+    quoted one) raised TypeError there, a 500 (and, in the stream relay's API, a traceback).
+    """
+    accept = request.headers.get("accept")
+    for media_range in (accept or "").split(","):
+        media_type, *parameters = media_range.split(";")
+        if media_type.strip() not in _METRICS_MEDIA_TYPES:
+            continue
+        for parameter in parameters:
+            # Read as prometheus_client reads it: "version=" exactly, the value as sent.
+            name, equals, value = parameter.strip().partition("=")
+            if equals and name == "version" and not _MEDIA_VERSION.fullmatch(value):
+                raise BadRequest(
+                    f"malformed version {printable(value[:40])!r} in Accept for "
+                    f"{media_type.strip()}: use numbers such as version=1.0.0, or no version"
+                )
+    return accept
 
 
 def check_token(token: object) -> None:
@@ -673,7 +700,7 @@ class HttpApi:
     async def metrics(self, request: Request) -> Response:
         for name, statuses in (await self._statuses()).items():
             self.prometheus.observe_store_status(statuses, name)
-        body, content_type = self.prometheus.render(request.headers.get("accept"))
+        body, content_type = self.prometheus.render(metrics_accept(request))
         return Response(http.HTTPStatus.OK, body, content_type)
 
     async def status(self, request: Request) -> Response:
