@@ -119,7 +119,17 @@ async def paced_run(
             end_at = start_at + seconds
             futures = [
                 loop.run_in_executor(
-                    pool, writers.write_paced, db, rate / count, 1, start_at, end_at, KEYS, seed + i
+                    pool,
+                    writers.write_paced,
+                    db,
+                    rate / count,
+                    1,
+                    start_at,
+                    end_at,
+                    KEYS,
+                    seed + i,
+                    "enqueue",
+                    0.0 if args.in_phase else i / count,
                 )
                 for i in range(count)
             ]
@@ -194,6 +204,12 @@ def main() -> int:
     )
     parser.add_argument("--rate", type=float, default=1000.0, help="commits/s in all")
     parser.add_argument("--writers", type=int, default=4)
+    parser.add_argument(
+        "--in-phase",
+        action="store_true",
+        help="the writers commit at the same instants (bursts of --writers), as the bench's "
+        "paced writers did until 2026-11-25; by default their commits are evenly spaced",
+    )
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--profile", metavar="DIR", help="py-spy raw profiles here")

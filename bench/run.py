@@ -42,6 +42,7 @@ from brokers import (
     sink,
 )
 from harness import (
+    ADMIN_URL,
     AMQP_URL,
     DESTINATION,
     BoxMeter,
@@ -84,6 +85,9 @@ SWEEP_WRITERS = 4
 #: The load at which the sweep also runs the floor relay (bench/floor_relay.py), the control
 #: for the relay CPU target there.
 SWEEP_FLOOR_RATE = 1000
+#: The CPU of one wait of each kind a relay cycle makes (bench/wake_cost.py), measured after
+#: the sweep: figure sweep.control.<what>.
+WAKE_COSTS = ("timer_wake_us", "pg_round_trip_us", "amqp_confirm_us", "cycle_waits_us")
 #: What the sweep measures per load (figure sweep.<rate>.<what>).
 SWEEP_FIGURES = (
     ("rate", "msg/s"),
@@ -266,6 +270,8 @@ FIGURES: dict[str, list[tuple[str, str]]] = {
         (f"sweep.floor.{SWEEP_FLOOR_RATE}.per_batch", "msg"),
         (f"sweep.floor.{SWEEP_FLOOR_RATE}.consumer_p50_ms", "ms"),
         (f"sweep.{SWEEP_FLOOR_RATE}.relay_over_floor", "x"),
+        *[(f"sweep.control.{what}", "CPU us") for what in WAKE_COSTS],
+        (f"sweep.control.{SWEEP_FLOOR_RATE}.cycle_waits_us_per_msg", "CPU us/msg"),
     ],
 }
 
@@ -1011,6 +1017,8 @@ class Bench:
                         end_at,
                         self.sizes.keys,
                         i,
+                        "enqueue",
+                        i / count,
                     )
                     for i in range(count)
                 ]
@@ -1048,6 +1056,7 @@ class Bench:
                         self.sizes.keys,
                         100 + i,
                         "control",
+                        i / count,
                     )
                     for i in range(count)
                 ]
@@ -1127,6 +1136,21 @@ class Bench:
                 f"sweep.{SWEEP_FLOOR_RATE}.relay_over_floor",
                 "x",
                 relay_got["relay_cpu_us_per_msg"] / floor_got["relay_cpu_us_per_msg"],
+            )
+            waits = wake_costs()
+            for what in WAKE_COSTS:
+                self.report.add(f"sweep.control.{what}", "CPU us", waits[what])
+            # The waits alone, spread over the relay's messages per batch at this load.
+            self.report.add(
+                f"sweep.control.{SWEEP_FLOOR_RATE}.cycle_waits_us_per_msg",
+                "CPU us/msg",
+                waits["cycle_waits_us"] / relay_got["per_batch"],
+            )
+            log(
+                f"  a cycle's waits alone (idle box): {waits['cycle_waits_us']:.0f} CPU us "
+                f"(timer {waits['timer_wake_us']:.0f}, PostgreSQL round trip "
+                f"{waits['pg_round_trip_us']:.0f}, RabbitMQ confirm {waits['amqp_confirm_us']:.0f}), "
+                f"{waits['cycle_waits_us'] / relay_got['per_batch']:.0f} us/msg at the relay's batch"
             )
             log(
                 f"  floor at {SWEEP_FLOOR_RATE}/s: {floor_got['relay_cpu_us_per_msg']:.0f} CPU "
@@ -1268,6 +1292,20 @@ def table(report: Report, sections: Sequence[str]) -> str:
                 f"{_fmt(figure.high, unit):>10}  {unit:<13} {goal}"
             )
     return "\n".join(lines)
+
+
+def wake_costs() -> dict[str, float]:
+    """bench/wake_cost.py in a fresh interpreter: the CPU of each kind of wait of a cycle."""
+    script = Path(__file__).resolve().parent / "wake_cost.py"
+    done = subprocess.run(
+        [sys.executable, str(script), ADMIN_URL],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    figures: dict[str, float] = json.loads(done.stdout)
+    return figures
 
 
 def sweep_table(report: Report) -> str:

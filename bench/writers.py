@@ -211,8 +211,15 @@ def write_paced(
     keys: int,
     seed: int,
     mode: str = "enqueue",
+    phase: float = 0.0,
 ) -> dict[str, Any]:
     """Commit a transaction of ``messages`` enqueued messages every 1/rate s; record commit times.
+
+    ``phase`` (0 to 1) shifts this writer's schedule by that share of its period: N writers
+    at phases 0, 1/N, … commit evenly spaced at N x rate in all. Without it they would all
+    commit at the same instants, a burst of N every period (a rate of N bursts, not of
+    commits: later commits of a burst wait for the first, and the relay's loops wake for
+    rows another loop has just claimed).
 
     ``mode="control"`` writes the same events into a plain table instead (no outboxer code).
 
@@ -226,7 +233,7 @@ def write_paced(
         _transaction(conn, rnd, keys, "bare")
         n = 0
         while True:
-            due = start_at + n / rate
+            due = start_at + (n + phase) / rate
             if due >= end_at:
                 break
             wait = due - time.time()

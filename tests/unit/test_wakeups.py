@@ -6,6 +6,7 @@ import asyncio
 
 from outboxer.stores.wakeups import (
     CHASE_SECONDS,
+    COVER_SECONDS,
     LISTEN_AGAIN,
     PROBE_EVERY,
     PROBE_SECONDS,
@@ -31,9 +32,30 @@ async def test_a_nudge_wakes_one_waiting_loop_of_its_destination_only() -> None:
     wakeups.nudge("a")
     await asyncio.sleep(0.01)
     assert [first.done(), second.done()] == [True, False], "one nudge, one loop"
+    wakeups.reset("a")  # the woken loop's claim began: the next commit needs another loop
     wakeups.nudge("a")
     assert await first is True and await second is True
     assert await other is False, "destination b was not nudged"
+
+
+async def test_a_nudge_is_left_to_a_woken_loop_whose_claim_has_not_begun() -> None:
+    """A burst of commits NOTIFYs once each: the claim of the loop the first one woke takes
+    them all (it is sent after they are visible), so the burst wakes one loop, not one per
+    commit; a loop held up before its claim stops covering the others after COVER_SECONDS."""
+    clock = Clock()
+    wakeups = WakeUps(clock)
+    first, second = (asyncio.create_task(wakeups.wait("a", 5)) for _ in range(2))
+    await asyncio.sleep(0.01)
+    for _ in range(4):  # one burst, four NOTIFYs
+        wakeups.nudge("a")
+    await asyncio.sleep(0.01)
+    assert [first.done(), second.done()] == [True, False], "the first claim covers the burst"
+    clock.now += COVER_SECONDS + 0.001  # the woken loop never claimed
+    wakeups.nudge("a")
+    assert await second is True, "no longer covered: another loop wakes"
+    wakeups.reset("a")
+    wakeups.nudge("a")
+    assert await wakeups.wait("a", 0.01) is True, "after a claim began, a nudge counts again"
 
 
 async def test_a_nudge_nobody_waited_for_wakes_the_next_wait_until_a_reset() -> None:
@@ -79,6 +101,7 @@ async def test_after_work_one_loop_per_destination_chases_the_others_wait_for_a_
     second = asyncio.create_task(wakeups.chase("a", 30))
     await asyncio.sleep(0)
     wakeups.nudge("a")  # each nudge wakes one waiting loop, the first to wait first
+    wakeups.reset("a")  # (its claim began)
     wakeups.nudge("a")
     assert await nudged is True and await second is True
     clock.now += CHASE_SECONDS + 0.001
