@@ -9,6 +9,7 @@ the error a cut connection raises (2013) is raised instead of the answer."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -26,16 +27,25 @@ LOCK_SECONDS = 60.0  # far beyond the test's patience
 
 
 @pytest.fixture
-def lose_next_commit(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
-    """Arm (append True) to lose the answer of the next COMMIT the store sends."""
+def lose_next_commit(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
+    """Arm (append True, or the connection whose COMMIT it must be) to lose the answer of
+    the next COMMIT the store sends.
+
+    Only a COMMIT sent from this test's thread: the patch is process-wide, and the
+    ``mysql_url`` fixture makes the next test's database meanwhile in a thread of its own
+    (its schema apply commits too). Taking that COMMIT instead of the claim's failed this
+    test (the claim raised nothing) and the next one's set-up (a flaky test, seen in CI).
+    Likewise a running relay's other tasks (its cleanup) commit on other connections of
+    its pool while a claim waits: a relay test names the claim's connection."""
     import aiomysql
 
-    armed: list[bool] = []
+    armed: list[Any] = []
     commit = aiomysql.Connection.commit
+    owner = threading.get_ident()
 
     async def committed_then_cut(self: Any) -> None:
         await commit(self)
-        if armed:
+        if armed and armed[0] in (True, self) and threading.get_ident() == owner:
             armed.clear()
             self.close()
             raise aiomysql.OperationalError(2013, "Lost connection to server during query")
@@ -68,7 +78,7 @@ async def claim(store: Any, relay: str = "r1") -> Any:
 
 
 async def test_rows_of_a_lost_claim_go_back_at_the_next_claim(
-    mysql_url: str, lose_next_commit: list[bool]
+    mysql_url: str, lose_next_commit: list[Any]
 ) -> None:
     sent = enqueue(mysql_url, ("t", "k0"), ("t", "k1"), ("t", "k0"), ("t", None))
     async with outboxer.create_store(mysql_url) as store:
@@ -85,7 +95,7 @@ async def test_rows_of_a_lost_claim_go_back_at_the_next_claim(
 
 
 async def test_a_row_recovered_by_a_lost_claim_is_recovered_alone_again(
-    mysql_url: str, lose_next_commit: list[bool]
+    mysql_url: str, lose_next_commit: list[Any]
 ) -> None:
     dead, *rest = enqueue(mysql_url, ("t", "k0"), ("t", "k1"), ("t", "k2"))
     execute(
@@ -106,7 +116,7 @@ async def test_a_row_recovered_by_a_lost_claim_is_recovered_alone_again(
 
 
 async def test_rows_taken_over_since_are_left_alone(
-    mysql_url: str, lose_next_commit: list[bool]
+    mysql_url: str, lose_next_commit: list[Any]
 ) -> None:
     first, second = enqueue(mysql_url, ("t", "a"), ("t", "b"))
     async with outboxer.create_store(mysql_url) as store:
@@ -125,7 +135,7 @@ async def test_rows_taken_over_since_are_left_alone(
 
 
 async def test_a_relay_publishes_the_rows_of_its_lost_claim_promptly(
-    mysql_url: str, lose_next_commit: list[bool], monkeypatch: pytest.MonkeyPatch
+    mysql_url: str, lose_next_commit: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sent = enqueue(mysql_url, ("t", "k0"), ("t", "k1"), ("t", "k0"), ("t", "k1"))
     execute_named = MySQLStore._execute
@@ -133,7 +143,7 @@ async def test_a_relay_publishes_the_rows_of_its_lost_claim_promptly(
     async def arming(self: Any, cursor: Any, name: str, params: Any = None) -> int:
         if name == "claim_update" and not hasattr(self, "lost_one"):
             self.lost_one = True  # the relay's first claim that takes rows loses its answer
-            lose_next_commit.append(True)
+            lose_next_commit.append(cursor.connection)
         return await execute_named(self, cursor, name, params)
 
     monkeypatch.setattr(MySQLStore, "_execute", arming)
