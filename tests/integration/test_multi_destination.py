@@ -67,14 +67,21 @@ envelope = "stripped"
 
         async def internal_done_partner_down() -> bool:
             rows = by_destination(pg_url)
-            return all(s == "PUBLISHED" for s, _ in rows["internal"]) and any(
-                "broker partner" in problem for problem in relay.health_problems()
+            return (
+                all(s == "PUBLISHED" for s, _ in rows["internal"])
+                and any("broker partner" in problem for problem in relay.health_problems())
+                # The publisher reports the broker down as soon as its connection fails,
+                # before the batch it was publishing is given back: wait for that too.
+                and rows["partner"] == [("PENDING", 0)] * 6
             )
 
         await eventually(internal_done_partner_down, timeout=20)
         # Refused connections are no attempt: the partner's rows wait, untried, for its
-        # receiver, however long it is down.
+        # receiver, however long it is down. The relay probes the receiver and claims
+        # nothing meanwhile: several back-offs later the rows are still untouched.
+        await asyncio.sleep(1.5)
         assert by_destination(pg_url)["partner"] == [("PENDING", 0)] * 6
+        assert any("broker partner" in problem for problem in relay.health_problems())
 
         receiver = HookServer(port=port)
         await receiver.start()
