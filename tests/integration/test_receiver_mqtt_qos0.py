@@ -44,15 +44,26 @@ async def publish(topic: str, numbers: range) -> None:
     assert all(o.published for o in outcomes), outcomes
 
 
-async def publish_foreign(topic: str, numbers: range, qos: int = 0) -> None:
-    """Another MQTT client, with the envelope as properties, at ``qos``."""
+async def publish_foreign(
+    topic: str, numbers: range, qos: int = 0, *, then: range = range(0)
+) -> None:
+    """Another MQTT client, with the envelope as properties, at ``qos``; then ``then`` at QoS 1
+    on the same connection, so that the broker has taken every earlier one when it answers.
+
+    Each call is a client of its own: a QoS 0 publish is done once written to the socket,
+    and a second connection with the same client id made the broker close the first one
+    before it had read the rest (the broker's log: "already connected, closing old
+    connection"), losing those messages."""
     async with aiomqtt.Client(
-        "127.0.0.1", 1883, protocol=aiomqtt.ProtocolVersion.V5, identifier=f"foreign-{topic}"
+        "127.0.0.1",
+        1883,
+        protocol=aiomqtt.ProtocolVersion.V5,
+        identifier=f"foreign-{uuid.uuid4().hex[:12]}",
     ) as client:
-        for n in numbers:
+        for n, message_qos in [(n, qos) for n in numbers] + [(n, 1) for n in then]:
             message = make_message(topic, {"n": n}, key=f"k{n}")
             await client.publish(
-                topic, message.payload, qos=qos, properties=publish_properties(message)
+                topic, message.payload, qos=message_qos, properties=publish_properties(message)
             )
 
 
@@ -118,8 +129,7 @@ async def test_qos0_messages_waiting_are_bounded_by_prefetch() -> None:
     await receiver.connect()
     try:
         # Nothing is received meanwhile: all ten wait (a QoS 1 message follows them).
-        await publish_foreign(topic, range(10))
-        await publish_foreign(topic, range(10, 11), qos=1)
+        await publish_foreign(topic, range(10), then=range(10, 11))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 5
         while receiver.qos0_dropped < 7 and loop.time() < deadline:
