@@ -80,6 +80,14 @@ NOT_ALONE = Outcome(
 #: After a batch whose keys a claim may have passed over: how long the batch's loop leaves
 #: the claim that takes their next rows to another loop (see Relay._loop).
 FREED_KEY_GRACE = 0.01
+#: A claim of one of several databases still unanswered after this long is taken for hung
+#: (its database stopped answering): the RecoveryGate stops counting it (park_claim).
+#: Claims answer in milliseconds, a slow one under lock waits in a few hundred.
+HUNG_CLAIM = 1.0
+#: A batch given back unpublished: claimed while another database's recovered row was held.
+BESIDE_RECOVERY = Outcome(
+    OutcomeKind.SKIPPED, "not attempted: another database's recovered row is published alone"
+)
 
 
 @dataclass
@@ -201,6 +209,13 @@ class RecoveryGate:
     unsettled would stop the others' recoveries, and a recovered row whose database went
     down before its settle would stop every database's claims, until it came back. Only a
     gate of several databases parks (``parks``): a relay alone has no others to hold up.
+
+    A claim unanswered for ``HUNG_CLAIM`` is parked too (``park_claim``): its database may
+    be hanging, and the claim with it for the driver's timeout (a minute) or for ever. It
+    no longer counts as held nor holds the recovery slot, or one database that hangs would
+    stop every other's recoveries, and with them their claims. What a parked claim brings
+    back while a recovered row is held or may be claimed is never held beside it: it is
+    given back unpublished (``claimed`` returns False).
     """
 
     def __init__(self, stopping: asyncio.Event | None = None, *, parks: bool = False) -> None:
@@ -255,9 +270,41 @@ class RecoveryGate:
             self.recovery_claim = True
         return recover
 
-    def claimed(self, batch: Claim | None, recover: bool, database: str = DEFAULT_DATABASE) -> None:
+    def park_claim(self, claim: HeldBatch, recover: bool) -> None:
+        """``claim`` (under way) is taken for hung: it stops counting, and gives up the
+        recovery slot if it held it (once)."""
+        if claim.parked or not self.parks:
+            return
+        claim.parked = True
+        self._parked[claim.database] = self._parked.get(claim.database, 0) + 1
+        if recover:
+            self.recovery_claim = False
+        self._notify()
+
+    def claimed(
+        self,
+        batch: Claim | None,
+        recover: bool,
+        database: str = DEFAULT_DATABASE,
+        claim: HeldBatch | None = None,
+    ) -> bool:
         """After a claim that was allowed to recover or not (``batch`` None: it failed or
-        was cancelled). Every claim ``enter_claim`` let run reports here, exactly once."""
+        was cancelled). Every claim ``enter_claim`` let run reports here, exactly once,
+        with the ``claim`` given to ``park_claim`` if any.
+
+        Returns whether the batch may be published. False: the claim was parked, and a
+        recovered row is held meanwhile, or may be (a recovery claim is under way); the
+        caller gives the batch back unpublished, then calls ``settled(recovered=False)``."""
+        if claim is not None and claim.parked:
+            claim.parked = False
+            self._parked[database] -= 1
+            if bool(batch) and (self.recovering or self.recovery_claim):
+                # Nobody waited for it: held now, it would be beside that recovered row.
+                if batch is not None and batch.recovery_waiting:
+                    self._waiting.add(database)
+                self._notify()
+                return False
+            recover = False  # its slot was given up: it is not this claim's to release
         if recover:
             self.recovery_claim = False
             if not (batch is not None and batch.recovered):
@@ -271,6 +318,7 @@ class RecoveryGate:
             self.recovering = True
         if not batch:
             self.settled(recovered=False, database=database)
+        return True
 
     def park(self, held: HeldBatch) -> None:
         """``held``'s settle waits for its database: it stops counting (once)."""
@@ -907,6 +955,16 @@ class Relay:
             recover = await self._gate.enter_claim(self.database, self._stopping)
             if recover is None:
                 return
+            under_way = HeldBatch(self.database, recovered=False)
+            # Only a gate of several databases sets a hung claim aside: a relay alone
+            # spends no timer a claim on it.
+            hung = (
+                asyncio.get_running_loop().call_later(
+                    HUNG_CLAIM, self._gate.park_claim, under_way, recover
+                )
+                if self._gate.parks
+                else None
+            )
             self.store.reset_wakeup(destination)
             self._claims_sent[destination] += 1
             started = time.perf_counter()
@@ -924,13 +982,22 @@ class Relay:
                 )
             except asyncio.CancelledError:
                 # A forced shutdown: the gate must not keep this claim's recovery slot.
-                self._gate.claimed(None, recover, self.database)
+                if hung is not None:
+                    hung.cancel()
+                self._gate.claimed(None, recover, self.database, under_way)
                 raise
             except Exception as exc:  # noqa: BLE001 -- database outage: log, back off, resume by itself
-                self._gate.claimed(None, recover, self.database)
+                if hung is not None:
+                    hung.cancel()
+                self._gate.claimed(None, recover, self.database, under_way)
                 await claims.back_off(exc)
                 continue
-            self._gate.claimed(batch, recover, self.database)
+            if hung is not None:
+                hung.cancel()
+            if not self._gate.claimed(batch, recover, self.database, under_way):
+                claims.over()
+                await self._give_back(destination, batch)
+                continue
             claims.over()
             claim_seconds = time.perf_counter() - started
             for stats in self._stats(destination):
@@ -984,6 +1051,47 @@ class Relay:
                 # Caught up: a claim at once would take the few rows committed meanwhile, at
                 # the cost of two transactions. A short wait gathers a larger batch.
                 await self._wait_for_work(destination, settings.poll_interval)
+
+    async def _give_back(self, destination: str, batch: Claim) -> None:
+        """Give back, unpublished, a batch of a claim that hung while a recovered row was
+        claimed or held (RecoveryGate.park_claim)."""
+        self.log.info(
+            "destination %s: a claim answered after %.0fs, while a recovered message is "
+            "published alone: its %d message(s) go back to the queue",
+            destination,
+            HUNG_CLAIM,
+            len(batch),
+        )
+        given_back = HeldBatch(self.database, recovered=False)
+        try:
+            if batch.recovered:
+                # Released, it would be claimed again as an ordinary row, beside others:
+                # its lease ends now instead, and it is recovered again, alone.
+                try:
+                    await asyncio.shield(
+                        self.store.renew(destination, batch.lease, [m.stored_seq for m in batch], 0)
+                    )
+                except Exception as exc:  # noqa: BLE001 -- the lease then ends by itself
+                    self.log.warning(
+                        "destination %s: could not end the lease of recovered message(s) %s "
+                        "given back unpublished (%s); recovered again when it expires",
+                        destination,
+                        ", ".join(str(m.id) for m in batch),
+                        describe(exc),
+                    )
+                return
+            settle = asyncio.ensure_future(
+                self._settle(destination, batch, [BESIDE_RECOVERY] * len(batch), given_back)
+            )
+            try:
+                # A forced shutdown lets it finish: cut short, its rows would stay in flight
+                # until their lease expires, and be charged an attempt.
+                await asyncio.shield(settle)
+            except asyncio.CancelledError:
+                await settle
+                raise
+        finally:
+            self._gate.settled(False, self.database, parked=given_back.parked)
 
     def _log_abandoned(self, destination: str, batch: Claim) -> None:
         """Say what the claim gave up, and that it recovers a row alone."""
