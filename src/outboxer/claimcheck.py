@@ -12,7 +12,9 @@ headers:
   destination). The random part means a put never overwrites another's object, not even
   when an ``enqueue`` with an id already in the outbox fails on the duplicate.
 - ``outboxer-claim-check-size`` and ``outboxer-claim-check-sha256``: checked by the consumer
-  on fetch, so a truncated or swapped object is an error, never a wrong payload.
+  on fetch, so a truncated or swapped object is an error, never a wrong payload. Both are
+  required: a reference without them (a row forged by hand) is refused, so a fetch only
+  ever returns bytes whose digest the row's writer already knew.
 - ``outboxer-claim-check-content-type``: the payload's content type; the message itself
   says ``application/octet-stream`` until the payload is fetched.
 
@@ -29,10 +31,12 @@ object store never holds the plaintext of an encrypted outbox.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import os
 import re
 import secrets
+import stat
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
@@ -106,7 +110,8 @@ class ObjectName:
 
     @classmethod
     def parse(cls, name: str) -> ObjectName | None:
-        match = _NAME.match(name)
+        # fullmatch: ``$`` alone also matches before a trailing newline.
+        match = _NAME.fullmatch(name)
         if match is None:
             return None
         return cls(name, match.group("id"), unquote(match.group("destination")))
@@ -209,12 +214,30 @@ class FileObjectStore(ObjectStore):
         sync_directory(self.directory)
 
     def get(self, name: str) -> bytes:
+        # Only a regular file put wrote: O_NOFOLLOW refuses a symbolic link planted under an
+        # object's name (it could point anywhere: /etc/shadow, another store), O_NONBLOCK
+        # keeps a planted FIFO from blocking the open for ever, and fstat refuses it, a
+        # device or a directory before any read.
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
         try:
-            return self._path(name).read_bytes()
+            descriptor = os.open(self._path(name), flags)
         except FileNotFoundError:
             raise ObjectNotFoundError(
                 f"claim-check object {name} is not in {self.directory}"
             ) from None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise ClaimCheckError(
+                    f"claim-check object {name} in {self.directory} is a symbolic link, "
+                    "not an object outboxer wrote"
+                ) from None
+            raise
+        with open(descriptor, "rb") as file:
+            if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+                raise ClaimCheckError(
+                    f"claim-check object {name} in {self.directory} is not a regular file"
+                )
+            return file.read()
 
     def delete(self, name: str) -> bool:
         try:
@@ -391,6 +414,9 @@ def create_object_store(url: str) -> ObjectStore:
             ) from None
     if parts.scheme == "s3":
         options = dict(parse_qsl(parts.query))
+        # The endpoint is a URL inside the query: its password is no query value that
+        # register_url_secrets above knows, and every error below quotes the store's URL.
+        register_url_secrets(options.get("endpoint_url"))
         unknown = set(options) - {"endpoint_url", "region", "access_key_id", "secret_access_key"}
         if unknown:
             raise ConfigError(
@@ -465,13 +491,13 @@ class ClaimCheck:
 
 def _restore(message: Message, data: bytes) -> Message:
     name = message.headers[HEADER_CLAIM_CHECK]
-    size = message.headers.get(HEADER_CLAIM_CHECK_SIZE)
-    digest = message.headers.get(HEADER_CLAIM_CHECK_SHA256)
-    if size is not None and size != str(len(data)):
+    size = message.headers[HEADER_CLAIM_CHECK_SIZE]  # both there: see _checked_reference
+    digest = message.headers[HEADER_CLAIM_CHECK_SHA256]
+    if size != str(len(data)):
         raise ObjectMismatchError(
             f"claim-check object {name} holds {len(data)} bytes; message {message.id} says {size}"
         )
-    if digest is not None and hashlib.sha256(data).hexdigest() != digest:
+    if hashlib.sha256(data).hexdigest() != digest:
         raise ObjectMismatchError(
             f"claim-check object {name} does not match the SHA-256 message {message.id} carries"
         )
@@ -489,6 +515,16 @@ def _checked_reference(message: Message) -> str:
         # A message may only fetch its own object, never another message's.
         raise ClaimCheckError(
             f"message {message.id} refers to claim-check object {name} of another message"
+        )
+    if HEADER_CLAIM_CHECK_SIZE not in message.headers or (
+        HEADER_CLAIM_CHECK_SHA256 not in message.headers
+    ):
+        # ClaimCheck always writes both. Without them any readable object would do, so a
+        # hand-written row could have a consumer fetch bytes nobody vouched for; checked
+        # before the store is touched.
+        raise ObjectMismatchError(
+            f"message {message.id} refers to claim-check object {name} without its size "
+            "and SHA-256: not a reference outboxer wrote"
         )
     return name
 

@@ -16,6 +16,7 @@ sweep, never a row without its object).
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -153,6 +154,11 @@ def sweep_claim_checks(settings: Settings) -> int | None:
         store.close()
 
 
+#: Seconds before the start of the oldest open transaction from which the sweep keeps
+#: objects: the enqueue's put comes before its INSERT, and hosts' clocks differ a little.
+OPEN_TRANSACTION_MARGIN = 300.0
+
+
 @dataclass
 class RotationResult:
     #: Rows now encrypted under the current key.
@@ -246,8 +252,26 @@ class PayloadTable:
         return list(cursor.fetchall())
 
     def sweep(self, store: ObjectStore, *, grace: float) -> int:
-        """Delete the objects older than ``grace`` seconds that no row refers to."""
-        return sweep_orphans(store, self.referenced, grace=grace)
+        """Delete the objects older than ``grace`` seconds that no row refers to, and on
+        PostgreSQL none written since the oldest transaction still open began."""
+        now = time.time()
+        began = self._oldest_transaction()
+        if began is not None:
+            # The sweep deletes objects older than now - grace. An enqueue's transaction open
+            # for longer than the grace (a batch job, a session left idle in transaction)
+            # would otherwise lose its objects and commit references to nothing, which
+            # every consumer then fails to fetch. Its put may precede its first statement
+            # (enqueue offloads before the INSERT), and the store's clock may not be the
+            # database's: hence the margin.
+            now = min(now, began - OPEN_TRANSACTION_MARGIN + grace)
+        return sweep_orphans(store, self.referenced, grace=grace, now=now)
+
+    def _oldest_transaction(self) -> float | None:
+        if "oldest_transaction" not in self._sql:  # MariaDB, SQLite: the grace alone
+            return None
+        with self._transaction():
+            row = self._run("oldest_transaction", {}).fetchone()
+        return None if row is None or row[0] is None else float(row[0])
 
     # ----- key rotation ----------------------------------------------------------------------
 

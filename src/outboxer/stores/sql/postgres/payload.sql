@@ -8,6 +8,20 @@ SELECT headers->>'outboxer-claim-check' AS name
 FROM {outbox}
 WHERE headers->>'outboxer-claim-check' = ANY(:names)
 
+-- name: oldest_transaction
+-- When the oldest transaction still open in this database began (Unix time; NULL if none),
+-- the sweep's own session aside: the sweep keeps every object written since, as that
+-- transaction may yet commit a row that refers to one, however long it has been open.
+-- Client sessions only (an autovacuum worker's long transaction enqueues nothing). A role
+-- without pg_read_all_stats sees no xact_start of other roles' sessions: for those, the
+-- grace period alone protects.
+SELECT extract(epoch FROM min(xact_start))::float8 AS began
+FROM pg_stat_activity
+WHERE datname = current_database()
+  AND backend_type = 'client backend'
+  AND pid <> pg_backend_pid()
+  AND xact_start IS NOT NULL
+
 -- name: rotation_batch
 -- The next rows to re-encrypt: unfinished, not claimed by a relay (PROCESSING), encrypted
 -- under another key than the current one; in seq order after the previous batch.
