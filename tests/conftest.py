@@ -32,6 +32,7 @@ SERIAL = (
     "tests/integration/test_broker_connect_leaks.py",
     "tests/integration/test_receiver_connect_leaks.py",
     "tests/unit/test_config_audit_logs.py",
+    "tests/integration/test_audit11_webhook_trickled_headers.py",
     "tests/integration/test_audit11_group_stalled_claim_recovery.py",
 )
 _ROOT = Path(__file__).resolve().parent.parent

@@ -68,6 +68,9 @@ RESERVED_NAMES = frozenset(
 OPTIONS = ("secret", "max_connections", "retry_statuses", "timeout")
 DEFAULT_RETRY_STATUSES = frozenset({408, 429, *range(500, 600)})
 DEFAULT_MAX_CONNECTIONS = 64
+#: How far past ``timeout`` a request may wait for the receiver's status and headers in
+#: all (connect, send, the head): past httpx's own connect timeout, so that one still wins.
+HEAD_DEADLINE_MARGIN = 1.0
 DEFAULT_TIMEOUT = 10.0
 #: The most of a response body read (an error answer's excerpt comes from it).
 RESPONSE_READ_BYTES = 4096
@@ -213,7 +216,8 @@ class WebhookPublisher(Publisher):
     - ``max_connections`` (default 64): requests in flight and pooled connections.
     - ``retry_statuses`` (default ``408,429,5xx``): statuses that fail retryably;
       any other non-2xx status fails for good.
-    - ``timeout`` (seconds, default 10): connect, read and write timeout of one request.
+    - ``timeout`` (seconds, default 10): connect, read and write timeout of one request; a
+      request waits at most a second more in all for the receiver's status and headers.
     - ``headers`` (keyword only): static headers sent with every request (e.g. Authorization).
     - ``verify`` (keyword only, default True): TLS verification, as httpx takes it
       (False, a CA bundle path, or an ``ssl.SSLContext``).
@@ -384,12 +388,27 @@ class WebhookPublisher(Publisher):
         headers = self.request_headers(message)
         async with lanes.borrow() as client:
             try:
-                async with client.stream(
-                    "POST", url, content=message.payload, headers=headers
-                ) as response:
+                # httpx's timeout bounds each read and write, not the request: a receiver
+                # trickling its status line and headers a byte at a time held the request
+                # until the relay's publish_timeout, which then failed the whole wave, the
+                # messages other receivers had already acknowledged among them. The deadline
+                # is a little past ``timeout``: a connect that hangs for all of it must end
+                # in httpx's ConnectTimeout (no attempt, the relay reconnects), not here.
+                async with (
+                    asyncio.timeout(self.timeout + HEAD_DEADLINE_MARGIN) as deadline,
+                    client.stream(
+                        "POST", url, content=message.payload, headers=headers
+                    ) as response,
+                ):
+                    deadline.reschedule(None)  # the status is here; _read_head has its own
                     # Leaving the block closes the response: its connection is dropped if
                     # the body was not read to the end.
                     head, cut_short = await _read_head(response)
+            except TimeoutError as exc:
+                raise PublishError(
+                    f"request to {_safe(url)} failed: TimeoutError: no status and headers "
+                    f"within {self.timeout + HEAD_DEADLINE_MARGIN:g}s"
+                ) from exc
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 # No connection, so no request: the receiver never saw the message (no
                 # attempt), and the relay reconnects, which probes the endpoint (_connect).

@@ -153,6 +153,9 @@ class WebhookReceiver:
         self._executor: ThreadPoolExecutor | None = None
         self._starting = asyncio.Lock()
         self._failures: OrderedDict[Any, int] = OrderedDict()
+        #: Requests' transactions, shielded from their request's cancellation (see handle);
+        #: held here, or the event loop's weak reference alone would keep them.
+        self._in_flight: set[asyncio.Future[tuple[int, dict[str, Any], dict[str, str]]]] = set()
 
     @property
     def stats(self) -> Any:
@@ -276,7 +279,26 @@ class WebhookReceiver:
             logger.warning("webhook receiver cannot start: %s", describe(exc))
             return 503, {"error": "the database does not answer"}, {"retry-after": "5"}
         assert self._sessions is not None
-        session = await self._sessions.get()
+        sessions = self._sessions
+        session = await sessions.get()
+        # Shielded: a request cancelled mid-transaction (the server cancels it when the client
+        # hangs up or at shutdown, or a timeout around the app does) used to hand its session
+        # back at once while the transaction went on (a sync driver's call runs in a thread,
+        # which no cancellation stops). The next request to get it ran its handler on the
+        # same connection, inside that open transaction: with psycopg it failed with a 503
+        # although nothing was wrong with it; with a driver that does not notice, one commit
+        # takes the other's half-done writes and inbox claim along, or one rollback undoes an
+        # acknowledged message. The work now ends (commit or rollback) before its session
+        # serves another request.
+        work = asyncio.ensure_future(self._apply_on(sessions, session, incoming))
+        self._in_flight.add(work)
+        work.add_done_callback(self._in_flight.discard)
+        return await asyncio.shield(work)
+
+    async def _apply_on(
+        self, sessions: asyncio.Queue[Session], session: Session, incoming: Any
+    ) -> tuple[int, dict[str, Any], dict[str, str]]:
+        """``_apply`` on ``session``, which goes back to ``sessions`` once it is done."""
         try:
             return _redacted(await self._apply(session, incoming))
         except Exception as exc:  # noqa: BLE001 -- recording a dead letter failed: retried
@@ -287,7 +309,7 @@ class WebhookReceiver:
             error = redact_text(f"database error: {describe(exc)}")
             return 503, {"error": error}, {"retry-after": "1"}
         finally:
-            self._sessions.put_nowait(session)
+            sessions.put_nowait(session)
 
     async def _apply(
         self, session: Session, incoming: Any
