@@ -148,11 +148,36 @@ class Publisher(ABC):
         )
 
     async def _publish_wave(self, messages: Sequence[Message]) -> list[BaseException | None]:
-        """Publish independent messages together; one result per message (None = confirmed)."""
-        results = await asyncio.gather(
-            *(self._publish_one(message) for message in messages), return_exceptions=True
-        )
-        return [result if isinstance(result, BaseException) else None for result in results]
+        """Publish independent messages together; one result per message (None = confirmed).
+
+        The wave ends at ``_wave_deadline``, before the base class's ``publish_timeout``:
+        that one fails the whole wave, the messages already confirmed included (counted an
+        attempt and published again). A message unanswered by then times out on its own.
+        """
+        tasks = [asyncio.ensure_future(self._publish_one(message)) for message in messages]
+        try:
+            await asyncio.wait(tasks, timeout=self._wave_remaining(self._wave_deadline()))
+        finally:
+            for task in tasks:
+                task.cancel()  # no-op for the finished ones
+            # Cancelled ones release what they hold (a connection) before the wave ends.
+            await asyncio.wait(tasks)
+        return [self._wave_timed_out() if task.cancelled() else task.exception() for task in tasks]
+
+    def _wave_deadline(self) -> float:
+        """The loop time a wave stops waiting for confirmations: a little before
+        ``publish_timeout``, so the outcomes known by then are kept (see _publish_wave)."""
+        margin = min(1.0, self.publish_timeout / 10)
+        return asyncio.get_running_loop().time() + self.publish_timeout - margin
+
+    @staticmethod
+    def _wave_remaining(deadline: float) -> float:
+        return max(0.0, deadline - asyncio.get_running_loop().time())
+
+    def _wave_timed_out(self) -> TimeoutError:
+        """A message of a wave that the broker did not answer in time: retryable, and a
+        connection error (the relay checks the connection before going on)."""
+        return TimeoutError(f"broker did not confirm within {self.publish_timeout}s")
 
     def is_connection_error(self, exc: BaseException) -> bool:
         """Whether ``exc`` means the connection is gone (the relay reconnects before going on)."""
@@ -314,8 +339,9 @@ class Publisher(ABC):
             async with asyncio.timeout(self.publish_timeout):
                 results = await self._publish_wave(messages)
         except TimeoutError:
-            error = TimeoutError(f"broker did not confirm within {self.publish_timeout}s")
-            return [error] * len(messages)
+            # A backstop: adapters end their waves at _wave_deadline with each message's own
+            # outcome; this one loses the outcomes already known.
+            return [self._wave_timed_out()] * len(messages)
         except Exception as exc:  # noqa: BLE001 -- an adapter bug or a dropped connection: fail the wave, keep the relay
             logger.warning("publish wave failed: %s", describe(exc))
             return [exc] * len(messages)
@@ -370,6 +396,7 @@ class AckedPublisher(Publisher, Generic[AckT]):
         lost = self._connection_lost_event()
         if lost is None or lost.is_set():
             return [NotSent(self._connection_error("is not open"))] * len(messages)
+        deadline = self._wave_deadline()
         results: list[BaseException | None] = [None] * len(messages)
         pending: dict[int, asyncio.Future[AckT]] = {}
         try:
@@ -384,18 +411,28 @@ class AckedPublisher(Publisher, Generic[AckT]):
                 acks = asyncio.gather(*pending.values(), return_exceptions=True)
                 watcher = asyncio.ensure_future(lost.wait())
                 try:
-                    await asyncio.wait((acks, watcher), return_when=asyncio.FIRST_COMPLETED)
+                    # Until the deadline at most: the acks already in are kept (see
+                    # Publisher._publish_wave), the missing ones time out on their own.
+                    await asyncio.wait(
+                        (acks, watcher),
+                        timeout=self._wave_remaining(deadline),
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
                 finally:
                     watcher.cancel()
         finally:
             for future in pending.values():
-                future.cancel()  # no-op for the acknowledged ones
+                future.cancel()  # no-op for the acknowledged ones; a late ack is dropped
         for index, message in enumerate(messages):
             if index not in pending:
                 if results[index] is None:  # not sent: the connection broke before its turn
                     results[index] = NotSent(self._connection_error("was lost before publishing"))
             elif (ack := pending[index]).cancelled():
-                results[index] = self._connection_error("was lost before the ack")
+                results[index] = (
+                    self._connection_error("was lost before the ack")
+                    if lost.is_set()
+                    else self._wave_timed_out()
+                )
             else:
                 results[index] = self._ack_error(message, ack.result())
         return results

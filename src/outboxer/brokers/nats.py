@@ -252,6 +252,8 @@ class NatsPublisher(AckedPublisher[Msg]):
         self._inbox = ""
         self._replies: dict[str, asyncio.Future[Msg]] = {}
         self._tokens = itertools.count()
+        #: A PubAck said no stream listens on a subject (see ``_recreate_stream``).
+        self._stream_missing = False
 
     def subject_for(self, message: Message) -> str:
         return self.subject_prefix + self.destination_for(message)
@@ -382,6 +384,7 @@ class NatsPublisher(AckedPublisher[Msg]):
         """None if ``reply`` is a PubAck, else the error it means."""
         subject = self.subject_for(message)
         if reply.headers and reply.headers.get(Header.STATUS) == "503":
+            self._stream_missing = True
             return PublishError(f"no JetStream stream listens on subject {subject!r}")
         try:
             answer = json.loads(reply.data)
@@ -413,6 +416,8 @@ class NatsPublisher(AckedPublisher[Msg]):
             results = await super()._publish_wave(messages)
         finally:
             _DUPLICATES.reset(token)
+        if self._stream_missing:
+            await self._recreate_stream()
         if found:
             position = {id(message): index for index, message in enumerate(messages)}
             checks = await asyncio.gather(
@@ -422,6 +427,23 @@ class NatsPublisher(AckedPublisher[Msg]):
                 if error is not None:
                     results[position[id(message)]] = error
         return results
+
+    async def _recreate_stream(self) -> None:
+        """With ``create_stream``, create the stream again once a publish found no stream on
+        its subject: the stream was deleted while the relay ran (by an operator, or with a
+        server that lost its storage). It was created only at connect, and the connection
+        stays up, so every message failed "no JetStream stream listens" until its attempts
+        ran out. The messages of this wave stay failed (retryable); their retry is stored."""
+        self._stream_missing = False
+        js = self._js
+        if not self.create_stream or js is None:
+            return
+        try:
+            await self.ensure_stream(js)
+        except (PublishError, nats.errors.Error, TimeoutError) as exc:
+            logger.warning("cannot create JetStream stream %s again: %s", self.stream, exc)
+        else:
+            logger.warning("JetStream stream %s was missing: created it again", self.stream)
 
     async def _duplicate_error(self, message: Message, ack: PubAck) -> PublishError | None:
         """None if the message JetStream answered ``ack`` (a duplicate) for is ``message``

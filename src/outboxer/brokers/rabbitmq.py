@@ -385,6 +385,9 @@ class _Lane:
 
     channel: AbstractChannel
     generation: int
+    #: A wave on it stopped waiting with confirms pending: closed, not reused, so late
+    #: confirms have no channel to land on.
+    cut_short: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -600,7 +603,12 @@ class RabbitMQPublisher(Publisher):
         """Give a lane back after its wave: idle again if it is sound and of the current
         connection, else closed (a wave cut short may have left confirms pending on it)."""
         channel = lane.channel
-        if reusable and lane.generation == self._generation and not channel.is_closed:
+        if (
+            reusable
+            and not lane.cut_short
+            and lane.generation == self._generation
+            and not channel.is_closed
+        ):
             self._idle_lanes.append(channel)
         elif not channel.is_closed:
             task = asyncio.ensure_future(self._quietly(channel.close()))
@@ -625,6 +633,10 @@ class RabbitMQPublisher(Publisher):
         connection's writer, which would wait forever (an outage can take the connection
         down). One never written because the channel was closing comes back as
         ``ChannelInvalidStateError``.
+
+        On a connection that is not blocked, the confirms missing at ``deadline`` come back
+        as ``TimeoutError`` and the ones in by then are kept: the base class's timeout, a
+        little later, would fail the whole wave, the confirmed messages included.
         """
         watcher: asyncio.Future[Any] | None = None  # see _write_wave
         writer: asyncio.Task[None] | None = None  # see _send_in_turn
@@ -639,6 +651,7 @@ class RabbitMQPublisher(Publisher):
         everything = asyncio.gather(*sends, return_exceptions=True)
         closing = underlay.closing
         blocked: PublishError | None = None
+        answered: list[bool] | None = None  # which were settled at the deadline, if it passed
         try:
             if deadline is not None:
                 await asyncio.wait(
@@ -646,13 +659,16 @@ class RabbitMQPublisher(Publisher):
                     timeout=max(0.0, deadline - asyncio.get_running_loop().time()),
                     return_when=asyncio.FIRST_COMPLETED,
                 )
-                if not everything.done() and not closing.done() and _blocked(underlay):
-                    blocked = self._blocked_error()
-            if blocked is None:
+                if not everything.done() and not closing.done():
+                    if _blocked(underlay):
+                        blocked = self._blocked_error()
+                    else:  # before the finally below cancels the pending ones
+                        answered = [send.done() for send in sends]
+            if blocked is None and answered is None:
                 await asyncio.wait((everything, closing), return_when=asyncio.FIRST_COMPLETED)
-            if blocked is None and not everything.done():
-                # Those failing on their own do so at once; the rest never will.
-                await asyncio.wait((everything,), timeout=_CLOSED_GRACE)
+                if not everything.done():
+                    # Those failing on their own do so at once; the rest never will.
+                    await asyncio.wait((everything,), timeout=_CLOSED_GRACE)
         finally:
             closing.cancel()  # only stops observing
             if watcher is not None:
@@ -672,6 +688,12 @@ class RabbitMQPublisher(Publisher):
             return [
                 None if send.done() and self._outcome(send) is None else NotSent(blocked)
                 for send in sends
+            ]
+        if answered is not None:
+            lane.cut_short = True
+            return [
+                self._outcome(send) if done else self._wave_timed_out()
+                for send, done in zip(sends, answered, strict=True)
             ]
         return [self._outcome(send) for send in sends]
 
@@ -973,7 +995,7 @@ class RabbitMQPublisher(Publisher):
                 if loop.time() > deadline:
                     later = in_flight[position:]
                     break
-                results[index], closed = await self._publish_alone(lane, prepared[index])
+                results[index], closed = await self._publish_alone(lane, prepared[index], deadline)
                 if closed:
                     later = in_flight[position + 1 :]
                     break
@@ -991,7 +1013,7 @@ class RabbitMQPublisher(Publisher):
         lane.channel, lane.generation = await self._open_channel(self._connection), self._generation
 
     async def _publish_alone(
-        self, lane: _Lane, publish: _Publish
+        self, lane: _Lane, publish: _Publish, deadline: float | None = None
     ) -> tuple[BaseException | None, bool]:
         """Publish one message with nothing else in flight on its lane: its failure is its own.
 
@@ -1001,7 +1023,7 @@ class RabbitMQPublisher(Publisher):
         try:
             if lane.channel.is_closed:
                 await self._replace_lane(lane)
-            [outcome] = await self._send_all(lane, [publish])
+            [outcome] = await self._send_all(lane, [publish], deadline)
             if outcome is not None:
                 raise outcome
         except Exception as exc:  # noqa: BLE001 - returned as the message's outcome

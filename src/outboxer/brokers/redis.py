@@ -66,6 +66,10 @@ def _bulk(value: bytes) -> bytes:
 #: The most streams whose XADD head a publisher keeps encoded.
 _HEADS_KEPT = 1024
 
+#: Redis's default ``proto-max-bulk-len``: the longest argument it takes, assumed when the
+#: server does not say (CONFIG refused, as managed services do).
+DEFAULT_BULK_LIMIT = 512 * 1024 * 1024
+
 #: The bulk strings of the entry's field names.
 _FIELD_NAMES = {
     name: _bulk(name.encode())
@@ -114,6 +118,34 @@ def reply_is_retryable(error: rexc.ResponseError) -> bool:
     return str(error).split(" ", 1)[0].upper() in _RETRYABLE_REPLIES
 
 
+def _longest(fields: Mapping[str, str | bytes], limit: int) -> int:
+    """The length of the longest value of ``fields`` in bytes, exact where it may pass
+    ``limit`` (a text is encoded only when its UTF-8 could be that long)."""
+    longest = 0
+    for value in fields.values():
+        size = len(value)
+        if isinstance(value, str) and size * 4 > limit:
+            size = len(value.encode())
+        longest = max(longest, size)
+    return longest
+
+
+async def _bulk_limit(connection: Connection) -> int:
+    """The server's ``proto-max-bulk-len``, or Redis's default when CONFIG is refused
+    (NOPERM, a renamed command) or says nothing usable."""
+    await connection.send_command("CONFIG", "GET", "proto-max-bulk-len")
+    try:
+        reply = await connection.read_response()
+    except rexc.ResponseError:
+        return DEFAULT_BULK_LIMIT
+    if isinstance(reply, dict):  # RESP3
+        reply = [item for pair in reply.items() for item in pair]
+    if isinstance(reply, list) and len(reply) == 2:
+        with contextlib.suppress(TypeError, ValueError):
+            return max(1, int(reply[1]))
+    return DEFAULT_BULK_LIMIT
+
+
 def _closed_by_server(connection: Connection) -> bool:
     """Whether Redis closed this idle connection, as its reader already saw (the end of the
     stream, or a reset), without I/O: redis-py finds out only when it reads a reply, so a
@@ -158,6 +190,8 @@ class RedisPublisher(Publisher):
         self._idle: list[Connection] = []
         #: Per stream: the XADD's argument count and bulk strings before the fields.
         self._heads: dict[str, tuple[int, bytes]] = {}
+        #: The server's ``proto-max-bulk-len``, read at connect.
+        self.bulk_limit = DEFAULT_BULK_LIMIT
 
     def stream_for(self, message: Message) -> str:
         return self.stream_prefix + self.destination_for(message)
@@ -175,6 +209,7 @@ class RedisPublisher(Publisher):
             await connection.connect()  # type: ignore[no-untyped-call]
             await connection.send_command("PING")
             await connection.read_response()
+            self.bulk_limit = await _bulk_limit(connection)
         except BaseException:
             with contextlib.suppress(rexc.RedisError, OSError):
                 await connection.disconnect(nowait=True)
@@ -221,7 +256,18 @@ class RedisPublisher(Publisher):
         sent: list[int] = []  # the index in messages of each command
         for index, message in enumerate(messages):
             try:
-                command = xadd_command(self._head(self.stream_for(message)), entry_fields(message))
+                fields = entry_fields(message)
+                if (size := _longest(fields, self.bulk_limit)) > self.bulk_limit:
+                    # Redis answers a longer argument with a protocol error and closes the
+                    # connection: every message of the wave failed as a lost connection,
+                    # the same again at each retry, until their attempts ran out.
+                    results[index] = PublishError(
+                        f"message {message.id}: a field of {size} bytes exceeds the server's "
+                        f"proto-max-bulk-len of {self.bulk_limit} bytes",
+                        retryable=False,
+                    )
+                    continue
+                command = xadd_command(self._head(self.stream_for(message)), fields)
             except UnicodeEncodeError as exc:  # a lone surrogate: never sendable, on its own
                 results[index] = PublishError(
                     f"message {message.id} cannot be encoded for redis: {exc}", retryable=False
@@ -234,22 +280,32 @@ class RedisPublisher(Publisher):
         client = self._client
         connection = self._idle.pop() if self._idle else self._new_connection(client)
         reusable = written = False
+        deadline = self._wave_deadline()
+        unread = 0  # the position in sent of the next reply
         try:
             await connection.connect()  # type: ignore[no-untyped-call]
             written = True
             await connection.send_packed_command(b"".join(commands))
-            for index in sent:
-                try:
-                    await connection.read_response()
-                except rexc.ResponseError as reply:  # read whole: the next reply follows
-                    message = messages[index]
-                    error = PublishError(
-                        f"redis refused XADD to stream {self.stream_for(message)!r}: {reply}",
-                        retryable=reply_is_retryable(reply),
-                    )
-                    error.__cause__ = reply
-                    results[index] = error
+            # Replies come in order: those read by the deadline are kept, the rest time out
+            # on their own (see Publisher._publish_wave). One timer for the wave, not one
+            # a reply.
+            async with asyncio.timeout_at(deadline):
+                for unread, index in enumerate(sent):  # noqa: B007 - read after a timeout
+                    try:
+                        await connection.read_response()
+                    except rexc.ResponseError as reply:  # read whole: the next reply follows
+                        message = messages[index]
+                        error = PublishError(
+                            f"redis refused XADD to stream {self.stream_for(message)!r}: {reply}",
+                            retryable=reply_is_retryable(reply),
+                        )
+                        error.__cause__ = reply
+                        results[index] = error
             reusable = True
+        except TimeoutError:
+            # Not reused: the unread replies would answer the next wave's commands.
+            for index in sent[unread:]:
+                results[index] = self._wave_timed_out()
         except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
             # No connection to write on: nothing reached Redis, no attempt is counted.
             failure = exc if written else NotSent(exc)
