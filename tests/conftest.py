@@ -35,6 +35,8 @@ SERIAL = (
     "tests/integration/test_audit11_webhook_trickled_headers.py",
     "tests/integration/test_audit11_group_stalled_claim_recovery.py",
     "tests/integration/test_audit11_wave_partial_timeout.py",
+    "tests/integration/test_audit11_cancel_shutdown_leases.py",
+    "tests/integration/test_audit11_cancel_shutdown_claim_wait.py",
     "tests/integration/test_audit11_flap_redis_bulk_limit.py",
 )
 _ROOT = Path(__file__).resolve().parent.parent

@@ -35,7 +35,8 @@ repeat for ever. A handler that returns a coroutine without being a coroutine fu
 (a plain decorator around one) fails the same way: nothing awaited it, nothing is applied.
 
 Shutdown (SIGTERM, ``stop()``): stop fetching; batches in flight commit and are acked
-(given ``shutdown_timeout``, or until a second SIGTERM/SIGINT, ``signalled()``); messages
+(given ``shutdown_timeout``, or until a second SIGTERM/SIGINT, ``signalled()``), their
+leases extended meanwhile; messages
 held but not started, or waiting for a retry, are handed back unacknowledged. Batches still
 running then are cancelled: never acked, rolled back, delivered again. An async handler's
 cancellation ends it; a sync handler's thread cannot be interrupted, nor an async handler
@@ -402,6 +403,7 @@ class Consumer:
                 return self.stats
             sessions = [self._make_session(executor) for _ in range(self.concurrency)]
             for session in sessions:
+                session.on_return = self._wake
                 if not await self._open(session):
                     return self.stats
             logger.info(
@@ -510,6 +512,14 @@ class Consumer:
             hung=bool(hung),
         )
 
+    def _wake(self) -> None:
+        """A handler or a session's thread returned (from any thread)."""
+        if self.stopping and self._loop is not None:
+            # _shutdown may be waiting for it (a thread cannot wake the loop otherwise);
+            # only then, not a wake-up per message.
+            with contextlib.suppress(RuntimeError):  # its loop closed: nobody waits
+                self._loop.call_soon_threadsafe(self._returned.set)
+
     def _abandoned(self) -> dict[asyncio.Task[None], Session]:
         """The workers of batches cut short whose handler still runs (a sync handler's
         thread, an async handler that ignored its cancellation), with their sessions: left
@@ -519,7 +529,11 @@ class Consumer:
             busy = [conn for _, conn in self._running.values()]
         workers: dict[asyncio.Task[None], Session] = {}
         for task, (session, _) in list(self._batches.items()):
-            if not task.done() or any(conn is session.conn for conn in busy):
+            # A cancelled sync batch's task ends at once, its thread does not: still in the
+            # transaction (an inbox claim waiting on a row lock, a slow COMMIT), where a close
+            # queued behind it (run_async waited as long as the lock was held) or ran in
+            # another thread under it.
+            if not task.done() or session.busy() or any(conn is session.conn for conn in busy):
                 session.abandoned = True
                 workers[task] = session
             else:
@@ -673,7 +687,12 @@ class Consumer:
         self._ready.put_nowait(lane)
 
     async def _extend(self, interval: float) -> None:
-        while not await self._sleep(interval):
+        # Until run_async's end cancels it, not until stop(): the batches shutdown_timeout
+        # waits for still hold their messages, and a lease run out meanwhile handed them to
+        # another consumer of the group while their transaction was open (applied twice at
+        # once, one more delivery counted); held ones keep theirs until they are released.
+        while True:
+            await asyncio.sleep(interval)
             held = [incoming for lane in self._lanes_all for incoming in lane.queue]
             if held:
                 await self.receiver.extend(held)
@@ -854,11 +873,7 @@ class Consumer:
             with lock:  # sync handlers run in several threads
                 stats.handler_seconds += time.perf_counter() - started
                 self._running.pop(call, None)  # gone if run_async began anew since
-            if self.stopping and self._loop is not None:
-                # _shutdown may be waiting for this handler (a thread cannot wake the loop
-                # otherwise); only then, not a wake-up per message.
-                with contextlib.suppress(RuntimeError):  # its loop closed: nobody waits
-                    self._loop.call_soon_threadsafe(self._returned.set)
+            self._wake()
 
         def begin(delivery: Delivery, conn: Any) -> object:
             call = object()

@@ -24,6 +24,7 @@ at once, without counting an attempt for them.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import inspect
@@ -202,6 +203,15 @@ class Session(ABC):
         #: did not return): if the handler returns after all, the batch rolls back, for its
         #: messages were handed back to the broker.
         self.abandoned = False
+        #: Called when a call of this session ends in a thread of its own (SyncSession),
+        #: from that thread: the runner's shutdown waits for such calls (see ``busy``).
+        self.on_return: Callable[[], None] | None = None
+
+    def busy(self) -> bool:
+        """Whether a call of this session still runs in a thread after its task ended (a
+        cancelled ``run_in_executor`` does not stop the thread): it is inside the session's
+        transaction, so the connection must be neither closed nor used meanwhile."""
+        return False
 
     # ----- what each driver provides -----------------------------------------------------
 
@@ -491,9 +501,22 @@ class SyncSession(Session):
     def __init__(self, url: str, schema: str, executor: ThreadPoolExecutor) -> None:
         super().__init__(url, schema)
         self.executor = executor
+        #: The last call's future: running in a thread until done (see Session.busy).
+        self._future: concurrent.futures.Future[Any] | None = None
+
+    def busy(self) -> bool:
+        # Not done: running, or still queued (a cancelled queued call is done at once). The
+        # executor moves a call to running atomically: no window in which it is neither.
+        future = self._future
+        return future is not None and not future.done()
 
     async def _call(self, work: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, work, *args)
+        future = self.executor.submit(work, *args)
+        self._future = future
+        on_return = self.on_return
+        if on_return is not None:
+            future.add_done_callback(lambda _: on_return())
+        return await asyncio.wrap_future(future)
 
     @abstractmethod
     def _connect(self) -> Any: ...
