@@ -1061,7 +1061,19 @@ class Consumer:
                         blocked.add(key)
                         free.discard(key)
         finally:
-            await session.close()
+            if session.busy():
+                # Cut short (Ctrl-C) while a statement or the handler still runs in its
+                # thread: closing would run under it, or queue behind it for as long as it
+                # takes. Left to that thread: nothing commits after the cancellation, and the
+                # open transaction rolls back when the connection goes.
+                session.abandoned = True
+                logger.warning(
+                    "dead-letter replay for %s cut short while its database call still ran: "
+                    "its connection is left to end with that call",
+                    self.group,
+                )
+            else:
+                await session.close()
             executor.shutdown(wait=False)
         return counts
 
