@@ -38,6 +38,7 @@ SERIAL = (
     "tests/integration/test_audit11_cancel_shutdown_leases.py",
     "tests/integration/test_audit11_cancel_shutdown_claim_wait.py",
     "tests/integration/test_audit11_flap_redis_bulk_limit.py",
+    "tests/integration/test_audit11_wave2_deadline.py",
 )
 _ROOT = Path(__file__).resolve().parent.parent
 

@@ -167,8 +167,12 @@ class Publisher(ABC):
     def _wave_deadline(self) -> float:
         """The loop time a wave stops waiting for confirmations: a little before
         ``publish_timeout``, so the outcomes known by then are kept (see _publish_wave)."""
-        margin = min(1.0, self.publish_timeout / 10)
-        return asyncio.get_running_loop().time() + self.publish_timeout - margin
+        return asyncio.get_running_loop().time() + self.publish_timeout - self._wave_margin()
+
+    def _wave_margin(self) -> float:
+        """Seconds between a wave's deadline and the backstop: what an adapter has left for
+        its work after the confirmations (NATS's duplicate checks) before all is lost."""
+        return min(1.0, self.publish_timeout / 10)
 
     @staticmethod
     def _wave_remaining(deadline: float) -> float:

@@ -287,10 +287,28 @@ class NatsPublisher(AckedPublisher[Msg]):
         await self._close()
         lost = self._lost = asyncio.Event()
 
-        async def on_error(error: Exception) -> None:
-            logger.warning("nats: %s: %s", type(error).__name__, error)
+        # nats-py reports each failed try of a connect here (twice for one refused server)
+        # before it raises NoServersError, which the relay logs, backing off: three lines
+        # per reconnect in an outage, and the one of the relay without the cause. While
+        # connecting, the errors are kept and the last one is raised as the cause instead.
+        connecting: list[Exception] | None = []
 
-        nc = await self.open_client(lost, on_error)
+        async def on_error(error: Exception) -> None:
+            if connecting is not None:
+                connecting.append(error)
+            else:
+                logger.warning("nats: %s: %s", type(error).__name__, error)
+
+        try:
+            nc = await self.open_client(lost, on_error)
+        except nats.errors.NoServersError as exc:
+            if connecting:
+                raise connecting[-1] from exc
+            raise
+        finally:
+            tried, connecting = connecting, None
+        for error in tried or ():  # a server of a cluster that failed before one took it
+            logger.info("nats: connected after %s: %s", type(error).__name__, error)
         self._nc, self._js = nc, nc.jetstream(timeout=self.publish_timeout)
         self._inbox = nc.new_inbox()
         await nc.subscribe(f"{self._inbox}.*", cb=self._on_reply)
@@ -410,23 +428,51 @@ class NatsPublisher(AckedPublisher[Msg]):
         message under one id) whose subject the same stream captures, and it was never
         stored: it must not count as published.
         """
+        # The base class's backstop fails the whole wave, the confirmed messages included,
+        # ``publish_timeout`` after about now: the work after the acks (a duplicate check,
+        # recreating the stream: JetStream requests with that same timeout) ends before it.
+        end = asyncio.get_running_loop().time() + self.publish_timeout - self._wave_margin() / 2
         found: list[tuple[Message, PubAck]] = []
         token = _DUPLICATES.set(found)
         try:
             results = await super()._publish_wave(messages)
         finally:
             _DUPLICATES.reset(token)
-        if self._stream_missing:
-            await self._recreate_stream()
-        if found:
-            position = {id(message): index for index, message in enumerate(messages)}
-            checks = await asyncio.gather(
-                *(self._duplicate_error(message, ack) for message, ack in found)
+        recreate = asyncio.ensure_future(self._recreate_stream()) if self._stream_missing else None
+        checks = [asyncio.ensure_future(self._duplicate_error(m, ack)) for m, ack in found]
+        work: list[asyncio.Future[Any]] = [*checks, *([recreate] if recreate else [])]
+        if not work:
+            return results
+        try:
+            await asyncio.wait(work, timeout=self._wave_remaining(end))
+        finally:
+            for task in work:
+                task.cancel()  # no-op for the finished ones
+            await asyncio.wait(work)
+        if recreate is not None and recreate.cancelled():
+            # The next wave that meets no stream tries again.
+            logger.warning(
+                "cannot create JetStream stream %s again: no answer before publish_timeout",
+                self.stream,
             )
-            for (message, _), error in zip(found, checks, strict=True):
-                if error is not None:
-                    results[position[id(message)]] = error
+        position = {id(message): index for index, message in enumerate(messages)}
+        for (message, _), check in zip(found, checks, strict=True):
+            error = self._unchecked(message) if check.cancelled() else check.exception()
+            if error is None:
+                error = check.result()
+            if error is not None:
+                results[position[id(message)]] = error
         return results
+
+    def _unchecked(self, message: Message) -> PublishError:
+        """A message JetStream answered as a duplicate whose stored copy could not be read
+        back before the wave's end: only it fails, retryably (its publish again is checked
+        again); the others keep their outcome."""
+        return PublishError(
+            f"JetStream answered the publish to {self.subject_for(message)!r} as a duplicate of "
+            f"Nats-Msg-Id {message.id}, and the stored message could not be read back within "
+            f"{self.publish_timeout}s: published again"
+        )
 
     async def _recreate_stream(self) -> None:
         """With ``create_stream``, create the stream again once a publish found no stream on

@@ -692,10 +692,26 @@ class RabbitMQPublisher(Publisher):
         if answered is not None:
             lane.cut_short = True
             return [
-                self._outcome(send) if done else self._wave_timed_out()
+                self._outcome(send) if done else self._unanswered(send)
                 for send, done in zip(sends, answered, strict=True)
             ]
         return [self._outcome(send) for send in sends]
+
+    def _unanswered(self, send: asyncio.Future[Any]) -> BaseException:
+        """The outcome of a publish unconfirmed at the wave's deadline: timed out, or, if it
+        was never written (``_send_in_turn`` writes one at a time, and its writer, cancelled,
+        fails the rest with ChannelInvalidStateError), not attempted: RabbitMQ never got it,
+        and a slow confirm of an earlier one must not use up its attempts."""
+        if not send.cancelled() and isinstance(
+            send.exception(), aiormq.exceptions.ChannelInvalidStateError
+        ):
+            return NotSent(
+                TimeoutError(
+                    "not written: an earlier message of the wave was not confirmed within "
+                    f"{self.publish_timeout}s"
+                )
+            )
+        return self._wave_timed_out()
 
     def _blocked_error(self) -> PublishError:
         # Not a lost connection: RabbitMQ reads the connection again once the alarm is
