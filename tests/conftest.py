@@ -37,6 +37,7 @@ SERIAL = (
     "tests/integration/test_audit11_wave_partial_timeout.py",
     "tests/integration/test_audit11_cancel_shutdown_leases.py",
     "tests/integration/test_audit11_cancel_shutdown_claim_wait.py",
+    "tests/integration/test_audit11_mdbstop_claim_wait.py",
     "tests/integration/test_audit11_flap_redis_bulk_limit.py",
     "tests/integration/test_audit11_wave2_deadline.py",
 )

@@ -645,6 +645,11 @@ class SyncSession(Session):
                 if message_id not in first:
                     results[index] = Result.DUPLICATE
                     continue
+                # Not after shutdown gave up on the batch (its thread waited on a lock, in
+                # the claim or BEGIN, or an earlier handler was slow): the message is the
+                # broker's again, perhaps applied by another consumer meanwhile, and what a
+                # handler does outside this transaction would not roll back with it.
+                _refuse_abandoned(self)
                 kept = kept or message_id
                 ran.append(index)
                 try:
@@ -973,6 +978,7 @@ class AsyncSession(Session):
                 if deliveries[index].id not in claimed:
                     results[index] = Result.DUPLICATE
                     continue
+                _refuse_abandoned(self)  # an earlier handler ignored its cancellation
                 ran.append(index)
                 try:
                     await handler(deliveries[index], self.conn)
@@ -1023,8 +1029,9 @@ class AsyncSession(Session):
 
 
 def _refuse_abandoned(session: Session) -> None:
-    """Before the commit: a batch the runner gave up on at shutdown never commits (its
-    messages are the broker's again); raised inside the transaction, which rolls back."""
+    """Before each handler and the commit: a batch the runner gave up on at shutdown runs no
+    further handler and never commits (its messages are the broker's again); raised inside
+    the transaction, which rolls back."""
     if session.abandoned:
         raise BatchFailed(
             "commit",
