@@ -31,15 +31,27 @@ object store never holds the plaintext of an encrypted outbox.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import hashlib
 import os
 import re
 import secrets
 import stat
+import threading
 import time
+import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
+from collections import deque
+from collections.abc import (
+    Awaitable,
+    Callable,
+    Collection,
+    Generator,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -87,6 +99,11 @@ class ObjectNotFoundError(ClaimCheckError):
 
 class ObjectMismatchError(ClaimCheckError):
     """The object's size or SHA-256 is not what the message says: it was altered or swapped."""
+
+
+class ObjectReadTimeoutError(ClaimCheckError, TimeoutError):
+    """The store did not answer a read in time (a hung NFS mount, a stalled S3 connection):
+    the same read may succeed later."""
 
 
 def encode_destination(destination: str) -> str:
@@ -139,6 +156,17 @@ class ObjectStore(ABC):
     def get(self, name: str) -> bytes:
         """The object's bytes; raises ObjectNotFoundError."""
 
+    def get_at_most(self, name: str, max_size: int) -> bytes:
+        """The object's bytes; ObjectMismatchError when it holds more than ``max_size``
+        bytes. The consumer reads through this with the size the message declares, so a
+        planted or corrupted huge object is refused after ``max_size + 1`` bytes rather than
+        read whole into memory. Stores override it; this fallback reads the object whole
+        (a store written before this method existed)."""
+        data = self.get(name)
+        if len(data) > max_size:
+            raise _too_large(name, max_size)
+        return data
+
     @abstractmethod
     def delete(self, name: str) -> bool:
         """Delete the object; True if it existed. Deleting a missing object is not an error."""
@@ -175,6 +203,9 @@ class ObjectStore(ABC):
 
     async def get_async(self, name: str) -> bytes:
         return await asyncio.to_thread(self.get, name)
+
+    async def get_at_most_async(self, name: str, max_size: int) -> bytes:
+        return await asyncio.to_thread(self.get_at_most, name, max_size)
 
     async def delete_async(self, name: str) -> bool:
         return await asyncio.to_thread(self.delete, name)
@@ -214,6 +245,12 @@ class FileObjectStore(ObjectStore):
         sync_directory(self.directory)
 
     def get(self, name: str) -> bytes:
+        return self._read(name, None)
+
+    def get_at_most(self, name: str, max_size: int) -> bytes:
+        return self._read(name, max_size)
+
+    def _read(self, name: str, max_size: int | None) -> bytes:
         # Only a regular file put wrote: O_NOFOLLOW refuses a symbolic link planted under an
         # object's name (it could point anywhere: /etc/shadow, another store), O_NONBLOCK
         # keeps a planted FIFO from blocking the open for ever, and fstat refuses it, a
@@ -233,11 +270,20 @@ class FileObjectStore(ObjectStore):
                 ) from None
             raise
         with open(descriptor, "rb") as file:
-            if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            status = os.fstat(descriptor)
+            if not stat.S_ISREG(status.st_mode):
                 raise ClaimCheckError(
                     f"claim-check object {name} in {self.directory} is not a regular file"
                 )
-            return file.read()
+            if max_size is None:
+                return file.read()
+            # One byte past the limit tells "larger" without reading the rest. Capped by the
+            # file's size too: read(n) allocates n bytes first, and the limit comes from a
+            # header a forged row may set to a terabyte.
+            data = file.read(min(max_size, status.st_size) + 1)
+            if len(data) > max_size:
+                raise _too_large(name, max_size)
+            return data
 
     def delete(self, name: str) -> bool:
         try:
@@ -344,6 +390,32 @@ class S3ObjectStore(ObjectStore):
         body: bytes = response["Body"].read()
         return body
 
+    def get_at_most(self, name: str, max_size: int) -> bytes:
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=self._key(name))
+        except Exception as exc:
+            if _s3_error_code(exc) in ("NoSuchKey", "404"):
+                raise ObjectNotFoundError(
+                    f"claim-check object {name} is not in s3://{self.bucket}/{self.prefix}"
+                ) from None
+            raise
+        stream = response["Body"]
+        try:
+            # The length S3 announces refuses a larger object before any of its body is
+            # read; reading one byte past the limit covers a server that announces none.
+            length = response.get("ContentLength")
+            if isinstance(length, int) and length > max_size:
+                raise _too_large(name, max_size)
+            limit = min(max_size, length) if isinstance(length, int) else max_size
+            body: bytes = stream.read(limit + 1)
+        finally:
+            # Unread bytes stay in the socket: closing drops that connection from the pool
+            # rather than draining a huge body into nowhere.
+            stream.close()
+        if len(body) > max_size:
+            raise _too_large(name, max_size)
+        return body
+
     def delete(self, name: str) -> bool:
         # S3's DeleteObject answers 204 whether or not the key existed; a HEAD first tells.
         key = self._key(name)
@@ -386,6 +458,10 @@ class S3ObjectStore(ObjectStore):
     def __repr__(self) -> str:
         where = f" at {redact_url(self.endpoint_url)}" if self.endpoint_url else ""
         return f"S3ObjectStore('s3://{self.bucket}/{self.prefix}'{where})"
+
+
+def _too_large(name: str, max_size: int) -> ObjectMismatchError:
+    return ObjectMismatchError(f"claim-check object {name} holds more than {max_size} bytes")
 
 
 def _s3_error_code(exc: BaseException) -> str | None:
@@ -508,7 +584,10 @@ def _restore(message: Message, data: bytes) -> Message:
     return replace(message, payload=data, content_type=content_type, headers=headers)
 
 
-def _checked_reference(message: Message) -> str:
+_SIZE = re.compile(r"0|[1-9][0-9]{0,19}")
+
+
+def _checked_reference(message: Message) -> tuple[str, int]:
     name = message.headers[HEADER_CLAIM_CHECK]
     parsed = ObjectStore.check_name(name)
     if parsed.message_id != str(message.id):
@@ -526,7 +605,14 @@ def _checked_reference(message: Message) -> str:
             f"message {message.id} refers to claim-check object {name} without its size "
             "and SHA-256: not a reference outboxer wrote"
         )
-    return name
+    size = message.headers[HEADER_CLAIM_CHECK_SIZE]
+    if _SIZE.fullmatch(size) is None:
+        # ClaimCheck writes str(len(payload)); no object can match anything else, and the
+        # read below is bounded by this number.
+        raise ObjectMismatchError(
+            f"message {message.id} declares claim-check size {size!r:.40}: not a byte count"
+        )
+    return name, int(size)
 
 
 def fetch_payload(message: Message, store: ObjectStore) -> Message:
@@ -539,13 +625,157 @@ def fetch_payload(message: Message, store: ObjectStore) -> Message:
     """
     if not is_claim_checked(message):
         return message
-    return _restore(message, store.get(_checked_reference(message)))
+    return _restore(message, store.get_at_most(*_checked_reference(message)))
 
 
-async def fetch_payload_async(message: Message, store: ObjectStore) -> Message:
+async def fetch_payload_async(
+    message: Message, store: ObjectStore, *, timeout: float | None = None
+) -> Message:
+    """:func:`fetch_payload` for async callers. With ``timeout`` (seconds), a read the
+    store has not answered by then raises ObjectReadTimeoutError; its thread, which nothing
+    can interrupt, is left to finish (see _ReadThreads)."""
     if not is_claim_checked(message):
         return message
-    return _restore(message, await store.get_async(_checked_reference(message)))
+    name, size = _checked_reference(message)
+    if timeout is None:
+        return _restore(message, await store.get_at_most_async(name, size))
+    reads = _read_threads(store)
+    # asyncio.wait, not wait_for: a TimeoutError the read itself raises (a socket's) is the
+    # store's answer, not this deadline.
+    read = asyncio.ensure_future(reads.run(lambda: store.get_at_most(name, size)))
+    try:
+        finished, _ = await asyncio.wait((read,), timeout=timeout)
+    except BaseException:  # this caller cancelled: the read goes with it
+        read.cancel()
+        raise
+    if not finished:
+        read.cancel()  # gives up its wait for a slot, or leaves its thread to finish
+        raise ObjectReadTimeoutError(
+            f"claim-check object {name}: {store!r} did not answer within {timeout:g} s "
+            f"({reads.running} read(s) of it still running)"
+        )
+    data = read.result()
+    return _restore(message, data)
+
+
+#: Reads of one store that may run at once in fetch_payload_async with a timeout.
+READ_THREADS = 16
+
+
+class _ReadThreads:
+    """Runs a store's reads in daemon threads, at most ``limit`` at once.
+
+    A read that hangs (a hard NFS mount that stopped answering) cannot be cancelled: when
+    its caller gives up, its thread is left to finish and keeps its slot until then, so hung
+    reads never add up to more than ``limit`` threads; further reads wait for a slot within
+    their own timeout. Daemon threads, and not a pool's: a pool's threads are joined at
+    exit (asyncio's default executor's at the end of ``asyncio.run``), so a single hung
+    read would keep a stopped consumer from ever exiting.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._lock = threading.Lock()
+        self._free = limit
+        self._limit = limit
+        self._waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = deque()
+
+    @property
+    def running(self) -> int:
+        with self._lock:
+            return self._limit - self._free
+
+    async def run(self, read: Callable[[], bytes]) -> bytes:
+        loop = asyncio.get_running_loop()
+        await self._acquire(loop)
+        done: asyncio.Future[bytes] = loop.create_future()
+
+        def work() -> None:
+            try:
+                outcome: bytes | BaseException = read()
+            except BaseException as exc:  # noqa: BLE001 -- handed to the waiting caller
+                outcome = exc
+            finally:
+                self._release()
+            _settle(loop, done, outcome)
+
+        try:
+            threading.Thread(target=work, name="outboxer-claim-check-read", daemon=True).start()
+        except BaseException:
+            self._release()
+            raise
+        return await done
+
+    async def _acquire(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._lock:
+            if self._free > 0 and not self._waiters:
+                self._free -= 1
+                return
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._waiters.append((loop, waiter))
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            with self._lock:
+                try:
+                    self._waiters.remove((loop, waiter))
+                    granted = False
+                except ValueError:  # a finished read handed its slot over meanwhile
+                    granted = True
+            if granted:
+                self._release()  # to the next waiter: this caller no longer reads
+            raise
+
+    def _release(self) -> None:
+        """Give the slot to the longest waiter, or back (any thread)."""
+        with self._lock:
+            while self._waiters:
+                loop, waiter = self._waiters.popleft()
+                try:
+                    loop.call_soon_threadsafe(_grant, waiter)
+                except RuntimeError:  # its loop is closed: nobody waits there any more
+                    continue
+                return
+            self._free += 1
+
+
+def _grant(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+    # Cancelled already: its caller found itself out of the queue and passed the slot on.
+
+
+def _settle(
+    loop: asyncio.AbstractEventLoop, done: asyncio.Future[bytes], outcome: bytes | BaseException
+) -> None:
+    def settle() -> None:
+        if done.done():  # the caller gave up (timed out, cancelled)
+            return
+        if isinstance(outcome, BaseException):
+            done.set_exception(outcome)
+        else:
+            done.set_result(outcome)
+
+    with contextlib.suppress(RuntimeError):  # a closed loop: its caller is long gone
+        loop.call_soon_threadsafe(settle)
+
+
+_read_threads_lock = threading.Lock()
+_read_threads_of: weakref.WeakKeyDictionary[ObjectStore, _ReadThreads] = weakref.WeakKeyDictionary()
+
+
+_shared_read_threads = _ReadThreads(READ_THREADS)
+
+
+def _read_threads(store: ObjectStore) -> _ReadThreads:
+    # One set per store: a hung directory store does not take the slots of an S3 one.
+    with _read_threads_lock:
+        try:
+            reads = _read_threads_of.get(store)
+            if reads is None:
+                reads = _read_threads_of[store] = _ReadThreads(READ_THREADS)
+        except TypeError:  # a store class that is not hashable (a plain @dataclass)
+            return _shared_read_threads
+        return reads
 
 
 def references(messages: Sequence[Message]) -> list[str]:
@@ -560,21 +790,34 @@ Referenced = Callable[[Sequence[ObjectName]], Collection[str]]
 ReferencedAsync = Callable[[Sequence[ObjectName]], Awaitable[Collection[str]]]
 
 
-def _candidates(
-    objects: Iterator[StoredObject] | list[StoredObject], grace: float, now: float | None
-) -> list[ObjectName]:
+def _candidate_pages(
+    objects: Iterator[StoredObject], grace: float, now: float | None, batch: int
+) -> Generator[list[ObjectName], None, None]:
+    """outboxer's objects older than the grace, ``batch`` at a time, as the listing goes: a
+    store of millions of objects is never held in memory whole. Deleting a page before the
+    listing goes on is safe: a directory listing may or may not show a deleted entry again
+    (deleting a missing object is no error), and S3 continues after the last key listed."""
     cutoff = (time.time() if now is None else now) - grace
-    found: list[ObjectName] = []
+    page: list[ObjectName] = []
     for stored in objects:
         parsed = ObjectName.parse(stored.name)
         if parsed is not None and stored.modified < cutoff:
-            found.append(parsed)
-    return found
+            page.append(parsed)
+            if len(page) >= batch:
+                yield page
+                page = []
+    if page:
+        yield page
 
 
 def _check_grace(grace: float) -> None:
     if grace < 0:
         raise ConfigError("the claim-check sweep's grace period must not be negative")
+
+
+def _check_batch(batch: int) -> None:
+    if batch < 1:
+        raise ConfigError("the claim-check sweep's batch must be at least 1")
 
 
 def _delete_leftovers(store: ObjectStore, grace: float, now: float | None) -> None:
@@ -599,15 +842,18 @@ def sweep_orphans(
     (objects deleted by someone else between the listing and the delete count too).
     """
     _check_grace(grace)
+    _check_batch(batch)
     _delete_leftovers(store, grace, now)
-    candidates = _candidates(store.list_objects(), grace, now)
     deleted = 0
-    for start in range(0, len(candidates), batch):
-        chunk = candidates[start : start + batch]
-        kept = set(referenced(chunk))
-        orphans = [parsed.name for parsed in chunk if parsed.name not in kept]
-        store.delete_many(orphans)
-        deleted += len(orphans)
+    pages = _candidate_pages(store.list_objects(), grace, now, batch)
+    try:
+        for chunk in pages:
+            kept = set(referenced(chunk))
+            orphans = [parsed.name for parsed in chunk if parsed.name not in kept]
+            store.delete_many(orphans)
+            deleted += len(orphans)
+    finally:
+        pages.close()  # the listing's directory handle, at once even on an error
     if deleted:
         logger.info("claim-check sweep deleted %d orphaned object(s)", deleted)
     return deleted
@@ -621,17 +867,28 @@ async def sweep_orphans_async(
     batch: int = 1000,
     now: float | None = None,
 ) -> int:
-    """:func:`sweep_orphans` for async callers (the relay): listing and deleting in threads."""
+    """:func:`sweep_orphans` for async callers: listing (a page at a time, through the
+    store's ``list_objects``) and deleting in threads."""
     _check_grace(grace)
+    _check_batch(batch)
     await asyncio.to_thread(_delete_leftovers, store, grace, now)
-    candidates = _candidates(await store.list_objects_async(), grace, now)
     deleted = 0
-    for start in range(0, len(candidates), batch):
-        chunk = candidates[start : start + batch]
-        kept = set(await referenced(chunk))
-        orphans = [parsed.name for parsed in chunk if parsed.name not in kept]
-        await store.delete_many_async(orphans)
-        deleted += len(orphans)
+    pages = _candidate_pages(store.list_objects(), grace, now, batch)
+    try:
+        while True:
+            # One thread at a time pulls from the listing: never two at once.
+            chunk = await asyncio.to_thread(next, pages, None)
+            if chunk is None:
+                break
+            kept = set(await referenced(chunk))
+            orphans = [parsed.name for parsed in chunk if parsed.name not in kept]
+            await store.delete_many_async(orphans)
+            deleted += len(orphans)
+    finally:
+        # Cancelled while a thread pulls a page, the generator is still running there:
+        # closing it then raises ValueError, and it is closed when collected instead.
+        with contextlib.suppress(ValueError):
+            pages.close()
     if deleted:
         logger.info("claim-check sweep deleted %d orphaned object(s)", deleted)
     return deleted
@@ -651,6 +908,7 @@ __all__ = [
     "ObjectMismatchError",
     "ObjectName",
     "ObjectNotFoundError",
+    "ObjectReadTimeoutError",
     "ObjectStore",
     "S3ObjectStore",
     "StoredObject",

@@ -222,6 +222,7 @@ class Consumer:
         exit_when_idle: bool = False,
         keyring: KeyRing | None = None,
         object_store: ObjectStore | None = None,
+        object_store_timeout: float = 30.0,
         sessions: SessionFactory | None = None,
     ) -> None:
         if not 1 <= concurrency <= 256:
@@ -232,6 +233,8 @@ class Consumer:
             raise ConfigError("max_attempts must be at least 1")
         if shutdown_timeout <= 0:
             raise ConfigError("shutdown_timeout must be positive")
+        if not object_store_timeout > 0:  # NaN too
+            raise ConfigError("object_store_timeout must be positive")
         self.handler: Handler = load_handler(handler) if isinstance(handler, str) else handler
         if not callable(self.handler):
             raise ConfigError("handler must be a function taking (message, connection)")
@@ -277,6 +280,9 @@ class Consumer:
         #: from ``object_store``, encrypted ones decrypted with ``keyring``.
         self.keyring = keyring
         self.object_store = object_store
+        #: Seconds a claim-checked payload's fetch may take: a store that hangs (a hard NFS
+        #: mount) fails the message retryably rather than stopping its worker for ever.
+        self.object_store_timeout = object_store_timeout
         self._receiver: Receiver | None
         if broker is None or isinstance(broker, Receiver):
             self._receiver = broker  # None: only for replaying dead letters
@@ -842,7 +848,9 @@ class Consumer:
             if self.object_store is not None:
                 from outboxer.claimcheck import fetch_payload_async
 
-                message = await fetch_payload_async(message, self.object_store)
+                message = await fetch_payload_async(
+                    message, self.object_store, timeout=self.object_store_timeout
+                )
             if self.keyring is not None:
                 from outboxer.crypto import decrypt
 
@@ -1143,10 +1151,10 @@ def _wraps_a_coroutine_function(handler: Handler) -> bool:
 
 def _permanent(exc: BaseException) -> bool:
     """Decryption and claim-check failures that the same message meets again."""
-    from outboxer.claimcheck import ClaimCheckError, ObjectNotFoundError
+    from outboxer.claimcheck import ClaimCheckError, ObjectNotFoundError, ObjectReadTimeoutError
     from outboxer.crypto import DecryptionError, KeyRingUnavailableError
 
-    if isinstance(exc, KeyRingUnavailableError | ObjectNotFoundError):
+    if isinstance(exc, KeyRingUnavailableError | ObjectNotFoundError | ObjectReadTimeoutError):
         return False  # a KMS or an object store that may answer later
     return isinstance(exc, DecryptionError | ClaimCheckError)
 

@@ -141,7 +141,18 @@ async def test_a_relay_whose_sessions_were_cut_goes_on_without_an_outage(pg_url:
         assert isinstance(store, PostgresStore)
         # Settled, and waiting for the next NOTIFY (a cut in the middle of a statement is
         # an outage: its answer was lost).
-        await eventually(lambda: _true(bool(store._kept) and _published(pg_url) == 1), timeout=5)
+        # Listening too: a relay that found the row at its first claim polls while busy and
+        # opens its LISTEN connection only once a claim finds nothing (on a slow box the
+        # enqueue came before the relay's first wait, and no listener was there yet).
+        await eventually(
+            lambda: _true(
+                bool(store._kept)
+                and _published(pg_url) == 1
+                and store._listener is not None
+                and not store._listener.is_closed()
+            ),
+            timeout=5,
+        )
         kept = list(store._kept)
         assert _terminate(pg_url, "outboxer-relay") >= 1
         assert _terminate(pg_url, "outboxer-relay-listen") == 1
