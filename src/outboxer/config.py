@@ -1278,6 +1278,13 @@ class Settings:
         help="payloads larger than this many bytes (after encryption) go to the claim-check store",
         commands=("enqueue",),
     )
+    claim_check_read_timeout: float = setting(
+        30.0,
+        kind=Duration(LONGEST_INTERVAL, positive=True, low=SHORTEST_INTERVAL),
+        help="`consume` fails a message retryably when the claim-check store has not "
+        "returned its payload within this long (a store that hangs: a dead NFS mount)",
+        commands=("consume",),
+    )
     claim_check_sweep_grace: float = setting(
         3600.0,
         kind=Duration(LONGEST_RETENTION),

@@ -292,6 +292,7 @@ def build_consumer(settings: Settings, own: ConsumerSettings, **overrides: Any) 
         # Payload protection undone before the handler, with the relay's settings.
         "keyring": payload_admin.keyring(settings),
         "object_store": payload_admin.object_store(settings),
+        "object_store_timeout": settings.claim_check_read_timeout,
     }
     arguments.update(overrides)
     if arguments["broker"] is None and "broker" not in overrides:
