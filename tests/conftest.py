@@ -34,6 +34,7 @@ SERIAL = (
     "tests/unit/test_config_audit_logs.py",
     "tests/integration/test_audit11_webhook_trickled_headers.py",
     "tests/integration/test_audit11_group_stalled_claim_recovery.py",
+    "tests/integration/test_audit11_hungsettle_recovery.py",
     "tests/integration/test_audit11_wave_partial_timeout.py",
     "tests/integration/test_audit11_cancel_shutdown_leases.py",
     "tests/integration/test_audit11_cancel_shutdown_claim_wait.py",

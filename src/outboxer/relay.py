@@ -84,6 +84,11 @@ FREED_KEY_GRACE = 0.01
 #: (its database stopped answering): the RecoveryGate stops counting it (park_claim).
 #: Claims answer in milliseconds, a slow one under lock waits in a few hundred.
 HUNG_CLAIM = 1.0
+#: Likewise a settle of one of several databases (its batch published already): the
+#: RecoveryGate stops counting its batch (park) before the first failure, which a database
+#: that hangs gives only after the driver's timeout (a minute), or never. Settles answer in
+#: milliseconds; one parked while merely slow costs nothing: its batch is published already.
+HUNG_SETTLE = 1.0
 #: A batch given back unpublished: claimed while another database's recovered row was held.
 BESIDE_RECOVERY = Outcome(
     OutcomeKind.SKIPPED, "not attempted: another database's recovered row is published alone"
@@ -1413,6 +1418,28 @@ class Relay:
         # Retry until the database answers; if this relay dies first, the lock expires and
         # another relay publishes them again (a duplicate, never a loss).
         outage = self._database_outage(destination, "settle failed")
+        # Only a gate of several databases sets a hung settle aside: a relay alone spends
+        # no timer a settle on it. park counts a batch once; its settled() says parked.
+        hung = (
+            asyncio.get_running_loop().call_later(HUNG_SETTLE, self._gate.park, held)
+            if held is not None and self._gate.parks and not held.parked
+            else None
+        )
+        try:
+            return await self._settle_retried(destination, lease, outcomes, held, outage)
+        finally:
+            if hung is not None:
+                hung.cancel()
+
+    async def _settle_retried(
+        self,
+        destination: str,
+        lease: Lease,
+        outcomes: Settlement,
+        held: HeldBatch | None,
+        outage: Outage,
+    ) -> SettleResult | None:
+        """``_settle_answered``'s tries."""
         while True:
             try:
                 result = await self.store.settle(
