@@ -20,7 +20,9 @@ Per message, around the handler: the middleware reads the outbox id (header
 with that transaction's connection (``InboxConnection``, or ``Context("outboxer_connection")``).
 The handler's writes and the claim commit together when the handler returns, before
 FastStream acknowledges; if the handler raises, both roll back and FastStream's ack policy
-decides (``AckPolicy.NACK_ON_ERROR`` redelivers). A delivery whose id the inbox already
+decides (``AckPolicy.NACK_ON_ERROR`` redelivers). FastStream's ``AckMessage`` is the handler
+saying the message is done: its writes and the claim commit, then FastStream acknowledges;
+``NackMessage``, ``RejectMessage`` and ``SkipMessage`` roll back. A delivery whose id the inbox already
 holds is acknowledged without calling the handler (nor its publishers). A message without
 a valid id is rejected (not requeued: a dead-letter exchange, if any, keeps it) and raises
 ``PayloadError``, before any transaction: nothing could tell its copies apart.
@@ -42,7 +44,7 @@ from outboxer.redact import get_logger
 
 try:
     from faststream import BaseMiddleware, Context, StreamMessage
-    from faststream.exceptions import SkipMessage
+    from faststream.exceptions import AckMessage, SkipMessage
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise MissingDependencyError("faststream", "faststream") from exc
 
@@ -126,12 +128,22 @@ class _InboxScope(BaseMiddleware[Any, Any]):
             # whatever the ack policy; the error is logged by FastStream.
             await msg.reject()
             raise
+        acked: AckMessage | None = None
         async with owner.transaction() as connection:
             # The claim waits on the inbox row of a concurrent delivery of the same id
             # until that transaction ends, then sees it: one of them applies the message.
             if await owner.inbox.claim_async(connection, owner.consumer, message_id):
                 with self.context.scope(CONNECTION, connection):
-                    return await call_next(msg)
+                    try:
+                        return await call_next(msg)
+                    except AckMessage as exc:
+                        # The handler said "done, acknowledge it": its writes and the claim
+                        # commit, as on a return. Rolled back, the message was acknowledged
+                        # unapplied and never delivered again. (NackMessage, RejectMessage
+                        # and SkipMessage roll back: the message is not done.)
+                        acked = exc
+        if acked is not None:
+            raise acked  # committed: FastStream's acknowledgement comes after this
         logger.info(
             "skipped message %s for consumer %s: the inbox has applied it already",
             message_id,

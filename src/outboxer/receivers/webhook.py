@@ -126,6 +126,8 @@ class WebhookReceiver:
         keyring: KeyRing | None = None,
         object_store: ObjectStore | None = None,
         require_signed_headers: bool = True,
+        shutdown_timeout: float = 30.0,
+        object_store_timeout: float = 30.0,
     ) -> None:
         self.consumer = Consumer(
             db=db,
@@ -141,6 +143,10 @@ class WebhookReceiver:
             async_driver=async_driver,
             keyring=keyring,
             object_store=object_store,
+            # How long close() lets the transactions in flight end, as `consume` lets its
+            # handlers; and a claim-checked payload's fetch, as `consume` bounds it.
+            shutdown_timeout=shutdown_timeout,
+            object_store_timeout=object_store_timeout,
         )
         self.secret = secret
         self.tolerance = tolerance
@@ -153,9 +159,15 @@ class WebhookReceiver:
         self._executor: ThreadPoolExecutor | None = None
         self._starting = asyncio.Lock()
         self._failures: OrderedDict[Any, int] = OrderedDict()
-        #: Requests' transactions, shielded from their request's cancellation (see handle);
-        #: held here, or the event loop's weak reference alone would keep them.
-        self._in_flight: set[asyncio.Future[tuple[int, dict[str, Any], dict[str, str]]]] = set()
+        #: Requests' transactions, shielded from their request's cancellation (see handle),
+        #: with the session each one uses and its message id: held here, or the event loop's
+        #: weak reference alone would keep them; close() waits for them.
+        self._in_flight: dict[_Work, tuple[Session, Any]] = {}
+        #: Set by close(): requests waiting for a session, and those arriving, get a 503.
+        self._stopping = asyncio.Event()
+        self._closed = False
+        #: Executors of closed receivers whose transactions were left running (see close).
+        self._retired: list[ThreadPoolExecutor] = []
 
     @property
     def stats(self) -> Any:
@@ -164,10 +176,18 @@ class WebhookReceiver:
     # ----- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Check the schema and open the connections (done by the first request otherwise)."""
+        """Check the schema and open the connections (done by the first request otherwise;
+        after close(), only this opens them again)."""
+        await self._open(reopen=True)
+
+    async def _open(self, *, reopen: bool) -> None:
         async with self._starting:
             if self._sessions is not None:
                 return
+            if self._closed and not reopen:
+                # A request after close(): opening again here would leave connections that
+                # no lifespan shutdown closes any more.
+                raise _Closed
             store = create_store(
                 self.consumer.db, schema=self.consumer.schema, table=self.consumer.table
             )
@@ -187,14 +207,51 @@ class WebhookReceiver:
             self._sessions = asyncio.Queue()
             for session in sessions:
                 self._sessions.put_nowait(session)
+            self._stopping = asyncio.Event()
+            self._closed = False
 
     async def close(self) -> None:
-        sessions, self._all, self._sessions = self._all, [], None
+        """Stop taking requests (503 with Retry-After from now on), let the transactions in
+        flight end (``shutdown_timeout``), then close the connections.
+
+        A transaction still running then keeps its connection: closing it under a sync
+        driver's thread, inside the transaction, is undefined (a crash, or a commit of half
+        its work); it is logged, and its connection is closed when it ends."""
+        async with self._starting:  # not while start() is opening connections
+            sessions, self._all, self._sessions = self._all, [], None
+            executor, self._executor = self._executor, None
+            self._closed = True
+            self._stopping.set()
+        if self._in_flight:
+            await asyncio.wait(list(self._in_flight), timeout=self.consumer.shutdown_timeout)
+        running = {work: held for work, held in self._in_flight.items() if not work.done()}
+        busy = {id(session) for session, _ in running.values()}
         for session in sessions:
+            if id(session) not in busy:
+                await session.close()
+        if running:
+            logger.warning(
+                "webhook receiver closed with %d transaction(s) still running after "
+                "shutdown_timeout (%gs), left to end on their own connections: %s",
+                len(running),
+                self.consumer.shutdown_timeout,
+                ", ".join(str(message_id) for _, message_id in running.values()),
+            )
+            if executor is not None:
+                self._retired.append(executor)  # their connections close on its threads
+        elif executor is not None:
+            executor.shutdown(wait=False)
+
+    async def _close_late(self, session: Session) -> None:
+        """Close the connection of a transaction that ended after close() left it running."""
+        try:
             await session.close()
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)
-            self._executor = None
+        except Exception as exc:  # noqa: BLE001 -- nothing uses it any more
+            logger.debug("closing a connection after its late transaction: %s", exc)
+        if len(self._in_flight) <= 1:  # this transaction's own entry, discarded when it ends
+            retired, self._retired = self._retired, []
+            for executor in retired:
+                executor.shutdown(wait=False)
 
     # ----- ASGI ------------------------------------------------------------------------------
 
@@ -274,13 +331,17 @@ class WebhookReceiver:
         if incoming.malformed is not None and HEADER_ID.lower() not in headers:
             return 400, {"error": f"not an outboxer webhook: {incoming.malformed}"}, {}
         try:
-            await self.start()
+            await self._open(reopen=False)
+        except _Closed:
+            return _CLOSING
         except Exception as exc:  # noqa: BLE001 -- the database is down: the relay retries
             logger.warning("webhook receiver cannot start: %s", describe(exc))
             return 503, {"error": "the database does not answer"}, {"retry-after": "5"}
         assert self._sessions is not None
         sessions = self._sessions
-        session = await sessions.get()
+        session = await _checkout(sessions, self._stopping)
+        if session is None:
+            return _CLOSING
         # Shielded: a request cancelled mid-transaction (the server cancels it when the client
         # hangs up or at shutdown, or a timeout around the app does) used to hand its session
         # back at once while the transaction went on (a sync driver's call runs in a thread,
@@ -291,9 +352,12 @@ class WebhookReceiver:
         # acknowledged message. The work now ends (commit or rollback) before its session
         # serves another request.
         work = asyncio.ensure_future(self._apply_on(sessions, session, incoming))
-        self._in_flight.add(work)
-        work.add_done_callback(self._in_flight.discard)
+        self._in_flight[work] = (session, incoming.delivery.id)
+        work.add_done_callback(self._discard)
         return await asyncio.shield(work)
+
+    def _discard(self, work: _Work) -> None:
+        self._in_flight.pop(work, None)
 
     async def _apply_on(
         self, sessions: asyncio.Queue[Session], session: Session, incoming: Any
@@ -309,7 +373,11 @@ class WebhookReceiver:
             error = redact_text(f"database error: {describe(exc)}")
             return 503, {"error": error}, {"retry-after": "1"}
         finally:
-            sessions.put_nowait(session)
+            if sessions is self._sessions:
+                sessions.put_nowait(session)
+            else:
+                # The receiver closed meanwhile: nobody takes this session from that queue.
+                await self._close_late(session)
 
     async def _apply(
         self, session: Session, incoming: Any
@@ -381,6 +449,43 @@ class WebhookReceiver:
         self._failures.move_to_end(message_id)
         while len(self._failures) > _REMEMBERED:
             self._failures.popitem(last=False)
+
+
+_Work = asyncio.Future[tuple[int, dict[str, Any], dict[str, str]]]
+#: The answer to a request the receiver does not take any more: the relay sends it again.
+_CLOSING: tuple[int, dict[str, Any], dict[str, str]] = (
+    503,
+    {"error": "the webhook receiver is shutting down"},
+    {"retry-after": "5"},
+)
+
+
+class _Closed(Exception):
+    """A request reached a receiver that close() stopped."""
+
+
+async def _checkout(sessions: asyncio.Queue[Session], stopping: asyncio.Event) -> Session | None:
+    """A session from ``sessions``, or None once ``stopping`` is set (close() detached the
+    queue: a request waiting on it would wait for ever, or get a closed connection)."""
+    getter = asyncio.ensure_future(sessions.get())
+    waiter = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait({getter, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        # Cancelled: a session got meanwhile goes back, or it would be lost to the others.
+        if getter.done() and not getter.cancelled():
+            sessions.put_nowait(getter.result())
+        raise
+    finally:
+        got = getter.done() and not getter.cancelled()
+        getter.cancel()  # a task: cancelled when it next runs, not now
+        waiter.cancel()
+    if not got:
+        return None
+    if stopping.is_set():
+        sessions.put_nowait(getter.result())
+        return None
+    return getter.result()
 
 
 def _redacted(
