@@ -31,8 +31,11 @@ An outage is a connection that is gone (its driver says so, or the rollback fail
 whatever the handler raised while the connection is fine (an OSError of its own included) is
 its failure. So is a failure of the consumer's own statements for a message applied alone
 (the inbox claim, the dead-letter check, the held record), which retrying at once would
-repeat for ever. A handler that returns a coroutine without being a coroutine function
-(a plain decorator around one) fails the same way: nothing awaited it, nothing is applied.
+repeat for ever; but not a lock wait that ran out in them (another consumer of the group
+holds the message: ``Session.lock_waited``), tried again after the outage backoff with no
+attempt counted, its claim then a duplicate once the holder commits. A handler that returns
+a coroutine without being a coroutine function (a plain decorator around one) fails the same
+way: nothing awaited it, nothing is applied.
 
 Shutdown (SIGTERM, ``stop()``): stop fetching; batches in flight commit and are acked
 (given ``shutdown_timeout``, or until a second SIGTERM/SIGINT, ``signalled()``), their
@@ -41,9 +44,9 @@ held but not started, or waiting for a retry, are handed back unacknowledged. Ba
 running then are cancelled: never acked, rolled back, delivered again. An async handler's
 cancellation ends it; a sync handler's thread cannot be interrupted, nor an async handler
 that ignores its cancellation: given ``CANCELLED_WAIT`` to end, such a batch is abandoned
-(its session is left open, not closed under the handler, and refuses to commit if the
-handler ever returns). Either way ``run_async`` names the messages whose handlers had not
-returned in an ERROR line and raises ConsumerShutdownError (``hung`` if any still runs:
+(its session is left open, not closed under the handler, refuses to commit if the handler
+ever returns, and is closed once that call ends). Either way ``run_async`` names the
+messages whose handlers had not returned in an ERROR line and raises ConsumerShutdownError (``hung`` if any still runs:
 ``outboxer consume`` then exits 1 at once, its connections closing with the process, so
 what the handler wrote is rolled back by the database).
 """
@@ -159,6 +162,8 @@ class _Lane:
     retry: asyncio.TimerHandle | None = None
     #: Database connections lost in a row applying the head alone (no attempt counted).
     losses: int = 0
+    #: Lock waits that ran out in a row applying the head (no attempt counted).
+    waits: int = 0
 
     @property
     def head(self) -> Incoming:
@@ -437,9 +442,13 @@ class Consumer:
                 await asyncio.wait(waiting, timeout=CANCELLED_WAIT)
             await self._release_all()
             await self._quietly(receiver.close(), "closing the broker connection")
-            abandoned = set(self._abandoned().values())
+            abandoned = self._abandoned()
+            for task, session in abandoned.items():
+                # Closed once its call ends (in that call's thread, or from the task's end on
+                # the loop): not left open until garbage collection, one per hung batch.
+                session.close_after(task)
             for session in sessions:
-                if session not in abandoned:  # closing one a handler still uses would hang
+                if session not in abandoned.values():  # closing under a handler would hang
                     await self._quietly(session.close(), "closing a database connection")
             executor.shutdown(wait=False)
             logger.info("consumer %s stopped: %s", self.group, self.stats.as_dict())
@@ -771,6 +780,12 @@ class Consumer:
                     self.group, deliveries, self._timed_handler, hold_keys=self.abandoned_blocks_key
                 )
             except BatchFailed as failure:
+                if session.abandoned:
+                    # Shutdown gave up on this batch and handed its messages back; an async
+                    # handler that ignored its cancellation has just returned. Nothing to
+                    # charge: counted as a failure, a message with max_attempts=1 was written
+                    # as a dead letter (and acked on a closed receiver) after shutdown.
+                    return
                 if session.lost(failure):  # an outage, wherever it struck: no attempt
                     self.stats.database_errors += 1
                     logger.warning("database connection lost (%s); reconnecting", failure)
@@ -795,6 +810,17 @@ class Consumer:
                     continue  # the others again at once: not their fault
                 # A handler's COMMIT found by the batch's check, not the database's fault.
                 self.stats.database_errors += not isinstance(failure.cause, HandlerEndedTransaction)
+                if session.lock_waited(failure) and (
+                    alone or len(todo) == 1 or failure.stage == "commit"
+                ):
+                    # Another consumer of the group holds the message (a redelivery while its
+                    # transaction is open) or, at BEGIN or COMMIT, the database's write lock
+                    # (SQLite): no attempt counted, never dead-lettered for it. Tried again
+                    # after a backoff, the claim finds a duplicate once the holder commits.
+                    # A claim's wait with several messages is split first (below): only the
+                    # held message's lane waits.
+                    self._lock_waited(todo, failure)
+                    return
                 if len(todo) > 1 and not alone:
                     # A statement or the commit failed with no handler raising (a deadlock,
                     # a deferred constraint): alone, each message's own failure shows.
@@ -961,6 +987,30 @@ class Consumer:
         )
         lane.retry = asyncio.get_running_loop().call_later(delay, self._retry_due, lane)
 
+    def _lock_waited(self, lanes: Sequence[_Lane], failure: BatchFailed) -> None:
+        """The batch of ``lanes`` waited for a lock in the consumer's own statements until the
+        database gave up (``Session.lock_waited``): rolled back, not acked, no attempt
+        counted; each head tried again after the outage backoff."""
+        loop = asyncio.get_running_loop()
+        for lane in lanes:
+            lane.waits += 1
+            delay = OUTAGE_BACKOFF.delay(lane.waits)
+            delivery = lane.head.delivery
+            logger.warning(
+                "consumer %s: message %s (topic %s, key %s): the consumer's %s waited for a "
+                "lock in vain (%d in a row; another consumer applying it?), no attempt "
+                "counted; retrying in %.1fs: %s",
+                self.group,
+                delivery.id,
+                delivery.topic,
+                delivery.key,
+                failure.stage,
+                lane.waits,
+                delay,
+                describe(failure.cause),
+            )
+            lane.retry = loop.call_later(delay, self._retry_due, lane)
+
     def _retry_due(self, lane: _Lane) -> None:
         lane.retry = None
         if not self.stopping:
@@ -1013,7 +1063,7 @@ class Consumer:
         await self.receiver.ack([lane.head for lane in lanes])
         for lane in lanes:
             lane.queue.popleft()
-            lane.failures = lane.losses = 0
+            lane.failures = lane.losses = lane.waits = 0
             self._held -= 1
             if lane.queue:
                 self._ready.put_nowait(lane)

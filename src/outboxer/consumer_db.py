@@ -31,6 +31,7 @@ import inspect
 import json
 import logging
 import sqlite3
+import threading
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -111,6 +112,11 @@ _PG_GONE = frozenset({"57P01", "57P02", "57P03"})
 #: CR_SERVER_GONE_ERROR, CR_SERVER_LOST, CR_SERVER_LOST_EXTENDED, ER_SERVER_SHUTDOWN,
 #: ER_CONNECTION_KILLED (MariaDB), ER_CLIENT_INTERACTION_TIMEOUT (MySQL 8).
 _MYSQL_GONE = frozenset({2003, 2006, 2013, 2055, 1053, 1927, 4031})
+#: SQLSTATEs of a lock wait that ran out (lock_timeout: lock_not_available) and of a
+#: deadlock's victim (deadlock_detected).
+_PG_LOCK_WAITS = frozenset({"55P03", "40P01"})
+#: MySQL/MariaDB: ER_LOCK_WAIT_TIMEOUT (innodb_lock_wait_timeout), ER_LOCK_DEADLOCK.
+_MYSQL_LOCK_WAITS = frozenset({1205, 1213})
 
 
 def storable(value: str, dialect: str) -> str:
@@ -245,6 +251,32 @@ class Session(ABC):
         """Whether ``exc``, raised by one of the session's own database calls, is the
         driver's word that the connection is gone (drivers add theirs to the socket's)."""
         return isinstance(exc, ConnectionError | OSError)
+
+    def lock_waited(self, failure: BatchFailed) -> bool:
+        """Whether the batch failed waiting for a lock in one of the consumer's own
+        statements (the inbox claim, BEGIN IMMEDIATE, the commit), not in a handler: another
+        consumer of the group holds the message (a redelivery while its transaction is still
+        open) or the database's write lock. Not the message's fault, no attempt counted: the
+        holder commits (the claim then finds a duplicate) or rolls back (then it applies)."""
+        return failure.stage != "handler" and self.lock_timeout(failure.cause)
+
+    def lock_timeout(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is the driver's error of a lock wait that ran out (or a deadlock,
+        whose victim waited too); drivers say."""
+        return False
+
+    def close_after(self, task: asyncio.Task[Any]) -> None:
+        """Close the connection of a session the runner abandoned at shutdown (its handler
+        or its thread still ran) once ``task``, the worker running its batch, has ended:
+        never under that call, and not left open until garbage collection, a connection per
+        hung batch of each ``run_async``. Async sessions: from the task's done callback, on
+        the loop, without awaiting (the loop may be ending)."""
+        task.add_done_callback(lambda _: self.discard())
+
+    def discard(self) -> None:
+        """Close the connection at once without awaiting (``close_after``); drivers say how.
+        A session of the caller's own kind (``sessions=``) keeps its connection here."""
+        return None
 
     @abstractmethod
     async def apply(
@@ -558,6 +590,33 @@ class SyncSession(Session):
         self._execute("insert", self.held_params(group, delivery))
         return True
 
+    def close_after(self, task: asyncio.Task[Any]) -> None:
+        # The task of a cancelled sync batch ends at once, its call in the thread does not:
+        # closed when both have, from whichever ends last (the thread's done callback runs in
+        # that thread, after the call returned: never under it). Once.
+        lock = threading.Lock()
+        closed = False
+
+        def close_if_ended(_: object) -> None:
+            nonlocal closed
+            future = self._future
+            if not task.done() or (future is not None and not future.done()):
+                return
+            with lock:
+                if closed:
+                    return
+                closed = True
+            self.discard()
+
+        task.add_done_callback(close_if_ended)
+        if self._future is not None:
+            self._future.add_done_callback(close_if_ended)
+
+    def discard(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            _close_quietly(conn)
+
     async def open(self) -> None:
         self.conn = await self._call(self._connect)
 
@@ -806,6 +865,9 @@ class PsycopgSession(SyncSession):
     def disconnected(self, exc: BaseException) -> bool:
         return super().disconnected(exc) or _psycopg_disconnected(exc)
 
+    def lock_timeout(self, exc: BaseException) -> bool:
+        return getattr(exc, "sqlstate", None) in _PG_LOCK_WAITS
+
 
 class SqliteSession(SyncSession):
     dialect = "sqlite"
@@ -846,6 +908,16 @@ class SqliteSession(SyncSession):
         except sqlite3.ProgrammingError:
             return True
         return False
+
+    def lock_timeout(self, exc: BaseException) -> bool:
+        # busy_timeout ran out: "database is locked" (SQLITE_BUSY, or SQLITE_LOCKED), at
+        # BEGIN IMMEDIATE most of the time, another connection holding the write lock.
+        code = getattr(exc, "sqlite_errorcode", None)
+        return (
+            isinstance(exc, sqlite3.OperationalError)
+            and code is not None
+            and (code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED))
+        )
 
 
 class PyMySQLSession(SyncSession):
@@ -892,6 +964,11 @@ class PyMySQLSession(SyncSession):
             or isinstance(exc, pymysql.err.InterfaceError)
             or (isinstance(exc, pymysql.err.OperationalError) and mysql_errno(exc) in _MYSQL_GONE)
         )
+
+    def lock_timeout(self, exc: BaseException) -> bool:
+        import pymysql
+
+        return isinstance(exc, pymysql.err.MySQLError) and mysql_errno(exc) in _MYSQL_LOCK_WAITS
 
 
 # ----- async connections, on the event loop -------------------------------------------------
@@ -1134,6 +1211,14 @@ class AsyncpgSession(AsyncSession):
         )
         return super().disconnected(exc) or isinstance(exc, gone)
 
+    def lock_timeout(self, exc: BaseException) -> bool:
+        return getattr(exc, "sqlstate", None) in _PG_LOCK_WAITS
+
+    def discard(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None and not conn.is_closed():
+            conn.terminate()  # no await: the server rolls the open transaction back
+
     def _in_transaction(self) -> bool:
         # The protocol's transaction status of the last answer: no round trip.
         return self.conn is None or self.conn.is_closed() or bool(self.conn.is_in_transaction())
@@ -1200,6 +1285,14 @@ class PsycopgAsyncSession(AsyncSession):
 
     def disconnected(self, exc: BaseException) -> bool:
         return super().disconnected(exc) or _psycopg_disconnected(exc)
+
+    def lock_timeout(self, exc: BaseException) -> bool:
+        return getattr(exc, "sqlstate", None) in _PG_LOCK_WAITS
+
+    def discard(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None and not conn.closed:
+            conn.pgconn.finish()  # what AsyncConnection.close() does, without awaiting
 
     async def _begin(self) -> Any:
         return _PsycopgTransaction(self.conn)

@@ -118,7 +118,7 @@ async def test_shutdown_does_not_wait_for_a_claim_blocked_on_a_lock(
         assert not db.query(
             watcher, f"SELECT 1 FROM {db.inbox} WHERE message_id = %s", (str(message.id),)
         )
-        session.conn.close()
+        # Not closed by hand: the consumer closes it once its call ended (close_after).
     finally:
         consumer.stop()
         holder.rollback()

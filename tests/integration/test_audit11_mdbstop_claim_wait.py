@@ -109,7 +109,7 @@ async def _shut_down_while_waiting(
         assert not await asyncio.to_thread(claimed), "the abandoned batch committed"
         # Nor did its handler run: the message was handed back to the broker at shutdown.
         assert handled == [], "a handler ran in the batch abandoned at shutdown"
-        session.conn.close()
+        # Not closed by hand: the consumer closes it once its call ended (close_after).
     finally:
         consumer.stop()
         if not released:
