@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -838,7 +839,25 @@ class MySQLStore(Store):
     ) -> tuple[int, int]:
         """Run the admin statement ``name`` in one transaction, under the shared lock of every
         destination it may change (admin.sql: purge): the rows it changed, and the value the
-        read ``then`` finds after it, in the transaction (0 without one)."""
+        read ``then`` finds after it, in the transaction (0 without one).
+
+        InnoDB may choose it as a deadlock's victim (1213) beside a live relay, whose settles
+        and cleanup lock the same rows in another order: the whole transaction was rolled
+        back, so it is tried again, as MySQL advises, up to ADMIN_DEADLOCK_TRIES times. An
+        operator's `requeue` failed with "Deadlock found" and changed nothing."""
+        for tried in range(1, ADMIN_DEADLOCK_TRIES + 1):
+            try:
+                return await self._under_destination_locks_once(name, where, then)
+            except StoreError as exc:
+                if tried == ADMIN_DEADLOCK_TRIES or not _deadlocked(exc):
+                    raise
+                logger.info("MySQL: %s chosen as a deadlock's victim; trying it again", name)
+                await asyncio.sleep(random.uniform(0.01, 0.05) * tried)
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    async def _under_destination_locks_once(
+        self, name: str, where: MessageFilter, then: str | None
+    ) -> tuple[int, int]:
         async with self._transaction() as cursor:
             await self._admin(cursor, "destinations_matching", where)
             locked = [row["destination"] for row in await cursor.fetchall()]
@@ -893,6 +912,18 @@ class MySQLStore(Store):
                     await detect(cursor.connection).write_async(outbox, cursor.connection, copies)
                     inserted += len(copies)
         return inserted
+
+
+#: Tries of an admin statement InnoDB chose as a deadlock's victim (see
+#: MySQLStore._under_destination_locks).
+ADMIN_DEADLOCK_TRIES = 5
+
+
+def _deadlocked(exc: BaseException) -> bool:
+    """Whether the driver error behind ``exc`` is InnoDB's deadlock (1213): the transaction
+    was rolled back whole."""
+    args: tuple[Any, ...] = getattr(exc.__cause__, "args", ())
+    return bool(args) and args[0] == 1213
 
 
 def _refused_values(exc: BaseException) -> bool:
