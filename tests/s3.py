@@ -21,17 +21,11 @@ from typing import Any
 import pytest
 
 from outboxer.claimcheck import S3ObjectStore
+from tests.services import free_port as _free_port
 
 HOST = "127.0.0.1"
 CREDENTIALS = {"access_key_id": "testing", "secret_access_key": "testing-secret"}
 REGION = "us-east-1"
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind((HOST, 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,15 @@ START = {
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+def free_port() -> int:
+    """A loopback TCP port nobody listens on right now, chosen by the OS. (A port drawn at
+    random can be the ephemeral port of some client's connection, and the server that then
+    binds it exits at start: a flaky test.)"""
+    with socket.socket() as probe:
+        probe.bind((HOST, 0))
+        return int(probe.getsockname()[1])
+
+
 def port_open(port: int, host: str = HOST, timeout: float = 0.5) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout):

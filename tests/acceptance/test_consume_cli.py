@@ -22,7 +22,7 @@ import outboxer
 from tests.acceptance.test_cli import OUTBOXER, cli
 from tests.acceptance.test_consume_e2e import ROOT, spawn
 from tests.consumer_handlers import APPLIED_DDL
-from tests.services import require
+from tests.services import free_port, require
 
 AMQP = "amqp://guest:guest@127.0.0.1:5672/"
 
@@ -153,7 +153,7 @@ async def test_metrics_endpoint_counts_per_group(
 ) -> None:
     broker = f"{AMQP}?exchange={exchange}"
     group = f"g-{exchange}"
-    port = 20000 + int(uuid.uuid4().int % 20000)
+    port = free_port()
     process = spawn(
         ["consume", "--db", pg_url, "--broker", broker, "--group", group, "--topic", "cli.*",
          "--http", f"127.0.0.1:{port}", "tests.consumer_handlers:record"],

@@ -19,14 +19,9 @@ import pytest
 
 import outboxer
 from tests.acceptance.test_cli import OUTBOXER, cli
+from tests.services import free_port
 
 TOKEN = "t0ken-for-the-acceptance-test"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def request(

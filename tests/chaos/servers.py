@@ -16,7 +16,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -25,17 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.services import IN_CI, port_open
+from tests.services import IN_CI, free_port, port_open
 
 #: Every private server lives in a directory named like this, with the owning pid in ``owner``.
 DIRECTORY_PREFIX = "outboxer-chaos-"
-
-
-def free_port() -> int:
-    """A loopback TCP port nobody listens on right now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def missing_tool(reason: str) -> None:

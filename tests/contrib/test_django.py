@@ -24,6 +24,7 @@ from outboxer.stores import create_store
 from outboxer.stores.sqlfiles import migrations
 from outboxer.stores.sqlite import sqlite_path
 from tests.conftest import mysql_connect
+from tests.services import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SETTINGS = "tests.contrib.django_project.settings"
@@ -304,7 +305,7 @@ def test_outboxer_consume_serves_its_group_s_metrics_over_http(pg_url: str) -> N
             outboxer.enqueue(conn, topic, {"order": order}, key=f"c-{order}")
     settings = load_settings({"db": pg_url, "broker": broker}, environ={})
     assert asyncio.run(Relay.from_settings(settings).drain()).published == 3
-    port = 20000 + uuid.uuid4().int % 20000
+    port = free_port()
     env = dict(os.environ, OUTBOXER_TEST_DJANGO_DB=pg_url, PYTHONPATH=str(ROOT))
     process = subprocess.Popen(
         [sys.executable, "-m", "django", "outboxer_consume", f"--settings={SETTINGS}",

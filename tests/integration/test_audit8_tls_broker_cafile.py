@@ -23,13 +23,7 @@ from outboxer.brokers.mqtt import MqttPublisher
 from outboxer.brokers.nats import NatsPublisher
 from outboxer.errors import BrokerUnavailableError, ConfigError
 from outboxer.testing import make_message
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+from tests.services import free_port
 
 
 def openssl(*args: str) -> None:

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -28,7 +27,7 @@ from outboxer.brokers.mqtt import MqttPublisher
 from outboxer.errors import ConfigError
 from outboxer.message import HEADER_ID, HEADER_KEY, HEADER_TOPIC, Message
 from outboxer.testing import Consumer, PublisherContract, Received, TcpProxy, make_message
-from tests.services import port_open, require, start, stop
+from tests.services import free_port, port_open, require, start, stop
 
 HOST, PORT = "127.0.0.1", 1883
 URL = f"mqtt://{HOST}:{PORT}"
@@ -134,12 +133,6 @@ class TestMqttPublisherContract(PublisherContract):
 
 
 # ----- a private Mosquitto with an ACL and a maximum packet size --------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ inbox, retries through the relay, dead letters; PostgreSQL for both sides."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -18,14 +17,9 @@ from outboxer.consumer import Delivery
 from outboxer.receivers.webhook import WebhookReceiver
 from outboxer.retry import Backoff
 from tests.consumer_handlers import APPLIED_DDL, record
+from tests.services import free_port
 
 SECRET = "s3cret-for-tests"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Served:

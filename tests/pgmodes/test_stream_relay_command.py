@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 
 from outboxer.cli import main
 from outboxer.enqueue import Outbox
+from tests.services import free_port as _free_port
 from tests.services import require
 
 OUTBOXER = [sys.executable, "-m", "outboxer.cli"]
@@ -41,12 +41,6 @@ def _here(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str
         code = int(exit_.code or 0)
     out, err = capsys.readouterr()
     return code, out, err
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _until(done: Callable[[], bool], timeout: float = 30.0) -> bool:
