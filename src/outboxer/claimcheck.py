@@ -378,27 +378,26 @@ class S3ObjectStore(ObjectStore):
     def put(self, name: str, data: bytes) -> None:
         self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=data)
 
-    def get(self, name: str) -> bytes:
+    def _get_object(self, name: str) -> dict[str, Any]:
+        """GetObject's response (its body not read yet); a missing key is ObjectNotFoundError."""
         try:
-            response = self.client.get_object(Bucket=self.bucket, Key=self._key(name))
+            response: dict[str, Any] = self.client.get_object(
+                Bucket=self.bucket, Key=self._key(name)
+            )
         except Exception as exc:
             if _s3_error_code(exc) in ("NoSuchKey", "404"):
                 raise ObjectNotFoundError(
                     f"claim-check object {name} is not in s3://{self.bucket}/{self.prefix}"
                 ) from None
             raise
-        body: bytes = response["Body"].read()
+        return response
+
+    def get(self, name: str) -> bytes:
+        body: bytes = self._get_object(name)["Body"].read()
         return body
 
     def get_at_most(self, name: str, max_size: int) -> bytes:
-        try:
-            response = self.client.get_object(Bucket=self.bucket, Key=self._key(name))
-        except Exception as exc:
-            if _s3_error_code(exc) in ("NoSuchKey", "404"):
-                raise ObjectNotFoundError(
-                    f"claim-check object {name} is not in s3://{self.bucket}/{self.prefix}"
-                ) from None
-            raise
+        response = self._get_object(name)
         stream = response["Body"]
         try:
             # The length S3 announces refuses a larger object before any of its body is
