@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from outboxer.stores import create_store
+from tests.chaos.proxy import FaultProxy
 from tests.services import require
 
 #: Tests that run alone, after the others (scripts/test runs the rest on two workers): they
@@ -33,8 +34,7 @@ SERIAL = (
     "tests/integration/test_receiver_connect_leaks.py",
     "tests/unit/test_config_audit_logs.py",
     "tests/integration/test_audit11_webhook_trickled_headers.py",
-    "tests/integration/test_audit11_group_stalled_claim_recovery.py",
-    "tests/integration/test_audit11_hungsettle_recovery.py",
+    "tests/integration/test_audit11_group_recovery_beside_a_hung_database.py",
     "tests/integration/test_audit11_wave_partial_timeout.py",
     "tests/integration/test_audit11_cancel_shutdown_leases.py",
     "tests/integration/test_audit11_cancel_shutdown_claim_wait.py",
@@ -318,3 +318,13 @@ def exporter() -> Iterator[Any]:
     spans.clear()
     yield spans
     spans.clear()
+
+
+@pytest.fixture
+def pg_proxy() -> Iterator[FaultProxy]:
+    """A fault proxy in front of the shared PostgreSQL (point a URL at ``pg_proxy.port``):
+    the test stalls or cuts its connections, the teardown lets them go."""
+    proxy = FaultProxy(5432).start()
+    yield proxy
+    proxy.resume()
+    proxy.stop()

@@ -6,6 +6,9 @@ database in turn; import it into a test module to use it.
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -41,6 +44,24 @@ async def rows(url: str) -> list[dict[str, object]]:
     async with outboxer.create_store(url) as store:
         listed = await store.list_messages(STATUSES, 1000)
     return sorted(listed, key=lambda row: int(str(row["seq"])))
+
+
+async def until(check: Callable[[], Awaitable[bool] | bool], what: str, seconds: float) -> None:
+    """Poll ``check`` (a plain or an async predicate) every 20 ms; fail with ``what`` after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        found = check()
+        if not isinstance(found, bool):
+            found = await found
+        if found:
+            return
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.02)
+
+
+async def drained(url: str) -> bool:
+    """Whether every row is PUBLISHED."""
+    return {row["status"] for row in await rows(url)} == {"PUBLISHED"}
 
 
 async def all_published(url: str, count: int) -> bool:

@@ -9,10 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from outboxer import load_settings
 from outboxer.http import HttpApi, Request, api_stores
@@ -24,18 +21,10 @@ from tests.relaying import enqueue
 BOUND = 0.5 + RELEASE_TIMEOUT + 0.5
 
 
-@pytest.fixture
-def proxy() -> Iterator[FaultProxy]:
-    proxy = FaultProxy(5432).start()
-    yield proxy
-    proxy.resume()
-    proxy.stop()
-
-
 async def test_a_stalled_database_holds_up_no_scrape_nor_health_probe(
-    pg_url: str, sqlite_url: str, tmp_path: Path, proxy: FaultProxy
+    pg_url: str, sqlite_url: str, tmp_path: Path, pg_proxy: FaultProxy
 ) -> None:
-    stalled_url = pg_url.replace(":5432/", f":{proxy.port}/")
+    stalled_url = pg_url.replace(":5432/", f":{pg_proxy.port}/")
     assert stalled_url != pg_url
     path = tmp_path / "outboxer.toml"
     path.write_text(
@@ -48,7 +37,7 @@ async def test_a_stalled_database_holds_up_no_scrape_nor_health_probe(
         # Both answer: the API holds a connection to each.
         metrics = (await api.handle(Request("GET", "/metrics"))).body.decode()
         assert 'outboxer_store_up{database="stalled"} 1.0' in metrics
-        proxy.stall()
+        pg_proxy.stall()
         for attempt in range(2):  # and again: the first one's connection did not hold it up
             started = time.monotonic()
             answer = await asyncio.wait_for(api.handle(Request("GET", "/metrics")), 10)
@@ -71,5 +60,5 @@ async def test_a_stalled_database_holds_up_no_scrape_nor_health_probe(
             assert body["databases"]["stalled"]["database"] != "ok"
             assert took < BOUND, f"health probe {attempt} took {took:.1f}s (store timeout 0.5s)"
     finally:
-        proxy.resume()
+        pg_proxy.resume()
         await api.close()

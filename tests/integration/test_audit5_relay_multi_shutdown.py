@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from outboxer import load_settings
 from outboxer.relay_group import RelayGroup
@@ -20,18 +17,10 @@ from tests.integration.test_relay_databases import config, drained, stream_prefi
 __all__ = ["stream_prefix"]
 
 
-@pytest.fixture
-def proxy() -> Iterator[FaultProxy]:
-    proxy = FaultProxy(5432).start()
-    yield proxy
-    proxy.resume()
-    proxy.stop()
-
-
 async def test_sigterm_with_one_database_stalled_ends_within_the_shutdown_timeout(
-    pg_url: str, sqlite_url: str, stream_prefix: str, tmp_path: Path, proxy: FaultProxy
+    pg_url: str, sqlite_url: str, stream_prefix: str, tmp_path: Path, pg_proxy: FaultProxy
 ) -> None:
-    stalled_url = pg_url.replace(":5432/", f":{proxy.port}/")
+    stalled_url = pg_url.replace(":5432/", f":{pg_proxy.port}/")
     assert stalled_url != pg_url
     databases = {"steady": sqlite_url, "stalled": stalled_url}
     settings = load_settings(
@@ -48,14 +37,14 @@ async def test_sigterm_with_one_database_stalled_ends_within_the_shutdown_timeou
         while not (await drained(pg_url) and await drained(sqlite_url)):
             assert time.monotonic() < deadline, "the databases did not drain"
             await asyncio.sleep(0.05)
-        proxy.stall()  # the relay's statements to "stalled" get no answer from now on
+        pg_proxy.stall()  # the relay's statements to "stalled" get no answer from now on
         await asyncio.sleep(0.2)  # its loops' next claims (polls every 50 ms) hang
     finally:
         group.stop()  # SIGTERM
         started = time.monotonic()
         done, _ = await asyncio.wait({running}, timeout=5)
         took = time.monotonic() - started
-        proxy.resume()
+        pg_proxy.resume()
         if not done:
             await asyncio.wait_for(running, 120)
     assert done, f"the relay process took {took:.1f}s to stop (shutdown_timeout 0.5s)"
@@ -65,19 +54,19 @@ async def test_sigterm_with_one_database_stalled_ends_within_the_shutdown_timeou
 
 
 async def test_sigterm_while_a_database_stalls_its_relays_connect_ends_at_once(
-    pg_url: str, sqlite_url: str, stream_prefix: str, tmp_path: Path, proxy: FaultProxy
+    pg_url: str, sqlite_url: str, stream_prefix: str, tmp_path: Path, pg_proxy: FaultProxy
 ) -> None:
     """A database that does not answer from the start: its relay is still connecting (the
     driver waits a minute) when SIGTERM comes. It has nothing in flight: it ends at once,
     and the process with it (it outlived shutdown_timeout and a second SIGTERM)."""
-    stalled_url = pg_url.replace(":5432/", f":{proxy.port}/")
+    stalled_url = pg_url.replace(":5432/", f":{pg_proxy.port}/")
     databases = {"steady": sqlite_url, "stalled": stalled_url}
     settings = load_settings(
         {},
         config_file=config(tmp_path, databases, stream_prefix, shutdown_timeout=0.5),
         environ={},
     )
-    proxy.stall()
+    pg_proxy.stall()
     group = RelayGroup.from_settings(settings)
     running = asyncio.create_task(group.run())
     try:
@@ -94,7 +83,7 @@ async def test_sigterm_while_a_database_stalls_its_relays_connect_ends_at_once(
         started = time.monotonic()
         done, _ = await asyncio.wait({running}, timeout=3)
         took = time.monotonic() - started
-        proxy.resume()
+        pg_proxy.resume()
         if not done:
             await asyncio.wait_for(running, 120)
     assert done, f"the relay process took {took:.1f}s to stop (shutdown_timeout 0.5s)"
