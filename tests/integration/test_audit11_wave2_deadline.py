@@ -22,7 +22,6 @@ import logging
 import socket
 import uuid
 
-import aio_pika
 import pytest
 
 from outboxer.brokers import create_publisher
@@ -30,7 +29,10 @@ from outboxer.brokers.base import OutcomeKind
 from outboxer.brokers.nats import NatsPublisher
 from outboxer.brokers.rabbitmq import RabbitMQPublisher
 from outboxer.testing import make_message
-from tests.integration.test_audit11_wave_partial_timeout import gate, split_amqp
+from tests.integration.test_audit11_wave_partial_timeout import (
+    gate,
+    gated_rabbitmq_publisher,
+)
 from tests.services import PORTS, require
 
 PUBLISH_TIMEOUT = 1.5
@@ -94,43 +96,25 @@ async def test_nats_slow_duplicate_check_fails_only_its_message() -> None:
 async def test_rabbitmq_in_turn_unwritten_messages_are_not_attempted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    require("rabbitmq")
     monkeypatch.setattr(RabbitMQPublisher, "_wave_writes", False)
-    queue_name = f"audit11.wave2.{uuid.uuid4().hex[:8]}"
-    connection = await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:{PORTS['rabbitmq']}/")
-    try:
-        channel = await connection.channel()
-        queue = await channel.declare_queue(queue_name)
-        bodies = lambda frame: frame[0] == 3  # noqa: E731 - a content body frame
-        # The first publish reaches RabbitMQ and is confirmed; the second is written but
-        # held (never confirmed); the third is never written, one at a time.
-        async with gate(PORTS["rabbitmq"], split_amqp, bodies, downstream=False) as proxy:
-            publisher = create_publisher(
-                f"amqp://guest:guest@127.0.0.1:{proxy.port}/",
-                routes={"wave": f"/{queue_name}"},
-                publish_timeout=PUBLISH_TIMEOUT,
-            )
-            try:
-                await publisher.connect()
-                proxy.hold_after(1)
-                started = asyncio.get_running_loop().time()
-                first, second, third = await publisher.publish_batch(
-                    [make_message("wave", {"n": n}) for n in range(3)]
-                )
-                elapsed = asyncio.get_running_loop().time() - started
-                assert proxy.held, "the gate held nothing: the wave was not slowed"
-                assert first.kind is OutcomeKind.PUBLISHED, first
-                assert second.kind is OutcomeKind.FAILED and second.attempted, second
-                assert "did not confirm" in (second.error or ""), second.error
-                assert third.kind is OutcomeKind.FAILED and third.retryable, third
-                assert not third.attempted, third
-                assert "not written" in (third.error or ""), third.error
-                assert elapsed < PUBLISH_TIMEOUT, elapsed
-            finally:
-                await publisher.close()
-        await queue.delete(if_unused=False, if_empty=False)
-    finally:
-        await connection.close()
+    # The first publish reaches RabbitMQ and is confirmed; the second is written but held
+    # (never confirmed); the third is never written, one at a time.
+    async with gated_rabbitmq_publisher(PUBLISH_TIMEOUT) as (publisher, proxy):
+        await publisher.connect()
+        proxy.hold_after(1)
+        started = asyncio.get_running_loop().time()
+        first, second, third = await publisher.publish_batch(
+            [make_message("wave", {"n": n}) for n in range(3)]
+        )
+        elapsed = asyncio.get_running_loop().time() - started
+        assert proxy.held, "the gate held nothing: the wave was not slowed"
+        assert first.kind is OutcomeKind.PUBLISHED, first
+        assert second.kind is OutcomeKind.FAILED and second.attempted, second
+        assert "did not confirm" in (second.error or ""), second.error
+        assert third.kind is OutcomeKind.FAILED and third.retryable, third
+        assert not third.attempted, third
+        assert "not written" in (third.error or ""), third.error
+        assert elapsed < PUBLISH_TIMEOUT, elapsed
 
 
 async def test_nats_failed_connect_is_one_line_with_its_cause(

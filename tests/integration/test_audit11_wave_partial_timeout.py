@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import aio_pika
 import redis.asyncio as aioredis
@@ -274,7 +275,12 @@ async def test_nats_keeps_the_pubacks_in_before_the_timeout() -> None:
         await nc.close()
 
 
-async def test_rabbitmq_keeps_the_confirms_in_before_the_timeout() -> None:
+@contextlib.asynccontextmanager
+async def gated_rabbitmq_publisher(
+    publish_timeout: float,
+) -> AsyncIterator[tuple[Publisher, Any]]:
+    """A publisher routing topic ``wave`` to a fresh queue on the real RabbitMQ through a
+    gate on the client's side that holds content body frames once told (``hold_after``)."""
     require("rabbitmq")
     queue_name = f"audit11.wave.{uuid.uuid4().hex[:8]}"
     connection = await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:{PORTS['rabbitmq']}/")
@@ -282,20 +288,25 @@ async def test_rabbitmq_keeps_the_confirms_in_before_the_timeout() -> None:
         channel = await connection.channel()
         queue = await channel.declare_queue(queue_name)
         bodies = lambda frame: frame[0] == 3  # noqa: E731 - a content body frame
-        # The client's side is gated: two publishes reach RabbitMQ, the third is held.
         async with gate(PORTS["rabbitmq"], split_amqp, bodies, downstream=False) as proxy:
             publisher = create_publisher(
                 f"amqp://guest:guest@127.0.0.1:{proxy.port}/",
                 routes={"wave": f"/{queue_name}"},
-                publish_timeout=PUBLISH_TIMEOUT,
+                publish_timeout=publish_timeout,
             )
             try:
-                await publish_partly(publisher, proxy, "wave")
+                yield publisher, proxy
             finally:
                 await publisher.close()
         await queue.delete(if_unused=False, if_empty=False)
     finally:
         await connection.close()
+
+
+async def test_rabbitmq_keeps_the_confirms_in_before_the_timeout() -> None:
+    # The client's side is gated: two publishes reach RabbitMQ, the third is held.
+    async with gated_rabbitmq_publisher(PUBLISH_TIMEOUT) as (publisher, proxy):
+        await publish_partly(publisher, proxy, "wave")
 
 
 class Holder:
