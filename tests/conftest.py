@@ -328,3 +328,16 @@ def pg_proxy() -> Iterator[FaultProxy]:
     yield proxy
     proxy.resume()
     proxy.stop()
+
+
+@pytest.fixture
+async def redis_stream() -> AsyncIterator[str]:
+    """A fresh Redis stream name (the topic a test publishes to); deleted afterwards."""
+    import redis.asyncio as aioredis
+
+    require("redis")
+    topic = f"test-{uuid.uuid4().hex[:12]}"
+    yield topic
+    client = aioredis.Redis.from_url("redis://127.0.0.1:6379/0")
+    await client.delete(topic)
+    await client.aclose()

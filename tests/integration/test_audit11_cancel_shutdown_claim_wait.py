@@ -9,31 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import psycopg
 import pytest
-import redis.asyncio as aioredis
 
 from outboxer.brokers import create_publisher
 from outboxer.consumer import Consumer, Delivery
 from outboxer.errors import ConsumerShutdownError
 from outboxer.testing import make_message
-from tests.services import require
 
 REDIS = "redis://127.0.0.1:6379/0"
-
-
-@pytest.fixture
-async def stream() -> AsyncIterator[str]:
-    require("redis")
-    topic = f"audit11-claimwait-{uuid.uuid4().hex[:10]}"
-    yield topic
-    client = aioredis.Redis.from_url(REDIS)
-    await client.delete(topic)
-    await client.aclose()
 
 
 class Database:
@@ -62,10 +48,10 @@ def db(pg_url: str) -> Database:
 
 
 async def test_shutdown_does_not_wait_for_a_claim_blocked_on_a_lock(
-    db: Database, stream: str
+    db: Database, redis_stream: str
 ) -> None:
     pg_url = db.url
-    message = make_message(stream, {"n": 1}, key="k1")
+    message = make_message(redis_stream, {"n": 1}, key="k1")
 
     def handler(delivery: Delivery, conn: Any) -> None:
         pass
@@ -82,7 +68,7 @@ async def test_shutdown_does_not_wait_for_a_claim_blocked_on_a_lock(
         db=pg_url,
         broker=REDIS,
         group="g",
-        topics=[stream],
+        topics=[redis_stream],
         handler=handler,
         concurrency=1,  # the close queued behind the blocked thread
         shutdown_timeout=0.2,

@@ -7,34 +7,23 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
-import pytest
 import redis.asyncio as aioredis
 
 from outboxer.brokers import create_publisher
 from outboxer.consumer import Consumer, Delivery
 from outboxer.receivers import create_receiver
 from outboxer.testing import make_message
-from tests.services import require
 
 REDIS = "redis://127.0.0.1:6379/0"
 CLAIM_IDLE = 0.6
 
 
-@pytest.fixture
-async def stream() -> AsyncIterator[str]:
-    require("redis")
-    topic = f"audit11-cancel-{uuid.uuid4().hex[:10]}"
-    yield topic
-    client = aioredis.Redis.from_url(REDIS)
-    await client.delete(topic)
-    await client.aclose()
-
-
-async def test_a_handler_running_through_shutdown_keeps_its_lease(pg_url: str, stream: str) -> None:
-    message = make_message(stream, {"n": 1}, key="k1")
+async def test_a_handler_running_through_shutdown_keeps_its_lease(
+    pg_url: str, redis_stream: str
+) -> None:
+    message = make_message(redis_stream, {"n": 1}, key="k1")
     async with create_publisher(REDIS) as publisher:
         [outcome] = await publisher.publish_batch([message])
     assert outcome.published, outcome
@@ -50,14 +39,14 @@ async def test_a_handler_running_through_shutdown_keeps_its_lease(pg_url: str, s
         db=pg_url,
         broker=f"{REDIS}?claim_idle={CLAIM_IDLE}",
         group="g",
-        topics=[stream],
+        topics=[redis_stream],
         handler=handler,
         name="first",
         shutdown_timeout=30,
     )
     running = asyncio.create_task(consumer.run_async())
     other = create_receiver(
-        f"{REDIS}?claim_idle={CLAIM_IDLE}", group="g", topics=[stream], name="second"
+        f"{REDIS}?claim_idle={CLAIM_IDLE}", group="g", topics=[redis_stream], name="second"
     )
     try:
         await asyncio.wait_for(started.wait(), 10)
@@ -83,6 +72,6 @@ async def test_a_handler_running_through_shutdown_keeps_its_lease(pg_url: str, s
     assert consumer.stats.applied == 1
     client = aioredis.Redis.from_url(REDIS)
     try:
-        assert int((await client.xpending(stream, "g"))["pending"]) == 0
+        assert int((await client.xpending(redis_stream, "g"))["pending"]) == 0
     finally:
         await client.aclose()

@@ -11,12 +11,10 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-import redis.asyncio as aioredis
 
 from outboxer.brokers import create_publisher
 from outboxer.consumer import Consumer, Delivery
@@ -25,23 +23,12 @@ from outboxer.message import Message
 from outboxer.stores.sqlite import sqlite_path
 from outboxer.testing import make_message
 from tests.conftest import mysql_connect
-from tests.services import require
 
 REDIS = "redis://127.0.0.1:6379/0"
 #: InnoDB refreshes what information_schema.innodb_trx (and innodb_locks, innodb_lock_waits)
 #: show only when they were not read in the last 0.1 s (trx_i_s_cache): polled faster, they
 #: show the first snapshot for ever, and a lock wait that began after it is never seen.
 INNODB_TRX_POLL = 0.25
-
-
-@pytest.fixture
-async def stream() -> AsyncIterator[str]:
-    require("redis")
-    topic = f"audit11-mdbstop-{uuid.uuid4().hex[:10]}"
-    yield topic
-    client = aioredis.Redis.from_url(REDIS)
-    await client.delete(topic)
-    await client.aclose()
 
 
 async def _shut_down_while_waiting(
@@ -119,9 +106,9 @@ async def _shut_down_while_waiting(
 
 @pytest.mark.parametrize("forced", [False, True], ids=["timeout", "second-sigterm"])
 async def test_mariadb_shutdown_does_not_wait_for_a_claim_blocked_on_a_row_lock(
-    mysql_url: str, stream: str, forced: bool
+    mysql_url: str, redis_stream: str, forced: bool
 ) -> None:
-    message = make_message(stream, {"n": 1}, key="k1")
+    message = make_message(redis_stream, {"n": 1}, key="k1")
     holder = mysql_connect(mysql_url)
     watcher = mysql_connect(mysql_url, autocommit=True)
 
@@ -160,9 +147,9 @@ async def test_mariadb_shutdown_does_not_wait_for_a_claim_blocked_on_a_row_lock(
 
 @pytest.mark.parametrize("forced", [False, True], ids=["timeout", "second-sigterm"])
 async def test_sqlite_shutdown_does_not_wait_for_a_begin_blocked_on_the_write_lock(
-    sqlite_url: str, stream: str, forced: bool
+    sqlite_url: str, redis_stream: str, forced: bool
 ) -> None:
-    message = make_message(stream, {"n": 1}, key="k1")
+    message = make_message(redis_stream, {"n": 1}, key="k1")
     path = sqlite_path(sqlite_url)
     # Another connection holds the write lock: the consumer's BEGIN IMMEDIATE waits for it
     # (busy_timeout, 30 s). WAL: the consumer's schema check, a read, does not.

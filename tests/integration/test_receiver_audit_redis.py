@@ -8,7 +8,7 @@ import asyncio
 import json
 import threading
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -26,16 +26,6 @@ from tests.consumer_handlers import APPLIED_DDL, record
 from tests.services import require
 
 REDIS = "redis://127.0.0.1:6379/0"
-
-
-@pytest.fixture
-async def stream() -> AsyncIterator[str]:
-    require("redis")
-    topic = f"audit-{uuid.uuid4().hex[:10]}"
-    yield topic
-    client = aioredis.Redis.from_url(REDIS)
-    await client.delete(topic)
-    await client.aclose()
 
 
 @pytest.fixture
@@ -63,10 +53,10 @@ async def collect(receiver: Receiver, count: int, timeout: float = 10.0) -> list
     return received
 
 
-async def pending(stream: str, group: str = "g") -> int:
+async def pending(redis_stream: str, group: str = "g") -> int:
     client = aioredis.Redis.from_url(REDIS)
     try:
-        return int((await client.xpending(stream, group))["pending"])
+        return int((await client.xpending(redis_stream, group))["pending"])
     finally:
         await client.aclose()
 
@@ -77,13 +67,13 @@ def rows(db: str, sql: str) -> list[tuple[Any, ...]]:
 
 
 def test_a_cut_between_commit_and_ack_redelivers_and_the_inbox_skips_it(
-    pg_url: str, stream: str, proxy: FaultProxy
+    pg_url: str, redis_stream: str, proxy: FaultProxy
 ) -> None:
     """The handler cuts the broker connection: its transaction commits, and an XACK sent on
     the cut connection fails: that entry comes again on the next connection and is acked
     without a second application. (The pool may send the XACK on a connection it opened
     after the cut, where it succeeds: then nothing comes again. Either way, each once.)"""
-    ids = asyncio.run(publish(stream, range(3)))
+    ids = asyncio.run(publish(redis_stream, range(3)))
     with psycopg.connect(pg_url) as conn:
         conn.execute(APPLIED_DDL)
     cut = threading.Event()
@@ -99,7 +89,7 @@ def test_a_cut_between_commit_and_ack_redelivers_and_the_inbox_skips_it(
         broker=f"redis://127.0.0.1:{proxy.port}/0",
         group="g",
         handler=cut_once,
-        topics=[stream],
+        topics=[redis_stream],
         name="audit",
         exit_when_idle=True,
     )
@@ -112,65 +102,67 @@ def test_a_cut_between_commit_and_ack_redelivers_and_the_inbox_skips_it(
     lost = consumer.receiver.stats.failed_acks + consumer.receiver.stats.stale_acks
     assert consumer.stats.duplicates == lost
     assert consumer.stats.broker_errors >= 1  # the cut was seen
-    assert asyncio.run(pending(stream)) == 0
+    assert asyncio.run(pending(redis_stream)) == 0
 
 
-async def test_entries_trimmed_while_pending_are_acked_not_delivered(stream: str) -> None:
-    receiver = create_receiver(REDIS, group="g", topics=[stream], name="audit")
+async def test_entries_trimmed_while_pending_are_acked_not_delivered(redis_stream: str) -> None:
+    receiver = create_receiver(REDIS, group="g", topics=[redis_stream], name="audit")
     await receiver.connect()
     client = aioredis.Redis.from_url(REDIS)
     try:
-        await publish(stream, range(3))
+        await publish(redis_stream, range(3))
         held = await collect(receiver, 3)
         assert len(held) == 3
         # Trimmed (MAXLEN) and deleted (XDEL) while pending: the PEL still names them.
-        await client.xtrim(stream, maxlen=1, approximate=False)
+        await client.xtrim(redis_stream, maxlen=1, approximate=False)
         await receiver.close()
         await receiver.connect()
         [survivor] = await collect(receiver, 1)
         assert survivor.delivery.id == held[2].delivery.id
-        assert await pending(stream) == 1  # the gone ones acked, the survivor still held
-        await client.xdel(stream, survivor.token[1])
+        assert await pending(redis_stream) == 1  # the gone ones acked, the survivor still held
+        await client.xdel(redis_stream, survivor.token[1])
         await receiver.close()
         await receiver.connect()
         assert await collect(receiver, 1, 1.0) == []
-        assert await pending(stream) == 0
+        assert await pending(redis_stream) == 0
     finally:
         await client.aclose()
         await receiver.close()
 
 
-async def test_a_dead_consumers_deleted_entries_do_not_stop_the_claim(stream: str) -> None:
-    dead = create_receiver(REDIS, group="g", topics=[stream], name="dead")
+async def test_a_dead_consumers_deleted_entries_do_not_stop_the_claim(redis_stream: str) -> None:
+    dead = create_receiver(REDIS, group="g", topics=[redis_stream], name="dead")
     await dead.connect()
     client = aioredis.Redis.from_url(REDIS)
     try:
-        await publish(stream, range(3))
+        await publish(redis_stream, range(3))
         held = await collect(dead, 3)
         await dead.close()
-        await client.xdel(stream, held[0].token[1])
-        alive = create_receiver(f"{REDIS}?claim_idle=0.3", group="g", topics=[stream], name="a")
+        await client.xdel(redis_stream, held[0].token[1])
+        alive = create_receiver(
+            f"{REDIS}?claim_idle=0.3", group="g", topics=[redis_stream], name="a"
+        )
         await alive.connect()
         try:
             taken = await collect(alive, 2, 5.0)
             assert [i.delivery.id for i in taken] == [i.delivery.id for i in held[1:]]
             await alive.ack(taken)
-            assert await pending(stream) == 0
+            assert await pending(redis_stream) == 0
         finally:
             await alive.close()
     finally:
         await client.aclose()
 
 
-async def test_a_stream_deleted_under_a_running_receiver_is_read_again(stream: str) -> None:
-    receiver = create_receiver(REDIS, group="g", topics=[stream], name="audit")
+async def test_a_stream_deleted_under_a_running_receiver_is_read_again(redis_stream: str) -> None:
+    receiver = create_receiver(REDIS, group="g", topics=[redis_stream], name="audit")
     await receiver.connect()
     client = aioredis.Redis.from_url(REDIS)
     try:
-        await publish(stream, range(1))
+        await publish(redis_stream, range(1))
         await receiver.ack(await collect(receiver, 1))
-        await client.delete(stream)  # the group goes with it
-        [later] = await publish(stream, range(1, 2))
+        await client.delete(redis_stream)  # the group goes with it
+        [later] = await publish(redis_stream, range(1, 2))
         got: list[Incoming] = []
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 10
@@ -210,7 +202,7 @@ async def test_a_stream_deleted_under_a_running_receiver_is_read_again(stream: s
 )
 @pytest.mark.parametrize("fails", [False, True], ids=["applied", "dead-lettered"])
 def test_runner_applies_or_dead_letters_an_entry_with_hostile_bytes(
-    pg_url: str, stream: str, fields: dict[bytes, bytes], fails: bool
+    pg_url: str, redis_stream: str, fields: dict[bytes, bytes], fails: bool
 ) -> None:
     """An entry with a valid id whose other fields hold a NUL or invalid UTF-8 (PostgreSQL
     text refuses NUL): applied, or dead-lettered when its handler fails, and the consumer
@@ -228,13 +220,13 @@ def test_runner_applies_or_dead_letters_an_entry_with_hostile_bytes(
             }
             if entry[b"content_type"].startswith(b"text/"):
                 entry[b"payload"] = b"plain"
-            await client.xadd(stream, entry)  # type: ignore[arg-type]
+            await client.xadd(redis_stream, entry)  # type: ignore[arg-type]
         finally:
             await client.aclose()
         return message_id
 
     hostile = asyncio.run(add())
-    [after] = asyncio.run(publish(stream, range(1)))
+    [after] = asyncio.run(publish(redis_stream, range(1)))
     with psycopg.connect(pg_url) as conn:
         conn.execute(APPLIED_DDL)
 
@@ -251,7 +243,7 @@ def test_runner_applies_or_dead_letters_an_entry_with_hostile_bytes(
         broker=REDIS,
         group="g",
         handler=handler,
-        topics=[stream],
+        topics=[redis_stream],
         name="audit",
         max_attempts=1,
         exit_when_idle=True,
@@ -262,23 +254,23 @@ def test_runner_applies_or_dead_letters_an_entry_with_hostile_bytes(
     assert after in applied
     assert (hostile in dead) == fails and (hostile in applied) == (not fails)
     assert consumer.stats.received == 2 and consumer.stats.broker_errors == 0
-    assert asyncio.run(pending(stream)) == 0
+    assert asyncio.run(pending(redis_stream)) == 0
 
 
 @pytest.mark.parametrize(
     ("query", "wait"), [("?socket_timeout=0.3", 1.0), ("", 5.5)], ids=["url", "default"]
 )
 async def test_a_wait_longer_than_the_socket_timeout_is_not_a_lost_connection(
-    stream: str, query: str, wait: float
+    redis_stream: str, query: str, wait: float
 ) -> None:
     """XREADGROUP BLOCK waits on the socket: past its read timeout (the URL's
     ``socket_timeout``, which the relay shares, or redis-py's default 5 s) every empty
     receive failed as a lost connection, and the runner reconnected, over and over."""
-    receiver = create_receiver(REDIS + query, group="g", topics=[stream], name="audit")
+    receiver = create_receiver(REDIS + query, group="g", topics=[redis_stream], name="audit")
     await receiver.connect()
     try:
         assert await receiver.receive(10, wait) == []
-        [later] = await publish(stream, range(1))
+        [later] = await publish(redis_stream, range(1))
         got = await receiver.receive(10, wait)
         assert [i.delivery.id for i in got] == [later]
         assert receiver.stats.connects == 1
@@ -287,11 +279,11 @@ async def test_a_wait_longer_than_the_socket_timeout_is_not_a_lost_connection(
 
 
 def test_runner_with_a_short_socket_timeout_goes_idle_without_reconnecting(
-    pg_url: str, stream: str
+    pg_url: str, redis_stream: str
 ) -> None:
     """The relay's URL with ``socket_timeout=0.3`` given to the consumer: it used to
     reconnect after every empty wait (a warning each time) and so never went idle."""
-    ids = asyncio.run(publish(stream, range(2)))
+    ids = asyncio.run(publish(redis_stream, range(2)))
     with psycopg.connect(pg_url) as conn:
         conn.execute(APPLIED_DDL)
     consumer = Consumer(
@@ -299,7 +291,7 @@ def test_runner_with_a_short_socket_timeout_goes_idle_without_reconnecting(
         broker=f"{REDIS}?socket_timeout=0.3",
         group="g",
         handler=record,
-        topics=[stream],
+        topics=[redis_stream],
         name="audit",
         exit_when_idle=True,
     )
@@ -308,11 +300,11 @@ def test_runner_with_a_short_socket_timeout_goes_idle_without_reconnecting(
     assert (consumer.stats.broker_errors, consumer.receiver.stats.connects) == (0, 1)
 
 
-async def test_json_nested_too_deep_is_malformed_not_a_lost_connection(stream: str) -> None:
+async def test_json_nested_too_deep_is_malformed_not_a_lost_connection(redis_stream: str) -> None:
     """json.loads raises RecursionError (no ValueError) on JSON nested too deep: out of the
     receive, it read as a lost connection, and after the reconnect the same entry came first
     again, for ever. Every receiver decodes through decode_payload."""
-    receiver = create_receiver(REDIS, group="g", topics=[stream], name="audit")
+    receiver = create_receiver(REDIS, group="g", topics=[redis_stream], name="audit")
     await receiver.connect()
     client = aioredis.Redis.from_url(REDIS)
     try:
@@ -321,8 +313,8 @@ async def test_json_nested_too_deep_is_malformed_not_a_lost_connection(stream: s
             b"content_type": b"application/json",
             b"payload": b"[" * 100_000 + b"]" * 100_000,
         }
-        await client.xadd(stream, deep)  # type: ignore[arg-type]
-        [after] = await publish(stream, range(1))
+        await client.xadd(redis_stream, deep)  # type: ignore[arg-type]
+        [after] = await publish(redis_stream, range(1))
         received = await collect(receiver, 2)
         assert [i.malformed is not None for i in received] == [True, False]
         assert "RecursionError" in str(received[0].malformed) or "nested too deep" in str(

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -73,32 +72,22 @@ def rows(db: str, sql: str) -> list[tuple[Any, ...]]:
 # ----- Redis ----------------------------------------------------------------------------------
 
 
-@pytest.fixture
-async def stream() -> AsyncIterator[str]:
-    require("redis")
-    topic = f"unreadable-{uuid.uuid4().hex[:10]}"
-    yield topic
-    client = aioredis.Redis.from_url(REDIS)
-    await client.delete(topic)
-    await client.aclose()
-
-
-async def xadd(stream: str, fields: dict[bytes, bytes]) -> None:
+async def xadd(redis_stream: str, fields: dict[bytes, bytes]) -> None:
     client = aioredis.Redis.from_url(REDIS)
     try:
-        await client.xadd(stream, fields)  # type: ignore[arg-type]
+        await client.xadd(redis_stream, fields)  # type: ignore[arg-type]
     finally:
         await client.aclose()
 
 
 async def test_redis_entry_with_a_field_name_not_utf8_is_malformed_not_a_lost_connection(
-    stream: str,
+    redis_stream: str,
 ) -> None:
-    receiver = create_receiver(REDIS, group="g", topics=[stream], name="unreadable")
+    receiver = create_receiver(REDIS, group="g", topics=[redis_stream], name="unreadable")
     await receiver.connect()
     try:
-        await xadd(stream, {b"\xff": b"x"})
-        [after] = await publish(REDIS, stream, range(1))
+        await xadd(redis_stream, {b"\xff": b"x"})
+        [after] = await publish(REDIS, redis_stream, range(1))
         first = await collect(receiver, 2)
         assert [i.malformed is not None for i in first] == [True, False]
         assert first[1].delivery.id == after
@@ -114,7 +103,7 @@ async def test_redis_entry_with_a_field_name_not_utf8_is_malformed_not_a_lost_co
 
 
 async def test_redis_entry_that_fails_to_decode_is_malformed_the_rest_delivered(
-    stream: str, monkeypatch: pytest.MonkeyPatch
+    redis_stream: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Whatever goes wrong reading one entry is that entry's problem, not the receive's."""
 
@@ -124,14 +113,14 @@ async def test_redis_entry_that_fails_to_decode_is_malformed_the_rest_delivered(
         return real_decode(headers, body, **fields)
 
     monkeypatch.setattr(redis_receiver, "decode", decode)
-    receiver = create_receiver(REDIS, group="g", topics=[stream], name="unreadable")
+    receiver = create_receiver(REDIS, group="g", topics=[redis_stream], name="unreadable")
     await receiver.connect()
     try:
-        ids = await publish(REDIS, stream, range(3))
+        ids = await publish(REDIS, redis_stream, range(3))
         received = await collect(receiver, 3)
         bad, *good = received
         assert bad.malformed is not None and "cannot take this one apart" in bad.malformed
-        assert bad.delivery.body == b'{"n":0}' and bad.delivery.topic == stream
+        assert bad.delivery.body == b'{"n":0}' and bad.delivery.topic == redis_stream
         assert [i.delivery.id for i in good] == ids[1:]
         await receiver.ack(received)
         assert receiver.stats.acked == 3
