@@ -196,6 +196,12 @@ def parse_key(key_id: str, material: object) -> bytes:
     return raw
 
 
+def _shown(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to about ``limit`` characters: for values read from a message."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
+
 def check_subject(subject: object) -> str:
     if (
         not isinstance(subject, str)
@@ -464,11 +470,19 @@ class KeyRing:
         """Ids of the keys loaded so far (for a callable ring, those fetched so far)."""
         return list(self._keys)
 
+    def has_key(self, key_id: str) -> bool:
+        """Whether the key of this id is loaded (a callable ring fetches it at first use)."""
+        return isinstance(key_id, str) and key_id in self._keys
+
     def key(self, key_id: str) -> bytes:
         """The key of this id; raises KeyNotFoundError (or KeyRingUnavailableError)."""
-        known = self._keys.get(key_id)
+        known = self._keys.get(key_id) if isinstance(key_id, str) else None
         if known is not None:
             return known
+        if not isinstance(key_id, str) or not _KEY_ID.match(key_id):
+            # Read from a message header, that is, from whoever wrote the message: never
+            # handed to a KMS (a path, a query), never quoted whole into an error text.
+            raise KeyNotFoundError(f"key id {_shown(key_id)} is not a valid key id")
         if self._resolve is None:
             raise KeyNotFoundError(
                 f"no key {key_id!r} in the key ring (it has {', '.join(self._keys)})"
@@ -498,6 +512,13 @@ class KeyRing:
     def _cipher(self, key_id: str, subject: str | None, create: bool) -> AESGCM:
         material = self.key(key_id)
         if subject is not None:
+            if not create:  # from a message header: checked before any store sees it
+                try:
+                    check_subject(subject)
+                except PayloadError:
+                    raise DecryptionError(
+                        f"subject {_shown(subject)} is not a valid subject id"
+                    ) from None
             store = self._subject_store()
             secret = store.get_or_create(subject) if create else store.get(subject)
             if secret is None:
@@ -626,8 +647,10 @@ def _unpack_sealed(plaintext: bytes, message_id: object) -> tuple[bytes, dict[st
     try:
         (length,) = _SEALED_LENGTH.unpack_from(plaintext)
         end = _SEALED_LENGTH.size + length
+        if end > len(plaintext):  # a slice would cut it short, and the payload to nothing
+            raise ValueError("the sealed headers' length exceeds the plaintext")
         sealed = json.loads(plaintext[_SEALED_LENGTH.size : end])
-    except (struct.error, ValueError):
+    except (struct.error, ValueError, RecursionError):
         raise DecryptionError(f"message {message_id}: its sealed headers are malformed") from None
     if not isinstance(sealed, dict) or not all(
         isinstance(name, str) and isinstance(value, str) for name, value in sealed.items()

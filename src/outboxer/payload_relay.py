@@ -72,7 +72,7 @@ class PayloadHandling:
                 f"'forward' for destination {self.destination!r}"
             )
         key_id = message.headers.get(HEADER_KEY_ID)
-        if key_id and key_id not in self.keyring.key_ids:
+        if key_id and not self.keyring.has_key(key_id):
             # A callable ring fetches from a KMS: off the event loop, once per key.
             await asyncio.to_thread(self.keyring.key, key_id)
         # The row's destination, never an ``outboxer-destination`` header from the row: that
