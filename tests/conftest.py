@@ -41,6 +41,8 @@ SERIAL = (
     "tests/integration/test_audit11_mdbstop_claim_wait.py",
     "tests/integration/test_audit11_flap_redis_bulk_limit.py",
     "tests/integration/test_audit11_wave2_deadline.py",
+    "tests/integration/test_audit12_config_claimcheck_put_errors.py",
+    "tests/integration/test_audit12_ccretain_dead_letter_hold.py",  # a moto S3 server
 )
 _ROOT = Path(__file__).resolve().parent.parent
 

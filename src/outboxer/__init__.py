@@ -11,6 +11,7 @@ from outboxer.brokers.base import Outcome, OutcomeKind
 from outboxer.claimcheck import (
     ClaimCheck,
     ClaimCheckError,
+    ClaimCheckStoreError,
     FileObjectStore,
     ObjectNotFoundError,
     ObjectStore,
@@ -78,6 +79,7 @@ __all__ = [
     "BrokerUnavailableError",
     "ClaimCheck",
     "ClaimCheckError",
+    "ClaimCheckStoreError",
     "ConfigError",
     "Consumer",
     "ConsumerStats",

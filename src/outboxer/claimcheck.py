@@ -24,6 +24,13 @@ references. The grace period must exceed the longest transaction that enqueues, 
 sweep could delete the object of a row about to commit. Retention deletes a row's object
 with the row.
 
+A consumer that dead-letters a claim-checked message records a *hold* on its object in the
+store itself (:meth:`ObjectStore.put_hold`: a small marker, ``.holds/<object>.<holder>``),
+before the dead letter commits; the sweep never deletes a held object, and replaying or
+purging the dead letter releases the hold once that has committed. The consumer's database
+may be another than the outbox's: the store is the one place both sides see. A crash
+between the steps keeps an object too long, never loses one.
+
 With encryption, the object holds the ciphertext (encrypt first, then offload), so the
 object store never holds the plaintext of an encrypted outbox.
 """
@@ -60,7 +67,13 @@ from urllib.parse import parse_qsl, quote, unquote, urlsplit
 from outboxer.durable import sync_directory, write_new_file
 from outboxer.errors import ConfigError, MissingDependencyError, OutboxerError, PayloadError
 from outboxer.message import BINARY, Message
-from outboxer.redact import get_logger, redact_url, register_secret, register_url_secrets
+from outboxer.redact import (
+    get_logger,
+    redact_text,
+    redact_url,
+    register_secret,
+    register_url_secrets,
+)
 
 logger = get_logger("outboxer.claimcheck")
 
@@ -81,6 +94,9 @@ CLAIM_CHECK_HEADERS = frozenset(
 DEFAULT_THRESHOLD = 256 * 1024
 #: An object younger than this is never swept: its transaction may still commit.
 DEFAULT_SWEEP_GRACE = 3600.0
+
+#: Where holds live in a store: a name no object has (objects never start with a dot).
+HOLDS = ".holds"
 
 #: ``<uuid>.<encoded destination>.<16 hex>``: anything else in a store is not outboxer's.
 _NAME = re.compile(
@@ -104,6 +120,48 @@ class ObjectMismatchError(ClaimCheckError):
 class ObjectReadTimeoutError(ClaimCheckError, TimeoutError):
     """The store did not answer a read in time (a hung NFS mount, a stalled S3 connection):
     the same read may succeed later."""
+
+
+class ClaimCheckStoreError(ClaimCheckError, OSError):
+    """A claim-check store could not store an object: a full disk (``errno`` ENOSPC), a
+    permission, S3 refusing or not answering the put. Nothing is left under the object's
+    name and the enqueue wrote no row; the transaction is the caller's to roll back.
+
+    An OSError too (``errno`` is the file system's, None for S3), so code that caught the
+    OSError of a failed put still does. ``store`` is the store's description (its URL's
+    secrets masked), ``object_name`` the object's name.
+    """
+
+    def __init__(
+        self, message: str, *, store: str = "", object_name: str = "", errno: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.errno = errno
+        self.strerror = message
+        self.store = store
+        self.object_name = object_name
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # OSError's would drop errno (its slot, not in __dict__) across a process boundary.
+        return (type(self), self.args, {**self.__dict__, "errno": self.errno})
+
+    @classmethod
+    def of_put(cls, store: ObjectStore, name: str, exc: BaseException) -> ClaimCheckStoreError:
+        """The error of ``store``'s put of ``name`` that failed with ``exc``."""
+        if isinstance(exc, OSError) and exc.strerror:
+            reason = exc.strerror  # not str(exc): its file name is the temporary file's
+        else:
+            reason = str(exc) or type(exc).__name__
+        errno_ = exc.errno if isinstance(exc, OSError) else None
+        return cls(
+            f"claim-check store {store!r} could not store object {name}: {redact_text(reason)}",
+            store=repr(store),
+            object_name=name,
+            errno=errno_,
+        )
 
 
 def encode_destination(destination: str) -> str:
@@ -132,6 +190,21 @@ class ObjectName:
         if match is None:
             return None
         return cls(name, match.group("id"), unquote(match.group("destination")))
+
+
+def hold_name(name: str, holder: str) -> str:
+    """The name of ``holder``'s hold on object ``name`` (within the store's holds): one
+    per holder (a consumer group), so each releases only its own."""
+    ObjectStore.check_name(name)
+    return f"{name}.{hashlib.sha256(holder.encode()).hexdigest()[:16]}"
+
+
+def held_object(hold: str) -> str | None:
+    """The object a hold's name (:func:`hold_name`) holds; None for anything else."""
+    name, _, digest = hold.rpartition(".")
+    if len(digest) != 16 or ObjectName.parse(name) is None:
+        return None
+    return name
 
 
 @dataclass(frozen=True)
@@ -189,6 +262,29 @@ class ObjectStore(ABC):
     def close(self) -> None:  # noqa: B027 -- most stores hold nothing to close
         """Release connections (S3's pool); the store is not used afterwards."""
 
+    # Holds: an object somebody outside the outbox table still needs (a consumer's dead
+    # letter refers to it) is kept by the sweep, whatever the rows say.
+
+    def put_hold(self, name: str, holder: str) -> None:
+        """Record, durably before returning, that ``holder`` needs object ``name``: the
+        sweep keeps it until :meth:`delete_hold`. Putting a hold twice is no error. A store
+        without holds raises NotImplementedError."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no claim-check holds")
+
+    def delete_hold(self, name: str, holder: str) -> None:
+        """Release ``holder``'s hold on ``name`` (a missing hold is no error)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no claim-check holds")
+
+    def held(self) -> set[str]:
+        """The names of the objects some holder still holds."""
+        return set()
+
+    async def put_hold_async(self, name: str, holder: str) -> None:
+        await asyncio.to_thread(self.put_hold, name, holder)
+
+    async def delete_hold_async(self, name: str, holder: str) -> None:
+        await asyncio.to_thread(self.delete_hold, name, holder)
+
     @staticmethod
     def check_name(name: str) -> ObjectName:
         """The parsed name; ClaimCheckError for one outboxer never makes (``../etc`` from a
@@ -234,15 +330,25 @@ class FileObjectStore(ObjectStore):
         return self.directory / name
 
     def put(self, name: str, data: bytes) -> None:
+        """Raises ClaimCheckStoreError (an OSError) on a full disk or any other OS error,
+        leaving neither the temporary file nor the object behind."""
         path = self._path(name)
         temporary = self.directory / f".{name}.tmp"
-        write_new_file(temporary, data)
         try:
-            os.replace(temporary, path)
-        except BaseException:
-            temporary.unlink(missing_ok=True)
-            raise
-        sync_directory(self.directory)
+            write_new_file(temporary, data)  # removes its file on failure
+            try:
+                os.replace(temporary, path)
+            except BaseException:
+                temporary.unlink(missing_ok=True)
+                raise
+            try:
+                sync_directory(self.directory)
+            except BaseException:
+                # Not known to survive a crash: no row will refer to it, and none must.
+                path.unlink(missing_ok=True)
+                raise
+        except OSError as exc:
+            raise ClaimCheckStoreError.of_put(self, name, exc) from exc
 
     def get(self, name: str) -> bytes:
         return self._read(name, None)
@@ -291,6 +397,38 @@ class FileObjectStore(ObjectStore):
         except FileNotFoundError:
             return False
         return True
+
+    def put_hold(self, name: str, holder: str) -> None:
+        hold = hold_name(name, holder)
+        holds = self.directory / HOLDS  # hidden from list_objects: a dot and a directory
+        if not holds.is_dir():
+            holds.mkdir(mode=0o700, exist_ok=True)
+            sync_directory(self.directory)
+        temporary = holds / f".{hold}.{secrets.token_hex(4)}.tmp"
+        write_new_file(temporary, b"")
+        try:
+            os.replace(temporary, holds / hold)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+        sync_directory(holds)
+
+    def delete_hold(self, name: str, holder: str) -> None:
+        holds = self.directory / HOLDS
+        try:
+            (holds / hold_name(name, holder)).unlink()
+        except FileNotFoundError:
+            return
+        sync_directory(holds)
+
+    def held(self) -> set[str]:
+        try:
+            entries = os.scandir(self.directory / HOLDS)
+        except FileNotFoundError:
+            return set()
+        with entries:
+            found = (held_object(entry.name) for entry in entries)
+            return {name for name in found if name is not None}
 
     def list_objects(self) -> Iterator[StoredObject]:
         with os.scandir(self.directory) as entries:
@@ -376,7 +514,13 @@ class S3ObjectStore(ObjectStore):
         return self.prefix + name
 
     def put(self, name: str, data: bytes) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=data)
+        """Raises ClaimCheckStoreError when S3 refuses or does not answer the put (S3
+        stores an object whole or not at all)."""
+        key = self._key(name)
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=data)
+        except Exception as exc:
+            raise ClaimCheckStoreError.of_put(self, name, exc) from exc
 
     def _get_object(self, name: str) -> dict[str, Any]:
         """GetObject's response (its body not read yet); a missing key is ObjectNotFoundError."""
@@ -442,6 +586,28 @@ class S3ObjectStore(ObjectStore):
                     f"S3 refused to delete {len(errors)} object(s), first {first.get('Key')}: "
                     f"{first.get('Code')} {first.get('Message')}"
                 )
+
+    def _hold_key(self, name: str, holder: str) -> str:
+        return f"{self.prefix}{HOLDS}/{hold_name(name, holder)}"
+
+    def put_hold(self, name: str, holder: str) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=self._hold_key(name, holder), Body=b"")
+
+    def delete_hold(self, name: str, holder: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self._hold_key(name, holder))
+
+    def held(self) -> set[str]:
+        # A key of the holds' prefix never parses as an object's name: list_objects'
+        # callers skip them.
+        prefix = f"{self.prefix}{HOLDS}/"
+        found: set[str] = set()
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+            for item in page.get("Contents", []):
+                name = held_object(item["Key"][len(prefix) :])
+                if name is not None:
+                    found.add(name)
+        return found
 
     def list_objects(self) -> Iterator[StoredObject]:
         paginator = self.client.get_paginator("list_objects_v2")
@@ -553,15 +719,66 @@ class ClaimCheck:
         if not self.needs_offload(message):
             return message
         name, reference = self._reference(message)
-        self.store.put(name, message.payload)
+        try:
+            self.store.put(name, message.payload)
+        except OutboxerError:
+            raise  # ClaimCheckStoreError from outboxer's stores, or a bad name
+        except Exception as exc:  # a store of the application's own raises what it likes
+            raise ClaimCheckStoreError.of_put(self.store, name, exc) from exc
         return reference
 
     async def offload_async(self, message: Message) -> Message:
         if not self.needs_offload(message):
             return message
         name, reference = self._reference(message)
-        await self.store.put_async(name, message.payload)
+        try:
+            await self.store.put_async(name, message.payload)
+        except OutboxerError:
+            raise  # ClaimCheckStoreError from outboxer's stores, or a bad name
+        except Exception as exc:  # a store of the application's own raises what it likes
+            raise ClaimCheckStoreError.of_put(self.store, name, exc) from exc
         return reference
+
+    def offload_all(self, messages: Sequence[Message]) -> list[Message]:
+        """:meth:`offload` of each message; when one fails, the objects of those before it,
+        which no row will refer to, are deleted (as far as the store lets) before the error
+        is raised."""
+        done: list[Message] = []
+        try:
+            for message in messages:
+                done.append(self.offload(message))
+        except BaseException:
+            self._forget(done)
+            raise
+        return done
+
+    async def offload_all_async(self, messages: Sequence[Message]) -> list[Message]:
+        """:meth:`offload_async` of the messages at once; as :meth:`offload_all`, the
+        others' objects are deleted when one fails."""
+        results = await asyncio.gather(
+            *(self.offload_async(m) for m in messages), return_exceptions=True
+        )
+        done = [r for r in results if isinstance(r, Message)]
+        for result in results:
+            if isinstance(result, BaseException):
+                await asyncio.to_thread(self._forget, done)
+                raise result
+        return done
+
+    def _forget(self, offloaded: Sequence[Message]) -> None:
+        names = references(offloaded)
+        if not names:
+            return
+        try:
+            self.store.delete_many(names)
+        except Exception as exc:  # noqa: BLE001 -- the sweep deletes them later
+            logger.warning(
+                "could not delete %d claim-check object(s) of a failed enqueue from %r (the "
+                "orphan sweep will): %s",
+                len(names),
+                self.store,
+                exc,
+            )
 
 
 def _restore(message: Message, data: bytes) -> Message:
@@ -833,7 +1050,8 @@ def sweep_orphans(
     batch: int = 1000,
     now: float | None = None,
 ) -> int:
-    """Delete outboxer's objects older than ``grace`` seconds that no row refers to.
+    """Delete outboxer's objects older than ``grace`` seconds that no row refers to and
+    no holder holds (:meth:`ObjectStore.put_hold`: a consumer's dead letter).
 
     ``referenced`` gets a batch of object names and answers which of them some outbox row
     still refers to (the Store's query; any row counts, whatever its status). Objects that
@@ -848,6 +1066,9 @@ def sweep_orphans(
     try:
         for chunk in pages:
             kept = set(referenced(chunk))
+            # Asked again for each page, just before its deletes: a hold put since the
+            # previous page counts.
+            kept |= store.held()
             orphans = [parsed.name for parsed in chunk if parsed.name not in kept]
             store.delete_many(orphans)
             deleted += len(orphans)
@@ -880,6 +1101,7 @@ async def sweep_orphans_async(
             if chunk is None:
                 break
             kept = set(await referenced(chunk))
+            kept |= await asyncio.to_thread(store.held)
             orphans = [parsed.name for parsed in chunk if parsed.name not in kept]
             await store.delete_many_async(orphans)
             deleted += len(orphans)
@@ -901,8 +1123,10 @@ __all__ = [
     "HEADER_CLAIM_CHECK_CONTENT_TYPE",
     "HEADER_CLAIM_CHECK_SHA256",
     "HEADER_CLAIM_CHECK_SIZE",
+    "HOLDS",
     "ClaimCheck",
     "ClaimCheckError",
+    "ClaimCheckStoreError",
     "FileObjectStore",
     "ObjectMismatchError",
     "ObjectName",
@@ -914,6 +1138,8 @@ __all__ = [
     "create_object_store",
     "fetch_payload",
     "fetch_payload_async",
+    "held_object",
+    "hold_name",
     "is_claim_checked",
     "object_name",
     "references",

@@ -48,7 +48,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Generic, Literal, TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from outboxer.errors import ConfigError
 from outboxer.message import DEFAULT_DESTINATION, destination_name_problem
@@ -849,6 +849,7 @@ CLAIM_CHECKING = (
     "relay",
     "consume",
     "dead-letters replay",
+    "dead-letters purge",  # releases the holds of the purged dead letters' objects
 )
 RETENTION = ("relay", "cleanup")
 #: The commands that make or keep the partitions of a partitioned outbox.
@@ -1022,6 +1023,114 @@ class DatabaseSettings:
             f"DatabaseSettings(name={self.name!r}, url={redact_url(self.url)!r}, "
             f"overrides={dict(self.overrides)!r}, destinations={self.destinations!r})"
         )
+
+
+#: Database URL schemes by family: the drivers' variants of one server's URLs.
+_URL_FAMILIES = {"postgres": "postgresql", "mariadb": "mysql"}
+_DEFAULT_PORTS = {"postgresql": "5432", "mysql": "3306"}
+
+
+def _hosts_and_ports(hosts: str, default_port: str) -> tuple[tuple[str, str], ...]:
+    """``h1:5432,[::1]`` -> ``(("::1", "5432"), ("h1", "5432"))``: lower-cased, default port
+    filled in, sorted (libpq tries a host list in order, but it is one cluster either way)."""
+    pairs = []
+    for host in hosts.split(","):
+        if host.startswith("[") and "]" in host:
+            name, _, rest = host[1:].partition("]")
+            port = rest.removeprefix(":")
+        elif ":" in host:
+            name, _, port = host.rpartition(":")
+        else:
+            name, port = host, ""
+        pairs.append((unquote(name).lower(), port or default_port))
+    return tuple(sorted(pairs))
+
+
+@dataclass(frozen=True)
+class OutboxTarget:
+    """Where an outbox table is, compared by meaning (see :func:`outbox_target`)."""
+
+    family: str
+    #: (host, port) pairs; a SQLite file's absolute path alone.
+    hosts: tuple[tuple[str, str], ...]
+    database: str
+    #: ``schema.table`` on PostgreSQL, the table alone elsewhere.
+    table: str
+
+    def __str__(self) -> str:
+        if self.family == "sqlite":
+            return f"table {self.table} of SQLite file {self.database}"
+        hosts = ",".join(
+            f"[{host}]:{port}" if ":" in host and not host.startswith("unix:") else f"{host}:{port}"
+            for host, port in self.hosts
+        )
+        hosts = hosts or "the default host"
+        return f"table {self.table} of {self.family} database {self.database!r} on {hosts}"
+
+
+def outbox_target(url: str, schema: str, table: str) -> OutboxTarget | None:
+    """What a database URL, its schema and its table name on the server, compared by
+    meaning, not by text: the scheme's family (``postgres://`` and ``postgresql+asyncpg://``
+    are one), the hosts lower-cased with their default ports, the database, and the table
+    (with its schema on PostgreSQL; MySQL and SQLite have none). Users, passwords and
+    connection options (``application_name``, TLS, timeouts) play no part. None for a URL
+    no outbox can share (``sqlite:///:memory:``) or of a scheme outboxer does not know.
+
+    Host names are not resolved (a configuration is checked without the network):
+    ``localhost`` and ``127.0.0.1``, or two names of one server, count as different servers.
+    """
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower().partition("+")[0]
+    family = _URL_FAMILIES.get(scheme, scheme)
+    query = dict(parse_qsl(parts.query))
+    netloc = parts.netloc.rpartition("@")[2]
+    if family == "sqlite":
+        path = url.split("://", 1)[1].removeprefix("/").split("?", 1)[0]
+        if not path or path == ":memory:" or path.startswith("file:"):
+            return None
+        return OutboxTarget(family, (), os.path.normpath(os.path.abspath(unquote(path))), table)
+    if family == "postgresql":
+        # asyncpg's reading: the URL's own parts win, query parameters fill the gaps.
+        hosts = netloc or query.get("host", "")
+        if ":" not in netloc.rpartition("]")[2] and "port" in query:
+            hosts = ",".join(f"{host}:{query['port']}" for host in hosts.split(","))
+        database = unquote(parts.path.lstrip("/")) or query.get("dbname") or query.get("database")
+        # Without one, the server's database is the user's name.
+        user = unquote(parts.username or "") or query.get("user", "")
+        return OutboxTarget(
+            family,
+            _hosts_and_ports(hosts, _DEFAULT_PORTS[family]),
+            database or user,
+            f"{schema}.{table}",
+        )
+    if family == "mysql":
+        hosts = f"unix:{query['unix_socket']}" if "unix_socket" in query else netloc or "localhost"
+        return OutboxTarget(
+            family,
+            _hosts_and_ports(hosts, _DEFAULT_PORTS[family]),
+            unquote(parts.path.lstrip("/")),
+            table,
+        )
+    return None
+
+
+def check_distinct_outboxes(databases: Mapping[str, DatabaseSettings], settings: Settings) -> None:
+    """ConfigError when two of a relay's databases are one outbox table (see outbox_target):
+    two relays on one table, with every count of /metrics and /status twice."""
+    seen: dict[OutboxTarget, str] = {}
+    for name, database in databases.items():
+        schema = database.overrides.get("schema", settings.schema)
+        table = database.overrides.get("table", settings.table)
+        target = outbox_target(database.url, schema, table)
+        if target is None:
+            continue
+        if target in seen:
+            raise ConfigError(
+                f"databases {seen[target]!r} and {name!r} are the same outbox "
+                f"({target}): list it once, or give one of them its own "
+                "table or schema (host names are compared as written, not resolved)"
+            )
+        seen[target] = name
 
 
 def per_database_settings() -> frozenset[str]:
@@ -1335,6 +1444,7 @@ class Settings:
             for name, database in self.databases.items():
                 if name != database.name:
                     raise ConfigError(f"database {database.name!r} is filed as {name!r}")
+            check_distinct_outboxes(self.databases, self)
             if self.database is not None and self.database not in self.databases:
                 raise ConfigError(
                     f"--database {self.database!r} is none of the databases configured: "

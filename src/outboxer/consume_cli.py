@@ -50,10 +50,12 @@ from outboxer.config import (
     setting,
 )
 from outboxer.errors import ConfigError, ConsumerShutdownError
-from outboxer.redact import printable
+from outboxer.redact import get_logger, printable
 
 if TYPE_CHECKING:
     from outboxer.consumer import Consumer, ConsumerStats
+
+logger = get_logger("outboxer.consume_cli")
 
 CONSUME = ("consume",)
 #: Every command that names a group.
@@ -378,15 +380,69 @@ async def _purge(args: argparse.Namespace) -> int:
     if args.all == bool(args.ids):
         raise ConfigError("purge needs --id ID (repeatable) or --all, not both")
     ids = [parse_message_id(value) for value in args.ids or []]
-    async with _session(settings) as session:
-        if args.all:
-            deleted = await session.run("purge_consumer", {"consumer": group})
-        else:
-            deleted = 0
-            for message_id in ids:
-                deleted += await session.run("delete", session.id_params(group, message_id))
+    from outboxer import payload_admin
+
+    store = payload_admin.object_store(settings)
+    held: list[str] = []  # the claim-check objects of the purged dead letters
+    try:
+        async with _session(settings) as session:
+            if args.all:
+                if store is not None:  # read first: a dead letter added meanwhile keeps its hold
+                    held = await _held_objects(session, group)
+                deleted = await session.run("purge_consumer", {"consumer": group})
+            else:
+                deleted = 0
+                for message_id in ids:
+                    letter = await session.dead_letter(group, message_id)
+                    gone = await session.run("delete", session.id_params(group, message_id))
+                    deleted += gone
+                    if gone and letter is not None and store is not None:
+                        held += claim_check_references(letter.delivery)
+        # The dead letters are gone (committed): their holds go now. A crash before keeps
+        # the objects too long, never deletes one a dead letter still needs.
+        if store is not None:
+            await asyncio.to_thread(_release_holds, store, held, group)
+    finally:
+        if store is not None:
+            store.close()
     print(f"purged {deleted} dead letter(s)")
     return 0
+
+
+def claim_check_references(delivery: Any) -> list[str]:
+    from outboxer.claimcheck import HEADER_CLAIM_CHECK, ObjectName
+
+    name = delivery.headers.get(HEADER_CLAIM_CHECK)
+    return [name] if name is not None and ObjectName.parse(name) is not None else []
+
+
+async def _held_objects(session: Any, group: str) -> list[str]:
+    from outboxer.consumer import REPLAY_PAGE_SIZE
+
+    names: list[str] = []
+    after = 0
+    while True:
+        page = await session.dead_letters_after(group, after, REPLAY_PAGE_SIZE)
+        for letter in page:
+            names += claim_check_references(letter.delivery)
+        if len(page) < REPLAY_PAGE_SIZE:
+            return names
+        after = page[-1].seq
+
+
+def _release_holds(store: Any, names: Sequence[str], group: str) -> None:
+    for name in names:
+        try:
+            store.delete_hold(name, group)
+        except NotImplementedError:
+            return
+        except Exception as exc:  # noqa: BLE001 -- the object is kept too long, no more
+            logger.warning(
+                "releasing the hold on claim-check object %s failed (%s): it is kept until "
+                "the hold is deleted",
+                name,
+                exc,
+            )
 
 
 class _session:

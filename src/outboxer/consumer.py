@@ -139,6 +139,11 @@ class ConsumerStats:
     handler_seconds: float = 0.0
     database_errors: int = 0
     broker_errors: int = 0
+    #: Claim-checked payloads the object store did not return within object_store_timeout
+    #: (each also a failed attempt: retried after its backoff, then dead-lettered).
+    claim_check_timeouts: int = 0
+    #: Claim-checked payloads whose object the store did not have (each a failed attempt).
+    claim_check_missing: int = 0
     started_at: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict[str, float | int]:
@@ -760,6 +765,7 @@ class Consumer:
                 except Unreadable as exc:
                     lane.head.malformed = str(exc)
                 except Exception as exc:  # noqa: BLE001 -- the object store may be back later
+                    self.fetch_failed(exc)
                     await self._failed(session, lane, exc)
                     continue
             if lane.head.malformed is not None:
@@ -844,7 +850,7 @@ class Consumer:
                 await self._failed(session, todo.pop(), failure.cause)
                 continue
             self.stats.transactions += 1
-            for result in results:
+            for lane, result in zip(todo, results, strict=True):
                 if result is Result.APPLIED:
                     self.stats.applied += 1
                 elif result is Result.DUPLICATE:
@@ -852,6 +858,9 @@ class Consumer:
                 else:
                     self.stats.held += 1
                     self.stats.dead_lettered += 1
+                    # Held back behind a dead letter of its key, it is a dead letter too:
+                    # its object is held as well (after the commit: see docs).
+                    await self.hold_committed(lane.head.delivery)
             await self._done(todo)
             return
 
@@ -878,8 +887,12 @@ class Consumer:
                     message, self.object_store, timeout=self.object_store_timeout
                 )
             if self.keyring is not None:
-                from outboxer.crypto import decrypt
+                from outboxer.crypto import HEADER_KEY_ID, decrypt
 
+                key_id = message.headers.get(HEADER_KEY_ID)
+                if key_id and not self.keyring.has_key(key_id):
+                    # A callable ring fetches from a KMS: off the event loop, once per key.
+                    await asyncio.to_thread(self.keyring.key, key_id)
                 message = decrypt(message, self.keyring)
         except Exception as exc:
             if _permanent(exc):
@@ -899,6 +912,17 @@ class Consumer:
             content_type=message.content_type,
             received=delivery.received or delivery,
         )
+
+    def fetch_failed(self, exc: BaseException) -> None:
+        """Count what ``unwrap`` raised for now (not Unreadable): a claim-check read that
+        timed out and a missing object each have their counter; the caller counts the
+        failed attempt."""
+        from outboxer.claimcheck import ObjectNotFoundError, ObjectReadTimeoutError
+
+        if isinstance(exc, ObjectReadTimeoutError):
+            self.stats.claim_check_timeouts += 1
+        elif isinstance(exc, ObjectNotFoundError):
+            self.stats.claim_check_missing += 1
 
     def _timed(self, handler: Handler) -> Handler:
         stats, lock = self.stats, self._stats_lock
@@ -1023,6 +1047,10 @@ class Consumer:
         failures = 0
         while True:
             try:
+                # The hold first: a crash before the dead letter commits leaves a hold the
+                # message no longer needs (its object kept too long), never a dead letter
+                # whose object retention may delete.
+                await self.hold(delivery)
                 await session.record_dead_letter(self.group, delivery, error, attempts)
                 break
             except Exception as exc:  # noqa: BLE001 -- database trouble: the message waits
@@ -1082,6 +1110,8 @@ class Consumer:
         it; one already applied (the inbox has it) just leaves. One that fails again stays,
         with one more attempt and its new error; with ``abandoned_blocks_key`` the later dead
         letters of its key stay too (so do those behind a dead letter that was not chosen).
+        One whose transaction waited for a lock in vain (another transaction holds the
+        message or its dead letter) is not tried: it stays as it was, counted as skipped.
         Returns counts: replayed, duplicates, failed, skipped.
 
         Only the chosen dead letters are read (a whole group in pages of
@@ -1115,7 +1145,7 @@ class Consumer:
                             free.add(key)
                     outcome = await self._replay_one(session, letter)
                     counts[outcome] += 1
-                    if outcome == "failed" and key is not None:
+                    if outcome in ("failed", "skipped") and key is not None:
                         blocked.add(key)
                         free.discard(key)
         finally:
@@ -1166,8 +1196,8 @@ class Consumer:
             yield page
 
     async def _replay_one(self, session: Session, letter: DeadLetter) -> str:
-        """Apply one dead letter again: replayed, duplicates or failed (then it stays, with
-        one more attempt and its error)."""
+        """Apply one dead letter again: replayed, duplicates, failed (then it stays, with
+        one more attempt and its error) or skipped (a lock wait ran out: it stays as it was)."""
         delivery = letter.delivery
         retry = dataclasses.replace(delivery, attempt=letter.attempts + 1)
         try:
@@ -1175,10 +1205,27 @@ class Consumer:
             [result] = await session.apply(
                 self.group, [retry], self._timed_handler, hold_keys=False, replaying=True
             )
+            # The dead letter left the table with that commit: its hold goes now (a crash
+            # before keeps the object too long, never loses it).
+            await self.release_hold(delivery)
             return "replayed" if result is Result.APPLIED else "duplicates"
         except BatchFailed as failure:
             if session.lost(failure):
                 raise failure.cause from failure
+            if session.lock_waited(failure):
+                # Another transaction holds the message (a consumer applying its redelivery)
+                # or its dead letter (another replay): not tried, as the consumer counts no
+                # attempt for such a wait; the dead letter stays as it was, for a later
+                # replay (recording the attempt would wait on the same lock anyway).
+                self.stats.database_errors += 1
+                logger.warning(
+                    "dead letter %s not replayed: the consumer's %s waited for a lock in vain "
+                    "(another transaction holds it); kept as it was, replay it again later: %s",
+                    delivery.id,
+                    failure.stage,
+                    describe(failure.cause),
+                )
+                return "skipped"
             cause: BaseException = failure.cause
         except Exception as exc:  # noqa: BLE001 -- unwrapping failed: recorded below
             cause = exc
@@ -1186,6 +1233,68 @@ class Consumer:
         await session.run("failed_again", {**session.id_params(self.group, delivery.id), **error})
         logger.warning("dead letter %s failed again: %s", delivery.id, error["error"])
         return "failed"
+
+    def _held_object(self, delivery: Delivery) -> str | None:
+        """The claim-check object a dead letter of ``delivery`` refers to (as it arrived),
+        when this consumer has a store that keeps holds; None otherwise."""
+        if self.object_store is None:
+            return None
+        from outboxer.claimcheck import HEADER_CLAIM_CHECK, ObjectName
+
+        name = (delivery.received or delivery).headers.get(HEADER_CLAIM_CHECK)
+        if name is None or ObjectName.parse(name) is None:
+            return None  # not claim-checked, or a reference outboxer never wrote
+        return name
+
+    async def hold(self, delivery: Delivery) -> None:
+        """Hold the object a dead letter of ``delivery`` is about to refer to (claimcheck's
+        holds): the sweep then keeps it past retention until the dead letter is replayed or
+        purged. A store error is raised: the dead letter is not written without it."""
+        name = self._held_object(delivery)
+        if name is None:
+            return
+        try:
+            await self.object_store.put_hold_async(name, self.group)  # type: ignore[union-attr]
+        except NotImplementedError:
+            logger.warning(
+                "consumer %s: %r keeps no holds: the claim-check object %s of dead letter %s "
+                "may be deleted by retention before it is replayed",
+                self.group,
+                self.object_store,
+                name,
+                delivery.id,
+            )
+
+    async def hold_committed(self, delivery: Delivery) -> None:
+        try:
+            await self.hold(delivery)
+        except Exception as exc:  # noqa: BLE001 -- committed already: said, not raised
+            logger.error(
+                "consumer %s: holding the claim-check object of held-back message %s failed "
+                "(%s): retention may delete it before the message is replayed",
+                self.group,
+                delivery.id,
+                describe(exc),
+            )
+
+    async def release_hold(self, delivery: Delivery) -> None:
+        """Release this group's hold on the object of ``delivery``'s dead letter, which has
+        left the table (replayed, purged). A failure is logged: the object is kept too long."""
+        name = self._held_object(delivery)
+        if name is None:
+            return
+        try:
+            await self.object_store.delete_hold_async(name, self.group)  # type: ignore[union-attr]
+        except NotImplementedError:
+            return
+        except Exception as exc:  # noqa: BLE001 -- the object stays: the sweep keeps it
+            logger.warning(
+                "consumer %s: releasing the hold on claim-check object %s failed (%s): it is "
+                "kept until the hold is deleted",
+                self.group,
+                name,
+                describe(exc),
+            )
 
 
 class Unreadable(Exception):
@@ -1263,6 +1372,17 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
         "outboxer_consumer_broker_errors_total",
         "broker_errors",
         "Broker connections that failed or were lost (the consumer reconnects).",
+    ),
+    (
+        "outboxer_consumer_claim_check_timeouts_total",
+        "claim_check_timeouts",
+        "Claim-checked payloads the object store did not return within the read timeout "
+        "(each a failed attempt).",
+    ),
+    (
+        "outboxer_consumer_claim_check_missing_total",
+        "claim_check_missing",
+        "Claim-checked payloads whose object the store did not have (each a failed attempt).",
     ),
 )
 

@@ -7,7 +7,6 @@ type picks the SQL dialect and the driver's parameter style.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import zlib
@@ -294,7 +293,7 @@ class Outbox:
             return
         _refuse_repeated_ids(messages)
         if self.claim_check is not None:  # the objects are durable before the row exists
-            messages = [self.claim_check.offload(m) for m in messages]
+            messages = self.claim_check.offload_all(messages)
         try:
             if self.mode == "table":
                 driver.write(self, conn, messages)
@@ -349,8 +348,7 @@ class Outbox:
             return
         _refuse_repeated_ids(messages)
         if self.claim_check is not None:
-            offload = self.claim_check.offload_async
-            messages = list(await asyncio.gather(*(offload(m) for m in messages)))
+            messages = await self.claim_check.offload_all_async(messages)
         try:
             if self.mode == "table":
                 await driver.write_async(self, conn, messages)

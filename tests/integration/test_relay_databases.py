@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -160,10 +161,13 @@ async def test_health_is_unavailable_only_when_no_database_is_healthy(
         name: f"postgresql://postgres@127.0.0.1:{closed_port()}/nowhere"
         for name in ("north", "south")
     }
+    # Another file: one outbox under two names is refused (load_settings).
+    other_sqlite = tmp_path / "other.db"
+    shutil.copyfile(sqlite_url.removeprefix("sqlite:///"), other_sqlite)
     for databases, code, state in (
         (down, 503, "unavailable"),
         ({**down, "local": sqlite_url}, 200, "degraded"),
-        ({"local": sqlite_url, "other": sqlite_url}, 200, "ok"),
+        ({"local": sqlite_url, "other": f"sqlite:///{other_sqlite}"}, 200, "ok"),
     ):
         settings = load_settings(
             {}, config_file=config(tmp_path, databases, stream_prefix), environ={}

@@ -17,7 +17,9 @@ ASGI router) or serve it alone (``uvicorn module:receiver``). For each POST it
 A handler that raises rolls back and the answer is 503 with ``Retry-After`` set to the
 consumer's backoff for that attempt: the relay sends the message again (it honours
 Retry-After, up to its own backoff cap). After ``max_attempts`` failures, counted by this
-process, the message goes to the dead-letter table and the answer is 200. The relay sends
+process, the message goes to the dead-letter table and the answer is 200. A claim-checked
+payload the object store does not return (no answer within ``object_store_timeout``, or
+the object is missing) is such a failure too, as ``outboxer consume`` counts it. The relay sends
 a key's next message only after the previous one's 2xx, so a key's messages are applied
 in order. A database that does not answer is a 503 too, with no attempt counted.
 
@@ -386,6 +388,7 @@ class WebhookReceiver:
         stats = consumer.stats
         stats.received += 1
         if incoming.malformed is not None:
+            await consumer.hold(delivery)  # its claim-check object outlives retention
             await session.record_dead_letter(consumer.group, delivery, incoming.malformed, 0)
             stats.malformed += 1
             stats.dead_lettered += 1
@@ -394,10 +397,16 @@ class WebhookReceiver:
         try:
             delivery = await consumer.unwrap(delivery)
         except Unreadable as exc:
+            await consumer.hold(delivery)  # its claim-check object outlives retention
             await session.record_dead_letter(consumer.group, delivery, str(exc), 0)
             stats.malformed += 1
             stats.dead_lettered += 1
             return 200, {"result": "dead-lettered", "error": str(exc)}, {}
+        except Exception as exc:  # noqa: BLE001 -- the object store or KMS may answer later
+            # As `consume` treats it: a failed attempt of the message, retried after its
+            # backoff, a dead letter after max_attempts; not a database error, which is
+            # answered 503 for ever and never dead-lettered.
+            return await self._unavailable(session, delivery, failures, exc)
         attempt = dataclasses.replace(delivery, attempt=failures + 1)
         try:
             [result] = await session.apply(
@@ -416,6 +425,7 @@ class WebhookReceiver:
             stats.failed += 1
             error = describe(failure.cause)
             if failures >= consumer.max_attempts:
+                await consumer.hold(delivery)  # its claim-check object outlives retention
                 await session.record_dead_letter(consumer.group, delivery, error, failures)
                 self._failures.pop(delivery.id, None)
                 stats.dead_lettered += 1
@@ -442,7 +452,57 @@ class WebhookReceiver:
         else:
             stats.held += 1
             stats.dead_lettered += 1
+            await consumer.hold_committed(delivery)
         return 200, {"result": result.value}, {}
+
+    async def _unavailable(
+        self, session: Session, delivery: Any, failures: int, exc: Exception
+    ) -> tuple[int, dict[str, Any], dict[str, str]]:
+        """The message's payload could not be fetched or decrypted for now (the claim-check
+        store did not answer in time, or lacks the object; the KMS is down): one failed
+        attempt, as ``consume`` counts it (see ``Consumer.fetch_failed``)."""
+        from outboxer.claimcheck import ObjectNotFoundError, ObjectReadTimeoutError
+
+        consumer = self.consumer
+        failures += 1
+        consumer.stats.failed += 1
+        consumer.fetch_failed(exc)
+        error = describe(exc)
+        if isinstance(exc, ObjectReadTimeoutError):
+            what = "the claim-check store did not answer in time"
+        elif isinstance(exc, ObjectNotFoundError):
+            what = "its claim-check object is missing"
+        else:
+            what = "its payload could not be read"
+        if failures >= consumer.max_attempts:
+            await consumer.hold(delivery)  # its claim-check object outlives retention
+            await session.record_dead_letter(consumer.group, delivery, error, failures)
+            self._failures.pop(delivery.id, None)
+            consumer.stats.dead_lettered += 1
+            logger.error(
+                "webhook %s is a dead letter after %d attempts: %s: %s",
+                delivery.id,
+                failures,
+                what,
+                error,
+            )
+            return 200, {"result": "dead-lettered", "error": error}, {}
+        self._remember(delivery.id, failures)
+        delay = consumer.backoff.delay(failures)
+        logger.warning(
+            "webhook %s: %s (attempt %d of %d), retry after %.1fs: %s",
+            delivery.id,
+            what,
+            failures,
+            consumer.max_attempts,
+            delay,
+            error,
+        )
+        return (
+            503,
+            {"error": error, "attempt": failures},
+            {"retry-after": str(max(1, round(delay)))},
+        )
 
     def _remember(self, message_id: Any, failures: int) -> None:
         self._failures[message_id] = failures

@@ -3,10 +3,12 @@
 
 -- name: referenced
 -- Which of these claim-check objects some row, whatever its status, still refers to: the
--- orphan sweep deletes only the others.
+-- orphan sweep deletes only the others. Through claim_check_idx (migration 0011), whose
+-- condition the first line of the WHERE clause repeats.
 SELECT headers->>'outboxer-claim-check' AS name
 FROM {outbox}
-WHERE headers->>'outboxer-claim-check' = ANY(:names)
+WHERE headers ? 'outboxer-claim-check'
+  AND headers->>'outboxer-claim-check' = ANY(:names)
 
 -- name: oldest_transaction
 -- When the oldest transaction still open in this database began (Unix time; NULL if none),

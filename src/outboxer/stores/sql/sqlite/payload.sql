@@ -3,10 +3,12 @@
 
 -- name: referenced
 -- Which of these claim-check objects (a JSON array) some row, whatever its status, still
--- refers to: the orphan sweep deletes only the others.
+-- refers to: the orphan sweep deletes only the others. Through claim_check_idx (migration
+-- 0007), whose condition the first line of the WHERE clause repeats word for word.
 SELECT json_extract(headers, '$."outboxer-claim-check"') AS name
 FROM {outbox}
-WHERE json_extract(headers, '$."outboxer-claim-check"') IN (SELECT value FROM json_each(:names))
+WHERE json_extract(headers, '$."outboxer-claim-check"') IS NOT NULL
+  AND json_extract(headers, '$."outboxer-claim-check"') IN (SELECT value FROM json_each(:names))
 
 -- name: rotation_batch
 -- The next rows to re-encrypt: unfinished, not claimed by a relay (PROCESSING), encrypted
