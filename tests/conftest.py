@@ -26,10 +26,6 @@ from tests.services import require
 SERIAL = (
     "tests/chaos/",
     "tests/pgmodes/",
-    "tests/integration/test_broker_nats.py",
-    "tests/integration/test_broker_mqtt.py",
-    "tests/integration/test_broker_rabbitmq.py",
-    "tests/integration/test_broker_redis.py",
     "tests/integration/test_broker_connect_leaks.py",
     "tests/integration/test_receiver_connect_leaks.py",
     "tests/unit/test_config_audit_logs.py",
@@ -44,13 +40,18 @@ SERIAL = (
     "tests/integration/test_audit12_config_claimcheck_put_errors.py",
     "tests/integration/test_audit12_ccretain_dead_letter_hold.py",  # a moto S3 server
 )
+#: Single tests that run alone, by name, wherever they are: the broker contract's restart
+#: (it stops the shared RabbitMQ, Redis, NATS or Mosquitto; the rest of those files shares
+#: them as any test does).
+SERIAL_TESTS = ("test_reconnects_after_server_restart",)
 _ROOT = Path(__file__).resolve().parent.parent
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         path = Path(str(item.fspath)).resolve().relative_to(_ROOT).as_posix()
-        if path.startswith(SERIAL):
+        name = getattr(item, "originalname", item.name)
+        if path.startswith(SERIAL) or name in SERIAL_TESTS:
             item.add_marker(pytest.mark.serial)
 
 
