@@ -25,7 +25,18 @@ from tests.services import require
 #: cannot send (a lone surrogate).
 SERIAL = (
     "tests/chaos/",
-    "tests/pgmodes/",
+    # The private PostgreSQL with wal_level=logical (one per session) and the pgmodes benches;
+    # the partitioned and log layouts' other tests use the shared server and run in parallel.
+    "tests/pgmodes/test_audit10_walslot_lost.py",
+    "tests/pgmodes/test_audit10_walwarn_slot_at_risk.py",
+    "tests/pgmodes/test_bench_",
+    "tests/pgmodes/test_debezium_layout.py",
+    "tests/pgmodes/test_stream_audit2_lock.py",
+    "tests/pgmodes/test_stream_audit2_unstorable.py",
+    "tests/pgmodes/test_stream_poison.py",
+    "tests/pgmodes/test_stream_relay_command.py",
+    "tests/pgmodes/test_streamrelay_cli.py",
+    "tests/pgmodes/test_wal_mode.py",
     "tests/integration/test_broker_connect_leaks.py",
     "tests/integration/test_receiver_connect_leaks.py",
     "tests/unit/test_config_audit_logs.py",
