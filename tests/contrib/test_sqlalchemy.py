@@ -112,7 +112,9 @@ def test_a_rolled_back_flush_leaves_no_event(
         session.flush()  # written in the transaction ...
         order.record_event("order.noted", {"n": 2})  # ... and one never flushed
         session.rollback()
-    assert order.pending_events == (), "the rollback forgets the unwritten event too"
+    # A new object the rollback returned to transient keeps its attributes, and its events
+    # (written or not): they go out if and when it is added again, not with anything else.
+    assert [e.topic for e in order.pending_events] == ["order.placed", "order.noted"]
     with sessions.begin() as session:  # a later transaction must not carry them
         kept = add_order(session, "c-2", 2.0)
         kept.record_event("order.placed", {"n": 3})
@@ -128,7 +130,7 @@ def test_a_failed_flush_leaves_no_event(database: str, sessions: sessionmaker[Se
         clash.record_event("order.placed", {"n": 1})
         with pytest.raises(IntegrityError):
             session.commit()
-        assert clash.pending_events == ()
+        assert [e.topic for e in clash.pending_events] == ["order.placed"], "to add it again"
         session.rollback()
         later = add_order(session, "later", 3.0)
         later.record_event("order.placed", {"n": 2})

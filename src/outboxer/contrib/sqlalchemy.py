@@ -25,13 +25,22 @@ How it holds:
   error there fails the flush, and SQLAlchemy rolls back the whole transaction. Only Core
   SQL runs in that hook (``enqueue_many``); SQLAlchemy warns against ORM operations there.
   A session with no changed rows does not flush at all, so ``before_commit`` writes the
-  events of entities that changed nothing.
-* A written event is forgotten at once, so flushing again never writes it twice.
+  events of entities that changed nothing; an entity that records one later in the commit
+  (another ``before_commit`` listener) is flagged dirty, so the commit's flush writes it.
+* A written event is forgotten at once, so flushing again never writes it twice. Events
+  recorded by another ``after_flush`` listener, after this one wrote, are written in
+  ``after_flush_postexec`` of the same flush: the final flush of a commit included.
 * A rollback of the whole transaction (``after_soft_rollback``: ``Session.rollback()``,
-  a failed flush outside any savepoint) forgets the recorded events that were not
-  written: the changes they describe are gone too. Written ones vanish with it.
+  a failed flush outside any savepoint) forgets the recorded events of the session's
+  entities, written or not: the changes they describe are gone too (SQLAlchemy expires
+  them). Not those of a new object the rollback returned to transient: SQLAlchemy keeps
+  its attributes so that it can be added again, and it keeps its events too, those the
+  rolled-back flush wrote included, so adding it again writes the row and each event once
+  (record them once, not again on the retry). Nor those of an entity that left the
+  session before the rollback (``expunge()``, then another session, say).
 * A rolled-back savepoint (``begin_nested()``, or a failed flush inside one) forgets only
-  the events recorded since it began. Those recorded before it stay pending, and the ones
+  the events recorded since it began, and keeps those of the new objects it returned to
+  transient, as above. Those recorded before it stay pending, and the ones
   among them that the savepoint wrote are pending again (its rollback removed their rows),
   so the outer transaction still commits them: an entity that changed no row is not
   flushed when the savepoint begins, so its events may still be unwritten then.
@@ -67,6 +76,7 @@ try:
         scoped_session,
         sessionmaker,
     )
+    from sqlalchemy.orm.attributes import flag_dirty
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise MissingDependencyError("sqlalchemy", "sqlalchemy") from exc
 
@@ -74,17 +84,24 @@ __all__ = ["RecordedEvent", "RecordsEvents", "listen", "record_event"]
 
 #: ``session.info`` key: the entities of this session that hold unwritten events, by id().
 _RECORDING = "outboxer.recording"
-#: ``session.info`` key: events written while a savepoint was open, in writing order, as
-#: (entity, event); a rolled-back savepoint takes back the ones written since it began.
+#: ``session.info`` key: the events written in the current transaction, in writing order, as
+#: (entity, event); a rollback takes back the ones written since its savepoint (or the
+#: transaction) began, and gives a new object it returns to transient its own back.
 _WRITTEN = "outboxer.written"
 #: ``session.info`` key: per savepoint (by id()), its start: (recording mark, len(_WRITTEN)).
 _SAVEPOINTS = "outboxer.savepoints"
+#: ``session.info`` key: set from ``before_commit`` to the commit's end (or its failure).
+_COMMITTING = "outboxer.committing"
 
 
 def _track(entity: object) -> None:
     session = object_session(entity)
     if session is not None:
         session.info.setdefault(_RECORDING, {})[id(entity)] = entity
+        if session.info.get(_COMMITTING) and inspect(entity).persistent:
+            # Recorded by a listener after before_commit wrote, on an entity with no row
+            # change: flagged, the commit flushes it (no UPDATE), and after_flush writes.
+            flag_dirty(entity)
 
 
 def record_event(entity: object, topic: str, payload: object, **options: Any) -> RecordedEvent:
@@ -118,8 +135,14 @@ class _Writer:
     def after_flush(self, session: Session, flush_context: object) -> None:
         self.write(session)
 
+    def after_flush_postexec(self, session: Session, flush_context: object) -> None:
+        """Events another ``after_flush`` listener recorded after ``after_flush`` wrote: the
+        final flush of a commit is followed by the commit, not by ``before_commit``."""
+        self.write(session)
+
     def before_commit(self, session: Session) -> None:
         """A flush runs only when rows changed: write the events of unchanged entities too."""
+        session.info[_COMMITTING] = True  # later records: see _track
         if session.info.get(_RECORDING):
             session.flush()  # rows first, as at every flush: deferred payloads see their keys
             self.write(session)
@@ -148,8 +171,8 @@ class _Writer:
                 self.outbox.enqueue_many(connection, items)
             for entity, recorded in pairs:
                 forget_events(entity, [recorded])
-            if session.in_nested_transaction():  # a rollback of it may take these back
-                session.info.setdefault(_WRITTEN, []).extend(pairs)
+            # A rollback may take these back (a new object's, or a savepoint's).
+            session.info.setdefault(_WRITTEN, []).extend(pairs)
         # Only now: had a write failed, the rollback that follows must find these entities.
         tracked.clear()
 
@@ -158,44 +181,61 @@ class _Writer:
             start = (recording_mark(), len(session.info.get(_WRITTEN, ())))
             session.info.setdefault(_SAVEPOINTS, {})[id(transaction)] = start
 
+    def after_commit(self, session: Session) -> None:
+        session.info.pop(_COMMITTING, None)
+        if not session.in_nested_transaction():  # committed: no rollback takes these back
+            session.info.pop(_WRITTEN, None)
+
     def after_transaction_end(self, session: Session, transaction: SessionTransaction) -> None:
         # A savepoint's start stays until its whole transaction ends: its rollback is
         # reported (after_soft_rollback) after its end. Released ones cost a tuple each.
         if transaction.parent is None:
-            session.info.pop(_WRITTEN, None)
+            session.info.pop(_COMMITTING, None)
+            # Still here, the transaction did not commit: a rollback, reported after this
+            # end. The new objects it returned to transient get back what it wrote.
+            for entity, recorded in session.info.pop(_WRITTEN, ()):
+                if inspect(entity).transient:
+                    restore_events(entity, [recorded])
             session.info.pop(_SAVEPOINTS, None)
 
     def after_soft_rollback(
         self, session: Session, previous_transaction: SessionTransaction
     ) -> None:
+        session.info.pop(_COMMITTING, None)
         # What the database rolled back: the innermost savepoint or the whole transaction
         # (a failed flush reports its own subtransaction).
         boundary = previous_transaction
         while not boundary.nested and boundary.parent is not None:
             boundary = boundary.parent
         start = session.info.get(_SAVEPOINTS, {}).get(id(boundary)) if boundary.nested else None
+        mark, first_written = start if start is not None else (None, 0)
         tracked: dict[int, object] = session.info.setdefault(_RECORDING, {})
-        if start is None:
-            for entity in tracked.values():
-                forget_events(entity)
-            tracked.clear()
-            session.info.pop(_WRITTEN, None)
-            return
-        mark, first_written = start
         written: list[tuple[object, RecordedEvent]] = session.info.get(_WRITTEN, [])
         taken_back = written[first_written:]
         del written[first_written:]
-        # Recorded inside the savepoint: the changes they describe are gone with it.
         for entity in list(tracked.values()):
-            forget_events(entity, [e for e in pending_events(entity) if e.order > mark])
+            if object_session(entity) is not session:
+                # Not this session's any more: in another one (moved there before this
+                # rollback), or transient, a new object this rollback expunged with its
+                # attributes kept, to be added again: either way it keeps its events.
+                del tracked[id(entity)]
+                continue
+            # Recorded inside what rolled back: the changes they describe are gone with it.
+            forget_events(
+                entity, [e for e in pending_events(entity) if mark is None or e.order > mark]
+            )
             if not pending_events(entity):
                 del tracked[id(entity)]
-        # Recorded before it but written inside it: their rows are gone, not their changes.
         for entity, recorded in taken_back:
-            if recorded.order < mark:
+            if inspect(entity).transient:
+                # A new object the rollback made transient: its INSERT is gone, not its
+                # attributes, and adding it again writes these with it.
                 restore_events(entity, [recorded])
-                if object_session(entity) is session:
-                    tracked[id(entity)] = entity
+            elif mark is not None and recorded.order < mark and object_session(entity) is session:
+                # Recorded before the savepoint, written inside it: their rows are gone,
+                # not their changes.
+                restore_events(entity, [recorded])
+                tracked[id(entity)] = entity
 
 
 def _session_target(target: object) -> Any:
@@ -229,7 +269,9 @@ def listen(target: object, *, outbox: Outbox | None = None) -> None:
     writer = _Writer(outbox)
     event.listen(where, "after_attach", writer.after_attach)
     event.listen(where, "after_flush", writer.after_flush)
+    event.listen(where, "after_flush_postexec", writer.after_flush_postexec)
     event.listen(where, "before_commit", writer.before_commit)
+    event.listen(where, "after_commit", writer.after_commit)
     event.listen(where, "after_transaction_create", writer.after_transaction_create)
     event.listen(where, "after_transaction_end", writer.after_transaction_end)
     event.listen(where, "after_soft_rollback", writer.after_soft_rollback)

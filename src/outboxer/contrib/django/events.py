@@ -131,7 +131,10 @@ class RecordsEvents(_RecordsEvents):
     recorded events in the same ``atomic()`` block as the write."""
 
     def save(self, *args: Any, **kwargs: Any) -> None:
-        using = kwargs.get("using") or router.db_for_write(type(self), instance=self)
+        # ``using`` may come third positionally (force_insert, force_update, using, ...:
+        # deprecated in Django 5.x, still honoured): the events go where the row goes.
+        using = kwargs.get("using") or (args[2] if len(args) > 2 else None)
+        using = using or router.db_for_write(type(self), instance=self)
         with transaction.atomic(using=using, savepoint=False):
             super().save(*args, **kwargs)  # type: ignore[misc]
             write_events(self, using)
