@@ -401,7 +401,7 @@ async def _purge(args: argparse.Namespace) -> int:
         # The dead letters are gone (committed): their holds go now. A crash before keeps
         # the objects too long, never deletes one a dead letter still needs.
         if store is not None:
-            await asyncio.to_thread(_release_holds, store, held, group)
+            await asyncio.to_thread(release_holds, store, held, group)
     finally:
         if store is not None:
             store.close()
@@ -410,10 +410,16 @@ async def _purge(args: argparse.Namespace) -> int:
 
 
 def claim_check_references(delivery: Any) -> list[str]:
+    return claim_check_names(delivery.headers)
+
+
+def claim_check_names(headers: Mapping[str, Any] | None) -> list[str]:
+    """The claim-check object a message's headers refer to (and a dead letter of it holds),
+    as a list: empty without one, or with a name outboxer never makes."""
     from outboxer.claimcheck import HEADER_CLAIM_CHECK, ObjectName
 
-    name = delivery.headers.get(HEADER_CLAIM_CHECK)
-    return [name] if name is not None and ObjectName.parse(name) is not None else []
+    name = headers.get(HEADER_CLAIM_CHECK) if isinstance(headers, Mapping) else None
+    return [name] if isinstance(name, str) and ObjectName.parse(name) is not None else []
 
 
 async def _held_objects(session: Any, group: str) -> list[str]:
@@ -430,7 +436,9 @@ async def _held_objects(session: Any, group: str) -> list[str]:
         after = page[-1].seq
 
 
-def _release_holds(store: Any, names: Sequence[str], group: str) -> None:
+def release_holds(store: Any, names: Sequence[str], group: str) -> None:
+    """Release ``group``'s holds on ``names``, once their dead letters are gone (committed):
+    a failure is logged and keeps the object too long, never more."""
     for name in names:
         try:
             store.delete_hold(name, group)
@@ -486,6 +494,8 @@ __all__ = [
     "ConsumerSettings",
     "add_commands",
     "build_consumer",
+    "claim_check_names",
     "load_consume_settings",
+    "release_holds",
     "run_consumer",
 ]

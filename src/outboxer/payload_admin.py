@@ -189,6 +189,21 @@ class PayloadTable:
         # have still to publish, and consumers of published ones still fetch.
         self._log_table = mode_tokens(schema, table)["log"] if dialect == "postgres" else None
         self._log_exists: bool | None = None
+        # After `outboxer schema migrate-partitioned`, the old table stays as <table>_plain
+        # until the operator drops it "once past retention": its PUBLISHED history, whose
+        # objects consumers may still fetch (retention of the new table never sees those
+        # rows), and copies of the rows moved. The sweep asks it too, through its
+        # claim_check_idx (migration 0011's, renamed), or the first sweep after the move
+        # deleted the objects of every message published before it, however recent.
+        self._plain_table = (
+            table_name(dialect, schema, f"{table}_plain") if dialect == "postgres" else None
+        )
+        self._plain_sql = (
+            render(queries(dialect, "payload.sql")["referenced"], {"outbox": self._plain_table})
+            if self._plain_table is not None
+            else None
+        )
+        self._plain_exists: bool | None = None
 
     # ----- statements ------------------------------------------------------------------------
 
@@ -231,22 +246,36 @@ class PayloadTable:
             rows = self._run("referenced", {"names": value}).fetchall()
             if self._log_table is not None and self._has_log_table():
                 rows += self._log_referenced(plain)
+            if self._plain_sql is not None and self._has_plain_table():
+                cursor = self.conn.cursor()
+                cursor.execute(to_pyformat(self._plain_sql), {"names": value})
+                rows += cursor.fetchall()
         return [str(row[0]) for row in rows]
 
     def _has_log_table(self) -> bool:
         if self._log_exists is None:
-            cursor = self.conn.cursor()
-            cursor.execute("SELECT to_regclass(%s) IS NOT NULL", (self._log_table,))
-            self._log_exists = bool(cursor.fetchone()[0])
+            self._log_exists = self._exists(self._log_table)
         return self._log_exists
+
+    def _has_plain_table(self) -> bool:
+        if self._plain_exists is None:
+            self._plain_exists = self._exists(self._plain_table)
+        return self._plain_exists
+
+    def _exists(self, table: str | None) -> bool:
+        cursor = self.conn.cursor()
+        cursor.execute("SELECT to_regclass(%s) IS NOT NULL", (table,))
+        return bool(cursor.fetchone()[0])
 
     def _log_referenced(self, names: list[str]) -> list[Any]:
         # payload.sql's "referenced" on the log table: the same question, its partitions
-        # included (a query on the partitioned parent reads them all).
+        # included (a query on the partitioned parent reads them all), through the log's
+        # claim_check_idx (pglog migration 0002), whose condition the first line repeats.
         cursor = self.conn.cursor()
         cursor.execute(
             f"SELECT headers->>'outboxer-claim-check' FROM {self._log_table} "
-            "WHERE headers->>'outboxer-claim-check' = ANY(%s)",
+            "WHERE headers ? 'outboxer-claim-check' "
+            "AND headers->>'outboxer-claim-check' = ANY(%s)",
             (names,),
         )
         return list(cursor.fetchall())

@@ -74,4 +74,4 @@ def test_one_modes_schema_applied_twice_at_once_under_repeatable_read(pg_url: st
         )
     applied = asyncio.run(_apply_together(PgLog(pg_url), PgLog(pg_url)))
     # Each folder's migrations in a transaction of their own: either may apply either.
-    assert sorted(applied[0] + applied[1]) == ["0001_log", "0001_stream"]
+    assert sorted(applied[0] + applied[1]) == ["0001_log", "0001_stream", "0002_claim_check_index"]

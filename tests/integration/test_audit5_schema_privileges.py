@@ -53,7 +53,7 @@ def test_schema_owner_applies_and_reapplies(owner_url: str) -> None:
             assert await store.is_partitioned()
         log = PgLog(owner_url, schema="app_log")
         try:
-            assert await log.apply_schema() == ["0001_log", "0001_stream"]
+            assert await log.apply_schema() == ["0001_log", "0002_claim_check_index", "0001_stream"]
             assert await log.apply_schema() == []
         finally:
             await log.close()

@@ -28,7 +28,7 @@ class LogHarness(StreamHarness):
 @pytest.fixture
 async def harness(pg_url: str) -> LogHarness:
     async with PgLog(pg_url) as log:
-        assert await log.apply_schema() == ["0001_log", "0001_stream"]
+        assert await log.apply_schema() == ["0001_log", "0002_claim_check_index", "0001_stream"]
     return LogHarness(pg_url, Outbox(mode="log"))
 
 

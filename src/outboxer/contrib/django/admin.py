@@ -31,7 +31,7 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.core.paginator import Paginator
-from django.db import DatabaseError
+from django.db import DatabaseError, transaction
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils.functional import cached_property
@@ -297,6 +297,53 @@ def replay_dead_letters(rows: Sequence[tuple[str, Any]]) -> tuple[str, dict[str,
     return group, counts, len(rows) - len(ids)
 
 
+def purge_dead_letters(queryset: QuerySet[DeadLetter], rows: Sequence[tuple[Any, ...]]) -> int:
+    """Delete the dead letters of ``rows`` (seq, consumer group, headers) from ``queryset``;
+    once the delete has committed, release the claim-check holds they had in the store of
+    the ``claim_check_store`` setting, as ``outboxer dead-letters purge`` does: otherwise
+    their objects were kept for ever. A crash in between keeps them too long, no more."""
+    from outboxer import payload_admin
+    from outboxer.consume_cli import claim_check_names, release_holds
+
+    alias = queryset.db
+    # Opened first: a bad setting purges nothing (the action says why).
+    store = payload_admin.object_store(conf.settings_with(database=alias))
+    held: dict[str, list[str]] = {}  # group -> the objects its purged dead letters held
+    if store is not None:
+        for _, group, headers in rows:
+            if names := claim_check_names(_headers(headers)):
+                held.setdefault(group, []).extend(names)
+    try:
+        count = int(queryset.filter(seq__in=[row[0] for row in rows]).delete()[0])
+    except BaseException:
+        if store is not None:
+            store.close()
+        raise
+    if store is None:
+        return count
+
+    def release() -> None:
+        try:
+            for group, names in held.items():
+                release_holds(store, names, group)
+        finally:
+            store.close()
+
+    # At once in autocommit; after the commit inside a transaction (ATOMIC_REQUESTS).
+    transaction.on_commit(release, using=alias)
+    return count
+
+
+def _headers(value: Any) -> Any:
+    # A JSONField over a text column (MariaDB, SQLite) may hand the JSON text back.
+    if isinstance(value, str | bytes):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return None
+    return value
+
+
 def _has_change_permission(model_admin: admin.ModelAdmin, request: HttpRequest) -> bool:
     opts = model_admin.opts
     return bool(request.user.has_perm(f"{opts.app_label}.change_{opts.model_name}"))
@@ -340,10 +387,14 @@ class DeadLetterAdmin(ReadOnlyAdmin):
         # message of a key a held dead letter blocked is applied at its next delivery.
         # Only the rows counted: one arriving since is not deleted unseen.
         command = "outboxer dead-letters purge --group … --all (or --id …)"
-        seqs = selected_rows(self, request, queryset, ("seq",), command)
-        if seqs is None:
+        rows = selected_rows(self, request, queryset, ("seq", "consumer", "headers"), command)
+        if rows is None:
             return
-        count, _ = queryset.filter(seq__in=[seq for (seq,) in seqs]).delete()
+        try:
+            count = purge_dead_letters(queryset, rows)
+        except OutboxerError as exc:  # the claim-check store's setting: nothing purged
+            self.message_user(request, f"Nothing purged: {redact_text(str(exc))}", messages.ERROR)
+            return
         self.message_user(request, f"Purged {count} dead letter(s).", messages.SUCCESS)
 
     @admin.action(
