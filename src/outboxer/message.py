@@ -38,6 +38,8 @@ MAX_KEY_LENGTH = 255
 #: The content_type and destination columns are VARCHAR(255) on MySQL.
 MAX_CONTENT_TYPE_LENGTH = 255
 MAX_DESTINATION_LENGTH = 255
+#: AMQP field-table keys hold at most 128 bytes: a longer header name failed its publish.
+MAX_HEADER_NAME_BYTES = 128
 
 _PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]+")
 
@@ -244,7 +246,20 @@ def validate_envelope(
                 f"the header name {name!r:.80} is reserved: names starting with "
                 f"{RESERVED_HEADER_PREFIX!r} (in any case) carry outboxer's own envelope"
             )
+        if name.lower() == HEADER_CONTENT_TYPE:
+            # The envelope's content type travels under this name on Kafka, NATS, MQTT and
+            # in AMQP's headers, and HTTP folds the case: a user header of that name was
+            # overwritten by it, then dropped from the delivery as envelope.
+            raise PayloadError(
+                f"the header name {name!r:.80} is reserved: the content type is the "
+                "content_type argument of enqueue"
+            )
         check_text(name, f"the header name {name!r:.80}")
+        if len(name) > MAX_HEADER_NAME_BYTES // 4 and len(name.encode()) > MAX_HEADER_NAME_BYTES:
+            raise PayloadError(
+                f"the header name {name!r:.80} is {len(name.encode())} bytes in UTF-8, over "
+                f"{MAX_HEADER_NAME_BYTES} (AMQP's limit for a header name)"
+            )
         check_text(value, f"the value of header {name!r:.80}")
     return topic, key, dict(headers)
 

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import ssl
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
+from urllib.parse import quote, unquote
 
 import aiomqtt
 import paho.mqtt.client as paho
@@ -134,12 +136,46 @@ def abandon(client: _Client) -> None:
     client._client._reset_sockets()  # paho has no public close for a client never connected
 
 
+#: Code points an MQTT string should not hold (MQTT 5, 1.5.4): control characters and
+#: non-characters. Mosquitto closes the connection on a PUBLISH holding one, so a header
+#: value with a tab or a line break failed its whole wave, and itself again at every retry.
+_UNSAFE = re.compile(
+    "[\x00-\x1f\x7f-\x9f\ufdd0-\ufdef"
+    + "".join(chr(plane << 16 | 0xFFFE) + chr(plane << 16 | 0xFFFF) for plane in range(17))
+    + "]"
+)
+#: A user property MQTT cannot carry as it is travels under this prefix, name and value
+#: percent-encoded (UTF-8).
+ESCAPED_PREFIX = "outboxer-header-"
+
+
+def _user_properties(message: Message) -> list[tuple[str, str]]:
+    carried = []
+    for name, value in message.envelope_headers().items():
+        if _UNSAFE.search(name) or _UNSAFE.search(value):
+            name, value = ESCAPED_PREFIX + quote(name, safe=""), quote(value, safe="")
+        carried.append((name, value))
+    return carried
+
+
+def received_properties(pairs: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """A delivery's User Properties as envelope and user headers (``_user_properties``'s
+    inverse)."""
+    carried = {}
+    for name, value in pairs:
+        if name.startswith(ESCAPED_PREFIX):
+            carried[unquote(name[len(ESCAPED_PREFIX) :])] = unquote(value)
+        else:
+            carried[name] = value
+    return carried
+
+
 def publish_properties(message: Message) -> Properties:
     """MQTT v5 PUBLISH properties carrying ``message``'s envelope."""
     properties = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
     properties.ContentType = message.content_type
     properties.CorrelationData = str(message.id).encode()
-    properties.UserProperty = list(message.envelope_headers().items())
+    properties.UserProperty = _user_properties(message)
     return properties
 
 
@@ -290,4 +326,4 @@ class MqttPublisher(AckedPublisher[ReasonCode]):
         ) or super().is_connection_error(exc)
 
 
-__all__ = ["MqttPublisher", "publish_properties"]
+__all__ = ["ESCAPED_PREFIX", "MqttPublisher", "publish_properties", "received_properties"]

@@ -23,11 +23,12 @@ import asyncio
 import contextlib
 import itertools
 import json
+import re
 import ssl
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any
-from urllib.parse import urlunsplit
+from urllib.parse import quote, unquote, urlunsplit
 
 import nats
 import nats.errors
@@ -47,6 +48,8 @@ from outboxer.redact import get_logger, redact_url
 logger = get_logger("outboxer.publisher.nats")
 
 MSG_ID_HEADER = "Nats-Msg-Id"
+#: Headers the publisher adds for JetStream, not the user's.
+_JETSTREAM_HEADERS = (MSG_ID_HEADER, "Nats-Expected-Stream")
 #: The stream's duplicate window when outboxer creates the stream (NATS's own default).
 DEFAULT_DUPLICATE_WINDOW = 120.0
 
@@ -103,11 +106,51 @@ def check_subject(subject: str, *, wildcards: bool, what: str) -> None:
         raise ConfigError(f"{what} {subject!r:.200} is not a valid NATS subject: {problem}")
 
 
+#: Header names NATS takes (nats-py refuses any other with BadHeaderError).
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+#: A header NATS cannot carry as it is travels under this prefix, name and value
+#: percent-encoded (``ESCAPED_PREFIX`` + ``quote(name)``: ``quote(value)``).
+ESCAPED_PREFIX = "Outboxer-Header-"
+_NAME_SAFE = "!#$&'*+-.^_`|~"
+_VALUE_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%")
+
+
+def _as_is(name: str, value: str) -> bool:
+    """Whether NATS carries the header unchanged: nats-py strips a value and turns its CR
+    and LF into spaces, refuses a name that is not a token, and JetStream obeys ``Nats-*``
+    headers (a user's ``Nats-Rollup``, ``Nats-TTL``, ``Nats-Expected-*`` would purge the
+    stream, expire the message, or fail its publish for good)."""
+    return (
+        _HEADER_NAME.fullmatch(name) is not None
+        and name[:5].lower() != "nats-"
+        and value.strip() == value
+        and "\r" not in value
+        and "\n" not in value
+    )
+
+
 def publish_headers(message: Message) -> dict[str, str]:
     """NATS headers for ``message``: the envelope, the user headers and ``Nats-Msg-Id``."""
-    headers = message.envelope_headers()
+    headers = {}
+    for name, value in message.envelope_headers().items():
+        if _as_is(name, value):
+            headers[name] = value
+        else:
+            escaped = ESCAPED_PREFIX + quote(name, safe=_NAME_SAFE)
+            headers[escaped] = quote(value, safe=_VALUE_SAFE)
     headers[MSG_ID_HEADER] = str(message.id)
     return headers
+
+
+def received_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The envelope and user headers of a delivery: the inverse of ``publish_headers``."""
+    carried = {}
+    for name, value in headers.items():
+        if name.startswith(ESCAPED_PREFIX):
+            carried[unquote(name[len(ESCAPED_PREFIX) :])] = unquote(value)
+        elif name not in _JETSTREAM_HEADERS:
+            carried[name] = value
+    return carried
 
 
 def encoded_size(payload: bytes, headers: Mapping[str, str]) -> int:
@@ -581,4 +624,11 @@ class NatsPublisher(AckedPublisher[Msg]):
         return isinstance(exc, _CONNECTION) or super().is_connection_error(exc)
 
 
-__all__ = ["MSG_ID_HEADER", "NatsPublisher", "encoded_size", "publish_headers"]
+__all__ = [
+    "ESCAPED_PREFIX",
+    "MSG_ID_HEADER",
+    "NatsPublisher",
+    "encoded_size",
+    "publish_headers",
+    "received_headers",
+]

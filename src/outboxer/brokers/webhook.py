@@ -61,6 +61,14 @@ RESERVED_NAMES = frozenset(
         "expect",
         "proxy-connection",
         "proxy-authorization",
+        # The receiver takes these for the transport's own, not the message's; and a user
+        # header "Authorization" replaced the publisher's configured one on its request.
+        "authorization",
+        "user-agent",
+        "accept",
+        "accept-encoding",
+        "forwarded",
+        "via",
     }
 )
 
@@ -84,6 +92,8 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 #: Header values keep printable ASCII but ``%`` and space; the rest is percent-encoded UTF-8.
 _SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%")
+#: A header name sent under RESERVED_PREFIX keeps its token characters but ``%``.
+_NAME_SAFE = "!#$&'*+-.^_`|~"
 
 
 class WebhookStatusError(PublishError):
@@ -274,6 +284,9 @@ class WebhookPublisher(Publisher):
                 raise ConfigError(
                     f"webhook option headers: {name!r} is not a valid HTTP header name"
                 )
+        #: User header names sent under RESERVED_PREFIX: a message's header of a configured
+        #: static header's name would replace that one on its request (credentials included).
+        self._reserved = RESERVED_NAMES | {name.lower() for name in self.headers}
         for topic, route in self.routes.items():
             if "://" in route and urlsplit(route).scheme.lower() not in self.schemes:
                 raise ConfigError(
@@ -359,12 +372,13 @@ class WebhookPublisher(Publisher):
         """The headers of ``message``'s request (signed now unless ``timestamp`` is given)."""
         headers = {"Content-Type": message.content_type, HEADER_ID: str(message.id)}
         for name, value in message.headers.items():
-            if not _TOKEN.match(name):
-                raise PublishError(
-                    f"header name {name!r} cannot be sent over HTTP", retryable=False
-                )
-            if name.lower() in RESERVED_NAMES or name.lower().startswith("outboxer-"):
-                name = RESERVED_PREFIX + name
+            if (
+                not _TOKEN.match(name)  # a space, a colon, non-ASCII: enqueue took it
+                or name.lower() in self._reserved
+                or name.lower().startswith("outboxer-")
+            ):
+                # Percent-encoded, any name is a token; the receiver decodes it.
+                name = RESERVED_PREFIX + quote(name, safe=_NAME_SAFE)
             headers[name] = encode_header_value(value)
         headers[HEADER_TOPIC] = encode_header_value(message.topic)
         if message.key is not None:

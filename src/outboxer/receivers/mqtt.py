@@ -38,7 +38,14 @@ import paho.mqtt.client as paho
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from outboxer.brokers.mqtt import QOS, MqttPublisher, _Client, abandon, disconnect
+from outboxer.brokers.mqtt import (
+    QOS,
+    MqttPublisher,
+    _Client,
+    abandon,
+    disconnect,
+    received_properties,
+)
 from outboxer.config import whole_seconds_option
 from outboxer.errors import ConfigError
 from outboxer.receivers.base import Incoming, Receiver, decode, take
@@ -222,7 +229,7 @@ class MqttReceiver(Receiver):
 
     def _incoming(self, message: aiomqtt.Message) -> Incoming:
         properties = message.properties
-        headers = dict(getattr(properties, "UserProperty", None) or [])
+        headers = received_properties(getattr(properties, "UserProperty", None) or [])
         correlation = getattr(properties, "CorrelationData", None)
         payload = message.payload
         incoming = decode(

@@ -49,13 +49,11 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import DEFAULT_PREFIX, AckPolicy, ConsumerConfig, DeliverPolicy, StatusCode
 
-from outboxer.brokers.nats import MSG_ID_HEADER, NatsPublisher, check_subject
+from outboxer.brokers.nats import NatsPublisher, check_subject, received_headers
 from outboxer.config import duration_option
 from outboxer.errors import ConfigError
 from outboxer.receivers.base import Incoming, Receiver, decode
 
-#: Headers the publisher adds for JetStream, not the user's.
-_JETSTREAM_HEADERS = (MSG_ID_HEADER, "Nats-Expected-Stream")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 #: What a JetStream consumer's name cannot hold (nats-py's check, which raises on connect).
 _NOT_IN_NAMES = frozenset(">*. /\\\t\r\n")
@@ -324,11 +322,7 @@ class NatsReceiver(Receiver):
         self._recovering = False
 
     def _incoming(self, message: Msg) -> Incoming:
-        headers = {
-            name: value
-            for name, value in (message.headers or {}).items()
-            if name not in _JETSTREAM_HEADERS
-        }
+        headers = received_headers(message.headers or {})
         incoming = decode(headers, message.data, fallback_topic=message.subject)
         incoming.token = message
         return incoming

@@ -575,7 +575,7 @@ def _envelope(headers: Mapping[str, str]) -> dict[str, str]:
     carried: dict[str, str] = {}
     for name, value in headers.items():
         if name.startswith(RESERVED_PREFIX.lower()):
-            carried[name[len(RESERVED_PREFIX) :]] = decode_header_value(value)
+            carried[decode_header_value(name[len(RESERVED_PREFIX) :])] = decode_header_value(value)
         elif name not in _TRANSPORT and name not in _ENVELOPE:
             carried[name] = decode_header_value(value)
     carried["outboxer-id"] = headers.get(HEADER_ID.lower(), "")
