@@ -756,7 +756,28 @@ def _keys_rotate(args: argparse.Namespace) -> int:
         print(f"{result.shredded} message(s) of shredded subjects stay unreadable")
     for failure in result.failed:
         _fail(f"outboxer keys rotate: cannot re-encrypt message {failure}")
-    return EXIT_ERROR if result.failed else EXIT_OK
+    log_table = f"{settings.schema}.{settings.table}_log"
+    if result.log_relayed:
+        print(
+            f"{sum(result.log_relayed.values())} relayed log-mode message(s) in {log_table} "
+            f"stay under key(s) {_by_key(result.log_relayed)} until retention drops their "
+            "partitions: replaying them (a reader's seek) needs those keys"
+        )
+    if result.log_unrelayed:
+        # The log is append-only: its rows are never re-encrypted. Success here would let
+        # the operator retire a key that the log's relay still needs for these.
+        _fail(
+            f"outboxer keys rotate: {sum(result.log_unrelayed.values())} log-mode message(s) "
+            f"in {log_table} not yet relayed by every reader are under key(s) "
+            f"{_by_key(result.log_unrelayed)}; the log is append-only and is not "
+            "re-encrypted: keep those keys in the ring until its readers have relayed them "
+            "(no reader registered counts as none relayed), then run this again"
+        )
+    return EXIT_ERROR if result.failed or result.log_unrelayed else EXIT_OK
+
+
+def _by_key(counts: dict[str, int]) -> str:
+    return ", ".join(f"{key_id} ({count})" for key_id, count in sorted(counts.items()))
 
 
 def _keys_shred(args: argparse.Namespace) -> int:

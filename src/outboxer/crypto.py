@@ -47,6 +47,7 @@ import re
 import secrets
 import struct
 import threading
+import time
 import tomllib
 import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -56,7 +57,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from outboxer.durable import sync_directory, write_new_file
 from outboxer.errors import ConfigError, MissingDependencyError, OutboxerError, PayloadError
 from outboxer.message import BINARY, Message
-from outboxer.redact import register_secret
+from outboxer.redact import redact_text, register_secret
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -202,6 +203,20 @@ def _shown(value: object, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
 
 
+#: Characters of a key source's own error text kept in KeyRingUnavailableError.
+KMS_ERROR_CHARS = 300
+
+
+def _kms_error(exc: Exception) -> str:
+    """A key source's exception as error text: URLs and registered secrets masked (as in log
+    lines), cut to about ``KMS_ERROR_CHARS``. A KMS quotes what it likes (a whole response
+    body, a signed URL); the text goes into logs, dead letters and rows' last_error."""
+    text = redact_text(f"{type(exc).__name__}: {exc}")
+    if len(text) > KMS_ERROR_CHARS:
+        text = f"{text[:KMS_ERROR_CHARS]}… [cut: {len(text)} characters in all]"
+    return text
+
+
 def check_subject(subject: object) -> str:
     if (
         not isinstance(subject, str)
@@ -273,47 +288,94 @@ class FileSubjectKeys:
     A secret is written to a temporary file, fsynced, then linked to its name: ``link``
     fails if the name exists, so two writers creating one subject at once agree on the first
     one's secret, and a reader never sees a half-written file.
+
+    The link is durable once the directory is fsynced, which its creator does after the
+    link; a writer that uses the secret before that (the loser of the link race, or one
+    that reads a file created moments ago, perhaps by a creator that died before its
+    fsync) could commit a message whose secret a power cut then loses: undecryptable for
+    ever. Such a writer fsyncs the directory itself before it returns the secret (once per
+    file and instance); a file older than :attr:`YOUNG_SECONDS` is durable by then (the
+    kernel writes dirty metadata back within seconds) and costs nothing more than an fstat.
     """
+
+    #: Age (seconds, by the file's mtime) under which a secret read by ``get_or_create``
+    #: may not be durable yet: its reader fsyncs the directory before using it.
+    YOUNG_SECONDS = 60.0
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        #: (name, inode, mtime) of young files this instance has made durable already.
+        self._synced: set[tuple[str, int, int]] = set()
 
     def _path(self, subject: str) -> Path:
         return self.directory / hashlib.sha256(subject.encode("utf-8")).hexdigest()
 
     def get(self, subject: str) -> bytes | None:
+        found = self._read(subject)
+        return None if found is None else found[0]
+
+    def _read(self, subject: str) -> tuple[bytes, os.stat_result] | None:
+        """The subject's secret and its file's status, or None when there is no file."""
+        path = self._path(subject)
         try:
-            secret = self._path(subject).read_bytes()
+            descriptor = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             return None
+        try:
+            status = os.fstat(descriptor)
+            secret = os.read(descriptor, KEY_BYTES + 1)
+        finally:
+            os.close(descriptor)
         if len(secret) != KEY_BYTES:
             raise EncryptionError(
-                f"subject key file {self._path(subject)} holds {len(secret)} bytes, not "
-                f"{KEY_BYTES}: it was altered"
+                f"subject key file {path} holds {len(secret)} bytes, not {KEY_BYTES}: "
+                "it was altered"
             )
-        return secret
+        return secret, status
+
+    def _make_durable(self, name: str, status: os.stat_result, *, young_only: bool) -> None:
+        """fsync the directory unless the file is old enough to be durable already (with
+        ``young_only``), or this instance has synced it before."""
+        # An mtime in the future (another host's clock, on shared storage) counts as young.
+        if young_only and time.time() - status.st_mtime >= self.YOUNG_SECONDS:
+            return
+        mark = (name, status.st_ino, status.st_mtime_ns)
+        if mark in self._synced:
+            return
+        sync_directory(self.directory)
+        if len(self._synced) > 1024:
+            self._synced.clear()
+        self._synced.add(mark)
 
     def get_or_create(self, subject: str) -> bytes:
-        existing = self.get(subject)
-        if existing is not None:
-            return existing
+        found = self._read(subject)
+        if found is not None:
+            self._make_durable(self._path(subject).name, found[1], young_only=True)
+            return found[0]
         path = self._path(subject)
         temporary = self.directory / f".{path.name}.{secrets.token_hex(8)}.tmp"
         secret = secrets.token_bytes(KEY_BYTES)
         write_new_file(temporary, secret)
         try:
+            made = temporary.stat()
             os.link(temporary, path)
         except FileExistsError:  # another writer made it first: its secret wins
-            winner = self.get(subject)
+            winner = self._read(subject)
             if winner is None:  # made and deleted (shredded) in between: make it again
                 return self.get_or_create(subject)
-            return winner
+            # The winner may not have fsynced the directory yet (or died before it): the
+            # secret this writer is about to use must survive a power cut first.
+            self._make_durable(path.name, winner[1], young_only=False)
+            return winner[0]
         except FileNotFoundError:  # a shred removed the temporary file: make it again
             return self.get_or_create(subject)
         finally:
             temporary.unlink(missing_ok=True)
         sync_directory(self.directory)
+        # Durable now: this instance's next reads of the young file need no fsync (the link
+        # is the temporary file's inode, its mtime unchanged).
+        self._synced.add((path.name, made.st_ino, made.st_mtime_ns))
         return secret
 
     def delete(self, subject: str) -> bool:
@@ -491,7 +553,7 @@ class KeyRing:
             fetched = self._resolve(key_id)
         except Exception as exc:
             raise KeyRingUnavailableError(
-                f"fetching key {key_id!r} failed: {type(exc).__name__}: {exc}"
+                f"fetching key {key_id!r} failed: {_kms_error(exc)}"
             ) from exc
         if fetched is None:
             raise KeyNotFoundError(f"the key source has no key {key_id!r}")

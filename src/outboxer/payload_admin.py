@@ -169,6 +169,14 @@ class RotationResult:
     skipped: int = 0
     #: Rows that could not be re-encrypted, as "id (destination): error".
     failed: list[str] = field(default_factory=list)
+    #: PostgreSQL log mode (``<table>_log``, append-only: never re-encrypted): by key id,
+    #: the rows under another key than the current one that some reader has not confirmed
+    #: yet (all of them while no reader is registered). Their key cannot be retired yet:
+    #: the relay would fail them for good.
+    log_unrelayed: dict[str, int] = field(default_factory=dict)
+    #: The same for rows every reader has confirmed, kept until retention drops their
+    #: partitions: only a replay (seek) of them needs their key.
+    log_relayed: dict[str, int] = field(default_factory=dict)
 
 
 class PayloadTable:
@@ -179,6 +187,7 @@ class PayloadTable:
     ) -> None:
         self.conn = conn
         self.dialect = dialect
+        self._schema, self._table = schema, table
         tokens = {"outbox": table_name(dialect, schema, table)}
         self._sql = {
             name: render(sql, tokens) for name, sql in queries(dialect, "payload.sql").items()
@@ -315,7 +324,8 @@ class PayloadTable:
         """Re-encrypt unfinished rows under ``keyring``'s current key (module docstring).
 
         A KMS that fails (KeyRingUnavailableError) stops the rotation: what committed
-        stays, a new run goes on from there.
+        stays, a new run goes on from there. On PostgreSQL, the log mode's rows still under
+        other keys are counted last (``log_unrelayed``, ``log_relayed``), not rewritten.
         """
         result = RotationResult()
         after = 0
@@ -326,7 +336,7 @@ class PayloadTable:
                     {"after": after, "current": keyring.current_key_id, "batch": batch},
                 ).fetchall()
                 if not rows:
-                    return result
+                    break
                 after = int(rows[-1][0])
                 replaced = self._rotate_rows(rows, keyring, claim_check, result)
             # Committed: the rows refer to the new objects only.
@@ -334,6 +344,34 @@ class PayloadTable:
                 claim_check.store.delete_many(replaced)
             if progress is not None:
                 progress(result)
+        if self._log_table is not None and self._has_log_table():
+            self._count_log_keys(keyring.current_key_id, result)
+        return result
+
+    def _count_log_keys(self, current: str, result: RotationResult) -> None:
+        """Fill ``result.log_unrelayed`` and ``log_relayed``: one statement, one snapshot.
+
+        A row is unrelayed while it sorts after the slowest reader's offset (the reading
+        order, pglog's), or while no reader has registered: a reader starts at the log's
+        beginning."""
+        offsets = mode_tokens(self._schema, self._table)["offsets"]
+        with self._transaction():
+            cursor = self.conn.cursor()
+            cursor.execute(
+                "SELECT l.headers->>'outboxer-key-id', "
+                "count(*) FILTER (WHERE s.order_xid IS NULL "
+                "OR (l.order_xid, l.position) > (s.order_xid, s.position)), count(*) "
+                f"FROM {self._log_table} AS l LEFT JOIN (SELECT order_xid, position "
+                f"FROM {offsets} ORDER BY order_xid, position LIMIT 1) AS s ON true "
+                "WHERE l.headers ? 'outboxer-key-id' AND l.headers->>'outboxer-key-id' <> %s "
+                "GROUP BY 1 ORDER BY 1",
+                (current,),
+            )
+            for key_id, unrelayed, total in cursor.fetchall():
+                if unrelayed:
+                    result.log_unrelayed[str(key_id)] = int(unrelayed)
+                if total > unrelayed:
+                    result.log_relayed[str(key_id)] = int(total - unrelayed)
 
     def _rotate_rows(
         self,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import re
 import ssl
 import uuid
@@ -147,6 +148,32 @@ _UNSAFE = re.compile(
 #: A user property MQTT cannot carry as it is travels under this prefix, name and value
 #: percent-encoded (UTF-8).
 ESCAPED_PREFIX = "outboxer-header-"
+#: The longest topic name MQTT carries: its length prefix is two bytes.
+MAX_TOPIC_BYTES = _TWO_BYTES
+
+
+@functools.lru_cache(maxsize=4096)  # the relay asks per message; topics repeat
+def topic_problem(topic: str) -> str | None:
+    """Why ``topic`` cannot be the topic name of a PUBLISH (None: it can). Its levels may be
+    empty (``a//b``); a wildcard is for subscriptions only; a control character or a
+    non-character makes Mosquitto close the connection, which failed every message of the
+    wave as "connection lost" (retried, with the offending one, for ever)."""
+    if not topic:
+        return "it is empty"
+    if "+" in topic or "#" in topic:
+        return "it holds a wildcard ('+' or '#'), which only a subscription may"
+    if (found := _UNSAFE.search(topic)) is not None:
+        return (
+            f"it holds {found.group()!r} at index {found.start()}: MQTT topic names must not "
+            "hold control characters or non-characters"
+        )
+    try:
+        size = len(topic.encode())
+    except UnicodeEncodeError as exc:
+        return f"it holds a lone surrogate {topic[exc.start]!r} at index {exc.start}"
+    if size > MAX_TOPIC_BYTES:
+        return f"it is {size} bytes in UTF-8, over MQTT's {MAX_TOPIC_BYTES}"
+    return None
 
 
 def _user_properties(message: Message) -> list[tuple[str, str]]:
@@ -217,6 +244,17 @@ class MqttPublisher(AckedPublisher[ReasonCode]):
         self.topic_prefix = (
             topic_prefix if topic_prefix is not None else options.get("topic_prefix", "")
         )
+        if self.topic_prefix and (problem := topic_problem(self.topic_prefix)) is not None:
+            raise ConfigError(
+                f"mqtt option topic_prefix {self.topic_prefix!r:.200} is not a valid MQTT "
+                f"topic name: {problem}"
+            )
+        for topic, route in self.routes.items():
+            if (problem := topic_problem(self.topic_prefix + route)) is not None:
+                raise ConfigError(
+                    f"route for topic {topic!r:.200}: {self.topic_prefix + route!r:.200} is "
+                    f"not a valid MQTT topic name: {problem}"
+                )
         self.retain = option_bool(options, "retain", retain, False)
         self.client_id = (
             client_id or options.get("client_id") or f"outboxer-{uuid.uuid4().hex[:12]}"
@@ -294,6 +332,9 @@ class MqttPublisher(AckedPublisher[ReasonCode]):
         if client is None:
             raise self._connection_error("is not open")
         topic = self.topic_for(message)
+        if (problem := topic_problem(topic)) is not None:
+            # Decided before sending: the broker would drop the connection, and the wave.
+            raise PublishError(f"cannot publish to {topic!r:.200}: {problem}", retryable=False)
         properties = publish_properties(message)
         if client.maximum_packet_size:  # a broker drops the connection on a larger packet
             packed_properties = properties.pack()  # type: ignore[no-untyped-call]
@@ -326,4 +367,10 @@ class MqttPublisher(AckedPublisher[ReasonCode]):
         ) or super().is_connection_error(exc)
 
 
-__all__ = ["ESCAPED_PREFIX", "MqttPublisher", "publish_properties", "received_properties"]
+__all__ = [
+    "ESCAPED_PREFIX",
+    "MqttPublisher",
+    "publish_properties",
+    "received_properties",
+    "topic_problem",
+]

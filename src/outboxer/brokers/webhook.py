@@ -371,14 +371,26 @@ class WebhookPublisher(Publisher):
     def request_headers(self, message: Message, timestamp: int | None = None) -> dict[str, str]:
         """The headers of ``message``'s request (signed now unless ``timestamp`` is given)."""
         headers = {"Content-Type": message.content_type, HEADER_ID: str(message.id)}
+        #: Each user header's name as sent, folded: HTTP header names know no case.
+        sent: dict[str, str] = {}
         for name, value in message.headers.items():
+            given, folded = name, name.lower()
             if (
                 not _TOKEN.match(name)  # a space, a colon, non-ASCII: enqueue took it
-                or name.lower() in self._reserved
-                or name.lower().startswith("outboxer-")
+                or folded in self._reserved
+                or folded.startswith("outboxer-")
             ):
                 # Percent-encoded, any name is a token; the receiver decodes it.
                 name = RESERVED_PREFIX + quote(name, safe=_NAME_SAFE)
+                folded = name.lower()
+            if folded in sent:
+                # Both would reach the receiver as one header, and one value was lost.
+                raise PublishError(
+                    f"the headers {sent[folded]!r:.80} and {given!r:.80} differ only in case: "
+                    "HTTP header names know no case, so a webhook receiver would get only one",
+                    retryable=False,
+                )
+            sent[folded] = given
             headers[name] = encode_header_value(value)
         headers[HEADER_TOPIC] = encode_header_value(message.topic)
         if message.key is not None:

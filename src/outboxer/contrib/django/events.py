@@ -14,10 +14,11 @@
 
 ``save()`` and ``delete()`` run the model's own write and ``enqueue_many`` of the recorded
 events inside one ``transaction.atomic(using=...)`` on the database the instance is written
-to, so the events commit or roll back with the row; the events of one instance keep their
-recording order (callable payloads run after the row's INSERT: the pk is there; ``delete()``
-writes them before its DELETE, which sets the pk to None, and those recorded during it, by a
-``pre_delete`` or ``post_delete`` receiver, after it).
+to, so the events commit or roll back with the row (``save(update_fields=[])``, which Django
+skips, writes no event either: they wait for the next save); the events of one instance keep
+their recording order (callable payloads run after the row's INSERT: the pk is there;
+``delete()`` writes them before its DELETE, which sets the pk to None, and those recorded
+during it, by a ``pre_delete`` or ``post_delete`` receiver, after it).
 
 When an event is forgotten, and why it differs from the SQLAlchemy integration: a Django
 instance keeps its changed fields after a rollback, and saving it again writes them again.
@@ -135,6 +136,14 @@ class RecordsEvents(_RecordsEvents):
         # deprecated in Django 5.x, still honoured): the events go where the row goes.
         using = kwargs.get("using") or (args[2] if len(args) > 2 else None)
         using = using or router.db_for_write(type(self), instance=self)
+        update_fields = kwargs.get("update_fields")
+        if update_fields is None and len(args) > 3:
+            update_fields = args[3]
+        if update_fields is not None and not update_fields:
+            # Django skips such a save (no write, no signals): so do its events, which stay
+            # recorded for the next save that writes the row.
+            super().save(*args, **kwargs)  # type: ignore[misc]
+            return
         with transaction.atomic(using=using, savepoint=False):
             super().save(*args, **kwargs)  # type: ignore[misc]
             write_events(self, using)
