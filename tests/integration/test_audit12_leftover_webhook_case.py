@@ -5,41 +5,14 @@ naming the clash; its batch mates go out."""
 
 from __future__ import annotations
 
-import http.server
-import threading
-from collections.abc import Iterator
-
 import pytest
 
 from outboxer.brokers.base import OutcomeKind
 from outboxer.brokers.webhook import WebhookPublisher
 from outboxer.testing import make_message
+from tests.integration.test_audit12_headers_webhook import server
 
-
-@pytest.fixture
-def server() -> Iterator[tuple[str, list[list[tuple[str, str]]]]]:
-    seen: list[list[tuple[str, str]]] = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # the name http.server calls
-            self.rfile.read(int(self.headers.get("content-length", "0")))
-            seen.append(list(self.headers.items()))
-            self.send_response(200)
-            self.send_header("content-length", "0")
-            self.end_headers()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}/hook", seen
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(10)
+__all__ = ["server"]
 
 
 @pytest.mark.parametrize(

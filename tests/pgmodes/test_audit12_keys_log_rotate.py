@@ -57,6 +57,14 @@ def _log_rows(url: str) -> list[Message]:
     ]
 
 
+def _apply_log_schema(url: str) -> None:
+    async def apply() -> None:
+        async with PgLog(url) as log:
+            await log.apply_schema()
+
+    asyncio.run(apply())
+
+
 def _run(capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     code = main(["keys", "rotate"])
     out, err = capsys.readouterr()
@@ -66,11 +74,7 @@ def _run(capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
 def test_rotation_fails_loudly_while_unrelayed_log_rows_are_under_an_old_key(
     pg_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async def apply() -> None:
-        async with PgLog(pg_url) as log:
-            await log.apply_schema()
-
-    asyncio.run(apply())
+    _apply_log_schema(pg_url)
     old = KeyRing({"k1": K1})
     with psycopg.connect(pg_url) as conn:
         for n in range(3):
@@ -115,11 +119,7 @@ def test_rotation_fails_loudly_while_unrelayed_log_rows_are_under_an_old_key(
 def test_log_rows_under_the_current_key_or_unencrypted_are_not_counted(
     pg_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async def apply() -> None:
-        async with PgLog(pg_url) as log:
-            await log.apply_schema()
-
-    asyncio.run(apply())
+    _apply_log_schema(pg_url)
     with psycopg.connect(pg_url) as conn:
         Outbox(mode="log", encryption=KeyRing({"k2": K2})).enqueue(conn, "orders", {"n": 1})
         Outbox(mode="log").enqueue(conn, "orders", {"n": 2})
