@@ -66,9 +66,6 @@ _COMMIT_RETRY = 1.0
 #: (after a few calls) nothing checks, and reading the list crashes the process. Either way
 #: the record came first again after a restart: one foreign record stopped the group.
 _read_headers = operator.methodcaller("headers")
-#: Seconds without a message after which an assigned member counts as idle (a partition's
-#: first fetch after an assignment takes a round trip or two).
-_QUIET = 2.0
 
 
 @dataclass
@@ -87,6 +84,9 @@ class _Partition:
     last: int = -1
     #: The highest offset queued for commit under this assignment: never committed lower.
     floor: int = 0
+    #: Where the last end of the partition was reached (-1: not yet, in this series); caught up
+    #: while nothing came after it (``eof > last``).
+    eof: int = -1
 
     def restart(self, epoch: int) -> None:
         """A new series (the position moved back): what the old one received counts no more."""
@@ -94,6 +94,7 @@ class _Partition:
         self.received.clear()
         self.done.clear()
         self.last = -1
+        self.eof = -1
 
     def complete(self, offset: int) -> int | None:
         """Mark ``offset`` done; the offset to commit now (next to read), if it moved on."""
@@ -139,6 +140,8 @@ class KafkaReceiver(Receiver):
             "enable.auto.commit": False,
             "enable.auto.offset.store": False,
             "auto.offset.reset": reset,
+            # The end of each partition is reported (``idle``: every partition caught up).
+            "enable.partition.eof": True,
             "logger": logger,
         }
         self._consumer: Consumer | None = None
@@ -155,9 +158,8 @@ class KafkaReceiver(Receiver):
         self._epoch = 0
         #: Messages handed to the event loop and not yet taken by the runner.
         self._waiting = 0
-        #: When an assignment, a revoke or a message last came (``idle``).
-        self._last_news = 0.0
-        #: The group gave this member its share (``idle``), since the last connect.
+        #: The group gave this member its share (``idle``), since the last connect or revoke
+        #: (a rebalance in progress: the next share is not known yet).
         self._assigned = False
 
     @property
@@ -222,12 +224,25 @@ class KafkaReceiver(Receiver):
                     consumer.resume(consumer.assignment())
                 paused = full
                 messages = consumer.consume(max(1, self.prefetch - self._waiting), _POLL)
-                received = [self._incoming(m) for m in messages if self._usable(m)]
-                if received:
+                received: list[Incoming] = []
+                ends: list[Any] = []
+                for message in messages:
+                    error: KafkaError | None = message.error()
+                    if error is None:
+                        received.append(self._incoming(message))
+                    elif error.code() == KafkaError._PARTITION_EOF:
+                        ends.append(message)
+                    else:
+                        _failed(error)
+                if received or ends:
                     with self._lock:
+                        # Counted waiting before a partition's end (of the same batch) counts:
+                        # idle() must not see the end of records still on their way.
                         self._waiting += len(received)
-                        self._last_news = time.monotonic()
-                    loop.call_soon_threadsafe(self._deliver, received)
+                        for end in ends:
+                            self._caught_up(end)
+                    if received:
+                        loop.call_soon_threadsafe(self._deliver, received)
             self._commit(consumer)  # the last acks
         except Exception as exc:  # noqa: BLE001 -- reported to the runner, which reconnects
             logger.warning("kafka consumer failed: %s", exc)
@@ -261,19 +276,18 @@ class KafkaReceiver(Receiver):
                 if where in self._partitions:
                     self._to_commit.setdefault(where, due[where])  # a later ack's offset wins
 
-    def _usable(self, message: Any) -> bool:
-        error: KafkaError | None = message.error()
-        if error is None:
-            return True
-        if error.fatal():
-            raise KafkaException(error)
-        if error.code() != KafkaError._PARTITION_EOF:
-            logger.info("kafka: %s", error)
-        return False
-
     def _deliver(self, received: list[Incoming]) -> None:
         for incoming in received:
             self._arrived.put_nowait(incoming)
+
+    def _caught_up(self, end: Any) -> None:
+        """A partition's end was reached (``enable.partition.eof``), under the lock."""
+        where = (end.topic(), end.partition())
+        partition = self._partitions.get(where)
+        if partition is None:  # assigned before on_assign ran (it runs in this thread)
+            partition = self._partitions[where] = _Partition(self._epoch, self._epoch)
+        if end.offset() > partition.last:  # else: an end of the series before a reset back
+            partition.eof = end.offset()
 
     def _incoming(self, message: Any) -> Incoming:
         incoming = _read(message)
@@ -297,7 +311,6 @@ class KafkaReceiver(Receiver):
 
     def _on_assign(self, consumer: Consumer, assigned: list[TopicPartition]) -> None:
         with self._lock:
-            self._last_news = time.monotonic()
             self._epoch += 1
             self._assigned = True  # also with no partition: more members than partitions
             for tp in assigned:
@@ -305,15 +318,22 @@ class KafkaReceiver(Receiver):
 
     def idle(self) -> bool:
         """Idle once the group gave this member its share (no partition at all, when the group
-        has more members than partitions) and nothing came for a while since (an empty poll
-        before that, or right after, says nothing about the topics)."""
+        has more members than partitions) and every partition of it is caught up: its end was
+        reached and nothing came after it, nor waits for the runner. Not during a rebalance
+        (from a revoke to the next assignment), nor before a partition's first fetch ended
+        (an empty poll says nothing then: quiet for a while is not caught up, a slow broker
+        takes round trips to answer)."""
         with self._lock:
-            return self._assigned and time.monotonic() - self._last_news > _QUIET
+            return (
+                self._assigned
+                and self._waiting == 0
+                and all(p.eof > p.last for p in self._partitions.values())
+            )
 
     def _on_revoke(self, consumer: Consumer, revoked: list[TopicPartition]) -> None:
         """Before the partitions go: what is done is committed, the rest is the new owner's."""
         with self._lock:
-            self._last_news = time.monotonic()  # a rebalance: not idle before its assignment
+            self._assigned = False  # a rebalance: not idle before its assignment
             for tp in revoked:
                 self._partitions.pop((tp.topic, tp.partition), None)
         self._commit(consumer)
@@ -392,6 +412,13 @@ class _Probe:
             finished = self._finished
         if finished:  # the request ended as the connect gave up: nobody else will close it
             threading.Thread(target=_close, args=(self.consumer,), daemon=True).start()
+
+
+def _failed(error: KafkaError) -> None:
+    """An error event of the consumer: raised if fatal (the runner reconnects), else logged."""
+    if error.fatal():
+        raise KafkaException(error)
+    logger.info("kafka: %s", error)
 
 
 def _close(consumer: Consumer) -> None:
