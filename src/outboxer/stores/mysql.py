@@ -55,7 +55,7 @@ from outboxer.stores.base import (
     sample_seqs,
     with_published_estimates,
 )
-from outboxer.stores.mysql_tls import SSL_OPTIONS, refuse_plaintext, ssl_args
+from outboxer.stores.mysql_tls import SSL_OPTIONS, hook_aiomysql, refuse_plaintext, ssl_args
 from outboxer.stores.sqlfiles import (
     admin_queries,
     migrations,
@@ -272,6 +272,10 @@ class MySQLStore(Store):
 
         args = dict(self.connect_args)
         args["db"] = args.pop("database")
+        # aiomysql has no such argument, and uses TLS only when given a context.
+        args.pop("ssl_disabled", None)
+        if "ssl" in args:
+            hook_aiomysql()  # the refusal before the login, not after
         try:
             self._pool = await aiomysql.create_pool(
                 minsize=1,
@@ -294,7 +298,8 @@ class MySQLStore(Store):
     def _refuse_plaintext(self, conn: Any) -> None:
         """An unencrypted pool connection where the URL asks for TLS is closed, and
         InsecureConnectionError raised (mysql_tls: aiomysql would use it); an attribute test,
-        no round trip."""
+        no round trip. Refused before the login already (``hook_aiomysql``): again here in
+        case an aiomysql release no longer calls the hook."""
         try:
             refuse_plaintext(self.connect_args, conn)
         except BaseException:

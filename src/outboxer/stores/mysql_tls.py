@@ -5,7 +5,8 @@ aiomysql both take.
 
 ``ssl_mode`` takes the MySQL client's names (``--ssl-mode``), case-insensitive:
 
-* ``disabled``: no TLS (as without any of these options);
+* ``disabled``: no TLS, even where the server offers it (PyMySQL 1.2 tries TLS whenever it
+  is given no TLS argument: ``ssl_disabled`` is passed);
 * ``required``: TLS, the server's certificate unchecked;
 * ``verify_ca``: TLS, the certificate signed by ``ssl_ca`` (or a system CA);
 * ``verify_identity``: as ``verify_ca``, and issued to the URL's host.
@@ -17,11 +18,14 @@ failure at the first connect.
 
 Every mode but ``disabled`` refuses a connection that is not encrypted (a server with TLS
 off, or something in between that strips the TLS capability from the server's greeting):
-aiomysql, and PyMySQL before 1.2, would carry on in plaintext. PyMySQL connections
-(:func:`connect_pymysql`) are refused before the credentials are sent; aiomysql's pool makes
-its connections itself, so the store checks each one it takes (:func:`refuse_plaintext`),
-after the login but before any statement. As with the MySQL client, a Unix socket counts as
-secure: it does not leave the host.
+aiomysql, and PyMySQL before 1.2, would carry on in plaintext. The refusal comes on the
+server's greeting, before the login goes out (it names the user and, with
+``mysql_clear_password``, which a man in the middle can ask for, carries the password
+itself): PyMySQL connections through :func:`connect_pymysql`, aiomysql's through the hook
+:func:`hook_aiomysql` installs (aiomysql's pool makes its connections itself, with no
+connection class to choose); the store checks each connection it takes again
+(:func:`refuse_plaintext`). As with the MySQL client, a Unix socket counts as secure: it
+does not leave the host.
 """
 
 from __future__ import annotations
@@ -48,8 +52,9 @@ SSL_MODES = ("disabled", "required", "verify_ca", "verify_identity")
 
 
 def ssl_args(options: Mapping[str, str]) -> dict[str, Any]:
-    """The ``connect`` arguments for the URL's ``ssl_*`` options: ``{"ssl": context}``, or
-    none (no option, or ``ssl_mode=disabled``)."""
+    """The PyMySQL ``connect`` arguments for the URL's ``ssl_*`` options: ``{"ssl": context}``,
+    ``{"ssl_disabled": True}`` for ``ssl_mode=disabled`` (aiomysql, which takes no such
+    argument, uses TLS only when given a context), or none without any option."""
     given = {name: value for name, value in options.items() if name in SSL_OPTIONS}
     if not given:
         return {}
@@ -64,7 +69,9 @@ def ssl_args(options: Mapping[str, str]) -> dict[str, Any]:
             raise ConfigError(
                 "MySQL URL option ssl_mode=disabled contradicts ssl_ca/ssl_cert/ssl_key"
             )
-        return {}
+        # Not {}: PyMySQL 1.2 would try TLS as soon as the greeting offers it (its own
+        # PREFERRED default), or take ssl-* from a read_default_file.
+        return {"ssl_disabled": True}
     if key and not cert:
         raise ConfigError("MySQL URL option ssl_key needs ssl_cert (the client certificate)")
     if ca and mode == "required":
@@ -156,3 +163,28 @@ def _pymysql_class() -> Any:
 
         _PYMYSQL_CLASS = _Connection
     return _PYMYSQL_CLASS
+
+
+_AIOMYSQL_HOOKED = False
+
+
+def hook_aiomysql() -> None:
+    """Make aiomysql refuse an unencrypted connection before it sends the login, as
+    :func:`connect_pymysql` does for PyMySQL. aiomysql's pool creates its connections with
+    ``aiomysql.connection.Connection`` itself, so the check goes into that class's
+    ``_request_authentication`` (the step right after the greeting is read); it acts only on
+    the connections given an outboxer context (a URL with TLS options); every other
+    aiomysql connection in the process is left as it was. Idempotent."""
+    global _AIOMYSQL_HOOKED
+    if _AIOMYSQL_HOOKED:
+        return
+    from aiomysql.connection import Connection
+
+    authenticate = Connection._request_authentication
+
+    async def _request_authentication(self: Any) -> None:
+        refuse_plaintext({"ssl": self._ssl_context}, self)
+        await authenticate(self)
+
+    Connection._request_authentication = _request_authentication
+    _AIOMYSQL_HOOKED = True
