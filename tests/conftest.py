@@ -29,6 +29,7 @@ SERIAL = (
     # the partitioned and log layouts' other tests use the shared server and run in parallel.
     "tests/pgmodes/test_audit10_walslot_lost.py",
     "tests/pgmodes/test_audit10_walwarn_slot_at_risk.py",
+    "tests/pgmodes/test_audit12_upkeep_stress.py",  # ~8 s of writers, relays and upkeep
     "tests/pgmodes/test_bench_",
     "tests/pgmodes/test_debezium_layout.py",
     "tests/pgmodes/test_stream_audit2_lock.py",

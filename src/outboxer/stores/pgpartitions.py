@@ -62,6 +62,13 @@ ISOLATION = "read_committed"
 #: SQLSTATEs: lock_timeout ran out; ATTACH found rows for the range in the default
 #: partition; a partition listed a moment ago is gone.
 _LOCK_NOT_AVAILABLE = "55P03"
+#: PostgreSQL broke a lock cycle by failing the upkeep's transaction: like a lock not
+#: granted in time, the change waits for the next round (each change's transaction is
+#: rolled back whole). The upkeep's own lock order has no cycle (partitions.sql:
+#: lock_writers); this covers another session's order (an application's transaction that
+#: reads the table before writing it, or locks a partition by its name).
+_DEADLOCK_DETECTED = "40P01"
+_YIELDS = (_LOCK_NOT_AVAILABLE, _DEADLOCK_DETECTED)
 _CHECK_VIOLATION = "23514"
 _UNDEFINED_TABLE = "42P01"
 
@@ -335,7 +342,7 @@ class Partitions:
                         )
                 await conn.execute(self._sql("attach_partition", **tokens))
         except Exception as exc:
-            if _sqlstate(exc) == _LOCK_NOT_AVAILABLE:
+            if _sqlstate(exc) in _YIELDS:
                 report.busy.append(name)
                 return
             if _sqlstate(exc) == _CHECK_VIOLATION and not move:
@@ -390,7 +397,7 @@ class Partitions:
                         self._sql("drop_partition", partition=self.qualified(partition.name))
                     )
             except Exception as exc:
-                if _sqlstate(exc) != _LOCK_NOT_AVAILABLE:
+                if _sqlstate(exc) not in _YIELDS:
                     raise
                 report.busy.append(partition.name)
                 continue

@@ -1084,19 +1084,28 @@ class PostgresStore(Store):
         value the read ``then`` finds after it, in the transaction (0 without one)."""
         await self.connect()
         lock_sql, _ = self._sql["destination_lock"]
-        async with self._pool.acquire() as conn, conn.transaction():
-            await _durably(conn)
+        async with self._pool.acquire() as conn:
+            # Read before the transaction, not in it: its first lock must be a destination's,
+            # as a claim's is (then the table's). Read in it, the table's ACCESS SHARE was
+            # held while waiting for a claim's destination lock, the claim waited for the
+            # table behind the partition upkeep's ACCESS EXCLUSIVE, and the upkeep for that
+            # ACCESS SHARE: a deadlock, broken only by lock_timeout or deadlock_timeout,
+            # writers stalled meanwhile. Nothing is lost: the statement changes only rows of
+            # the destinations it locked, and one that gained its first matching row since
+            # is left for the next run, as before.
             found = await conn.fetch(*self._admin("destinations_matching", where))
             locked = [row["destination"] for row in found]
-            for destination in locked:
-                await conn.execute(lock_sql, self.lock_key(destination))
-            if name == "purge":
-                # An operator's deletion, by filter, never by ctid: the partitioned layout's
-                # guard against DELETE (its migration 0001) lets this one through.
-                await conn.execute("SELECT set_config('outboxer.allow_delete', 'on', true)")
-            changed = _count(await conn.execute(*self._admin(name, where, locked=locked)))
-            read = 0 if then is None else int(await conn.fetchval(*self._admin(then, where)))
-            return changed, read
+            async with conn.transaction():
+                await _durably(conn)
+                for destination in locked:
+                    await conn.execute(lock_sql, self.lock_key(destination))
+                if name == "purge":
+                    # An operator's deletion, by filter, never by ctid: the partitioned
+                    # layout's guard against DELETE (its migration 0001) lets this one through.
+                    await conn.execute("SELECT set_config('outboxer.allow_delete', 'on', true)")
+                changed = _count(await conn.execute(*self._admin(name, where, locked=locked)))
+                read = 0 if then is None else int(await conn.fetchval(*self._admin(then, where)))
+                return changed, read
 
     async def purge(self, where: MessageFilter) -> int:
         return (await self._under_destination_locks("purge", where))[0]

@@ -71,13 +71,20 @@ ALTER TABLE {outbox} ATTACH PARTITION {partition} FOR VALUES FROM ({lower}) TO (
 -- statement began, after taking ROW EXCLUSIVE on the table; a partition attached while it
 -- runs would make its row, routed to the default partition, break that partition's new
 -- constraint, and the writer's transaction would fail. This lock waits for every open
--- transaction that wrote the table (each holds ROW EXCLUSIVE until it ends: rows it put
--- in the default partition are committed, and moved with the others), and holds back
--- new ones until the attach has committed; they then route by the new list. Claims read
--- on (SHARE ROW EXCLUSIVE lets their SELECT ... FOR UPDATE through) but their UPDATE, like
--- a settle, waits. A range wholly ahead of now receives no row yet (created_at is the
--- writer's transaction start), so it is attached without this lock.
-LOCK TABLE {outbox} IN SHARE ROW EXCLUSIVE MODE
+-- transaction that used the table (rows they put in the default partition are committed,
+-- and moved with the others), and holds back new ones until the attach has committed; they
+-- then route by the new list. ACCESS EXCLUSIVE, not SHARE ROW EXCLUSIVE, for the lock
+-- order: every other statement locks the table before its partitions, so with this lock
+-- held nobody holds a lock on a partition, and the ATTACH's ACCESS EXCLUSIVE on the default
+-- partition (and lock_default) waits for no one. Under SHARE ROW EXCLUSIVE a transaction
+-- that had read the table (ACCESS SHARE on it and on the default partition: a purge's or
+-- requeue's destinations_matching) and then wrote it (ROW EXCLUSIVE on the table) closed a
+-- cycle with the ATTACH: a deadlock, broken only by lock_timeout or deadlock_timeout. A
+-- transaction that read the table and asks to write it while this lock waits goes first
+-- (PostgreSQL lets a waiter that already holds a conflicting lock through). A range wholly
+-- ahead of now receives no row yet (created_at is the writer's transaction start), so it
+-- is attached without this lock.
+LOCK TABLE {outbox} IN ACCESS EXCLUSIVE MODE
 
 -- name: lock_default
 -- Moving rows out of the default partition: nobody reads or writes it meanwhile. A claim,
