@@ -23,6 +23,10 @@ the object is missing) is such a failure too, as ``outboxer consume`` counts it.
 a key's next message only after the previous one's 2xx, so a key's messages are applied
 in order. A database that does not answer is a 503 too, with no attempt counted.
 
+The body is read whole before a session is taken (slow clients hold none), within
+``body_timeout`` (408 past it) and ``max_body`` (413); both answers close the connection,
+and ``close()`` answers the bodies still arriving with 503 at once.
+
 Request layout (see ``docs/brokers/webhook.md``): the body is the payload; ``Outboxer-Id``,
 ``Outboxer-Topic``, ``Outboxer-Key`` (percent-encoded), ``Outboxer-Created-At`` and
 ``Content-Type`` carry the envelope; the user's headers come as they are, or as
@@ -50,6 +54,7 @@ from outboxer.brokers.webhook import (
 )
 from outboxer.consumer import Consumer, Handler, Unreadable
 from outboxer.consumer_db import BatchFailed, Result, Session
+from outboxer.errors import ConfigError
 from outboxer.message import HEADER_CREATED_AT as ENVELOPE_CREATED_AT
 from outboxer.message import HEADER_KEY as ENVELOPE_KEY
 from outboxer.message import HEADER_TOPIC as ENVELOPE_TOPIC
@@ -130,7 +135,12 @@ class WebhookReceiver:
         require_signed_headers: bool = True,
         shutdown_timeout: float = 30.0,
         object_store_timeout: float = 30.0,
+        body_timeout: float | None = 30.0,
     ) -> None:
+        if body_timeout is not None and not body_timeout > 0:
+            raise ConfigError("body_timeout must be positive (or None: no bound)")
+        if max_body < 0:
+            raise ConfigError("max_body must not be negative")
         self.consumer = Consumer(
             db=db,
             broker=None,
@@ -156,6 +166,12 @@ class WebhookReceiver:
         #: and user headers nobody vouches for; False accepts relays older than scheme v2.
         self.require_signed_headers = require_signed_headers
         self.max_body = max_body
+        #: Seconds to read a request's whole body (408, connection closed, past it); None:
+        #: no bound. Bodies are read before a session is taken, so a slow one holds no
+        #: session, but a server's graceful shutdown waits for it.
+        self.body_timeout = body_timeout
+        #: The deadlines of the bodies being read: close() expires them (a 503 at once).
+        self._reading: set[asyncio.Timeout] = set()
         self._sessions: asyncio.Queue[Session] | None = None
         self._all: list[Session] = []
         self._executor: ThreadPoolExecutor | None = None
@@ -224,6 +240,9 @@ class WebhookReceiver:
             executor, self._executor = self._executor, None
             self._closed = True
             self._stopping.set()
+        now = asyncio.get_running_loop().time()
+        for deadline in self._reading:  # bodies still arriving: cut now, nothing applied
+            deadline.reschedule(now)
         if self._in_flight:
             await asyncio.wait(list(self._in_flight), timeout=self.consumer.shutdown_timeout)
         running = {work: held for work, held in self._in_flight.items() if not work.done()}
@@ -270,20 +289,55 @@ class WebhookReceiver:
         if scope["method"] != "POST":
             await _respond(send, 405, {"error": "webhooks are POSTed"}, {"allow": "POST"})
             return
-        body = bytearray()
-        while True:
-            event = await receive()
-            if event.get("type") == "http.disconnect":
-                # The client went away mid-body: applied and recorded in the inbox, a part of
-                # the message would make the sender's full retry a duplicate, never applied.
-                return
-            body += event.get("body", b"")
-            if len(body) > self.max_body:
-                await _respond(send, 413, {"error": f"body over {self.max_body} bytes"})
-                return
-            if not event.get("more_body"):
-                break
         length = headers.get("content-length")
+        too_large = {"error": f"body over {self.max_body} bytes"}
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            # Refused before a byte of it is read (the connection closes: its body is unread).
+            await _respond(send, 413, too_large, _CLOSE)
+            return
+        if self._stopping.is_set():
+            await _respond(send, *_closing_now())
+            return
+        body = bytearray()
+        # One timer for the whole body (none with body_timeout=None): a client trickling it,
+        # or stalling after its headers, holds no session (taken after the body), but would
+        # hold its connection, its memory and a server's graceful shutdown for ever.
+        loop = asyncio.get_running_loop()
+        when = None if self.body_timeout is None else loop.time() + self.body_timeout
+        deadline = asyncio.timeout_at(when)
+        complete = over = False
+        self._reading.add(deadline)
+        try:
+            async with deadline:
+                while True:
+                    event = await receive()
+                    if event.get("type") == "http.disconnect":
+                        # The client went away mid-body: applied and recorded in the inbox, a
+                        # part of the message would make the sender's full retry a duplicate,
+                        # never applied.
+                        return
+                    body += event.get("body", b"")
+                    if len(body) > self.max_body:
+                        over = True
+                        break
+                    if not event.get("more_body"):
+                        complete = True
+                        break
+        except TimeoutError:
+            if not deadline.expired():
+                raise  # not this deadline's
+        finally:
+            self._reading.discard(deadline)
+        if over:
+            await _respond(send, 413, too_large, _CLOSE)
+            return
+        if not complete:
+            if self._stopping.is_set():  # close() cut it: the relay sends it again
+                await _respond(send, *_closing_now())
+            else:
+                error = f"body not received within body_timeout ({self.body_timeout:g}s)"
+                await _respond(send, 408, {"error": error}, _CLOSE)
+            return
         if length is not None and not (length.isdigit() and len(body) >= int(length)):
             # A server that hands over a short body as complete: the same partial message.
             error = f"body of {len(body)} bytes, not the {length[:20]!r} of its Content-Length"
@@ -518,6 +572,16 @@ _CLOSING: tuple[int, dict[str, Any], dict[str, str]] = (
     {"error": "the webhook receiver is shutting down"},
     {"retry-after": "5"},
 )
+
+
+#: Closes the connection after the answer: its request's body was not read (whole).
+_CLOSE: dict[str, str] = {"connection": "close"}
+
+
+def _closing_now() -> tuple[int, dict[str, Any], dict[str, str]]:
+    """``_CLOSING`` for a request whose body was not read: its connection closes too."""
+    status, body, extra = _CLOSING
+    return status, body, {**extra, **_CLOSE}
 
 
 class _Closed(Exception):
