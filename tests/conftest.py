@@ -52,6 +52,7 @@ SERIAL = (
     "tests/integration/test_audit12_config_claimcheck_put_errors.py",
     "tests/integration/test_audit12_ccretain_dead_letter_hold.py",  # a moto S3 server
     "tests/integration/test_audit12_mytls_private_server.py",  # a private MariaDB with TLS
+    "tests/integration/test_audit12_preferred_private_server.py",  # the same private MariaDB
     "tests/integration/test_audit12_loris_webhook.py",  # private uvicorn servers, timings
 )
 #: Single tests that run alone, by name, wherever they are: the broker contract's restart

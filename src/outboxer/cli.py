@@ -230,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--subject", help="encrypt under this subject's own key (needs encryption keys)"
     )
 
-    keys = commands.add_parser("keys", help="encryption keys: generate, rotate, shred")
+    keys = commands.add_parser("keys", help="encryption keys: generate, rotate, usage, shred")
     keys_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
     generate = _add_command(
         keys_commands,
@@ -249,6 +249,23 @@ def build_parser() -> argparse.ArgumentParser:
         "re-encrypt unfinished messages under the current key, in bounded batches",
         settings_of="keys rotate",
     )
+    usage = _add_command(
+        keys_commands,
+        "usage",
+        _keys_usage,
+        "count the stored messages under each key id, in every table that can hold them "
+        "(read-only); with --retiring, exit 1 while that key is still needed",
+        settings_of="keys usage",
+    )
+    usage.add_argument(
+        "--retiring",
+        action="append",
+        default=[],
+        metavar="KEY_ID",
+        help="a key to take out of the ring: exit 1, naming where, while a stored message "
+        "is under it (repeatable)",
+    )
+    usage.add_argument("--json", action="store_true", help="machine-readable output")
     shred = _add_command(
         keys_commands,
         "shred",
@@ -778,6 +795,109 @@ def _keys_rotate(args: argparse.Namespace) -> int:
 
 def _by_key(counts: dict[str, int]) -> str:
     return ", ".join(f"{key_id} ({count})" for key_id, count in sorted(counts.items()))
+
+
+def _keys_usage(args: argparse.Namespace) -> int:
+    from outboxer.crypto import check_key_id
+
+    retiring = [
+        _usage(lambda value, _: check_key_id(value), key, "--retiring") for key in args.retiring
+    ]
+    settings = _settings(args)
+    ring = payload_admin.keyring(settings)
+    reports: dict[str, dict[str, Any]] = {}
+    for name, own in _databases(settings).items():
+        try:
+            places = payload_admin.key_usage(own.require_db(), schema=own.schema, table=own.table)
+            reports[name] = {"places": [vars(place) for place in places]}
+        except ConfigError:
+            raise
+        except (OSError, OutboxerError) as exc:  # unreachable, refused
+            reports[name] = {"error": redact_text(str(exc) or type(exc).__name__)}
+        except Exception as exc:  # noqa: BLE001 -- a driver's own error: the database failed
+            reports[name] = {"error": redact_text(f"{type(exc).__name__}: {exc}")}
+    # Where each retiring key is still needed, and why it cannot go otherwise.
+    blockers: dict[str, list[str]] = {}
+    for key_id in retiring:
+        reasons = blockers.setdefault(key_id, [])
+        if ring is not None and key_id == ring.current_key_id:
+            reasons.append("it is the ring's current key: new messages are encrypted under it")
+        for name, report in reports.items():
+            for place in report.get("places", ()):
+                count = place["keys"].get(key_id, 0)
+                if count:
+                    where = f"database {name}: " if settings.several_databases else ""
+                    reasons.append(
+                        f"{where}{count} in {place['table']} ({place['place']}: "
+                        f"{payload_admin.KEY_PLACES[place['place']][1]})"
+                    )
+    unavailable = [name for name, report in reports.items() if "error" in report]
+    in_use = [key_id for key_id, reasons in blockers.items() if reasons]
+    if args.json:
+        document: dict[str, Any] = {
+            "ring": None
+            if ring is None
+            else {"key_ids": ring.key_ids, "current": ring.current_key_id},
+            "retiring": {
+                key_id: {"in_use": bool(reasons), "reasons": reasons}
+                for key_id, reasons in blockers.items()
+            },
+        }
+        if settings.several_databases:
+            document["databases"] = reports
+        else:
+            document.update(next(iter(reports.values())))
+        print(json.dumps(document, indent=2))
+    else:
+        for name, report in reports.items():
+            indent = ""
+            if settings.several_databases:
+                print(f"database {name}:")
+                indent = "  "
+            if "error" in report:
+                print(f"{indent}unavailable: {printable(report['error'])}")
+                continue
+            _print_key_usage(report["places"], ring, indent)
+        for key_id, reasons in blockers.items():
+            if not reasons and not unavailable:
+                print(f"key {key_id}: no stored message needs it; it can leave the ring")
+    for key_id in in_use:
+        _fail(
+            f"outboxer keys usage: key {key_id} cannot be retired yet: "
+            + "; ".join(blockers[key_id])
+        )
+    if unavailable:
+        _fail(
+            f"outboxer keys usage: database(s) {', '.join(unavailable)} did not answer: "
+            "its messages are not counted"
+        )
+    return EXIT_ERROR if in_use or unavailable else EXIT_OK
+
+
+def _print_key_usage(places: list[dict[str, Any]], ring: Any, indent: str) -> None:
+    totals: dict[str, int] = {}
+    for place in places:
+        for key_id, count in place["keys"].items():
+            totals[key_id] = totals.get(key_id, 0) + count
+    if not totals:
+        print(f"{indent}no stored message is encrypted")
+    for key_id in sorted(totals):
+        note = ""
+        if ring is not None:
+            if key_id == ring.current_key_id:
+                note = " (current)"
+            elif not ring.has_key(key_id):
+                note = " (NOT in the ring: these cannot be decrypted)"
+        print(printable(f"{indent}key {key_id}{note}: {totals[key_id]} message(s)"))
+        for place in places:
+            count = place["keys"].get(key_id, 0)
+            if count:
+                print(printable(f"{indent}  {place['place']} ({place['table']}): {count}"))
+    if ring is not None:
+        for key_id in ring.key_ids:
+            if key_id not in totals:
+                current = " (current)" if key_id == ring.current_key_id else ""
+                print(f"{indent}key {key_id}{current}: 0 message(s)")
 
 
 def _keys_shred(args: argparse.Namespace) -> int:

@@ -822,6 +822,7 @@ TABLE_COMMANDS = (
     "dead-letters replay",
     "dead-letters purge",
     "keys rotate",
+    "keys usage",
     "claim-check sweep",
     *STREAM_COMMANDS,
 )
@@ -1363,12 +1364,12 @@ class Settings:
         kind=Text(4096),
         help="TOML file of encryption keys ([keys] id = base64key, optional current = id), "
         "instead of encryption_keys",
-        commands=ENCRYPTING,
+        commands=(*ENCRYPTING, "keys usage"),
     )
     encryption_current_key: str | None = setting(
         kind=Text(64),
         help="id of the key new encryptions use; default the last key listed",
-        commands=ENCRYPTING,
+        commands=(*ENCRYPTING, "keys usage"),
     )
     subject_keys: str | None = setting(
         kind=Text(4096),

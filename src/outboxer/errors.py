@@ -66,8 +66,8 @@ class SlotInvalidatedError(OutboxerError):
 
 
 class InsecureConnectionError(ConfigError, StoreError):
-    """A database URL asks for TLS (a MySQL ``ssl_mode`` but ``disabled``) and the server did
-    not offer it: TLS is off on the server, or something in between removed it.
+    """A database URL requires TLS (a MySQL ``ssl_mode`` but ``disabled``, ``preferred``) and
+    the server did not offer it: TLS is off on the server, or something in between removed it.
 
     Fatal when the relay or a consumer starts, as SchemaError: trying again would not make
     the server offer TLS, and connecting anyway would send the data in clear.

@@ -442,6 +442,141 @@ class PayloadTable:
         return ClaimCheck(claim_check.store, threshold=0).offload(rotated)
 
 
+# ----- which keys stored messages are under ----------------------------------------------------
+
+
+@dataclass
+class KeyUsage:
+    """Stored messages under each key id in one place that can hold ciphertext."""
+
+    #: What the place is (one of :data:`KEY_PLACES`' names).
+    place: str
+    #: The table, as SQL names it.
+    table: str
+    #: Messages by key id (unencrypted ones are not counted).
+    keys: dict[str, int] = field(default_factory=dict)
+
+
+#: Every place ``key_usage`` looks in, with what empties it of an old key: its name, the
+#: dialects that have it, and the advice. The tables of other modes than the default one
+#: exist only on PostgreSQL.
+KEY_PLACES: dict[str, tuple[tuple[str, ...], str]] = {
+    "outbox": (
+        ("postgres", "mysql", "sqlite"),
+        "unfinished messages: `outboxer keys rotate` re-encrypts them "
+        "(PROCESSING ones once their relay settles them)",
+    ),
+    "outbox finished": (
+        ("postgres", "mysql", "sqlite"),
+        "PUBLISHED and ABANDONED messages, kept until retention (`outboxer cleanup`) deletes "
+        "them: a replay or requeue of them needs their key",
+    ),
+    "log": (
+        ("postgres",),
+        "log mode (append-only, never re-encrypted): its readers need the key until they "
+        "have relayed these, a replay until retention drops their partitions",
+    ),
+    "stream dead letters": (
+        ("postgres",),
+        "the stream relay's dead letters (log, WAL modes): "
+        "`outboxer stream-relay dead-letters replay` or `purge` them first",
+    ),
+    "plain": (
+        ("postgres",),
+        "the table `schema migrate-partitioned` left behind: drop it once past retention",
+    ),
+    "debezium": (("postgres",), "Debezium-layout rows, until retention deletes them"),
+    "consumer dead letters": (
+        ("postgres", "mysql", "sqlite"),
+        "consumers' dead letters, stored as they arrived: "
+        "`outboxer dead-letters replay` or `purge` them first",
+    ),
+}
+
+
+def _key_usage_tables(dialect: str, schema: str, table: str) -> dict[str, tuple[str, str]]:
+    """Each place's table (its SQL name, and its bare name for the existence check)."""
+    found = {
+        "outbox": (table_name(dialect, schema, table), table),
+        "outbox finished": (table_name(dialect, schema, table), table),
+        "consumer dead letters": (table_name(dialect, schema, "dead_letters"), "dead_letters"),
+    }
+    if dialect == "postgres":
+        names = mode_tokens(schema, table)
+        found["log"] = (names["log"], f"{table}_log")
+        found["stream dead letters"] = (
+            names["stream_dead_letters"],
+            names["stream_dead_letters_raw"],
+        )
+        found["plain"] = (table_name(dialect, schema, f"{table}_plain"), f"{table}_plain")
+        found["debezium"] = (names["debezium"], names["debezium_raw"])
+    return {place: found[place] for place in KEY_PLACES if place in found}
+
+
+def key_usage(url: str, *, schema: str = "outboxer", table: str = "outbox") -> list[KeyUsage]:
+    """By key id, the stored messages under each key in every place of :data:`KEY_PLACES`
+    that the database at ``url`` has; a place whose table does not exist is left out.
+
+    Reads only, on a connection of its own: a plain SELECT per place (no lock beyond what
+    any reader takes, no write lock on SQLite), each in a transaction rolled back."""
+    conn = connect(url)
+    try:
+        return _key_usage(conn, dialect_of(url), schema, table)
+    finally:
+        conn.close()
+
+
+def _key_usage(conn: Any, dialect: str, schema: str, table: str) -> list[KeyUsage]:
+    key_id = {
+        "postgres": "headers->>'outboxer-key-id'",
+        "mysql": "JSON_UNQUOTE(JSON_EXTRACT(headers, '$.\"outboxer-key-id\"'))",
+        "sqlite": "json_extract(headers, '$.\"outboxer-key-id\"')",
+    }[dialect]
+    unfinished = "status IN ('PENDING', 'PROCESSING', 'FAILED')"
+    where = {"outbox": unfinished, "outbox finished": f"NOT ({unfinished})"}
+    usage = []
+    for place, (sql_name, bare) in _key_usage_tables(dialect, schema, table).items():
+        if not _table_exists(conn, dialect, schema, bare):
+            continue
+        condition = f"{where[place]} AND " if place in where else ""
+        rows = _read(
+            conn,
+            dialect,
+            f"SELECT {key_id} AS key_id, count(*) FROM {sql_name} "
+            f"WHERE {condition}{key_id} IS NOT NULL GROUP BY {key_id} ORDER BY 1",
+        )
+        usage.append(KeyUsage(place, sql_name, {str(k): int(n) for k, n in rows}))
+    return usage
+
+
+def _read(conn: Any, dialect: str, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+    """One read, its transaction (if the driver opened one) rolled back."""
+    cursor = conn.cursor()
+    try:
+        if params:
+            cursor.execute(sql, params)
+        else:  # no placeholders to expand (a driver's % formatting stays out)
+            cursor.execute(sql)
+        return list(cursor.fetchall())
+    finally:
+        cursor.close()
+        conn.rollback()
+
+
+def _table_exists(conn: Any, dialect: str, schema: str, name: str) -> bool:
+    if dialect == "postgres":
+        sql = "SELECT to_regclass(format('%%I.%%I', %s::text, %s::text)) IS NOT NULL"
+        return bool(_read(conn, dialect, sql, (schema, name))[0][0])
+    if dialect == "mysql":
+        sql = (
+            "SELECT count(*) FROM information_schema.tables "
+            "WHERE table_schema = DATABASE() AND table_name = %s"
+        )
+        return bool(_read(conn, dialect, sql, (name,))[0][0])
+    sql = "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?"
+    return bool(_read(conn, dialect, sql, (name,))[0][0])
+
+
 def _message(row: Sequence[Any]) -> Message:
     seq, identifier, destination, topic, key, payload, content_type, headers = row
     return Message(
@@ -468,4 +603,12 @@ def payload_table(
         conn.close()
 
 
-__all__ = ["PayloadTable", "RotationResult", "connect", "payload_table"]
+__all__ = [
+    "KEY_PLACES",
+    "KeyUsage",
+    "PayloadTable",
+    "RotationResult",
+    "connect",
+    "key_usage",
+    "payload_table",
+]

@@ -7,6 +7,10 @@ aiomysql both take.
 
 * ``disabled``: no TLS, even where the server offers it (PyMySQL 1.2 tries TLS whenever it
   is given no TLS argument: ``ssl_disabled`` is passed);
+* ``preferred``: TLS, the server's certificate unchecked, when the server's greeting offers
+  it; plaintext, without a refusal, when it does not (the MySQL client's default, and what
+  a Django project's ``PREFERRED`` means): on aiomysql and PyMySQL alike (see
+  :func:`_settle_preferred`);
 * ``required``: TLS, the server's certificate unchecked;
 * ``verify_ca``: TLS, the certificate signed by ``ssl_ca`` (or a system CA);
 * ``verify_identity``: as ``verify_ca``, and issued to the URL's host.
@@ -16,8 +20,9 @@ client certificate is (PyMySQL's own defaults for its ``ssl`` dict). A file that
 read, or a mode with options it contradicts, is a ConfigError when the URL is parsed, not a
 failure at the first connect.
 
-Every mode but ``disabled`` refuses a connection that is not encrypted (a server with TLS
-off, or something in between that strips the TLS capability from the server's greeting):
+Every mode but ``disabled`` and ``preferred`` refuses a connection that is not encrypted (a
+server with TLS off, or something in between that strips the TLS capability from the
+server's greeting):
 aiomysql, and PyMySQL before 1.2, would carry on in plaintext. The refusal comes on the
 server's greeting, before the login goes out (it names the user and, with
 ``mysql_clear_password``, which a man in the middle can ask for, carries the password
@@ -48,7 +53,9 @@ class _TLSContext(ssl.SSLContext):
 
 #: The URL query options this module reads.
 SSL_OPTIONS = ("ssl_mode", "ssl_ca", "ssl_cert", "ssl_key")
-SSL_MODES = ("disabled", "required", "verify_ca", "verify_identity")
+SSL_MODES = ("disabled", "preferred", "required", "verify_ca", "verify_identity")
+#: The modes that check no certificate (a CA given with them would be ignored).
+_UNVERIFIED = ("preferred", "required")
 
 
 def ssl_args(options: Mapping[str, str]) -> dict[str, Any]:
@@ -74,16 +81,16 @@ def ssl_args(options: Mapping[str, str]) -> dict[str, Any]:
         return {"ssl_disabled": True}
     if key and not cert:
         raise ConfigError("MySQL URL option ssl_key needs ssl_cert (the client certificate)")
-    if ca and mode == "required":
-        # The MySQL client ignores the CA in this mode too; refused rather than silently
+    if ca and mode in _UNVERIFIED:
+        # The MySQL client ignores the CA in these modes too; refused rather than silently
         # skipping the verification the CA was given for.
         raise ConfigError(
-            "MySQL URL option ssl_ca with ssl_mode=required: the CA would not be checked; "
+            f"MySQL URL option ssl_ca with ssl_mode={mode}: the CA would not be checked; "
             "use ssl_mode=verify_ca or verify_identity"
         )
     context = _TLSContext(ssl.PROTOCOL_TLS_CLIENT)
     context.ssl_mode = mode
-    if mode == "required":
+    if mode in _UNVERIFIED:
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
     else:
@@ -113,7 +120,7 @@ def refuse_plaintext(args: Mapping[str, Any], conn: Any) -> None:
     trip: both drivers negotiate TLS exactly when they were given a context and the
     greeting's capability flags offer it."""
     context = args.get("ssl")
-    if not isinstance(context, _TLSContext) or conn.unix_socket:
+    if not isinstance(context, _TLSContext) or context.ssl_mode == "preferred" or conn.unix_socket:
         return
     if conn.server_capabilities & _CLIENT_SSL:
         return
@@ -122,6 +129,23 @@ def refuse_plaintext(args: Mapping[str, Any], conn: Any) -> None:
         f"{context.ssl_mode} refuses an unencrypted connection (TLS is off on the server, "
         "or something in between removed it)"
     )
+
+
+def _settle_preferred(context: object, conn: Any) -> bool:
+    """For ``ssl_mode=preferred``, past the server's greeting and before the login: ask for
+    TLS (CLIENT_SSL in the login's flags) exactly when the greeting offers it. Both drivers
+    set CLIENT_SSL in ``client_flag`` when given a context, whatever the server offers:
+    aiomysql then logs in in plaintext with the flag set (a server with TLS on, its
+    CLIENT_SSL stripped on the way, takes that as "TLS follows" and fails the handshake),
+    PyMySQL 1.2 refuses ("SSL is required") and earlier releases log in as aiomysql does.
+    Returns whether TLS is to be used (true for the other modes), for PyMySQL's ``ssl``
+    switch. A per-connection attribute test, no round trip."""
+    if not isinstance(context, _TLSContext) or context.ssl_mode != "preferred":
+        return True
+    offered = bool(conn.server_capabilities & _CLIENT_SSL)
+    flags = conn.client_flag
+    conn.client_flag = flags | _CLIENT_SSL if offered else flags & ~_CLIENT_SSL
+    return offered
 
 
 def connect_pymysql(args: Mapping[str, Any]) -> Any:
@@ -158,6 +182,9 @@ def _pymysql_class() -> Any:
             refuse_plaintext_args: Mapping[str, Any] = {}
 
             def _request_authentication(self) -> None:
+                # PyMySQL negotiates TLS only while ``ssl`` is true: set at each connect, as
+                # a reconnect (ping(reconnect=True)) goes through the same object.
+                self.ssl = _settle_preferred(self.refuse_plaintext_args.get("ssl"), self)
                 refuse_plaintext(self.refuse_plaintext_args, self)
                 super()._request_authentication()
 
@@ -170,8 +197,9 @@ _AIOMYSQL_HOOKED = False
 
 def hook_aiomysql() -> None:
     """Make aiomysql refuse an unencrypted connection before it sends the login, as
-    :func:`connect_pymysql` does for PyMySQL. aiomysql's pool creates its connections with
-    ``aiomysql.connection.Connection`` itself, so the check goes into that class's
+    :func:`connect_pymysql` does for PyMySQL (for ``ssl_mode=preferred``: ask for TLS only
+    when the greeting offers it, see :func:`_settle_preferred`). aiomysql's pool creates its
+    connections with ``aiomysql.connection.Connection`` itself, so the check goes into that class's
     ``_request_authentication`` (the step right after the greeting is read); it acts only on
     the connections given an outboxer context (a URL with TLS options); every other
     aiomysql connection in the process is left as it was. Idempotent."""
@@ -183,6 +211,7 @@ def hook_aiomysql() -> None:
     authenticate = Connection._request_authentication
 
     async def _request_authentication(self: Any) -> None:
+        _settle_preferred(self._ssl_context, self)
         refuse_plaintext({"ssl": self._ssl_context}, self)
         await authenticate(self)
 

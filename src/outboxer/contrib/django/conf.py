@@ -88,8 +88,6 @@ def mysql_query(alias: str, options: Mapping[str, Any]) -> dict[str, str]:
     cannot carry is a ConfigError: dropped, outboxer would connect without the TLS (or the
     verification) the project configured."""
     query = {name: str(options[name]) for name in MYSQL_OPTIONS if options.get(name)}
-    if query.get("ssl_mode", "").lower() == "preferred":
-        query["ssl_mode"] = "required"  # neither driver refuses a server without TLS anyway
     tls = options.get("ssl")
     if not tls:
         return query
