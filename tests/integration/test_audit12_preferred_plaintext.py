@@ -10,15 +10,7 @@ from urllib.parse import urlencode
 
 from outboxer.consumer import Consumer
 from outboxer.stores import create_store
-from outboxer.stores.mysql import MySQLStore
-
-
-async def _store_tls_version(url: str) -> str:
-    async with create_store(url) as store:
-        assert isinstance(store, MySQLStore)
-        async with store._transaction() as cursor:
-            await cursor.execute("SHOW SESSION STATUS LIKE 'Ssl_version'")
-            return str((await cursor.fetchone())["Value"])
+from tests.integration.test_audit12_mytls_private_server import _store_tls_version
 
 
 async def test_the_relay_store_connects_in_plaintext(mysql_url: str) -> None:
