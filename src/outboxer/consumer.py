@@ -48,7 +48,10 @@ that ignores its cancellation: given ``CANCELLED_WAIT`` to end, such a batch is 
 ever returns, and is closed once that call ends). Either way ``run_async`` names the
 messages whose handlers had not returned in an ERROR line and raises ConsumerShutdownError (``hung`` if any still runs:
 ``outboxer consume`` then exits 1 at once, its connections closing with the process, so
-what the handler wrote is rolled back by the database).
+what the handler wrote is rolled back by the database). Sync sessions run in daemon threads
+(``DaemonThreadPool``): a program that calls ``run()`` as a library can exit once it
+returned, the hung thread ending with the process (its transaction rolled back as well). After
+a second signal the broker's close gets ``CANCELLED_WAIT``, then is cancelled.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -74,6 +77,7 @@ from urllib.parse import urlsplit
 from outboxer.brokers.base import describe
 from outboxer.consumer_db import (
     BatchFailed,
+    DaemonThreadPool,
     DeadLetter,
     HandlerEndedTransaction,
     HandlerReturnedAwaitable,
@@ -390,7 +394,8 @@ class Consumer:
         """Run until SIGTERM or SIGINT (or, with ``exit_when_idle``, until nothing comes).
 
         ConsumerShutdownError if handlers had not returned at shutdown; with ``hung``, a
-        thread of a sync handler still runs, and the interpreter's exit waits for it."""
+        thread of a sync handler still runs: a daemon thread, which the interpreter's exit
+        does not wait for (the process's end closes its connection, rolling it back)."""
 
         async def main() -> ConsumerStats:
             loop = asyncio.get_running_loop()
@@ -445,8 +450,8 @@ class Consumer:
             # Not those _shutdown abandoned (they may never end), and bounded all the same.
             if waiting := [task for task in tasks if task not in self._given_up]:
                 await asyncio.wait(waiting, timeout=CANCELLED_WAIT)
-            await self._release_all()
-            await self._quietly(receiver.close(), "closing the broker connection")
+            await self._bounded(self._release_all(), "handing messages back to the broker")
+            await self._bounded(receiver.close(), "closing the broker connection")
             abandoned = self._abandoned()
             for task, session in abandoned.items():
                 # Closed once its call ends (in that call's thread, or from the task's end on
@@ -464,8 +469,10 @@ class Consumer:
         return self.stats
 
     def _threads(self) -> ThreadPoolExecutor:
-        """Threads for sync handlers' transactions, one per worker."""
-        return ThreadPoolExecutor(self.concurrency, thread_name_prefix=f"outboxer-{self.group}")
+        """Threads for sync handlers' transactions, one per worker: daemon threads, so that
+        a handler hung for ever in one (abandoned at shutdown) does not keep the process
+        from exiting once ``run()`` returned (DaemonThreadPool)."""
+        return DaemonThreadPool(self.concurrency, thread_name_prefix=f"outboxer-{self.group}")
 
     async def _shutdown(
         self, fetcher: asyncio.Task[None], workers: list[asyncio.Task[None]]
@@ -580,6 +587,31 @@ class Consumer:
         unacked = [incoming for lane in self._lanes_all for incoming in lane.queue]
         if unacked and self.receiver.connected:
             await self.receiver.release(unacked)
+
+    async def _bounded(self, closing: Coroutine[Any, Any, Any], what: str) -> None:
+        """``_quietly``, but after a second SIGTERM/SIGINT (before or during the call) given
+        only ``CANCELLED_WAIT`` more, then cancelled: a broker that never answers the close
+        must not keep a forced shutdown waiting for ever."""
+        call = asyncio.ensure_future(self._quietly(closing, what))
+        forced = asyncio.ensure_future(self._forced.wait())
+        try:
+            await asyncio.wait({call, forced}, return_when=asyncio.FIRST_COMPLETED)
+            if not call.done():
+                await asyncio.wait({call}, timeout=CANCELLED_WAIT)
+            if not call.done():
+                logger.warning(
+                    "consumer %s: %s did not end within %gs of the second SIGTERM/SIGINT: given up",
+                    self.group,
+                    what,
+                    CANCELLED_WAIT,
+                )
+                call.cancel()
+                # Bounded too: a call that ignores its cancellation is left to the loop.
+                await asyncio.wait({call}, timeout=CANCELLED_WAIT)
+        finally:
+            forced.cancel()
+            if not call.done():  # run_async itself cancelled: the call with it, as awaited
+                call.cancel()
 
     @staticmethod
     async def _quietly(closing: Any, what: str) -> None:

@@ -30,6 +30,7 @@ import functools
 import inspect
 import json
 import logging
+import queue
 import sqlite3
 import threading
 import uuid
@@ -523,6 +524,87 @@ def _time(value: Any) -> datetime | None:
 
 
 # ----- sync connections, run in the consumer's threads --------------------------------------
+
+
+#: A call queued for DaemonThreadPool's threads: its future, the function, its arguments.
+_Call = tuple["concurrent.futures.Future[Any]", Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+
+
+class DaemonThreadPool(ThreadPoolExecutor):
+    """A ThreadPoolExecutor whose threads are daemon threads, for the consumer's sessions.
+
+    ``ThreadPoolExecutor``'s threads are joined when the interpreter exits (its own atexit
+    hook, ``threading._register_atexit``): a sync handler stuck for ever in one (a network
+    call with no timeout) kept a program that called ``Consumer.run()`` from exiting after
+    the consumer had abandoned its batch at shutdown, until SIGKILL. These threads are not
+    waited for: such a thread is left behind, and when the process exits its connection goes
+    with it, which rolls its transaction back (the database's doing; SQLite's journal on the
+    next open). Up to ``max_workers`` threads, started on the first calls and kept: no
+    thread per call. ``submit`` and ``shutdown`` are this class's own (ThreadPoolExecutor's
+    attributes are not used); the type stays a ThreadPoolExecutor for session factories.
+    """
+
+    def __init__(self, max_workers: int, thread_name_prefix: str = "") -> None:
+        super().__init__(max_workers, thread_name_prefix=thread_name_prefix)  # starts none
+        self._size = max_workers
+        self._prefix = thread_name_prefix or "outboxer"
+        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._guard = threading.Lock()
+        self._started: list[threading.Thread] = []
+        self._ended = False
+
+    def submit(
+        self, fn: Callable[..., T], /, *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._guard:
+            if self._ended:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self._calls.put((future, fn, args, kwargs))
+            if len(self._started) < self._size:
+                thread = threading.Thread(
+                    target=self._serve,
+                    name=f"{self._prefix}_{len(self._started)}",
+                    daemon=True,
+                )
+                thread.start()
+                self._started.append(thread)
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            call = self._calls.get()
+            if call is None:
+                self._calls.put(None)  # the next thread's end too
+                return
+            future, fn, args, kwargs = call
+            del call
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = fn(*args, **kwargs)
+                except BaseException as exc:  # noqa: BLE001 -- handed to the future's owner
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+            del future, fn, args, kwargs  # not kept alive while waiting for the next call
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._guard:
+            self._ended = True
+            started = list(self._started)
+        if cancel_futures:
+            while True:
+                try:
+                    call = self._calls.get_nowait()
+                except queue.Empty:
+                    break
+                if call is not None:
+                    call[0].cancel()
+        self._calls.put(None)
+        if wait:
+            for thread in started:
+                if thread is not threading.current_thread():
+                    thread.join()
 
 
 class SyncSession(Session):

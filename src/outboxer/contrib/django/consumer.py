@@ -29,6 +29,7 @@ from django.db import connections, transaction
 from outboxer.consumer_db import (
     _SERVER_STATUS_IN_TRANS,
     AbortedTransaction,
+    DaemonThreadPool,
     SyncSession,
     is_async_handler,
 )
@@ -85,7 +86,9 @@ class DjangoSession(SyncSession):
 
     async def open(self) -> None:
         if self.executor is None:
-            self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"outboxer-{self.alias}")
+            # A daemon thread (DaemonThreadPool): a handler hung in it must not keep a
+            # program that runs the Consumer as a library from exiting after run() returned.
+            self.executor = DaemonThreadPool(1, thread_name_prefix=f"outboxer-{self.alias}")
         self._lost = False
         self.conn = await self._call(self._connect)
 
