@@ -7,35 +7,9 @@ Django runs in a subprocess (its settings are process-wide), on two SQLite files
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
-import textwrap
 
-from tests.contrib.test_django import ROOT, SETTINGS
-
-
-def run_django(script: str, url: str) -> str:
-    """``script``'s stdout, Django set up on the test project (an outer PYTHONPATH first)."""
-    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(ROOT)]
-    env = dict(
-        os.environ,
-        OUTBOXER_TEST_DJANGO_DB=url,
-        PYTHONPATH=os.pathsep.join(path),
-        DJANGO_SETTINGS_MODULE=SETTINGS,
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
-    return result.stdout
-
+from tests.contrib.test_audit5_contrib_django import run_django
 
 TWO_DATABASES = """
     import json

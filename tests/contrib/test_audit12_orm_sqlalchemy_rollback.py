@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -16,25 +15,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from outboxer.contrib.sqlalchemy import listen
 from tests.contrib.helpers import claim_all, claim_all_async, sqlalchemy_url
-from tests.contrib.test_sqlalchemy import Base, Customer, Order, async_engine
+from tests.contrib.test_sqlalchemy import Base, Customer, Order, async_engine, database, sessions
 
-VENDORS = ["pg_url", "mysql_url", "sqlite_url"]
-
-
-@pytest.fixture(params=VENDORS)
-def database(request: pytest.FixtureRequest) -> str:
-    url: str = request.getfixturevalue(request.param)
-    return url
-
-
-@pytest.fixture
-def sessions(database: str) -> Iterator[sessionmaker[Session]]:
-    engine = create_engine(sqlalchemy_url(database))
-    Base.metadata.create_all(engine)
-    factory = sessionmaker(engine, expire_on_commit=False)
-    listen(factory)
-    yield factory
-    engine.dispose()
+__all__ = ["database", "sessions"]
 
 
 def payloads(database: str) -> list[object]:

@@ -25,11 +25,13 @@ from tests.contrib.test_django import ROOT, SETTINGS, django
 
 
 def run_django(script: str, url: str) -> str:
-    """Run ``script`` (Django set up on the test project over ``url``); its stdout."""
+    """Run ``script`` (Django set up on the test project over ``url``); its stdout. An
+    outer PYTHONPATH stays first (a test run against an older ``src`` tests that code)."""
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(ROOT)]
     env = dict(
         os.environ,
         OUTBOXER_TEST_DJANGO_DB=url,
-        PYTHONPATH=str(ROOT),
+        PYTHONPATH=os.pathsep.join(path),
         DJANGO_SETTINGS_MODULE=SETTINGS,
     )
     result = subprocess.run(

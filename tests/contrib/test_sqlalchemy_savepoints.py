@@ -5,39 +5,22 @@ rolling back a savepoint drops the events recorded inside it, never those record
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import pytest
-from sqlalchemy import create_engine, select
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
 from outboxer.contrib.sqlalchemy import listen
-from tests.contrib.helpers import claim_all, claim_all_async, sqlalchemy_url
-from tests.contrib.test_sqlalchemy import Base, Order, async_engine
+from tests.contrib.helpers import claim_all, claim_all_async
+from tests.contrib.test_sqlalchemy import Order, async_engine, database, sessions
 
-VENDORS = ["pg_url", "mysql_url", "sqlite_url"]
+__all__ = ["database", "sessions"]
 
 
 class Boom(Exception):
     pass
-
-
-@pytest.fixture(params=VENDORS)
-def database(request: pytest.FixtureRequest) -> str:
-    url: str = request.getfixturevalue(request.param)
-    return url
-
-
-@pytest.fixture
-def sessions(database: str) -> Iterator[sessionmaker[Session]]:
-    engine = create_engine(sqlalchemy_url(database))
-    Base.metadata.create_all(engine)
-    factory = sessionmaker(engine, expire_on_commit=False)
-    listen(factory)
-    yield factory
-    engine.dispose()
 
 
 def payloads(database: str) -> list[object]:
