@@ -13,6 +13,10 @@ import psycopg
 from outboxer.claimcheck import ObjectName, object_name
 from outboxer.payload_admin import PayloadTable
 from outboxer.stores.pglog import PgLog
+from tests.integration.test_audit12_ccretain_sweep_index import (
+    scans,
+    seq_scans_of_tables_with_rows,
+)
 
 ROWS = 30_000
 
@@ -44,13 +48,6 @@ class _Explaining:
 
         self_conn = self.conn
         return Cursor()
-
-
-def scans(node: Any) -> list[tuple[str, str | None]]:
-    found = [(node["Node Type"], node.get("Relation Name"))]
-    for child in node.get("Plans", []):
-        found += scans(child)
-    return found
 
 
 async def test_the_sweeps_question_to_the_log_uses_an_index(pg_url: str) -> None:
@@ -87,15 +84,5 @@ async def test_the_sweeps_question_to_the_log_uses_an_index(pg_url: str) -> None
         # And it still answers right.
         assert sorted(found) == sorted(present)
         [plan] = explaining.plans
-        nodes = scans(plan[0]["Plan"])
-        # A partition still empty (the days to come) is scanned for free: only tables with rows.
-        scanned = [
-            relation
-            for kind, relation in nodes
-            if kind == "Seq Scan"
-            and conn.execute(
-                "SELECT reltuples > 0 FROM pg_class WHERE oid = to_regclass(%s)",
-                (f"outboxer.{relation}",),
-            ).fetchone()[0]
-        ]
-    assert scanned == [], json.dumps(nodes)
+        scanned = seq_scans_of_tables_with_rows(conn, plan[0]["Plan"])
+    assert scanned == [], json.dumps(scans(plan[0]["Plan"]))
