@@ -6,7 +6,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from outboxer.message import Message
+from outboxer.message import Message, validate_envelope
+from outboxer.testing import make_message
 
 
 async def assert_delivered_unchanged(
@@ -34,3 +35,14 @@ async def assert_delivered_unchanged(
         delivery = got.get(message.id)
         assert delivery is not None, f"not delivered: {message.headers} {message.key!r}"
         assert (dict(delivery.headers), delivery.key) == (dict(message.headers), message.key)
+
+
+def accepted_messages(
+    topic: str, cases: Sequence[tuple[dict[str, str], str | None]]
+) -> list[Message]:
+    """One message on ``topic`` per (headers, key) case, each checked as enqueue checks it."""
+    messages = []
+    for headers, key in cases:
+        validate_envelope(topic, key, headers)  # enqueue accepts each of them
+        messages.append(make_message(topic, {"n": len(messages)}, key=key, headers=headers))
+    return messages

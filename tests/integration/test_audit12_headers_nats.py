@@ -7,10 +7,9 @@ from __future__ import annotations
 import uuid
 
 from outboxer.brokers import create_publisher
-from outboxer.message import validate_envelope
 from outboxer.receivers import create_receiver
 from outboxer.testing import make_message
-from tests.headers import assert_delivered_unchanged
+from tests.headers import accepted_messages, assert_delivered_unchanged
 from tests.services import require
 
 NATS = "nats://127.0.0.1:4222"
@@ -39,10 +38,7 @@ async def test_hostile_headers_and_keys_arrive_as_enqueued() -> None:
     topic = f"t{tag}.x"
     receiver = create_receiver(url, group=f"g{tag}", topics=[topic])
     publisher = create_publisher(url)
-    messages = []
-    for headers, key in CASES:
-        validate_envelope(topic, key, headers)  # enqueue accepts each of them
-        messages.append(make_message(topic, {"n": len(messages)}, key=key, headers=headers))
+    messages = accepted_messages(topic, CASES)
     try:
         await receiver.connect()
         await assert_delivered_unchanged(publisher, receiver, messages)
