@@ -61,7 +61,7 @@ from collections.abc import (
 )
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 from outboxer.durable import sync_directory, write_new_file
@@ -120,6 +120,11 @@ class ObjectMismatchError(ClaimCheckError):
 class ObjectReadTimeoutError(ClaimCheckError, TimeoutError):
     """The store did not answer a read in time (a hung NFS mount, a stalled S3 connection):
     the same read may succeed later."""
+
+
+class HoldTimeoutError(ClaimCheckError, TimeoutError):
+    """The object store did not put (or delete) a claim-check hold within its timeout: as
+    a failed hold, the dead letter that needed it is not written (retried later)."""
 
 
 class ClaimCheckStoreError(ClaimCheckError, OSError):
@@ -874,8 +879,60 @@ async def fetch_payload_async(
     return _restore(message, data)
 
 
-#: Reads of one store that may run at once in fetch_payload_async with a timeout.
+#: Reads of one store that may run at once in fetch_payload_async with a timeout (holds,
+#: put_hold_bounded and delete_hold_bounded, share them: a hung store hangs both).
 READ_THREADS = 16
+
+_T = TypeVar("_T")
+
+
+async def put_hold_bounded(store: ObjectStore, name: str, holder: str, *, timeout: float) -> None:
+    """:meth:`ObjectStore.put_hold_async`, given up after ``timeout`` seconds with
+    HoldTimeoutError: in a daemon thread of the store's _ReadThreads (a hung store, such as
+    a dead NFS mount, then neither stalls its caller for ever nor keeps the program from
+    exiting); a store that overrides ``put_hold_async`` is awaited within the same bound."""
+    if type(store).put_hold_async is not ObjectStore.put_hold_async:
+        await _bounded(store, store.put_hold_async(name, holder), timeout, f"holding {name}")
+        return
+    reads = _read_threads(store)
+    run = reads.run(lambda: store.put_hold(name, holder))
+    await _bounded(store, run, timeout, f"holding {name}", reads)
+
+
+async def delete_hold_bounded(
+    store: ObjectStore, name: str, holder: str, *, timeout: float
+) -> None:
+    """:meth:`ObjectStore.delete_hold_async` bounded as :func:`put_hold_bounded`."""
+    if type(store).delete_hold_async is not ObjectStore.delete_hold_async:
+        await _bounded(
+            store, store.delete_hold_async(name, holder), timeout, f"releasing the hold on {name}"
+        )
+        return
+    reads = _read_threads(store)
+    run = reads.run(lambda: store.delete_hold(name, holder))
+    await _bounded(store, run, timeout, f"releasing the hold on {name}", reads)
+
+
+async def _bounded(
+    store: ObjectStore,
+    call: Awaitable[None],
+    timeout: float,
+    what: str,
+    reads: _ReadThreads | None = None,
+) -> None:
+    task = asyncio.ensure_future(call)
+    try:
+        finished, _ = await asyncio.wait((task,), timeout=timeout)
+    except BaseException:  # this caller cancelled: the call goes with it
+        task.cancel()
+        raise
+    if not finished:
+        task.cancel()  # gives up its wait for a slot, or leaves its thread to finish
+        running = "" if reads is None else f" ({reads.running} call(s) of it still running)"
+        raise HoldTimeoutError(
+            f"claim-check {what}: {store!r} did not answer within {timeout:g} s{running}"
+        )
+    task.result()
 
 
 class _ReadThreads:
@@ -900,14 +957,14 @@ class _ReadThreads:
         with self._lock:
             return self._limit - self._free
 
-    async def run(self, read: Callable[[], bytes]) -> bytes:
+    async def run(self, read: Callable[[], _T]) -> _T:
         loop = asyncio.get_running_loop()
         await self._acquire(loop)
-        done: asyncio.Future[bytes] = loop.create_future()
+        done: asyncio.Future[_T] = loop.create_future()
 
         def work() -> None:
             try:
-                outcome: bytes | BaseException = read()
+                outcome: _T | BaseException = read()
             except BaseException as exc:  # noqa: BLE001 -- handed to the waiting caller
                 outcome = exc
             finally:
@@ -961,7 +1018,7 @@ def _grant(waiter: asyncio.Future[None]) -> None:
 
 
 def _settle(
-    loop: asyncio.AbstractEventLoop, done: asyncio.Future[bytes], outcome: bytes | BaseException
+    loop: asyncio.AbstractEventLoop, done: asyncio.Future[_T], outcome: _T | BaseException
 ) -> None:
     def settle() -> None:
         if done.done():  # the caller gave up (timed out, cancelled)
@@ -1128,6 +1185,7 @@ __all__ = [
     "ClaimCheckError",
     "ClaimCheckStoreError",
     "FileObjectStore",
+    "HoldTimeoutError",
     "ObjectMismatchError",
     "ObjectName",
     "ObjectNotFoundError",
@@ -1136,12 +1194,14 @@ __all__ = [
     "S3ObjectStore",
     "StoredObject",
     "create_object_store",
+    "delete_hold_bounded",
     "fetch_payload",
     "fetch_payload_async",
     "held_object",
     "hold_name",
     "is_claim_checked",
     "object_name",
+    "put_hold_bounded",
     "references",
     "sweep_orphans",
     "sweep_orphans_async",

@@ -148,6 +148,9 @@ class ConsumerStats:
     claim_check_timeouts: int = 0
     #: Claim-checked payloads whose object the store did not have (each a failed attempt).
     claim_check_missing: int = 0
+    #: Claim-check holds (Consumer.hold) the object store refused or did not put within
+    #: object_store_timeout: the dead letter that needed one waits (not written, not acked).
+    claim_check_hold_errors: int = 0
     started_at: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict[str, float | int]:
@@ -295,7 +298,8 @@ class Consumer:
         self.keyring = keyring
         self.object_store = object_store
         #: Seconds a claim-checked payload's fetch may take: a store that hangs (a hard NFS
-        #: mount) fails the message retryably rather than stopping its worker for ever.
+        #: mount) fails the message retryably rather than stopping its worker for ever. It
+        #: bounds a dead letter's claim-check hold (and its release) and a KMS key fetch too.
         self.object_store_timeout = object_store_timeout
         self._receiver: Receiver | None
         if broker is None or isinstance(broker, Receiver):
@@ -924,7 +928,7 @@ class Consumer:
                 key_id = message.headers.get(HEADER_KEY_ID)
                 if key_id and not self.keyring.has_key(key_id):
                     # A callable ring fetches from a KMS: off the event loop, once per key.
-                    await asyncio.to_thread(self.keyring.key, key_id)
+                    await self._fetch_key(key_id)
                 message = decrypt(message, self.keyring)
         except Exception as exc:
             if _permanent(exc):
@@ -944,6 +948,29 @@ class Consumer:
             content_type=message.content_type,
             received=delivery.received or delivery,
         )
+
+    async def _fetch_key(self, key_id: str) -> None:
+        """Fetch ``key_id`` from the keyring's source (a KMS) in a daemon thread, given up
+        after object_store_timeout (KeyRingUnavailableError: a failed attempt, retried).
+        Not asyncio's default executor: ``asyncio.run`` joins its threads at exit, so a KMS
+        call that never answers kept a program that ran the consumer from exiting."""
+        from outboxer.crypto import KeyRingUnavailableError
+
+        keyring = self.keyring
+        assert keyring is not None
+        fetch = asyncio.get_running_loop().run_in_executor(_key_threads(), keyring.key, key_id)
+        try:
+            finished, _ = await asyncio.wait((fetch,), timeout=self.object_store_timeout)
+        except BaseException:
+            fetch.cancel()
+            raise
+        if not finished:
+            fetch.cancel()  # still queued: never runs; running: its thread is left to finish
+            raise KeyRingUnavailableError(
+                f"key {key_id!r}: the keyring's source did not answer within "
+                f"{self.object_store_timeout:g} s"
+            )
+        fetch.result()
 
     def fetch_failed(self, exc: BaseException) -> None:
         """Count what ``unwrap`` raised for now (not Unreadable): a claim-check read that
@@ -1085,6 +1112,18 @@ class Consumer:
                 await self.hold(delivery)
                 await session.record_dead_letter(self.group, delivery, error, attempts)
                 break
+            except HoldFailed as exc:  # the object store's trouble, not the database's
+                failures += 1
+                delay = OUTAGE_BACKOFF.delay(failures)
+                logger.warning(
+                    "consumer %s: message %s not dead-lettered yet: %s; retrying in %.1fs",
+                    self.group,
+                    delivery.id,
+                    exc,
+                    delay,
+                )
+                if await self._sleep(delay):
+                    return
             except Exception as exc:  # noqa: BLE001 -- database trouble: the message waits
                 failures += 1
                 self.stats.database_errors += 1
@@ -1281,12 +1320,21 @@ class Consumer:
     async def hold(self, delivery: Delivery) -> None:
         """Hold the object a dead letter of ``delivery`` is about to refer to (claimcheck's
         holds): the sweep then keeps it past retention until the dead letter is replayed or
-        purged. A store error is raised: the dead letter is not written without it."""
+        purged. A store that refuses it, or does not put it within object_store_timeout,
+        raises HoldFailed (counted in claim_check_hold_errors): the dead letter is not
+        written without it."""
         name = self._held_object(delivery)
         if name is None:
             return
+        from outboxer.claimcheck import put_hold_bounded
+
         try:
-            await self.object_store.put_hold_async(name, self.group)  # type: ignore[union-attr]
+            await put_hold_bounded(
+                self.object_store,  # type: ignore[arg-type]
+                name,
+                self.group,
+                timeout=self.object_store_timeout,
+            )
         except NotImplementedError:
             logger.warning(
                 "consumer %s: %r keeps no holds: the claim-check object %s of dead letter %s "
@@ -1296,17 +1344,23 @@ class Consumer:
                 name,
                 delivery.id,
             )
+        except Exception as exc:
+            self.stats.claim_check_hold_errors += 1
+            raise HoldFailed(
+                f"holding its claim-check object {name} in {self.object_store!r} failed: "
+                f"{describe(exc)}"
+            ) from exc
 
     async def hold_committed(self, delivery: Delivery) -> None:
         try:
             await self.hold(delivery)
         except Exception as exc:  # noqa: BLE001 -- committed already: said, not raised
             logger.error(
-                "consumer %s: holding the claim-check object of held-back message %s failed "
-                "(%s): retention may delete it before the message is replayed",
+                "consumer %s: held-back message %s: %s: retention may delete it before the "
+                "message is replayed",
                 self.group,
                 delivery.id,
-                describe(exc),
+                exc,
             )
 
     async def release_hold(self, delivery: Delivery) -> None:
@@ -1315,8 +1369,15 @@ class Consumer:
         name = self._held_object(delivery)
         if name is None:
             return
+        from outboxer.claimcheck import delete_hold_bounded
+
         try:
-            await self.object_store.delete_hold_async(name, self.group)  # type: ignore[union-attr]
+            await delete_hold_bounded(
+                self.object_store,  # type: ignore[arg-type]
+                name,
+                self.group,
+                timeout=self.object_store_timeout,
+            )
         except NotImplementedError:
             return
         except Exception as exc:  # noqa: BLE001 -- the object stays: the sweep keeps it
@@ -1327,6 +1388,24 @@ class Consumer:
                 name,
                 describe(exc),
             )
+
+
+class HoldFailed(Exception):
+    """The object store did not put a claim-check hold (an error, or no answer within
+    object_store_timeout): the dead letter that needs it is not written; tried again."""
+
+
+#: Daemon threads for KMS key fetches (Consumer._fetch_key), made on first use.
+_key_pool: DaemonThreadPool | None = None
+_key_pool_lock = threading.Lock()
+
+
+def _key_threads() -> DaemonThreadPool:
+    global _key_pool
+    with _key_pool_lock:
+        if _key_pool is None:
+            _key_pool = DaemonThreadPool(4, thread_name_prefix="outboxer-key-fetch")
+        return _key_pool
 
 
 class Unreadable(Exception):
@@ -1416,6 +1495,12 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
         "claim_check_missing",
         "Claim-checked payloads whose object the store did not have (each a failed attempt).",
     ),
+    (
+        "outboxer_consumer_claim_check_hold_errors_total",
+        "claim_check_hold_errors",
+        "Claim-check holds of dead letters the object store refused or did not put within "
+        "the timeout (the dead letter waits, not acked).",
+    ),
 )
 
 
@@ -1462,6 +1547,7 @@ __all__ = [
     "Delivery",
     "Handler",
     "HandlerReturnedAwaitable",
+    "HoldFailed",
     "SessionFactory",
     "Unreadable",
     "load_handler",

@@ -60,6 +60,8 @@ _POLL = 0.1
 _TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
 #: Seconds before a commit the coordinator refused is tried again.
 _COMMIT_RETRY = 1.0
+#: Session timeouts a cooperative handover (``idle``) is waited for at most.
+_HANDOVER_SESSIONS = 3
 #: ``message.headers()``, called through the C API. For a header name that is not UTF-8,
 #: confluent-kafka returns a list holding a NULL with an exception set: the C API turns that
 #: into a SystemError, but once CPython specialised a plain ``message.headers()`` call site
@@ -161,6 +163,21 @@ class KafkaReceiver(Receiver):
         #: The group gave this member its share (``idle``), since the last connect or revoke
         #: (a rebalance in progress: the next share is not known yet).
         self._assigned = False
+        #: ``cooperative-sticky``: a revoke hands partitions over in two rebalance rounds (the
+        #: member giving them up gets ``revoke`` then an ``assign`` of what it gains, often
+        #: nothing; their new owner gets them in the next round, a second ``assign`` here).
+        self._cooperative = "cooperative" in str(
+            self.config.get("partition.assignment.strategy", "")
+        )
+        #: Assignments still to come before ``idle`` (a handover in progress), and until when
+        #: (monotonic) they are waited for: no member owns the partitions in between.
+        self._handover = 0
+        self._handover_until = 0.0
+        try:
+            session = float(self.config.get("session.timeout.ms", 45000)) / 1000
+        except (TypeError, ValueError):  # librdkafka refuses it at connect
+            session = 45.0
+        self._handover_wait = _HANDOVER_SESSIONS * session
 
     @property
     def _kafka(self) -> KafkaPublisher:
@@ -187,7 +204,12 @@ class KafkaReceiver(Receiver):
             probe.abandon()
             raise
         try:
-            consumer.subscribe(self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke)
+            consumer.subscribe(
+                self.topics,
+                on_assign=self._on_assign,
+                on_revoke=self._on_revoke,
+                on_lost=self._on_lost,
+            )
         except KafkaException as exc:
             await asyncio.to_thread(consumer.close)
             error = exc.args[0] if exc.args else None
@@ -203,6 +225,7 @@ class KafkaReceiver(Receiver):
         self._lost = asyncio.Event()
         self._stop = threading.Event()
         self._assigned = False
+        self._handover = 0
         self._thread = threading.Thread(
             target=self._poll,
             args=(consumer, asyncio.get_running_loop()),
@@ -313,6 +336,8 @@ class KafkaReceiver(Receiver):
         with self._lock:
             self._epoch += 1
             self._assigned = True  # also with no partition: more members than partitions
+            if self._handover:
+                self._handover -= 1
             for tp in assigned:
                 self._partitions[(tp.topic, tp.partition)] = _Partition(self._epoch, self._epoch)
 
@@ -322,18 +347,36 @@ class KafkaReceiver(Receiver):
         reached and nothing came after it, nor waits for the runner. Not during a rebalance
         (from a revoke to the next assignment), nor before a partition's first fetch ended
         (an empty poll says nothing then: quiet for a while is not caught up, a slow broker
-        takes round trips to answer)."""
+        takes round trips to answer). With ``cooperative-sticky``, not while partitions this
+        member gave up wait for the next round to reach their new owner (that one is idle
+        meanwhile, owning nothing yet), or a few session timeouts if that round never comes."""
         with self._lock:
             return (
                 self._assigned
                 and self._waiting == 0
                 and all(p.eof > p.last for p in self._partitions.values())
+                and (not self._handover or time.monotonic() >= self._handover_until)
             )
 
     def _on_revoke(self, consumer: Consumer, revoked: list[TopicPartition]) -> None:
         """Before the partitions go: what is done is committed, the rest is the new owner's."""
+        self._revoked(consumer, revoked, handover=self._cooperative)
+
+    def _on_lost(self, consumer: Consumer, lost: list[TopicPartition]) -> None:
+        """The partitions went already (the session expired): as a revoke, but no cooperative
+        handover is waited for, the member is taken back in one round."""
+        self._revoked(consumer, lost, handover=False)
+
+    def _revoked(self, consumer: Consumer, revoked: list[TopicPartition], handover: bool) -> None:
         with self._lock:
             self._assigned = False  # a rebalance: not idle before its assignment
+            if handover and revoked:
+                # This round's assignment follows, then the next round's, which gives the
+                # revoked partitions to their new owner.
+                self._handover = 2
+                self._handover_until = time.monotonic() + self._handover_wait
+            elif not handover:
+                self._handover = 0
             for tp in revoked:
                 self._partitions.pop((tp.topic, tp.partition), None)
         self._commit(consumer)

@@ -52,7 +52,7 @@ from outboxer.brokers.webhook import (
     RESERVED_PREFIX,
     decode_header_value,
 )
-from outboxer.consumer import Consumer, Handler, Unreadable
+from outboxer.consumer import Consumer, Handler, HoldFailed, Unreadable
 from outboxer.consumer_db import BatchFailed, Result, Session
 from outboxer.errors import ConfigError
 from outboxer.message import HEADER_CREATED_AT as ENVELOPE_CREATED_AT
@@ -421,6 +421,10 @@ class WebhookReceiver:
         """``_apply`` on ``session``, which goes back to ``sessions`` once it is done."""
         try:
             return _redacted(await self._apply(session, incoming))
+        except HoldFailed as exc:  # the object store's trouble (counted): retried
+            logger.warning("webhook %s not dead-lettered yet: %s", incoming.delivery.id, exc)
+            error = redact_text(f"claim-check store error: {exc}")
+            return 503, {"error": error}, {"retry-after": "1"}
         except Exception as exc:  # noqa: BLE001 -- recording a dead letter failed: retried
             self.consumer.stats.database_errors += 1
             logger.warning("webhook %s: database error: %s", incoming.delivery.id, describe(exc))
