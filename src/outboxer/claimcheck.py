@@ -861,21 +861,14 @@ async def fetch_payload_async(
     if timeout is None:
         return _restore(message, await store.get_at_most_async(name, size))
     reads = _read_threads(store)
-    # asyncio.wait, not wait_for: a TimeoutError the read itself raises (a socket's) is the
-    # store's answer, not this deadline.
-    read = asyncio.ensure_future(reads.run(lambda: store.get_at_most(name, size)))
-    try:
-        finished, _ = await asyncio.wait((read,), timeout=timeout)
-    except BaseException:  # this caller cancelled: the read goes with it
-        read.cancel()
-        raise
-    if not finished:
-        read.cancel()  # gives up its wait for a slot, or leaves its thread to finish
-        raise ObjectReadTimeoutError(
+    data = await _bounded(
+        reads.run(lambda: store.get_at_most(name, size)),
+        timeout,
+        lambda: ObjectReadTimeoutError(
             f"claim-check object {name}: {store!r} did not answer within {timeout:g} s "
             f"({reads.running} read(s) of it still running)"
-        )
-    data = read.result()
+        ),
+    )
     return _restore(message, data)
 
 
@@ -892,11 +885,11 @@ async def put_hold_bounded(store: ObjectStore, name: str, holder: str, *, timeou
     a dead NFS mount, then neither stalls its caller for ever nor keeps the program from
     exiting); a store that overrides ``put_hold_async`` is awaited within the same bound."""
     if type(store).put_hold_async is not ObjectStore.put_hold_async:
-        await _bounded(store, store.put_hold_async(name, holder), timeout, f"holding {name}")
+        await _bounded_hold(store, store.put_hold_async(name, holder), timeout, f"holding {name}")
         return
     reads = _read_threads(store)
     run = reads.run(lambda: store.put_hold(name, holder))
-    await _bounded(store, run, timeout, f"holding {name}", reads)
+    await _bounded_hold(store, run, timeout, f"holding {name}", reads)
 
 
 async def delete_hold_bounded(
@@ -904,22 +897,35 @@ async def delete_hold_bounded(
 ) -> None:
     """:meth:`ObjectStore.delete_hold_async` bounded as :func:`put_hold_bounded`."""
     if type(store).delete_hold_async is not ObjectStore.delete_hold_async:
-        await _bounded(
+        await _bounded_hold(
             store, store.delete_hold_async(name, holder), timeout, f"releasing the hold on {name}"
         )
         return
     reads = _read_threads(store)
     run = reads.run(lambda: store.delete_hold(name, holder))
-    await _bounded(store, run, timeout, f"releasing the hold on {name}", reads)
+    await _bounded_hold(store, run, timeout, f"releasing the hold on {name}", reads)
 
 
-async def _bounded(
+async def _bounded_hold(
     store: ObjectStore,
     call: Awaitable[None],
     timeout: float,
     what: str,
     reads: _ReadThreads | None = None,
 ) -> None:
+    def timed_out() -> HoldTimeoutError:
+        running = "" if reads is None else f" ({reads.running} call(s) of it still running)"
+        return HoldTimeoutError(
+            f"claim-check {what}: {store!r} did not answer within {timeout:g} s{running}"
+        )
+
+    await _bounded(call, timeout, timed_out)
+
+
+async def _bounded(call: Awaitable[_T], timeout: float, timed_out: Callable[[], Exception]) -> _T:
+    """``call``'s result, or ``timed_out()`` raised after ``timeout`` seconds. asyncio.wait,
+    not wait_for: a TimeoutError the call itself raises (a socket's) is the store's answer,
+    not this deadline."""
     task = asyncio.ensure_future(call)
     try:
         finished, _ = await asyncio.wait((task,), timeout=timeout)
@@ -928,11 +934,8 @@ async def _bounded(
         raise
     if not finished:
         task.cancel()  # gives up its wait for a slot, or leaves its thread to finish
-        running = "" if reads is None else f" ({reads.running} call(s) of it still running)"
-        raise HoldTimeoutError(
-            f"claim-check {what}: {store!r} did not answer within {timeout:g} s{running}"
-        )
-    task.result()
+        raise timed_out()
+    return task.result()
 
 
 class _ReadThreads:
