@@ -6,47 +6,22 @@ member may be idle meanwhile."""
 
 from __future__ import annotations
 
-import ctypes
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
-
-import pytest
 
 from outboxer.brokers.kafka import KafkaPublisher
 from outboxer.receivers import create_receiver
 from outboxer.receivers.base import Incoming, Receiver
 from outboxer.testing import make_message
 from tests.integration.test_broker_kafka import MockCluster
+from tests.integration.test_kafka_audit_receiver import cluster, one_partition_topic
 
-
-@pytest.fixture
-def cluster() -> Iterator[MockCluster]:
-    mock = MockCluster()
-    if mock._handle is None:
-        mock.stop()
-        pytest.skip("this librdkafka exposes no mock cluster API")
-    yield mock
-    mock.stop()
+__all__ = ["cluster"]
 
 
 def two_partition_topic(cluster: MockCluster) -> str:
-    handle = cluster._handle
-    assert handle is not None
-    lib = handle.lib
-    lib.rd_kafka_handle_mock_cluster.argtypes = [ctypes.c_void_p]
-    lib.rd_kafka_handle_mock_cluster.restype = ctypes.c_void_p
-    lib.rd_kafka_mock_topic_create.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_char_p,
-        ctypes.c_int,
-        ctypes.c_int,
-    ]
-    topic = f"coop-{uuid.uuid4().hex[:10]}"
-    mock = lib.rd_kafka_handle_mock_cluster(handle.handle)
-    assert lib.rd_kafka_mock_topic_create(mock, topic.encode(), 2, 1) == 0
-    return topic
+    return one_partition_topic(cluster, partitions=2, prefix="coop")
 
 
 def cooperative_receiver(bootstrap: str, group: str, topic: str) -> Receiver:

@@ -86,7 +86,8 @@ def cluster() -> Iterator[MockCluster]:
     mock.stop()
 
 
-def one_partition_topic(cluster: MockCluster) -> str:
+def one_partition_topic(cluster: MockCluster, partitions: int = 1, prefix: str = "audit") -> str:
+    """A new topic of ``partitions`` partitions on the mock cluster (its name)."""
     handle = cluster._handle
     assert handle is not None
     lib = handle.lib
@@ -98,9 +99,9 @@ def one_partition_topic(cluster: MockCluster) -> str:
         ctypes.c_int,
         ctypes.c_int,
     ]
-    topic = f"audit-{uuid.uuid4().hex[:10]}"
+    topic = f"{prefix}-{uuid.uuid4().hex[:10]}"
     mock = lib.rd_kafka_handle_mock_cluster(handle.handle)
-    assert lib.rd_kafka_mock_topic_create(mock, topic.encode(), 1, 1) == 0
+    assert lib.rd_kafka_mock_topic_create(mock, topic.encode(), partitions, 1) == 0
     return topic
 
 
