@@ -143,13 +143,18 @@ async def test_a_relay_whose_sessions_were_cut_goes_on_without_an_outage(pg_url:
         # an outage: its answer was lost).
         # Listening too: a relay that found the row at its first claim polls while busy and
         # opens its LISTEN connection only once a claim finds nothing (on a slow box the
-        # enqueue came before the relay's first wait, and no listener was there yet).
+        # enqueue came before the relay's first wait, and no listener was there yet). And
+        # every loop parked on that wait: a fresh LISTEN sends a loop to claim once more
+        # (what was committed before it took effect was not announced), and a cut during
+        # that claim is an outage (in CI, three workers on two cores, the cut came then).
         await eventually(
             lambda: _true(
                 bool(store._kept)
                 and _published(pg_url) == 1
                 and store._listener is not None
                 and not store._listener.is_closed()
+                and store._wakeups.registered
+                and _parked(store, "default") == relay.settings.concurrency
             ),
             timeout=5,
         )
@@ -170,6 +175,12 @@ async def test_a_relay_whose_sessions_were_cut_goes_on_without_an_outage(pg_url:
 
 async def _true(value: bool) -> bool:
     return value
+
+
+def _parked(store: PostgresStore, destination: str) -> int:
+    """How many loops of ``destination`` wait for a nudge (no statement of theirs in flight)."""
+    waiters = store._wakeups._waiters.get(destination, ())
+    return sum(not waiter.done() for waiter in waiters)
 
 
 def _published(url: str) -> int:

@@ -62,6 +62,10 @@ _TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
 _COMMIT_RETRY = 1.0
 #: Session timeouts a cooperative handover (``idle``) is waited for at most.
 _HANDOVER_SESSIONS = 3
+#: Seconds between two looks at a handover's partitions (committed offsets, ends), and
+#: the bound on each of the two requests a look makes.
+_HANDOVER_CHECK_EVERY = 0.5
+_HANDOVER_CHECK_TIMEOUT = 2.0
 #: ``message.headers()``, called through the C API. For a header name that is not UTF-8,
 #: confluent-kafka returns a list holding a NULL with an exception set: the C API turns that
 #: into a SystemError, but once CPython specialised a plain ``message.headers()`` call site
@@ -163,16 +167,24 @@ class KafkaReceiver(Receiver):
         #: The group gave this member its share (``idle``), since the last connect or revoke
         #: (a rebalance in progress: the next share is not known yet).
         self._assigned = False
-        #: ``cooperative-sticky``: a revoke hands partitions over in two rebalance rounds (the
-        #: member giving them up gets ``revoke`` then an ``assign`` of what it gains, often
-        #: nothing; their new owner gets them in the next round, a second ``assign`` here).
+        #: ``cooperative-sticky``: a revoke hands partitions over in two rebalance rounds or
+        #: more (the member giving them up gets ``revoke`` then an ``assign`` of what it
+        #: gains, often nothing; their new owner gets them in a later round, when the group
+        #: coordinator has heard from every member: on a loaded box, a round later than that).
         self._cooperative = "cooperative" in str(
             self.config.get("partition.assignment.strategy", "")
         )
-        #: Assignments still to come before ``idle`` (a handover in progress), and until when
-        #: (monotonic) they are waited for: no member owns the partitions in between.
-        self._handover = 0
+        self._offset_reset = reset
+        #: Partitions this member gave up in a cooperative revoke whose records may be still
+        #: unread: ``idle`` waits until the group's committed offset reaches each one's end
+        #: (their new owner applied them), or until ``_handover_until`` (monotonic). No
+        #: member owns them for a round or more, and nothing this member is told says when
+        #: they reach their new owner (counting two assignments did not: an extra round
+        #: came under load, and both members were idle with a partition unread for 1.5 s).
+        self._handed_over: set[tuple[str, int]] = set()
         self._handover_until = 0.0
+        #: When (monotonic) the polling thread looks at the handed-over partitions next.
+        self._handover_check_at = 0.0
         try:
             session = float(self.config.get("session.timeout.ms", 45000)) / 1000
         except (TypeError, ValueError):  # librdkafka refuses it at connect
@@ -225,7 +237,7 @@ class KafkaReceiver(Receiver):
         self._lost = asyncio.Event()
         self._stop = threading.Event()
         self._assigned = False
-        self._handover = 0
+        self._handed_over = set()
         self._thread = threading.Thread(
             target=self._poll,
             args=(consumer, asyncio.get_running_loop()),
@@ -240,6 +252,8 @@ class KafkaReceiver(Receiver):
             while not self._stop.is_set():
                 if time.monotonic() >= self._commit_after:
                     self._commit(consumer)
+                if self._handed_over and time.monotonic() >= self._handover_check_at:
+                    self._check_handover(consumer)
                 full = self._waiting >= self.prefetch
                 if full:  # also partitions a rebalance just gave us
                     consumer.pause(consumer.assignment())
@@ -299,6 +313,35 @@ class KafkaReceiver(Receiver):
                 if where in self._partitions:
                     self._to_commit.setdefault(where, due[where])  # a later ack's offset wins
 
+    def _check_handover(self, consumer: Any) -> None:
+        """Forget the handed-over partitions nothing is left to read in: the group's
+        committed offset (or, with none, where ``offset_reset`` starts a new owner) reached
+        their end (in the polling thread, which owns the consumer). A broker that does not
+        answer leaves them waited for, up to ``_handover_until``. A partition whose last
+        offsets are transaction markers never looks done this way: the bound ends its wait."""
+        self._handover_check_at = time.monotonic() + _HANDOVER_CHECK_EVERY
+        with self._lock:
+            pending = [TopicPartition(topic, part) for topic, part in self._handed_over]
+        done: set[tuple[str, int]] = set()
+        try:
+            for committed in consumer.committed(pending, timeout=_HANDOVER_CHECK_TIMEOUT):
+                if committed.error is not None:
+                    continue
+                where = TopicPartition(committed.topic, committed.partition)
+                low, high = consumer.get_watermark_offsets(
+                    where, timeout=_HANDOVER_CHECK_TIMEOUT, cached=False
+                )
+                start = committed.offset
+                if start < 0:  # no committed offset: where a new owner begins
+                    start = low if self._offset_reset == "earliest" else high
+                if start >= high:
+                    done.add((committed.topic, committed.partition))
+        except KafkaException as exc:
+            logger.debug("kafka handover check of %s failed: %s", pending, exc)
+        if done:
+            with self._lock:
+                self._handed_over -= done
+
     def _deliver(self, received: list[Incoming]) -> None:
         for incoming in received:
             self._arrived.put_nowait(incoming)
@@ -336,9 +379,8 @@ class KafkaReceiver(Receiver):
         with self._lock:
             self._epoch += 1
             self._assigned = True  # also with no partition: more members than partitions
-            if self._handover:
-                self._handover -= 1
             for tp in assigned:
+                self._handed_over.discard((tp.topic, tp.partition))  # ours again
                 self._partitions[(tp.topic, tp.partition)] = _Partition(self._epoch, self._epoch)
 
     def idle(self) -> bool:
@@ -348,14 +390,15 @@ class KafkaReceiver(Receiver):
         (from a revoke to the next assignment), nor before a partition's first fetch ended
         (an empty poll says nothing then: quiet for a while is not caught up, a slow broker
         takes round trips to answer). With ``cooperative-sticky``, not while partitions this
-        member gave up wait for the next round to reach their new owner (that one is idle
-        meanwhile, owning nothing yet), or a few session timeouts if that round never comes."""
+        member gave up hold records the group has not committed (their new owner, which
+        gets them a round later or more, is idle meanwhile, owning nothing yet), for a few
+        session timeouts at most."""
         with self._lock:
             return (
                 self._assigned
                 and self._waiting == 0
                 and all(p.eof > p.last for p in self._partitions.values())
-                and (not self._handover or time.monotonic() >= self._handover_until)
+                and (not self._handed_over or time.monotonic() >= self._handover_until)
             )
 
     def _on_revoke(self, consumer: Consumer, revoked: list[TopicPartition]) -> None:
@@ -371,12 +414,12 @@ class KafkaReceiver(Receiver):
         with self._lock:
             self._assigned = False  # a rebalance: not idle before its assignment
             if handover and revoked:
-                # This round's assignment follows, then the next round's, which gives the
-                # revoked partitions to their new owner.
-                self._handover = 2
+                # Looked at after the commit below: what this member applied may be all.
+                self._handed_over.update((tp.topic, tp.partition) for tp in revoked)
                 self._handover_until = time.monotonic() + self._handover_wait
+                self._handover_check_at = 0.0
             elif not handover:
-                self._handover = 0
+                self._handed_over.clear()
             for tp in revoked:
                 self._partitions.pop((tp.topic, tp.partition), None)
         self._commit(consumer)
