@@ -9,9 +9,12 @@ Entries a consumer read and did not acknowledge stay in the group's pending list
 consumer's name (``name``, default the host name), so a consumer that restarts under its
 name reads its own pending entries first (``XREADGROUP … 0``), in order, before new ones.
 Entries of a consumer that never comes back are taken over by the others with
-``XAUTOCLAIM`` once idle for ``claim_idle`` seconds (default 60); a live consumer keeps the
-entries it holds from looking idle (``XCLAIM … JUSTID`` every third of that time), however
-long a handler or its retries take.
+``XAUTOCLAIM`` once idle for ``claim_idle`` seconds (default 60), in passes over the whole
+pending list (every ``claim_idle / 2``; Redis scans a bounded part of it per call, so a pass
+goes on at each receive until it is through); a live consumer keeps the entries it holds
+from looking idle (``XCLAIM … JUSTID`` every third of that time), however long a handler or
+its retries take. One receive returns at most ``limit`` entries over all the streams;
+the rest of a read waits in the receiver, ours already, and goes out first next time.
 
 A reply that does not come within ``socket_timeout`` (redis-py's option in the URL; 10 s
 unless it says otherwise) is a lost connection: a stalled network fails the XACK (the
@@ -28,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,6 +49,9 @@ logger = get_logger("outboxer.receiver")
 
 #: Entries taken over per XAUTOCLAIM call.
 _CLAIM_COUNT = 100
+#: The start of a group's pending list: an XAUTOCLAIM cursor back there has been through it.
+_PEL_START = "0-0"
+_PEL_STARTS = (_PEL_START, _PEL_START.encode())
 #: Seconds to wait for a reply (``socket_timeout``) unless the URL says otherwise: a
 #: connection that went silent (a stalled network) fails instead of hanging the consumer.
 _READ_TIMEOUT = 10.0
@@ -83,8 +90,12 @@ class RedisReceiver(Receiver):
         #: and the last one read of each.
         self._backlog: dict[str, str | bytes] = {}
         self._next_claim = 0.0
+        #: Per stream: where the next XAUTOCLAIM goes on in the group's pending list.
+        self._claim_from: dict[str, str | bytes] = {}
         #: Seconds a blocking read may wait at most (None: no limit).
         self._longest_block: float | None = None
+        #: Entries read (or claimed) beyond a receive's ``limit``, handed out first next time.
+        self._overflow: deque[Incoming] = deque()
 
     @property
     def _redis(self) -> RedisPublisher:
@@ -112,7 +123,10 @@ class RedisReceiver(Receiver):
                 if "BUSYGROUP" not in str(exc):  # it exists: fine
                     raise
         self._backlog = dict.fromkeys(self.streams, "0")
+        # Still in our pending list: the backlog read from "0" above reads them again.
+        self._overflow.clear()
         self._next_claim = 0.0
+        self._claim_from = dict.fromkeys(self.streams, _PEL_START)
 
     async def _close(self) -> None:
         client, self._client = self._client, None
@@ -126,6 +140,19 @@ class RedisReceiver(Receiver):
         return self._client
 
     async def _receive(self, limit: int, timeout: float) -> list[Incoming]:
+        # COUNT (XREADGROUP, XAUTOCLAIM) bounds each stream, not the reply: with several
+        # topics one read returns up to ``limit`` per stream, and the runner, which asked
+        # for the room left under its prefetch, held that many times more. Asking each
+        # stream for a share of ``limit`` would slow a busy stream while the others are
+        # idle, and a read cannot be handed back (the entries are in our pending list now):
+        # the rest waits here, in stream order, and goes out before anything new is read,
+        # so no later entry of its stream overtakes it. ``_extend`` keeps it from looking
+        # idle to other consumers' XAUTOCLAIM, as it does the entries the runner holds.
+        if not self._overflow:
+            self._overflow.extend(await self._read(limit, timeout))
+        return [self._overflow.popleft() for _ in range(min(limit, len(self._overflow)))]
+
+    async def _read(self, limit: int, timeout: float) -> list[Incoming]:
         client = self._client_now()
         if self._backlog:  # our own pending entries first, in order
             replies = await client.xreadgroup(
@@ -144,6 +171,8 @@ class RedisReceiver(Receiver):
         if loop.time() >= self._next_claim:
             self._next_claim = loop.time() + self.claim_idle / 2
             claimed = await self._claim_idle(limit)
+            if any(cursor not in _PEL_STARTS for cursor in self._claim_from.values()):
+                self._next_claim = 0.0  # the pass over the pending list goes on next time
             if claimed:
                 return claimed
         ids = dict.fromkeys(self.streams, ">")
@@ -164,9 +193,13 @@ class RedisReceiver(Receiver):
                 self.group,
                 self.consumer,
                 int(self.claim_idle * 1000),
-                start_id="0-0",
+                start_id=self._claim_from.get(stream, _PEL_START),
                 count=min(limit, _CLAIM_COUNT),
             )
+            # Redis looks at no more than ten times COUNT pending entries per call and says
+            # where it stopped. Started again from 0-0 each time, a dead consumer's entries
+            # behind that many entries live consumers still hold were never taken over.
+            self._claim_from[stream] = reply[0]
             received += await self._entries([(stream, reply[1])])
             if len(reply) > 2 and reply[2]:  # Redis 7: ids it dropped from the pending list
                 self._report_lost(stream, reply[2])
@@ -254,9 +287,11 @@ class RedisReceiver(Receiver):
             await pipe.execute()
 
     async def _extend(self, incomings: Sequence[Incoming]) -> None:
-        # Claiming our own entries again resets their idle time: nobody takes them over.
+        # Claiming our own entries again resets their idle time: nobody takes them over. Those
+        # waiting in the overflow are ours as much (and the runner holds some whenever
+        # they wait: it asks for more as soon as it has room).
         async with self._client_now().pipeline(transaction=False) as pipe:
-            for stream, entry_ids in self._by_stream(incomings).items():
+            for stream, entry_ids in self._by_stream([*incomings, *self._overflow]).items():
                 pipe.xclaim(stream, self.group, self.consumer, 0, entry_ids, justid=True)
             await pipe.execute()
 
