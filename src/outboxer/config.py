@@ -891,10 +891,10 @@ def _interval(
     )
 
 
-def _retention(help: str, default: float) -> Any:
+def _retention(help: str, default: float, low: float = 0.0) -> Any:
     return setting(
         default,
-        kind=Duration(LONGEST_RETENTION),
+        kind=Duration(LONGEST_RETENTION, low=low),
         help=help,
         commands=RETENTION,
         per_database=True,
@@ -1259,8 +1259,15 @@ class Settings:
     )
     published_retention: float = _retention("keep PUBLISHED rows this long", 7 * DAY)
     abandoned_retention: float = _retention("keep ABANDONED rows this long", 30 * DAY)
+    #: At least an hour: below that (0 was taken) the cleanup deleted the entries of messages
+    #: just applied, and the redelivery the inbox exists for (a crash between COMMIT and ack,
+    #: seen again after the broker's ack_wait, claim_idle or session timeout) applied them
+    #: twice. An hour is a floor, not a recommendation (docs/design/consumer.md: what the inbox remembers).
     inbox_retention: float = _retention(
-        "keep inbox entries this long: longer than any redelivery can come late", 30 * DAY
+        "keep inbox entries this long: longer than any redelivery can come late (a "
+        "consumer's outage included); a message redelivered later is applied again",
+        30 * DAY,
+        low=3600.0,
     )
     cleanup_interval: float = _interval(
         "time between retention runs inside the relay", 300.0, per_database=True

@@ -175,6 +175,11 @@ def mysql_connect_args(url: str) -> dict[str, Any]:
 _Mark = tuple[datetime | None, int, int]
 
 
+#: Inbox entries deleted a statement (inbox_cleanup): the derived table that names them is
+#: about 100 bytes an entry.
+_INBOX_DELETE_SLICE = 1000
+
+
 def expand_lists(sql: str, params: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     """List parameters -> one placeholder per item (PyMySQL escapes no lists):
     ``IN (%(seqs)s)`` with three seqs -> ``IN (%(seqs_0)s, %(seqs_1)s, %(seqs_2)s)``."""
@@ -699,10 +704,25 @@ class MySQLStore(Store):
             return await self._execute(cursor, "cleanup", {**params, "seqs": seqs})
 
     async def cleanup_inbox(self, retention: float, limit: int) -> int:
+        params = {"retention": float(retention), "limit": limit}
         async with self._transaction() as cursor:
-            return await self._execute(
-                cursor, "inbox_cleanup", {"retention": float(retention), "limit": limit}
-            )
+            # Two steps: see inbox_cleanup_candidates in queries.sql.
+            await self._execute(cursor, "inbox_cleanup_candidates", params)
+            rows = await cursor.fetchall()
+            deleted = 0
+            # In slices: a statement for a cleanup_batch of up to a million entries would
+            # exceed max_allowed_packet.
+            for start in range(0, len(rows), _INBOX_DELETE_SLICE):
+                part = rows[start : start + _INBOX_DELETE_SLICE]
+                picked = " UNION ALL ".join(
+                    f"SELECT %(c{i})s AS consumer, %(m{i})s AS message_id" for i in range(len(part))
+                )
+                args: dict[str, Any] = {}
+                for i, row in enumerate(part):
+                    args[f"c{i}"], args[f"m{i}"] = row["consumer"], row["message_id"]
+                sql = self._sql["inbox_cleanup"].replace("%(picked)s", picked)
+                deleted += int(await cursor.execute(sql, args))
+            return deleted
 
     # ----- operations ----------------------------------------------------------------------
 

@@ -453,12 +453,28 @@ WHERE p.DB = DATABASE()
 -- IGNORE: that would turn other errors into warnings too.
 INSERT INTO {inbox} (consumer, message_id) VALUES (:consumer, :message_id)
 
--- name: inbox_cleanup
--- Inbox entries older than the retention -> deleted, :limit a statement, oldest first.
-DELETE FROM {inbox}
+-- name: inbox_cleanup_candidates
+-- Inbox retention, step 1: at most :limit entries older than the retention, oldest first,
+-- locked. Not one `DELETE … ORDER BY received_at LIMIT`: InnoDB chose a full scan and a
+-- filesort for it (a single-table DELETE takes no index hint) and locked every entry it
+-- read, so it waited for each consumer batch in flight (its fresh claims) and held the
+-- relay's connection meanwhile. SKIP LOCKED, as PostgreSQL's: an old entry a transaction
+-- holds (a redelivery's duplicate check, an operator deleting it) is left for a later round.
+SELECT consumer, message_id FROM {inbox} FORCE INDEX (received_idx)
 WHERE received_at < UTC_TIMESTAMP(6) - INTERVAL :retention SECOND
 ORDER BY received_at
 LIMIT :limit
+FOR UPDATE SKIP LOCKED
+
+-- name: inbox_cleanup
+-- Inbox retention, step 2, in the same transaction: the entries step 1 locked -> deleted,
+-- each looked up by its whole primary key (:picked, a derived table of their (consumer,
+-- message_id), drives the join). `consumer = … AND message_id IN (…)` is no such lookup:
+-- InnoDB read the whole consumer's entries for it (or the table), and waited for every
+-- one a batch in flight had claimed.
+DELETE old FROM (:picked) AS pick
+STRAIGHT_JOIN {inbox} AS old FORCE INDEX (PRIMARY)
+    ON old.consumer = pick.consumer AND old.message_id = pick.message_id
 
 -- name: pending_mark
 -- The wake-up probe of an idle relay (MySQL has no LISTEN/NOTIFY), every 50 ms: a mark that
