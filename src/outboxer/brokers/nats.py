@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import re
@@ -98,6 +99,12 @@ def subject_problem(subject: str, *, wildcards: bool) -> str | None:
         if token == ">" and place != len(tokens) - 1:
             return "'>' stands for the remaining tokens, so it can only be the last"
     return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _publish_subject_problem(subject: str) -> str | None:
+    """``subject_problem`` of a subject to publish to, once per subject: checked per message."""
+    return subject_problem(subject, wildcards=False)
 
 
 def check_subject(subject: str, *, wildcards: bool, what: str) -> None:
@@ -592,6 +599,11 @@ class NatsPublisher(AckedPublisher[Msg]):
         if nc is None:
             raise nats.errors.ConnectionClosedError()
         subject = self.subject_for(message)
+        if (problem := _publish_subject_problem(subject)) is not None:
+            # Routes are checked at start, a topic without one only here: a wildcard token
+            # was stored on a literal subject ('a.*') that filters match unlike any other, and
+            # an empty token failed "no stream listens", retried as if the stream were down.
+            raise PublishError(f"cannot publish to {subject!r:.200}: {problem}", retryable=False)
         headers = publish_headers(message)
         if self.stream:
             headers[Header.EXPECTED_STREAM] = self.stream
