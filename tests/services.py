@@ -6,10 +6,15 @@ Tests that stop a service start it again with the same command ``scripts/service
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import socket
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +86,42 @@ def stop(pid: int | None, port: int, timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while port_open(port) and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def private_mosquitto(config: str, files: dict[str, str] | None = None) -> Iterator[int]:
+    """A Mosquitto of its own on a free port, running ``config`` (its lines after the
+    listener; ``{folder}`` stands for the folder ``files`` are written to); yields the port.
+
+    Not under pytest's tmp_path (mode 0700): mosquitto drops root for its own user."""
+    require("mosquitto")
+    folder = Path(tempfile.mkdtemp(prefix="outboxer-mosquitto-"))
+    try:
+        port = free_port()
+        for name, text in (files or {}).items():
+            (folder / name).write_text(text)
+            (folder / name).chmod(0o644)
+        (folder / "mosquitto.conf").write_text(
+            f"listener {port} {HOST}\nallow_anonymous true\npersistence false\nlog_dest none\n"
+            + config.format(folder=folder)
+        )
+        (folder / "mosquitto.conf").chmod(0o644)
+        folder.chmod(0o755)
+        broker = subprocess.Popen(
+            ["mosquitto", "-c", str(folder / "mosquitto.conf")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            deadline = time.monotonic() + 10
+            while not port_open(port):
+                assert time.monotonic() < deadline and broker.poll() is None, (
+                    "mosquitto did not start"
+                )
+                time.sleep(0.05)
+            yield port
+        finally:
+            broker.terminate()
+            broker.wait(10)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -9,9 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
-import subprocess
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,7 +24,7 @@ from outboxer.brokers.mqtt import MqttPublisher
 from outboxer.errors import ConfigError
 from outboxer.message import HEADER_ID, HEADER_KEY, HEADER_TOPIC, Message
 from outboxer.testing import Consumer, PublisherContract, Received, TcpProxy, make_message
-from tests.services import free_port, port_open, require, start, stop
+from tests.services import private_mosquitto, require, start, stop
 
 HOST, PORT = "127.0.0.1", 1883
 URL = f"mqtt://{HOST}:{PORT}"
@@ -138,32 +135,11 @@ class TestMqttPublisherContract(PublisherContract):
 @pytest.fixture(scope="module")
 def strict_broker() -> Iterator[int]:
     """Port of a Mosquitto that lets anonymous clients publish only to ``allowed/#``."""
-    require("mosquitto")
-    # Not under pytest's tmp_path (mode 0700): mosquitto drops root for its own user.
-    folder = Path(tempfile.mkdtemp(prefix="outboxer-mosquitto-"))
-    port = free_port()
-    (folder / "acl").write_text("topic readwrite allowed/#\n")
-    (folder / "mosquitto.conf").write_text(
-        f"listener {port} {HOST}\nallow_anonymous true\nmax_packet_size 2000\n"
-        f"acl_file {folder / 'acl'}\npersistence false\nlog_dest none\n"
-    )
-    for path in (folder, folder / "acl", folder / "mosquitto.conf"):
-        path.chmod(0o755 if path.is_dir() else 0o644)
-    broker = subprocess.Popen(
-        ["mosquitto", "-c", str(folder / "mosquitto.conf")],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 10
-        while not port_open(port):
-            assert time.monotonic() < deadline and broker.poll() is None, "mosquitto did not start"
-            time.sleep(0.05)
+    with private_mosquitto(
+        "max_packet_size 2000\nacl_file {folder}/acl\n",
+        {"acl": "topic readwrite allowed/#\n"},
+    ) as port:
         yield port
-    finally:
-        broker.terminate()
-        broker.wait(10)
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 async def test_broker_refusals_are_permanent_and_spare_the_rest(strict_broker: int) -> None:

@@ -38,7 +38,27 @@ from outboxer.message import Message
 from outboxer.redact import redact_url
 
 #: PUBACK reason codes that may clear up later (broker busy, over quota); the rest are final.
-RETRYABLE_REASONS = frozenset({0x80, 0x83, 0x91, 0x97})
+RETRYABLE_REASONS = frozenset({0x80, 0x83, 0x89, 0x91, 0x96, 0x97})
+
+
+def _decode_every_failure_in_a_puback() -> None:
+    """Let paho decode a PUBACK with any failure reason code it knows.
+
+    paho takes a PUBACK whose reason code MQTT 5 does not list for PUBACK as a malformed
+    packet and drops the connection. Mosquitto answers a PUBLISH over its
+    ``message_size_limit`` (which it does not advertise as a Maximum Packet Size) with
+    0x95 "Packet too large": the connection went, every message of the wave failed as
+    "connection lost", and the oversized one did it again at every retry. A failure code
+    is a refusal of that one message whatever its packet; paho's table is shared, so this
+    widens it for the whole process (decoding only what it dropped the connection on).
+    The table is a class attribute from paho-mqtt 2.2 on (2.1 built one per code): hence
+    the extra's lower bound."""
+    for value, names in ReasonCode.names.items():
+        if value >= 0x80 and not any(PacketTypes.PUBACK in kinds for kinds in names.values()):
+            next(iter(names.values())).append(PacketTypes.PUBACK)
+
+
+_decode_every_failure_in_a_puback()
 QOS = 1
 #: Fixed header (at most 5 bytes), packet id (2) and topic length prefix (2) around a PUBLISH.
 _PUBLISH_OVERHEAD = 9
