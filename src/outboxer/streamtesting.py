@@ -63,21 +63,30 @@ def private_postgres(*, fsync: bool = False) -> Iterator[str]:
         raise FileNotFoundError(f"no PostgreSQL binaries in {PG_BIN} (set OUTBOXER_PG_BIN)")
     base = Path(tempfile.mkdtemp(prefix="outboxer-logical-pg-"))
     data, sockets = base / "data", base / "sockets"
-    sockets.mkdir()
-    if os.geteuid() == 0:
-        shutil.chown(base, "postgres")
-        shutil.chown(sockets, "postgres")
-    initdb = [str(PG_BIN / "initdb"), "-D", str(data), "-U", "postgres", "-A", "trust"]
-    subprocess.run(_as_postgres(initdb), check=True, capture_output=True)
-    options = (
-        f"-p {_free_port()} -k {sockets} -c listen_addresses=127.0.0.1 -c wal_level=logical "
-        f"-c max_replication_slots=20 -c max_wal_senders=10 -c fsync={'on' if fsync else 'off'}"
-    )
     pg_ctl = [str(PG_BIN / "pg_ctl"), "-D", str(data)]
-    start = [*pg_ctl, "-o", options, "-l", str(base / "log"), "-w", "start"]
-    subprocess.run(_as_postgres(start), check=True, capture_output=True)
-    port = options.split()[1]
+    # From here on a failure (initdb refused, the port taken) stops and removes what was
+    # made: a data directory, maybe a server left running by a start that timed out.
     try:
+        sockets.mkdir()
+        if os.geteuid() == 0:
+            shutil.chown(base, "postgres")
+            shutil.chown(sockets, "postgres")
+        initdb = [str(PG_BIN / "initdb"), "-D", str(data), "-U", "postgres", "-A", "trust"]
+        subprocess.run(_as_postgres(initdb), check=True, capture_output=True)
+        port = _free_port()
+        options = (
+            f"-p {port} -k {sockets} -c listen_addresses=127.0.0.1 -c wal_level=logical "
+            f"-c max_replication_slots=20 -c max_wal_senders=10 "
+            f"-c fsync={'on' if fsync else 'off'}"
+        )
+        start = [*pg_ctl, "-o", options, "-l", str(base / "log"), "-w", "start"]
+        try:
+            subprocess.run(_as_postgres(start), check=True, capture_output=True)
+        except subprocess.CalledProcessError as exc:
+            # The server's log says why, and is removed below with the rest.
+            log = base / "log"
+            exc.add_note(log.read_text(errors="replace")[-2000:] if log.exists() else "no log")
+            raise
         yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
     finally:
         stop = [*pg_ctl, "-m", "fast", "-w", "stop"]
@@ -127,22 +136,24 @@ async def running_relay(
     broker.fail = fail
     source = harness.source(destination)
     await source.connect()
-    stop = asyncio.Event()
-    relay = asyncio.create_task(
-        run_stream_relay(
-            source,
-            MemoryPublisher(f"memory://{name}"),
-            stop=stop,
-            batch_size=batch_size,
-            poll_interval=0.01,
-            max_backoff=0.05,
+    try:  # closed even when the relay stopped with an error (refused options, a lost slot)
+        stop = asyncio.Event()
+        relay = asyncio.create_task(
+            run_stream_relay(
+                source,
+                MemoryPublisher(f"memory://{name}"),
+                stop=stop,
+                batch_size=batch_size,
+                poll_interval=0.01,
+                max_backoff=0.05,
+            )
         )
-    )
-    try:
-        yield broker
+        try:
+            yield broker
+        finally:
+            stop.set()
+            await relay
     finally:
-        stop.set()
-        await relay
         await source.close()
 
 
@@ -162,21 +173,23 @@ async def running_stream_relay(
     broker.fail = fail
     source = harness.source(destination)
     await source.connect()
-    relay = StreamRelay(
-        source,
-        MemoryPublisher(f"memory://{name}"),
-        batch_size=batch_size,
-        poll_interval=0.01,
-        outage_backoff_max=0.05,
-        **options,
-    )
-    stop = asyncio.Event()
-    task = asyncio.create_task(relay.run(stop))
-    try:
-        yield broker, relay
+    try:  # closed even when the relay refused its options or stopped with an error
+        relay = StreamRelay(
+            source,
+            MemoryPublisher(f"memory://{name}"),
+            batch_size=batch_size,
+            poll_interval=0.01,
+            outage_backoff_max=0.05,
+            **options,
+        )
+        stop = asyncio.Event()
+        task = asyncio.create_task(relay.run(stop))
+        try:
+            yield broker, relay
+        finally:
+            stop.set()
+            await task
     finally:
-        stop.set()
-        await task
         await source.close()
 
 

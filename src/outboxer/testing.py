@@ -250,6 +250,10 @@ class TcpProxy:
         except OSError:
             writer.close()
             return
+        if self._server is None:  # cut() ran while this connection was being forwarded
+            writer.transport.abort()
+            up_writer.transport.abort()
+            return
         self._writers.update((writer, up_writer))
 
         async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
@@ -270,14 +274,17 @@ class TcpProxy:
             task.add_done_callback(self._tasks.discard)
 
     async def cut(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        # Dropped before waiting: since Python 3.12.1 wait_closed() returns only once every
+        # accepted connection is closed, so waiting first would hang while a client holds one.
         for writer in list(self._writers):
             with contextlib.suppress(Exception):
                 writer.transport.abort()
         self._writers.clear()
+        if server is not None:
+            await server.wait_closed()
 
     async def restore(self) -> None:
         if self._blackholed:
