@@ -843,6 +843,16 @@ class Relay:
                 outage.over()
                 return True
             except (SchemaError, InsecureConnectionError):  # no outage: retrying cannot help
+                # run() closes the store only once the loops ran: without this, aiomysql's
+                # pool outlived the event loop and its finalizer printed a traceback
+                # ("Event loop is closed") after the refusal, as if the relay had crashed.
+                try:
+                    await self.store.close()
+                except Exception as close_error:  # noqa: BLE001 -- the refusal is what to report
+                    self.log.warning(
+                        "closing the database connections after the refusal failed: %s",
+                        describe(close_error),
+                    )
                 raise
             except Exception as exc:  # noqa: BLE001 -- the database may be starting: keep trying, never exit
                 if await outage.back_off(exc):
