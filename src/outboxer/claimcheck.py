@@ -94,6 +94,8 @@ CLAIM_CHECK_HEADERS = frozenset(
 DEFAULT_THRESHOLD = 256 * 1024
 #: An object younger than this is never swept: its transaction may still commit.
 DEFAULT_SWEEP_GRACE = 3600.0
+#: A claim-check put not answered within this many seconds fails the enqueue.
+DEFAULT_PUT_TIMEOUT = 30.0
 
 #: Where holds live in a store: a name no object has (objects never start with a dot).
 HOLDS = ".holds"
@@ -688,16 +690,26 @@ def is_claim_checked(message: Message) -> bool:
 
 @dataclass(frozen=True)
 class ClaimCheck:
-    """Offload payloads larger than ``threshold`` bytes to ``store`` (call before the INSERT)."""
+    """Offload payloads larger than ``threshold`` bytes to ``store`` (call before the INSERT).
+
+    A put runs inside the caller's open transaction, holding its row locks: ``put_timeout``
+    (seconds, None for no bound) gives it up with ClaimCheckStoreError (``errno``
+    ETIMEDOUT) when the store has not answered by then (a hung NFS mount, an S3 endpoint
+    that accepts and never answers). Nothing interrupts the put itself: it goes on in a
+    daemon thread, and its object, if it lands after all, is deleted then (or by the sweep).
+    """
 
     store: ObjectStore
     threshold: int = DEFAULT_THRESHOLD
+    put_timeout: float | None = DEFAULT_PUT_TIMEOUT
 
     def __post_init__(self) -> None:
         if isinstance(self.threshold, bool) or not isinstance(self.threshold, int):
             raise ConfigError("claim-check threshold must be a whole number of bytes")
         if self.threshold < 0:
             raise ConfigError("claim-check threshold must not be negative")
+        if self.put_timeout is not None and not self.put_timeout > 0:  # NaN too
+            raise ConfigError("claim-check put_timeout must be positive (or None)")
 
     def needs_offload(self, message: Message) -> bool:
         return len(message.payload) > self.threshold
@@ -725,7 +737,10 @@ class ClaimCheck:
             return message
         name, reference = self._reference(message)
         try:
-            self.store.put(name, message.payload)
+            if self.put_timeout is None:
+                self.store.put(name, message.payload)
+            else:
+                _put_within(self.store, name, message.payload, self.put_timeout)
         except OutboxerError:
             raise  # ClaimCheckStoreError from outboxer's stores, or a bad name
         except Exception as exc:  # a store of the application's own raises what it likes
@@ -737,7 +752,10 @@ class ClaimCheck:
             return message
         name, reference = self._reference(message)
         try:
-            await self.store.put_async(name, message.payload)
+            if self.put_timeout is None:
+                await self.store.put_async(name, message.payload)
+            else:
+                await _put_within_async(self.store, name, message.payload, self.put_timeout)
         except OutboxerError:
             raise  # ClaimCheckStoreError from outboxer's stores, or a bad name
         except Exception as exc:  # a store of the application's own raises what it likes
@@ -784,6 +802,92 @@ class ClaimCheck:
                 self.store,
                 exc,
             )
+
+
+class _Put:
+    """One bounded put, run in a daemon thread: if its caller gave up before it finished,
+    the object it stored anyway is deleted, since no row will ever refer to it."""
+
+    def __init__(self, store: ObjectStore, name: str, data: bytes) -> None:
+        self.store = store
+        self.name = name
+        self.data = data
+        self.lock = threading.Lock()
+        self.finished = False
+        self.abandoned = False
+
+    def __call__(self) -> None:
+        try:
+            self.store.put(self.name, self.data)
+        except BaseException:
+            with self.lock:
+                self.finished = True
+            raise
+        with self.lock:
+            self.finished = True
+            abandoned = self.abandoned
+        if abandoned:
+            self.store.delete(self.name)
+
+    def give_up(self) -> bool:
+        """True when the put had not finished: it will clean up after itself."""
+        with self.lock:
+            self.abandoned = not self.finished
+            return self.abandoned
+
+    def timed_out(self, timeout: float) -> ClaimCheckStoreError:
+        return ClaimCheckStoreError(
+            f"claim-check store {self.store!r} could not store object {self.name}: "
+            f"no answer within {timeout:g} s (put_timeout)",
+            store=repr(self.store),
+            object_name=self.name,
+            errno=errno.ETIMEDOUT,
+        )
+
+
+def _put_within(store: ObjectStore, name: str, data: bytes, timeout: float) -> None:
+    """``store.put`` given up after ``timeout`` seconds: in a daemon thread, so a hung put
+    neither holds the caller's transaction for ever nor keeps the process from exiting."""
+    put = _Put(store, name, data)
+    outcome: list[BaseException | None] = []
+    done = threading.Event()
+
+    def work() -> None:
+        try:
+            put()
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 -- raised in the waiting caller
+            outcome.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=work, name="outboxer-claim-check-put", daemon=True).start()
+    if not done.wait(timeout) and put.give_up():
+        raise put.timed_out(timeout)
+    done.wait()  # finished just as the wait ended: its outcome is moments away
+    if outcome[0] is not None:
+        raise outcome[0]
+
+
+async def _put_within_async(store: ObjectStore, name: str, data: bytes, timeout: float) -> None:
+    """:func:`_put_within` for async callers, through the store's daemon threads (at most
+    READ_THREADS hung at once); a store that overrides ``put_async`` is awaited within the
+    same bound."""
+    put = _Put(store, name, data)
+    if type(store).put_async is not ObjectStore.put_async:
+        call: Awaitable[None] = store.put_async(name, data)
+    else:
+        call = _read_threads(store).run(put)
+    task = asyncio.ensure_future(call)
+    try:
+        finished, _ = await asyncio.wait((task,), timeout=timeout)
+    except BaseException:
+        task.cancel()
+        raise
+    if not finished and put.give_up():
+        task.cancel()
+        raise put.timed_out(timeout)
+    await task
 
 
 def _restore(message: Message, data: bytes) -> Message:
@@ -1177,6 +1281,7 @@ async def sweep_orphans_async(
 
 __all__ = [
     "CLAIM_CHECK_HEADERS",
+    "DEFAULT_PUT_TIMEOUT",
     "DEFAULT_SWEEP_GRACE",
     "DEFAULT_THRESHOLD",
     "HEADER_CLAIM_CHECK",
