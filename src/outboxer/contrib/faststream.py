@@ -20,7 +20,8 @@ Per message, around the handler: the middleware reads the outbox id (header
 with that transaction's connection (``InboxConnection``, or ``Context("outboxer_connection")``).
 The handler's writes and the claim commit together when the handler returns, before
 FastStream acknowledges; if the handler raises, both roll back and FastStream's ack policy
-decides (``AckPolicy.NACK_ON_ERROR`` redelivers). FastStream's ``AckMessage`` is the handler
+decides (``AckPolicy.NACK_ON_ERROR`` redelivers at once and without limit: bound it with
+a quorum queue's ``x-delivery-limit`` and a dead-letter exchange). FastStream's ``AckMessage`` is the handler
 saying the message is done: its writes and the claim commit, then FastStream acknowledges;
 ``NackMessage``, ``RejectMessage`` and ``SkipMessage`` roll back. A delivery whose id the inbox already
 holds is acknowledged without calling the handler (nor its publishers). A message without
