@@ -19,7 +19,7 @@ from outboxer.stores import create_store
 from tests.chaos.proxy import FaultProxy
 from tests.services import require
 
-#: Tests that run alone, after the others (scripts/test runs the rest on two workers): they
+#: Tests that run alone, after the others (scripts/test runs the rest on three workers): they
 #: stop or restart a shared service, count the machine's sockets, start private servers on
 #: fixed ports, or measure under load; or their reports carry bytes the workers' channel
 #: cannot send (a lone surrogate).
@@ -54,6 +54,8 @@ SERIAL = (
     "tests/integration/test_audit12_mytls_private_server.py",  # a private MariaDB with TLS
     "tests/integration/test_audit12_preferred_private_server.py",  # the same private MariaDB
     "tests/integration/test_audit12_loris_webhook.py",  # private uvicorn servers, timings
+    "tests/integration/test_audit13_mqtt_size_limit.py",  # a private Mosquitto
+    "tests/integration/test_audit13_testing_private_postgres.py",  # a private initdb, temp dirs
 )
 #: Single tests that run alone, by name, wherever they are: the broker contract's restart
 #: (it stops the shared RabbitMQ, Redis, NATS or Mosquitto; the rest of those files shares
