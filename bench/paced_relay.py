@@ -24,6 +24,9 @@ retry, metrics or tracing) that publishes through outboxer's own wave publisher 
 polls every ``busy_poll_interval`` (its default), the control for what a relay costs per
 message on this box whatever it does;
 ``--floor-aiormq`` runs it with aiormq's ``basic_publish`` per message instead.
+``--quiet-destinations N`` gives the relay N more destinations (a config file; the same
+broker) that no writer writes for: what a relay of many destinations spends on the quiet
+ones while one is busy (their claims count among those that found nothing).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -109,9 +113,17 @@ async def paced_run(
         if tree in (FLOOR, FLOOR_AIORMQ):
             relay = FloorProcess(db, AMQP_URL, target.tag, "waves" if tree == FLOOR else "aiormq")
         else:
-            relay = RelayProcess(
-                db, target.url, exit_when_idle=False, env=env, extra=("--log-level", "INFO")
-            )
+            extra: tuple[str, ...] = ("--log-level", "INFO")
+            if args.quiet_destinations:
+                config = Path(tempfile.gettempdir()) / f"outboxer-bench-quiet-{tag}.toml"
+                config.write_text(
+                    "".join(
+                        f'[destinations.quiet{i}]\nbroker = "{target.url}"\n'
+                        for i in range(args.quiet_destinations)
+                    )
+                )
+                extra = (*extra, "--config", str(config))
+            relay = RelayProcess(db, target.url, exit_when_idle=False, env=env, extra=extra)
             await asyncio.to_thread(wait_listening, db)
 
         async def paced(rate: float, count: int, seconds: float, seed: int) -> dict[str, Any]:
@@ -220,6 +232,13 @@ def main() -> int:
         "--floor-aiormq",
         action="store_true",
         help="also run bench/floor_relay.py with aiormq's basic_publish per message",
+    )
+    parser.add_argument(
+        "--quiet-destinations",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N more destinations on the relay that nobody writes for",
     )
     parser.add_argument(
         "--py-spy", default=shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")

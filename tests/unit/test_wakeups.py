@@ -10,6 +10,7 @@ from outboxer.stores.wakeups import (
     LISTEN_AGAIN,
     PROBE_EVERY,
     PROBE_SECONDS,
+    QUIET_SECONDS,
     RATE_SECONDS,
     REGISTRATION_MARGIN,
     WakeUps,
@@ -212,3 +213,43 @@ def test_a_trickle_is_never_probed() -> None:
         clock.now += 0.05
         wakeups.worked(1)
         assert not wakeups.busy
+
+
+async def test_a_destination_is_quiet_until_its_claims_find_work_and_again_after() -> None:
+    clock = Clock()
+    wakeups = WakeUps(clock)
+    wakeups.seen("busy")
+    assert not wakeups.several_destinations, "one destination: nobody asks before claiming"
+    wakeups.seen("other")
+    assert wakeups.several_destinations
+    assert wakeups.quiet("busy") and wakeups.quiet("other"), "never worked"
+    wakeups.worked(3, "busy")
+    assert not wakeups.quiet("busy") and wakeups.quiet("other")
+    clock.now += QUIET_SECONDS
+    assert wakeups.quiet("busy")
+
+
+async def test_going_busy_nudges_the_quiet_destinations_only() -> None:
+    clock = Clock()
+    wakeups = WakeUps(clock)
+    for destination in ("busy", "quiet"):
+        wakeups.seen(destination)
+    wakeups.worked(1, "busy")
+    busy, quiet = (asyncio.create_task(wakeups.wait(d, 5)) for d in ("busy", "quiet"))
+    await asyncio.sleep(0.01)
+    wakeups.nudge_quiet()  # the relay withdrew its registration: no NOTIFY comes now
+    assert await asyncio.wait_for(quiet, 1) is True
+    assert not busy.done(), "a busy destination chases by itself"
+    busy.cancel()
+
+
+def test_chases_on_the_tick_end_at_the_same_instant() -> None:
+    """The chases of quiet destinations, begun at different times, end at the same instant
+    (in one turn of the event loop): their loops then ask the database one question, not one
+    each. Without ``on_tick``, each ends busy_poll after it began."""
+    wakeups = WakeUps(busy_poll=0.05)
+    begun = [1000.001, 1000.013, 1000.029, 1000.049]
+    on_tick = {round(now + wakeups.chase_delay(now, on_tick=True), 9) for now in begun}
+    assert on_tick == {1000.05}
+    alone = {round(now + wakeups.chase_delay(now, on_tick=False), 9) for now in begun}
+    assert len(alone) == len(begun)

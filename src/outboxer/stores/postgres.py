@@ -15,7 +15,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from outboxer.config import DAY, Settings
@@ -196,6 +196,9 @@ class PostgresStore(Store):
         #: committed, and its rows then wait in flight for nobody (see _release_unanswered).
         #: Whether the claim was allowed to recover matters (queries.sql: expire_unanswered_recovery).
         self._unanswered: dict[str, list[tuple[Lease, float, bool]]] = {}
+        #: The question to the database the loops of quiet destinations woken in this turn
+        #: of the event loop join (see _due), before it is sent.
+        self._forming_probe: _DueProbe | None = None
         tokens = self.tokens()
         self._sql: dict[str, tuple[str, tuple[str, ...]]] = {
             name: to_numbered(render(sql, tokens)) for name, sql in queries("postgres").items()
@@ -704,7 +707,7 @@ class PostgresStore(Store):
         kinds = {row["taken"] for row in rows}
         taken = sorted((row for row in rows if row["taken"] in _TAKEN), key=_by_seq)
         if taken:
-            self._wakeups.worked(len(taken))
+            self._wakeups.worked(len(taken), destination)
             if self._wakeups.registered and self._wakeups.busy:  # under load: poll
                 self._stop_listening()
         messages, unreadable = read_rows(
@@ -1002,11 +1005,30 @@ class PostgresStore(Store):
 
         Right after a fresh registration this returns at once, so the relay looks for work
         once more: a writer that committed just before the registration did not notify.
+
+        In a relay of several destinations, the loop of a quiet one (stores.wakeups) goes on
+        waiting when woken while nothing is due for its destination (``_due``): a NOTIFY
+        wakes every destination, and the chase polls them all. The loop claims once
+        something is due, or the timeout passed (the relay's fallback poll).
         """
         wakeups = self._wakeups
         wakeups.seen(destination)
+        if not (wakeups.several_destinations and wakeups.quiet(destination)):
+            return await self._wait_once(destination, timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            woken = await self._wait_once(destination, timeout, on_tick=True)
+            if woken and (not wakeups.quiet(destination) or await self._due(destination)):
+                return True
+            timeout = deadline - loop.time()
+            if timeout <= 0:
+                return False
+
+    async def _wait_once(self, destination: str, timeout: float, *, on_tick: bool = False) -> bool:
+        wakeups = self._wakeups
         if wakeups.busy:
-            return await wakeups.chase(destination, timeout)
+            return await wakeups.chase(destination, timeout, on_tick=on_tick)
         try:
             async with self._listener_lock:
                 await self._ensure_listener()
@@ -1034,9 +1056,44 @@ class PostgresStore(Store):
             await self._return_kept()
         return woken
 
+    async def _due(self, destination: str) -> bool:
+        """Whether ``destination`` has a row a claim could take (queries.sql: due_destinations).
+
+        One statement answers the loops of every destination that asks in this turn of the
+        event loop (a NOTIFY wakes them all in one turn, the chase's ticks too). Each loop
+        forgets its nudges before the statement is sent: a commit its snapshot misses
+        notifies after that, and wakes the loop again. A failed question is no outage of
+        its own: the loops claim, and the claim meets (and reports) what failed.
+        """
+        self._wakeups.reset(destination)
+        probe = self._forming_probe
+        if probe is not None:
+            probe.destinations.add(destination)
+            return destination in await asyncio.shield(probe.answer)
+        probe = self._forming_probe = _DueProbe({destination})
+        try:
+            try:
+                await asyncio.sleep(0)  # the loops woken with this one join
+            finally:
+                self._forming_probe = None
+            sql, args = self._args("due_destinations", {"destinations": sorted(probe.destinations)})
+            rows = await self._statement(lambda conn: conn.fetch(sql, *args))
+        except Exception as exc:  # noqa: BLE001 -- asyncpg's errors too: the claims report them
+            logger.debug("due_destinations failed, claiming: %s", exc)
+            probe.answer.set_result(probe.destinations)
+            return True
+        except BaseException:  # cancelled (the relay stops): the others claim
+            probe.answer.set_result(probe.destinations)
+            raise
+        due = {row["destination"] for row in rows}
+        probe.answer.set_result(due)
+        return destination in due
+
     def _stop_listening(self) -> None:
         """Withdraw this relay's idle registration (it is busy), in the background."""
         self._wakeups.withdraw()
+        # Quiet destinations' loops wait for a NOTIFY that no writer sends now: they chase.
+        self._wakeups.nudge_quiet()
         if self._unregistering is None or self._unregistering.done():
             self._unregistering = asyncio.get_running_loop().create_task(self._unregister())
 
@@ -1179,6 +1236,17 @@ async def _durably(conn: Any) -> None:
 
 #: A wait for wake-ups this long that nobody cut short gives the kept connections back.
 QUIET_WAIT = 0.5
+
+
+@dataclass
+class _DueProbe:
+    """One due_destinations question: the destinations that asked, and its answer."""
+
+    destinations: set[str]
+    answer: asyncio.Future[set[str]] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
 
 #: What the claim function says it did with the rows it returns that it took.
 _TAKEN = ("claimed", "recovered")

@@ -32,6 +32,14 @@ do not wait for each other. Four parts:
 * **The registration** as idle listener: when it lapses, whether it is due for renewal
   before a wait, and whether it was made just now (then the relay looks for work once more:
   a writer that committed just before the registration did not notify).
+* **Quiet destinations**, in a relay of several: one none of whose claims found work for
+  ``QUIET_SECONDS``. A NOTIFY does not say which destinations it is for, and the chase
+  ran for every destination alike: with one destination busy, each of the others claimed
+  every ``busy_poll`` seconds and at every NOTIFY, finding nothing. Woken, a loop of a
+  quiet destination first asks, with the other quiet destinations woken at the same time,
+  one cheap read-only question (``PostgresStore``: which of them have a row due), and
+  claims only if its destination has; their chases poll on shared ticks, so that the
+  question is asked once a tick for all of them.
 """
 
 from __future__ import annotations
@@ -64,6 +72,12 @@ PROBE_SECONDS = 0.1
 #: For at most this long after a nudge woke a loop (or was kept for the next wait), further
 #: nudges of the destination are left to that loop's claim, which has not begun yet.
 COVER_SECONDS = 0.05
+#: A destination none of whose claims found work for this long is quiet (see the module doc).
+#: Short: a destination that is not quiet claims at every NOTIFY for the others (at 100
+#: commits/s for one destination, a second of that was 100 claims of another that had
+#: published one row); one that is asks first, a round trip more before its claim, which
+#: a destination of more than 10 messages a second never pays.
+QUIET_SECONDS = 0.1
 
 
 class WakeUps:
@@ -95,8 +109,10 @@ class WakeUps:
         #: Per destination: until when a nudge already delivered (a loop woken, or one kept
         #: for the next wait) covers later ones, see nudge.
         self._covered_until: dict[str, float] = {}
-        #: When a claim last found work; the destinations one of whose loops is chasing.
+        #: When a claim last found work (of any destination, and per destination); the
+        #: destinations one of whose loops is chasing.
         self._worked_at = -math.inf
+        self._destination_worked_at: dict[str, float] = {}
         self._chasing: set[str] = set()
         #: Until when this relay is registered as an idle listener (0: not registered).
         self.registered_until = 0.0
@@ -142,6 +158,13 @@ class WakeUps:
         for destination in list(self._pending):
             self.nudge(destination)
 
+    def nudge_quiet(self) -> None:
+        """Nudge the quiet destinations: their loops waiting for a NOTIFY that will not come
+        (the relay is busy and withdrew its registration) go and chase."""
+        for destination in list(self._pending):
+            if self.quiet(destination):
+                self.nudge(destination)
+
     async def wait(self, destination: str, timeout: float) -> bool:
         """Wait for a nudge of ``destination`` (True) or the timeout (False)."""
         if self._pending.get(destination):
@@ -163,9 +186,11 @@ class WakeUps:
 
     # ----- the chase -------------------------------------------------------------------------
 
-    def worked(self, messages: int = 1) -> None:
-        """A claim took ``messages`` just now."""
+    def worked(self, messages: int = 1, destination: str | None = None) -> None:
+        """A claim (of ``destination``) took ``messages`` just now."""
         now = self._worked_at = self._clock()
+        if destination is not None:
+            self._destination_worked_at[destination] = now
         # Each claim adds messages / RATE_SECONDS to an average that decays with time
         # constant RATE_SECONDS: its expected value is the claim rate.
         self._rate = self.rate + messages / RATE_SECONDS
@@ -194,17 +219,38 @@ class WakeUps:
         now = self._clock()
         return (self._loaded or now < self._probe_until) and now - self._worked_at < CHASE_SECONDS
 
-    async def chase(self, destination: str, timeout: float) -> bool:
+    async def chase(self, destination: str, timeout: float, *, on_tick: bool = False) -> bool:
         """One loop of the destination looks again shortly (True); its others wait to be
-        nudged, as for a NOTIFY, for at most CHASE_SECONDS."""
+        nudged, as for a NOTIFY, for at most CHASE_SECONDS. ``on_tick``: the look comes
+        at the next multiple of ``busy_poll`` on the loop's clock, when the chases of all
+        quiet destinations end, in one turn of the event loop."""
         if destination in self._chasing:
             return await self.wait(destination, min(timeout, CHASE_SECONDS))
         self._chasing.add(destination)
+        delay = self.chase_delay(asyncio.get_running_loop().time(), on_tick=on_tick)
         try:
-            await self.wait(destination, min(timeout, self.busy_poll))
+            await self.wait(destination, min(timeout, delay))
         finally:
             self._chasing.discard(destination)
         return True
+
+    def chase_delay(self, now: float, *, on_tick: bool) -> float:
+        """Seconds from ``now`` (the event loop's clock) to the chase's next look."""
+        if on_tick:
+            return self.busy_poll - now % self.busy_poll
+        return self.busy_poll
+
+    # ----- quiet destinations ----------------------------------------------------------------
+
+    @property
+    def several_destinations(self) -> bool:
+        """Whether loops of more than one destination wait here."""
+        return len(self._pending) > 1
+
+    def quiet(self, destination: str) -> bool:
+        """No claim of ``destination`` found work for QUIET_SECONDS (or ever)."""
+        worked_at = self._destination_worked_at.get(destination, -math.inf)
+        return self._clock() - worked_at >= QUIET_SECONDS
 
     # ----- the idle registration -------------------------------------------------------------
 

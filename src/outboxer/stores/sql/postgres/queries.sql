@@ -334,3 +334,19 @@ ON CONFLICT (relay) DO UPDATE SET until = EXCLUDED.until
 
 -- name: unregister_listener
 DELETE FROM {listeners} WHERE relay = :relay OR until < now() - interval '1 hour'
+
+-- name: due_destinations
+-- Which of :destinations have a row a claim could take now, read only: a due PENDING |
+-- FAILED row, or a lease that expired. A superset of what the claim takes (a key's order,
+-- held back rows and max_attempts are the claim's to judge): a destination left out has
+-- nothing a claim would take at this statement's snapshot. Asked once for the loops of
+-- every quiet destination woken together (stores.wakeups), each an index probe through
+-- ready_idx of that destination's unfinished rows.
+SELECT d.destination
+FROM unnest(CAST(:destinations AS text[])) AS d(destination)
+WHERE EXISTS (
+    SELECT 1 FROM {outbox} AS o
+    WHERE o.destination = d.destination
+      AND o.status IN ('PENDING', 'FAILED', 'PROCESSING')
+      AND CASE o.status WHEN 'PROCESSING' THEN o.locked_until < now()
+                        ELSE o.next_attempt_at <= now() END)
