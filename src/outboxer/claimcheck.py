@@ -59,7 +59,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
@@ -96,6 +96,23 @@ DEFAULT_THRESHOLD = 256 * 1024
 DEFAULT_SWEEP_GRACE = 3600.0
 #: A claim-check put not answered within this many seconds fails the enqueue.
 DEFAULT_PUT_TIMEOUT = 30.0
+#: Bounded puts of one ClaimCheck whose threads may run at once (answered or not): past it, a
+#: put fails at once (errno EBUSY). A healthy put lasts milliseconds, so even 50 writers
+#: each putting 10 objects a second into a 100 ms S3 keep about 50 in flight; a hung store
+#: holds each thread, with its payload (over the threshold: 256 KiB or more), until it
+#: answers, so the cap bounds what a hang costs to 64 threads and 64 payloads.
+DEFAULT_MAX_UNANSWERED_PUTS = 64
+#: Puts of one ``offload_all_async`` batch started at once, well under the cap above: a
+#: batch of many large messages never takes every slot by itself.
+BATCH_PUTS = 16
+#: A sweep gives up a call to the store (a listing page, ``held``, a delete) not answered
+#: within this many seconds (``outboxer claim-check sweep`` and the relay's cleanup pass
+#: ``claim_check_read_timeout``).
+DEFAULT_SWEEP_CALL_TIMEOUT = 30.0
+#: Sweep calls to stores that may run at once in the process. A sweep that times out leaves
+#: one call hung and ends; once this many are, sweeps fail at once until one returns (the
+#: relay makes a new store for each sweep, so the bound is the process's, not a store's).
+SWEEP_THREADS = 4
 
 #: Where holds live in a store: a name no object has (objects never start with a dot).
 HOLDS = ".holds"
@@ -127,6 +144,19 @@ class ObjectReadTimeoutError(ClaimCheckError, TimeoutError):
 class HoldTimeoutError(ClaimCheckError, TimeoutError):
     """The object store did not put (or delete) a claim-check hold within its timeout: as
     a failed hold, the dead letter that needed it is not written (retried later)."""
+
+
+class ClaimCheckSweepTimeoutError(ClaimCheckError, TimeoutError):
+    """A claim-check sweep gave up: the object store did not answer one of its calls in
+    time (or calls of earlier sweeps are still unanswered). What it deleted before stays
+    deleted (``deleted``); the next sweep starts over."""
+
+    def __init__(self, message: str, *, deleted: int = 0) -> None:
+        super().__init__(message)
+        self.deleted = deleted
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 class ClaimCheckStoreError(ClaimCheckError, OSError):
@@ -697,11 +727,18 @@ class ClaimCheck:
     ETIMEDOUT) when the store has not answered by then (a hung NFS mount, an S3 endpoint
     that accepts and never answers). Nothing interrupts the put itself: it goes on in a
     daemon thread, and its object, if it lands after all, is deleted then (or by the sweep).
+
+    ``max_unanswered_puts`` caps those threads (in flight or given up, until the store
+    answers): a put that finds them all running fails at once with ClaimCheckStoreError
+    (``errno`` EBUSY), writing nothing, so a store that hangs costs a bounded number of
+    threads, not one per enqueue.
     """
 
     store: ObjectStore
     threshold: int = DEFAULT_THRESHOLD
     put_timeout: float | None = DEFAULT_PUT_TIMEOUT
+    max_unanswered_puts: int = DEFAULT_MAX_UNANSWERED_PUTS
+    _put_slots: _Slots = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.threshold, bool) or not isinstance(self.threshold, int):
@@ -710,6 +747,14 @@ class ClaimCheck:
             raise ConfigError("claim-check threshold must not be negative")
         if self.put_timeout is not None and not self.put_timeout > 0:  # NaN too
             raise ConfigError("claim-check put_timeout must be positive (or None)")
+        if (
+            isinstance(self.max_unanswered_puts, bool)
+            or not isinstance(self.max_unanswered_puts, int)
+            or self.max_unanswered_puts < 1
+        ):
+            raise ConfigError("claim-check max_unanswered_puts must be a whole number, at least 1")
+        # Per ClaimCheck: replace() makes a new one, with slots of its own.
+        object.__setattr__(self, "_put_slots", _Slots(self.max_unanswered_puts))
 
     def needs_offload(self, message: Message) -> bool:
         return len(message.payload) > self.threshold
@@ -740,7 +785,7 @@ class ClaimCheck:
             if self.put_timeout is None:
                 self.store.put(name, message.payload)
             else:
-                _put_within(self.store, name, message.payload, self.put_timeout)
+                _put_within(self.store, name, message.payload, self.put_timeout, self._put_slots)
         except OutboxerError:
             raise  # ClaimCheckStoreError from outboxer's stores, or a bad name
         except Exception as exc:  # a store of the application's own raises what it likes
@@ -755,7 +800,9 @@ class ClaimCheck:
             if self.put_timeout is None:
                 await self.store.put_async(name, message.payload)
             else:
-                await _put_within_async(self.store, name, message.payload, self.put_timeout)
+                await _put_within_async(
+                    self.store, name, message.payload, self.put_timeout, self._put_slots
+                )
         except OutboxerError:
             raise  # ClaimCheckStoreError from outboxer's stores, or a bad name
         except Exception as exc:  # a store of the application's own raises what it likes
@@ -776,11 +823,15 @@ class ClaimCheck:
         return done
 
     async def offload_all_async(self, messages: Sequence[Message]) -> list[Message]:
-        """:meth:`offload_async` of the messages at once; as :meth:`offload_all`, the
-        others' objects are deleted when one fails."""
-        results = await asyncio.gather(
-            *(self.offload_async(m) for m in messages), return_exceptions=True
-        )
+        """:meth:`offload_async` of the messages, BATCH_PUTS at a time; as
+        :meth:`offload_all`, the others' objects are deleted when one fails."""
+        started = asyncio.Semaphore(BATCH_PUTS)
+
+        async def offload_one(message: Message) -> Message:
+            async with started:
+                return await self.offload_async(message)
+
+        results = await asyncio.gather(*(offload_one(m) for m in messages), return_exceptions=True)
         done = [r for r in results if isinstance(r, Message)]
         for result in results:
             if isinstance(result, BaseException):
@@ -844,11 +895,24 @@ class _Put:
             errno=errno.ETIMEDOUT,
         )
 
+    def busy(self, slots: _Slots) -> ClaimCheckStoreError:
+        return ClaimCheckStoreError(
+            f"claim-check store {self.store!r} could not store object {self.name}: "
+            f"{slots.taken} puts to the object store are still unanswered "
+            f"(max_unanswered_puts {slots.limit}); not tried",
+            store=repr(self.store),
+            object_name=self.name,
+            errno=errno.EBUSY,
+        )
 
-def _put_within(store: ObjectStore, name: str, data: bytes, timeout: float) -> None:
+
+def _put_within(store: ObjectStore, name: str, data: bytes, timeout: float, slots: _Slots) -> None:
     """``store.put`` given up after ``timeout`` seconds: in a daemon thread, so a hung put
-    neither holds the caller's transaction for ever nor keeps the process from exiting."""
+    neither holds the caller's transaction for ever nor keeps the process from exiting. The
+    thread holds one of ``slots`` until it ends; with none free, the put fails at once."""
     put = _Put(store, name, data)
+    if not slots.take():
+        raise put.busy(slots)
     outcome: list[BaseException | None] = []
     done = threading.Event()
 
@@ -859,9 +923,14 @@ def _put_within(store: ObjectStore, name: str, data: bytes, timeout: float) -> N
         except BaseException as exc:  # noqa: BLE001 -- raised in the waiting caller
             outcome.append(exc)
         finally:
+            slots.give_back()  # after the late object's delete too: the thread is done
             done.set()
 
-    threading.Thread(target=work, name="outboxer-claim-check-put", daemon=True).start()
+    try:
+        threading.Thread(target=work, name="outboxer-claim-check-put", daemon=True).start()
+    except BaseException:
+        slots.give_back()
+        raise
     if not done.wait(timeout) and put.give_up():
         raise put.timed_out(timeout)
     done.wait()  # finished just as the wait ended: its outcome is moments away
@@ -869,15 +938,19 @@ def _put_within(store: ObjectStore, name: str, data: bytes, timeout: float) -> N
         raise outcome[0]
 
 
-async def _put_within_async(store: ObjectStore, name: str, data: bytes, timeout: float) -> None:
-    """:func:`_put_within` for async callers, through the store's daemon threads (at most
-    READ_THREADS hung at once); a store that overrides ``put_async`` is awaited within the
-    same bound."""
+async def _put_within_async(
+    store: ObjectStore, name: str, data: bytes, timeout: float, slots: _Slots
+) -> None:
+    """:func:`_put_within` for async callers, in a daemon thread holding one of ``slots``
+    (none free: fails at once); a store that overrides ``put_async`` starts no thread of
+    outboxer's and is awaited within the same bound."""
     put = _Put(store, name, data)
     if type(store).put_async is not ObjectStore.put_async:
         call: Awaitable[None] = store.put_async(name, data)
     else:
-        call = _read_threads(store).run(put)
+        if not slots.take():
+            raise put.busy(slots)
+        call = _in_daemon_thread(put, slots.give_back, "outboxer-claim-check-put")
     task = asyncio.ensure_future(call)
     try:
         finished, _ = await asyncio.wait((task,), timeout=timeout)
@@ -977,7 +1050,8 @@ async def fetch_payload_async(
 
 
 #: Reads of one store that may run at once in fetch_payload_async with a timeout (holds,
-#: put_hold_bounded and delete_hold_bounded, share them: a hung store hangs both).
+#: put_hold_bounded and delete_hold_bounded, share them: a hung store hangs both; puts and
+#: sweeps have slots of their own, and fail at once rather than wait for one).
 READ_THREADS = 16
 
 _T = TypeVar("_T")
@@ -1065,25 +1139,8 @@ class _ReadThreads:
             return self._limit - self._free
 
     async def run(self, read: Callable[[], _T]) -> _T:
-        loop = asyncio.get_running_loop()
-        await self._acquire(loop)
-        done: asyncio.Future[_T] = loop.create_future()
-
-        def work() -> None:
-            try:
-                outcome: _T | BaseException = read()
-            except BaseException as exc:  # noqa: BLE001 -- handed to the waiting caller
-                outcome = exc
-            finally:
-                self._release()
-            _settle(loop, done, outcome)
-
-        try:
-            threading.Thread(target=work, name="outboxer-claim-check-read", daemon=True).start()
-        except BaseException:
-            self._release()
-            raise
-        return await done
+        await self._acquire(asyncio.get_running_loop())
+        return await _in_daemon_thread(read, self._release, "outboxer-claim-check-read")
 
     async def _acquire(self, loop: asyncio.AbstractEventLoop) -> None:
         with self._lock:
@@ -1116,6 +1173,59 @@ class _ReadThreads:
                     continue
                 return
             self._free += 1
+
+
+class _Slots:
+    """A count of daemon threads that may run at once, taken without waiting: a caller that
+    finds none free fails at once rather than queue behind calls a hung store may never
+    answer. A thread gives its slot back when its call returns, however late."""
+
+    def __init__(self, limit: int) -> None:
+        self._lock = threading.Lock()
+        self.limit = limit
+        self._taken = 0
+
+    @property
+    def taken(self) -> int:
+        with self._lock:
+            return self._taken
+
+    def take(self) -> bool:
+        with self._lock:
+            if self._taken >= self.limit:
+                return False
+            self._taken += 1
+            return True
+
+    def give_back(self) -> None:
+        with self._lock:
+            self._taken -= 1
+
+
+def _in_daemon_thread(
+    call: Callable[[], _T], release: Callable[[], None], thread_name: str
+) -> Awaitable[_T]:
+    """``call()`` in a daemon thread holding a slot already taken (``release`` gives it
+    back when the call returns); its outcome is awaited. Awaiting may be given up (a
+    timeout): the thread goes on, holding its slot, and its outcome is dropped."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[_T] = loop.create_future()
+
+    def work() -> None:
+        try:
+            outcome: _T | BaseException = call()
+        except BaseException as exc:  # noqa: BLE001 -- handed to the waiting caller
+            outcome = exc
+        finally:
+            release()
+        _settle(loop, done, outcome)
+
+    try:
+        threading.Thread(target=work, name=thread_name, daemon=True).start()
+    except BaseException:
+        release()
+        raise
+    return done
 
 
 def _grant(waiter: asyncio.Future[None]) -> None:
@@ -1206,6 +1316,88 @@ def _delete_leftovers(store: ObjectStore, grace: float, now: float | None) -> No
         logger.info("claim-check sweep deleted %d leftover(s) of interrupted puts", leftovers)
 
 
+#: The sweeps' store calls running in the process, answered or not (see SWEEP_THREADS).
+_sweep_slots = _Slots(SWEEP_THREADS)
+_sweep_failures_lock = threading.Lock()
+_sweep_failures = 0
+
+
+def sweep_failures() -> int:
+    """How many sweeps of this process gave up on a store that did not answer in time."""
+    with _sweep_failures_lock:
+        return _sweep_failures
+
+
+class _SweepCalls:
+    """One sweep's calls to its store, each given up after ``timeout`` seconds (None: no
+    bound, in the caller's thread). A call runs in a daemon thread holding one of the
+    process's sweep slots: a hung one is left behind, which neither keeps the process from
+    exiting nor, past SWEEP_THREADS, adds threads (further sweeps fail at once)."""
+
+    def __init__(self, store: ObjectStore, timeout: float | None) -> None:
+        if timeout is not None and not timeout > 0:  # NaN too
+            raise ConfigError("the claim-check sweep's call timeout must be positive (or None)")
+        self.store = store
+        self.timeout = timeout
+        self.deleted = 0
+
+    def busy(self, what: str) -> ClaimCheckSweepTimeoutError:
+        return self.failed(
+            f"claim-check sweep of {self.store!r} not {what}: {_sweep_slots.taken} calls of "
+            "earlier sweeps to object stores are still unanswered"
+        )
+
+    def timed_out(self, what: str) -> ClaimCheckSweepTimeoutError:
+        return self.failed(
+            f"claim-check sweep of {self.store!r} gave up {what}: no answer within "
+            f"{self.timeout:g} s ({self.deleted} object(s) deleted before)"
+        )
+
+    def failed(self, message: str) -> ClaimCheckSweepTimeoutError:
+        global _sweep_failures
+        with _sweep_failures_lock:
+            _sweep_failures += 1
+        logger.warning("%s; the next sweep tries again", message)
+        return ClaimCheckSweepTimeoutError(message, deleted=self.deleted)
+
+    def call(self, what: str, call: Callable[[], _T]) -> _T:
+        if self.timeout is None:
+            return call()
+        if not _sweep_slots.take():
+            raise self.busy(what)
+        outcome: list[tuple[bool, Any]] = []
+        done = threading.Event()
+
+        def work() -> None:
+            try:
+                outcome.append((True, call()))
+            except BaseException as exc:  # noqa: BLE001 -- raised in the waiting caller
+                outcome.append((False, exc))
+            finally:
+                _sweep_slots.give_back()
+                done.set()
+
+        try:
+            threading.Thread(target=work, name="outboxer-claim-check-sweep", daemon=True).start()
+        except BaseException:
+            _sweep_slots.give_back()
+            raise
+        if not done.wait(self.timeout):
+            raise self.timed_out(what)
+        answered, result = outcome[0]
+        if not answered:
+            raise result
+        return result  # type: ignore[no-any-return]
+
+    async def call_async(self, what: str, call: Callable[[], _T]) -> _T:
+        if self.timeout is None:
+            return await asyncio.to_thread(call)
+        if not _sweep_slots.take():
+            raise self.busy(what)
+        running = _in_daemon_thread(call, _sweep_slots.give_back, "outboxer-claim-check-sweep")
+        return await _bounded(running, self.timeout, lambda: self.timed_out(what))
+
+
 def sweep_orphans(
     store: ObjectStore,
     referenced: Referenced,
@@ -1213,6 +1405,7 @@ def sweep_orphans(
     grace: float = DEFAULT_SWEEP_GRACE,
     batch: int = 1000,
     now: float | None = None,
+    call_timeout: float | None = DEFAULT_SWEEP_CALL_TIMEOUT,
 ) -> int:
     """Delete outboxer's objects older than ``grace`` seconds that no row refers to and
     no holder holds (:meth:`ObjectStore.put_hold`: a consumer's dead letter).
@@ -1221,26 +1414,38 @@ def sweep_orphans(
     still refers to (the Store's query; any row counts, whatever its status). Objects that
     are not outboxer's (other names) are never touched. Returns how many were deleted
     (objects deleted by someone else between the listing and the delete count too).
+
+    Each call to the store (a page of the listing, ``held``, a page's deletes) not answered
+    within ``call_timeout`` seconds ends the sweep with ClaimCheckSweepTimeoutError, a
+    logged warning and one more :func:`sweep_failures`: a hung store never hangs the sweep
+    (nor the relay's cleanup that runs it); the next sweep tries again.
     """
     _check_grace(grace)
     _check_batch(batch)
-    _delete_leftovers(store, grace, now)
-    deleted = 0
-    pages = _candidate_pages(store.list_objects(), grace, now, batch)
+    calls = _SweepCalls(store, call_timeout)
+    calls.call("deleting leftovers", lambda: _delete_leftovers(store, grace, now))
+    listing = calls.call("listing", store.list_objects)
+    pages = _candidate_pages(listing, grace, now, batch)
     try:
-        for chunk in pages:
+        while True:
+            chunk = calls.call("listing", lambda: next(pages, None))
+            if chunk is None:
+                break
             kept = set(referenced(chunk))
             # Asked again for each page, just before its deletes: a hold put since the
             # previous page counts.
-            kept |= store.held()
+            kept |= calls.call("reading holds", store.held)
             orphans = [parsed.name for parsed in chunk if parsed.name not in kept]
-            store.delete_many(orphans)
-            deleted += len(orphans)
+            calls.call("deleting", lambda: store.delete_many(orphans))  # noqa: B023 -- called here
+            calls.deleted += len(orphans)
     finally:
-        pages.close()  # the listing's directory handle, at once even on an error
-    if deleted:
-        logger.info("claim-check sweep deleted %d orphaned object(s)", deleted)
-    return deleted
+        # The listing's directory handle, at once even on an error; a listing still hung in
+        # a thread cannot be closed (ValueError), and is closed when collected instead.
+        with contextlib.suppress(ValueError):
+            pages.close()
+    if calls.deleted:
+        logger.info("claim-check sweep deleted %d orphaned object(s)", calls.deleted)
+    return calls.deleted
 
 
 async def sweep_orphans_async(
@@ -1250,38 +1455,43 @@ async def sweep_orphans_async(
     grace: float = DEFAULT_SWEEP_GRACE,
     batch: int = 1000,
     now: float | None = None,
+    call_timeout: float | None = DEFAULT_SWEEP_CALL_TIMEOUT,
 ) -> int:
     """:func:`sweep_orphans` for async callers: listing (a page at a time, through the
-    store's ``list_objects``) and deleting in threads."""
+    store's ``list_objects``) and deleting in threads, each call bounded the same way."""
     _check_grace(grace)
     _check_batch(batch)
-    await asyncio.to_thread(_delete_leftovers, store, grace, now)
-    deleted = 0
-    pages = _candidate_pages(store.list_objects(), grace, now, batch)
+    calls = _SweepCalls(store, call_timeout)
+    await calls.call_async("deleting leftovers", lambda: _delete_leftovers(store, grace, now))
+    listing = await calls.call_async("listing", store.list_objects)
+    pages = _candidate_pages(listing, grace, now, batch)
     try:
         while True:
-            # One thread at a time pulls from the listing: never two at once.
-            chunk = await asyncio.to_thread(next, pages, None)
+            # One thread at a time pulls from the listing: never two at once (a timed-out
+            # pull ends the sweep).
+            chunk = await calls.call_async("listing", lambda: next(pages, None))
             if chunk is None:
                 break
             kept = set(await referenced(chunk))
-            kept |= await asyncio.to_thread(store.held)
+            kept |= await calls.call_async("reading holds", store.held)
             orphans = [parsed.name for parsed in chunk if parsed.name not in kept]
-            await store.delete_many_async(orphans)
-            deleted += len(orphans)
+            await calls.call_async("deleting", lambda: store.delete_many(orphans))  # noqa: B023
+            calls.deleted += len(orphans)
     finally:
-        # Cancelled while a thread pulls a page, the generator is still running there:
-        # closing it then raises ValueError, and it is closed when collected instead.
+        # Cancelled or timed out while a thread pulls a page, the generator is still
+        # running there: closing it then raises ValueError, and it is closed when collected.
         with contextlib.suppress(ValueError):
             pages.close()
-    if deleted:
-        logger.info("claim-check sweep deleted %d orphaned object(s)", deleted)
-    return deleted
+    if calls.deleted:
+        logger.info("claim-check sweep deleted %d orphaned object(s)", calls.deleted)
+    return calls.deleted
 
 
 __all__ = [
     "CLAIM_CHECK_HEADERS",
+    "DEFAULT_MAX_UNANSWERED_PUTS",
     "DEFAULT_PUT_TIMEOUT",
+    "DEFAULT_SWEEP_CALL_TIMEOUT",
     "DEFAULT_SWEEP_GRACE",
     "DEFAULT_THRESHOLD",
     "HEADER_CLAIM_CHECK",
@@ -1292,6 +1502,7 @@ __all__ = [
     "ClaimCheck",
     "ClaimCheckError",
     "ClaimCheckStoreError",
+    "ClaimCheckSweepTimeoutError",
     "FileObjectStore",
     "HoldTimeoutError",
     "ObjectMismatchError",
@@ -1311,6 +1522,7 @@ __all__ = [
     "object_name",
     "put_hold_bounded",
     "references",
+    "sweep_failures",
     "sweep_orphans",
     "sweep_orphans_async",
 ]

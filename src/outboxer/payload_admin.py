@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from outboxer.claimcheck import (
+    DEFAULT_SWEEP_CALL_TIMEOUT,
     HEADER_CLAIM_CHECK,
     ClaimCheck,
     ObjectName,
@@ -141,7 +142,12 @@ def outbox(settings: Settings) -> Outbox:
 
 def sweep_claim_checks(settings: Settings) -> int | None:
     """Delete the claim-check objects no row refers to, older than the grace: those of
-    rolled-back enqueues, and those whose rows retention deleted. None without a store."""
+    rolled-back enqueues, and those whose rows retention deleted. None without a store.
+
+    Each call to the store is bounded by ``claim_check_read_timeout`` (the one setting for
+    how long outboxer waits on the store): a hung store ends the sweep with
+    ClaimCheckSweepTimeoutError (logged, counted in ``sweep_failures``) rather than hang
+    ``outboxer claim-check sweep`` or the relay's cleanup, which tries again next time."""
     store = object_store(settings)
     if store is None:
         return None
@@ -149,7 +155,11 @@ def sweep_claim_checks(settings: Settings) -> int | None:
         with payload_table(
             settings.require_db(), schema=settings.schema, table=settings.table
         ) as table:
-            return table.sweep(store, grace=settings.claim_check_sweep_grace)
+            return table.sweep(
+                store,
+                grace=settings.claim_check_sweep_grace,
+                call_timeout=settings.claim_check_read_timeout,
+            )
     finally:
         store.close()
 
@@ -289,9 +299,16 @@ class PayloadTable:
         )
         return list(cursor.fetchall())
 
-    def sweep(self, store: ObjectStore, *, grace: float) -> int:
+    def sweep(
+        self,
+        store: ObjectStore,
+        *,
+        grace: float,
+        call_timeout: float | None = DEFAULT_SWEEP_CALL_TIMEOUT,
+    ) -> int:
         """Delete the objects older than ``grace`` seconds that no row refers to, and on
-        PostgreSQL none written since the oldest transaction still open began."""
+        PostgreSQL none written since the oldest transaction still open began. Each store
+        call is given up after ``call_timeout`` seconds (see ``sweep_orphans``)."""
         now = time.time()
         began = self._oldest_transaction()
         if began is not None:
@@ -302,7 +319,9 @@ class PayloadTable:
             # (enqueue offloads before the INSERT), and the store's clock may not be the
             # database's: hence the margin.
             now = min(now, began - OPEN_TRANSACTION_MARGIN + grace)
-        return sweep_orphans(store, self.referenced, grace=grace, now=now)
+        return sweep_orphans(
+            store, self.referenced, grace=grace, now=now, call_timeout=call_timeout
+        )
 
     def _oldest_transaction(self) -> float | None:
         if "oldest_transaction" not in self._sql:  # MariaDB, SQLite: the grace alone
