@@ -210,6 +210,12 @@ def add_commands(commands: Any, add_command: AddCommand) -> None:
         "apply dead letters again through the handler, in order",
         settings_of="dead-letters replay",
     )
+    replay.epilog = (
+        f"exit status: 0 every chosen dead letter replayed (or a duplicate); 1 one failed "
+        f"again; {EXIT_SKIPPED} some skipped and still there, none failed (another transaction "
+        "held its lock: run the replay again; or it waits behind an earlier dead letter of "
+        "its key); 2 bad usage"
+    )
     _consumer_flags(replay, "dead-letters replay")
     replay.add_argument("--id", action="append", dest="ids", help="message id (repeatable)")
     purge = add_command(
@@ -340,6 +346,10 @@ async def run_consumer(consumer: Consumer, settings: Settings) -> ConsumerStats:
 
 #: The exit status when handlers did not return at shutdown (the CLI's EXIT_ERROR).
 EXIT_HUNG = 1
+#: ``dead-letters replay``: none failed, but some were skipped and are still dead letters.
+#: Not 0, which a script reads as "all replayed, the table is clean"; not 1, which says a
+#: handler still fails: a lock held elsewhere clears up, and the same replay then works.
+EXIT_SKIPPED = 3
 
 
 def _exit_now(code: int) -> None:
@@ -358,7 +368,16 @@ async def _replay(args: argparse.Namespace) -> int:
     consumer = build_consumer(settings, own, broker=None)  # replaying needs no broker
     counts = await consumer.replay_dead_letters(args.ids)
     print(", ".join(f"{name} {count}" for name, count in counts.items()))
-    return 0 if counts["failed"] == 0 else 1
+    if counts["failed"]:
+        return 1
+    if counts["skipped"]:
+        print(
+            f"{counts['skipped']} dead letter(s) skipped and kept as they were (a lock held by "
+            "another transaction, or an earlier dead letter of the key): run the replay again",
+            file=sys.stderr,
+        )
+        return EXIT_SKIPPED
+    return 0
 
 
 async def _list(args: argparse.Namespace) -> int:

@@ -21,8 +21,11 @@ with that transaction's connection (``InboxConnection``, or ``Context("outboxer_
 The handler's writes and the claim commit together when the handler returns, before
 FastStream acknowledges; if the handler raises, both roll back and FastStream's ack policy
 decides (``AckPolicy.NACK_ON_ERROR`` redelivers at once and without limit: bound it with
-a quorum queue's ``x-delivery-limit`` and a dead-letter exchange). FastStream's ``AckMessage`` is the handler
-saying the message is done: its writes and the claim commit, then FastStream acknowledges;
+a quorum queue's ``x-delivery-limit`` and a dead-letter exchange). ``AckPolicy.REJECT_ON_ERROR``,
+FastStream's RabbitMQ default, rejects without requeueing: on a queue without a dead-letter
+exchange RabbitMQ discards the failed message, and only FastStream's log line is left of it.
+FastStream's ``AckMessage`` is the handler saying the message is done: its writes and the
+claim commit, then FastStream acknowledges;
 ``NackMessage``, ``RejectMessage`` and ``SkipMessage`` roll back. A delivery whose id the inbox already
 holds is acknowledged without calling the handler (nor its publishers). A message without
 a valid id is rejected (not requeued: a dead-letter exchange, if any, keeps it) and raises
@@ -41,7 +44,7 @@ from typing import Annotated, Any
 from outboxer.errors import MissingDependencyError, PayloadError
 from outboxer.inbox import Inbox
 from outboxer.message import HEADER_ID
-from outboxer.redact import get_logger
+from outboxer.redact import get_logger, printable
 
 try:
     from faststream import BaseMiddleware, Context, StreamMessage
@@ -60,6 +63,19 @@ CONNECTION = "outboxer_connection"
 InboxConnection = Annotated[Any, Context(CONNECTION)]
 
 TransactionFactory = Callable[[], AbstractAsyncContextManager[Any]]
+
+#: Characters of a message's id kept in an error or log line (a UUID needs 36).
+SHOWN_ID_CHARS = 80
+
+
+def _shown_id(value: object) -> str:
+    """``value`` as a log line may carry it: cut and escaped. An id comes off the wire, from
+    any producer: megabytes of it would flood the log, a newline forge a line, an ESC drive
+    the operator's terminal."""
+    text = repr(value)
+    if len(text) > SHOWN_ID_CHARS:
+        text = f"{text[:SHOWN_ID_CHARS]}… ({len(text)} characters)"
+    return printable(text)
 
 
 def outboxer_message_id(message: StreamMessage[Any]) -> str | None:
@@ -104,13 +120,13 @@ class InboxMiddleware:
         raw = self.message_id(message)
         if raw is None:
             raise PayloadError(
-                f"message {message.message_id!r} carries no outbox id (header {HEADER_ID!r}): "
-                "the inbox cannot tell a redelivery from a new message; pass message_id="
+                f"message {_shown_id(message.message_id)} carries no outbox id "
+                f"(header {HEADER_ID!r}): the inbox cannot tell a redelivery from a new message; pass message_id="
             )
         try:
             return raw if isinstance(raw, uuid.UUID) else uuid.UUID(str(raw))
         except ValueError:
-            raise PayloadError(f"message id {raw!r} is not a UUID") from None
+            raise PayloadError(f"message id {_shown_id(raw)} is not a UUID") from None
 
 
 class _InboxScope(BaseMiddleware[Any, Any]):
