@@ -1399,8 +1399,9 @@ class Settings:
         30.0,
         kind=Duration(LONGEST_INTERVAL, positive=True, low=SHORTEST_INTERVAL),
         help="`consume` fails a message retryably when the claim-check store has not "
-        "returned its payload within this long (a store that hangs: a dead NFS mount)",
-        commands=("consume",),
+        "returned its payload within this long (a store that hangs: a dead NFS mount); the "
+        "sweep gives up a store call after it",
+        commands=("consume", "claim-check sweep", "cleanup", "relay"),
     )
     claim_check_sweep_grace: float = setting(
         3600.0,
