@@ -950,7 +950,7 @@ async def _put_within_async(
     else:
         if not slots.take():
             raise put.busy(slots)
-        call = _in_daemon_thread(put, slots.give_back, "outboxer-claim-check-put")
+        call = in_daemon_thread(put, slots.give_back, "outboxer-claim-check-put")
     task = asyncio.ensure_future(call)
     try:
         finished, _ = await asyncio.wait((task,), timeout=timeout)
@@ -1140,7 +1140,7 @@ class _ReadThreads:
 
     async def run(self, read: Callable[[], _T]) -> _T:
         await self._acquire(asyncio.get_running_loop())
-        return await _in_daemon_thread(read, self._release, "outboxer-claim-check-read")
+        return await in_daemon_thread(read, self._release, "outboxer-claim-check-read")
 
     async def _acquire(self, loop: asyncio.AbstractEventLoop) -> None:
         with self._lock:
@@ -1202,12 +1202,14 @@ class _Slots:
             self._taken -= 1
 
 
-def _in_daemon_thread(
-    call: Callable[[], _T], release: Callable[[], None], thread_name: str
+def in_daemon_thread(
+    call: Callable[[], _T], release: Callable[[], None] | None, thread_name: str
 ) -> Awaitable[_T]:
-    """``call()`` in a daemon thread holding a slot already taken (``release`` gives it
-    back when the call returns); its outcome is awaited. Awaiting may be given up (a
-    timeout): the thread goes on, holding its slot, and its outcome is dropped."""
+    """``call()`` in a daemon thread, its outcome awaited: unlike ``asyncio.to_thread``,
+    nothing joins the thread at exit (``asyncio.run`` joins the default executor's). If
+    the caller holds a slot for it, ``release`` gives it back when the call returns.
+    Awaiting may be given up (a timeout, a cancellation): the thread goes on, holding its
+    slot, and its outcome is dropped."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[_T] = loop.create_future()
 
@@ -1217,13 +1219,15 @@ def _in_daemon_thread(
         except BaseException as exc:  # noqa: BLE001 -- handed to the waiting caller
             outcome = exc
         finally:
-            release()
+            if release is not None:
+                release()
         _settle(loop, done, outcome)
 
     try:
         threading.Thread(target=work, name=thread_name, daemon=True).start()
     except BaseException:
-        release()
+        if release is not None:
+            release()
         raise
     return done
 
@@ -1394,7 +1398,7 @@ class _SweepCalls:
             return await asyncio.to_thread(call)
         if not _sweep_slots.take():
             raise self.busy(what)
-        running = _in_daemon_thread(call, _sweep_slots.give_back, "outboxer-claim-check-sweep")
+        running = in_daemon_thread(call, _sweep_slots.give_back, "outboxer-claim-check-sweep")
         return await _bounded(running, self.timeout, lambda: self.timed_out(what))
 
 

@@ -142,6 +142,11 @@ RELAY_COUNTERS: tuple[tuple[str, str, str], ...] = (
         "store_errors",
         "Database statements or connections that failed (the relay backs off and retries).",
     ),
+    (
+        "outboxer_claim_check_sweep_failures_total",
+        "claim_check_sweep_failures",
+        "Claim-check sweeps of this relay's cleanup that failed (the object store did not answer in time, or erred): orphaned objects wait for the next sweep.",
+    ),
 )
 
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from outboxer import logjson, payload_admin, tracing
 from outboxer.brokers import Publisher, create_publisher
 from outboxer.brokers.base import Outcome, OutcomeKind, describe
+from outboxer.claimcheck import ClaimCheckSweepTimeoutError, in_daemon_thread
 from outboxer.config import DEFAULT_DATABASE, DestinationSettings, Settings
 from outboxer.errors import ConfigError, InsecureConnectionError, PublishError, SchemaError
 from outboxer.message import Message
@@ -121,6 +122,9 @@ class RelayStats:
     #: Outcomes not recorded even row by row: their rows wait for their lease to expire.
     unrecorded: int = 0
     broker_reconnects: int = 0
+    #: Claim-check sweeps of the cleanup that failed (the object store did not answer in
+    #: time, or erred): orphaned objects wait for the next round; rows' retention went on.
+    claim_check_sweep_failures: int = 0
     started_at: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict[str, float | int]:
@@ -1534,14 +1538,42 @@ class Relay:
     async def _cleanup_loop(self) -> None:
         while not self.stopping:
             try:
-                self.stats.cleaned += await cleanup(self.store, self.settings, log=self.log)
+                self.stats.cleaned += await delete_finished(self.store, self.settings, log=self.log)
             except Exception as exc:  # noqa: BLE001 -- retention can wait for the next round
                 self.log.warning("cleanup failed: %s", exc)
+            else:
+                # Apart from the rows' retention: a failed sweep neither hides the round's
+                # deleted rows nor makes a second warning of the one the sweep logged.
+                await self._sweep_claim_checks()
             if await self._sleep(self.settings.cleanup_interval):
                 return
 
+    async def _sweep_claim_checks(self) -> None:
+        try:
+            await sweep_claim_checks(self.settings, log=self.log)
+        except ClaimCheckSweepTimeoutError:
+            # Logged by the sweep already (and counted in claimcheck.sweep_failures(), the
+            # process's count; this one is the database's, for /metrics).
+            self.stats.claim_check_sweep_failures += 1
+        except Exception as exc:  # noqa: BLE001 -- the next round sweeps again
+            self.stats.claim_check_sweep_failures += 1
+            self.log.warning("claim-check sweep failed: %s; the next cleanup tries again", exc)
+
 
 async def cleanup(
+    store: Store, settings: Settings, max_batches: int = 100, *, log: Log = logger
+) -> int:
+    """Delete finished rows past their retention in bounded batches, then the claim-check
+    objects no row refers to any more; return how many rows (see :func:`delete_finished`).
+
+    A failed sweep is raised, after the rows' deletes (``outboxer cleanup`` exits with it);
+    the relay runs the two steps apart and counts a failed sweep instead."""
+    deleted = await delete_finished(store, settings, max_batches, log=log)
+    await sweep_claim_checks(settings, log=log)
+    return deleted
+
+
+async def delete_finished(
     store: Store, settings: Settings, max_batches: int = 100, *, log: Log = logger
 ) -> int:
     """Delete finished rows past their retention in bounded batches; return how many.
@@ -1581,11 +1613,33 @@ async def cleanup(
             await asyncio.sleep(0)  # let the relay's loops run between batches
     if deleted:
         log.info("cleanup deleted %d finished message(s)", deleted)
-    # The claim-check objects no row refers to any more: those of the rows just deleted.
-    objects = await asyncio.to_thread(payload_admin.sweep_claim_checks, settings)
+    return deleted
+
+
+async def sweep_claim_checks(settings: Settings, *, log: Log = logger) -> int | None:
+    """The claim-check objects no row refers to any more (those of the rows retention just
+    deleted, of rolled-back enqueues), deleted by ``payload_admin.sweep_claim_checks``;
+    how many (None without a store). A store that does not answer in time raises
+    ClaimCheckSweepTimeoutError, already logged.
+
+    The sweep runs in a daemon thread, not ``asyncio.to_thread``: a relay stopped mid-sweep
+    cancels the wait and exits at once, where the default executor's thread held its exit
+    (``asyncio.run`` joins it) until the store call in progress gave up, up to
+    ``claim_check_read_timeout``. The abandoned sweep finishes or gives up on its own, or
+    dies with the process. Either way nothing is left that the next sweep cannot redo: it
+    only reads rows and deletes objects no row refers to (and leftovers of interrupted
+    puts), and a delete is idempotent, so an object deleted already is skipped and one not
+    yet deleted is still an orphan next time."""
+    # No slot: the sweep bounds its own store calls with claimcheck's sweep slots, and a
+    # relay's cleanup loop awaits one sweep before the next.
+    objects = await in_daemon_thread(
+        functools.partial(payload_admin.sweep_claim_checks, settings),
+        None,
+        "outboxer-claim-check-sweep-run",
+    )
     if objects:
         log.info("cleanup deleted %d claim-check object(s)", objects)
-    return deleted
+    return objects
 
 
 async def _cancel(*tasks: asyncio.Task[Any]) -> None:
