@@ -47,7 +47,7 @@ def run_promtool(*args: str) -> subprocess.CompletedProcess[str]:
 def test_promtool_accepts_the_rules() -> None:
     result = run_promtool("check", "rules", str(RULES))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 8 rules found" in result.stdout
+    assert "SUCCESS: 9 rules found" in result.stdout
 
 
 def test_the_alerts_unit_tests_pass() -> None:
