@@ -23,9 +23,13 @@ Failures. A handler's exception rolls the batch back; the others are applied aga
 its key that follow are applied as usual, or, with ``abandoned_blocks_key``, recorded as
 dead letters too, *held* behind it, until ``outboxer dead-letters replay`` applies them in
 order. A message that cannot be read (no outboxer id, a JSON payload that does not parse)
-is dead-lettered at once. Database outages are not the message's fault: the worker opens a
-new connection with the relay's outage backoff and applies the batch again, no attempt
-counted; lost again, it applies each message alone, and one that goes on losing the
+is dead-lettered at once. A message the broker says it delivered before
+(``Incoming.redelivered``) may have killed the process last time, which no in-process count
+survives: such a *suspect* is applied alone, its attempt recorded in the database before
+its handler runs (``Session.suspect_attempt``), and once ``max_attempts`` recorded attempts
+never ended it is dead-lettered without calling the handler. Database outages are not
+the message's fault: the worker opens a new connection with the relay's outage backoff
+and applies the batch again, no attempt counted; lost again, it applies each message alone, and one that goes on losing the
 connection waits the outage backoff between tries (no hot loop, no other key held back).
 An outage is a connection that is gone (its driver says so, or the rollback fails):
 whatever the handler raised while the connection is fine (an OSError of its own included) is
@@ -176,6 +180,10 @@ class _Lane:
     losses: int = 0
     #: Lock waits that ran out in a row applying the head (no attempt counted).
     waits: int = 0
+    #: The head is a suspect whose attempt this process recorded (Session.suspect_attempt)
+    #: and has not ended yet: tried again after a lost connection or a lock wait, it is
+    #: not recorded a second time (that would count a death that did not happen).
+    suspect_recorded: bool = False
 
     @property
     def head(self) -> Incoming:
@@ -809,6 +817,23 @@ class Consumer:
             else:
                 todo.append(lane)
         todo.sort(key=lambda lane: lane.head.delivery.id)  # one lock order for every consumer
+        if len(todo) > 1 and any(lane.head.redelivered for lane in todo):
+            # A redelivered message may be one that killed the consumer last time (a
+            # suspect): applied alone, after the others, so that dying again it takes no
+            # batch-mate's commit with it, and its recorded attempt stands for it alone.
+            # Told apart before any is applied: a lane applied goes on with its next message
+            # (back in the ready queue, another worker's), which this batch must not touch.
+            suspects = [lane for lane in todo if lane.head.redelivered]
+            firsts = [lane for lane in todo if not lane.head.redelivered]
+            if firsts:
+                await self._apply(session, firsts, alone=alone)
+            for lane in suspects:
+                if not self.stopping:
+                    await self._apply(session, [lane], alone=True)
+            return
+        suspect = len(todo) == 1 and todo[0].head.redelivered
+        if suspect and not await self._suspect_attempt(session, todo[0]):
+            return
         lost = 0  # connections lost in a row applying this batch
         while todo and not self.stopping:
             deliveries = [
@@ -819,7 +844,11 @@ class Consumer:
             ]
             try:
                 results = await session.apply(
-                    self.group, deliveries, self._timed_handler, hold_keys=self.abandoned_blocks_key
+                    self.group,
+                    deliveries,
+                    self._timed_handler,
+                    hold_keys=self.abandoned_blocks_key,
+                    suspect=suspect,
                 )
             except BatchFailed as failure:
                 if session.abandoned:
@@ -1027,7 +1056,70 @@ class Consumer:
 
         return timed
 
+    async def _suspect_attempt(self, session: Session, lane: _Lane) -> bool:
+        """Record the attempt at a redelivered head before its handler runs (one commit of
+        its own: the handler may kill the process); whether to apply it now. Not when the
+        consumer already died ``max_attempts`` times on it: then it is a dead letter."""
+        if lane.suspect_recorded:
+            return True  # this process's attempt still stands (tried again, not died)
+        delivery = lane.head.delivery
+        try:
+            deaths = await session.suspect_attempt(self.group, delivery.id)
+        except Exception as exc:  # noqa: BLE001 -- the database's trouble, sorted below
+            if session.lost(exc):  # an outage: no attempt counted, as for a batch
+                self.stats.database_errors += 1
+                if await self._open(session):
+                    self._lost_again(lane)
+                return False
+            logger.warning(
+                "consumer %s: message %s: recording its attempt as a suspect failed: %s",
+                self.group,
+                delivery.id,
+                describe(exc),
+            )
+            await self._failed(session, lane, exc)  # charged to it, or it would loop hot
+            return False
+        lane.suspect_recorded = True
+        if deaths < self.max_attempts:
+            if deaths:
+                logger.warning(
+                    "consumer %s: message %s (topic %s, key %s) is delivered again after the "
+                    "consumer died %d time(s) applying it (dead-lettered at %d)",
+                    self.group,
+                    delivery.id,
+                    delivery.topic,
+                    delivery.key,
+                    deaths,
+                    self.max_attempts,
+                )
+            return True
+        error = (
+            f"the consumer died {deaths} times applying this message (its process ended "
+            "before the transaction did: a crash, the OOM killer, os._exit)"
+        )
+        await self._dead_letter(session, lane, error, deaths)
+        return False
+
+    async def _forget_suspect(self, session: Session, lane: _Lane) -> None:
+        """The head's recorded attempt ended without the apply's commit (a failure counted
+        in-process, a dead letter): its suspect row goes, in a transaction of its own."""
+        if not lane.suspect_recorded:
+            return
+        lane.suspect_recorded = False
+        try:
+            await session.suspect_done(self.group, lane.head.delivery.id)
+        except Exception as exc:  # noqa: BLE001 -- left behind, it counts one death too many
+            logger.warning(
+                "consumer %s: message %s: deleting its suspect row failed (%s); if it is "
+                "delivered again, one death too many is counted",
+                self.group,
+                lane.head.delivery.id,
+                describe(exc),
+            )
+
     async def _failed(self, session: Session, lane: _Lane, cause: BaseException) -> None:
+        # The in-process count takes over: an exception is no death.
+        await self._forget_suspect(session, lane)
         lane.failures += 1
         self.stats.failed += 1
         delivery = lane.head.delivery
@@ -1144,6 +1236,7 @@ class Consumer:
                 )
                 if await self._sleep(delay):
                     return
+        await self._forget_suspect(session, lane)
         self.stats.dead_lettered += 1
         self.stats.malformed += malformed
         logger.error(
@@ -1163,6 +1256,7 @@ class Consumer:
         for lane in lanes:
             lane.queue.popleft()
             lane.failures = lane.losses = lane.waits = 0
+            lane.suspect_recorded = False  # its row went with the commit (suspect=True)
             self._held -= 1
             if lane.queue:
                 self._ready.put_nowait(lane)

@@ -86,6 +86,7 @@ def _sql(dialect: str, schema: str, name: str) -> str:
     tokens = {
         "dead_letters": table_name(dialect, schema, "dead_letters"),
         "inbox": table_name(dialect, schema, "inbox"),
+        "inbox_suspects": table_name(dialect, schema, "inbox_suspects"),
     }
     return render(queries(dialect, "consumer.sql")[name], tokens)
 
@@ -288,17 +289,31 @@ class Session(ABC):
         *,
         hold_keys: bool,
         replaying: bool = False,
+        suspect: bool = False,
     ) -> list[Result]:
         """Apply ``deliveries`` in one transaction and commit; BatchFailed (rolled back) if not.
 
         With ``hold_keys``, a keyed message whose key has a dead letter is recorded as held
         instead. With ``replaying``, each message applied leaves the dead-letter table in
-        the same transaction.
+        the same transaction. With ``suspect``, each message's row of the suspects table
+        (``suspect_attempt``) goes in the same transaction, whatever its result.
         """
 
     @abstractmethod
     async def run(self, name: str, params: Mapping[str, Any]) -> int:
         """One dead-letter statement in a transaction of its own; the rows it changed."""
+
+    async def suspect_attempt(self, group: str, message_id: uuid.UUID) -> int:
+        """Record an attempt at a redelivered message before its handler runs, committed in
+        a transaction of its own; the deaths before it: recorded attempts that never ended
+        (the process died under them), which no in-process count survives."""
+        rows = await self.fetch("suspect_attempt", self.id_params(group, message_id))
+        return int(rows[0]["deaths"])
+
+    async def suspect_done(self, group: str, message_id: uuid.UUID) -> None:
+        """The attempt ended without the apply's transaction (a handler's exception, a dead
+        letter): its suspect row goes, in a transaction of its own."""
+        await self.run("suspect_delete", self.id_params(group, message_id))
 
     @abstractmethod
     async def fetch(self, name: str, params: Mapping[str, Any]) -> list[dict[str, Any]]: ...
@@ -758,6 +773,7 @@ class SyncSession(Session):
         handler: SyncHandler,
         hold_keys: bool,
         replaying: bool,
+        suspect: bool = False,
     ) -> list[Result]:
         release: list[uuid.UUID] = []  # see _release
         claims: list[uuid.UUID] = []  # made at once for the batch, before its handlers
@@ -810,6 +826,9 @@ class SyncSession(Session):
                 # the dead letter's removal, and a failed replay lost it.
                 for i in todo if replaying else ():
                     self._execute("delete", self.id_params(group, deliveries[i].id))
+                # Held and duplicate ones too: their attempt ends with this commit as well.
+                for delivery in deliveries if suspect else ():
+                    self._execute("suspect_delete", self.id_params(group, delivery.id))
                 rolled_back = kept is not None and self._rolled_back(group, kept)
                 moved = bool(ran) and self._xid is not None and self._moved()
             except Exception as exc:
@@ -849,8 +868,23 @@ class SyncSession(Session):
         *,
         hold_keys: bool,
         replaying: bool = False,
+        suspect: bool = False,
     ) -> list[Result]:
-        return await self._call(self._apply, group, deliveries, handler, hold_keys, replaying)
+        return await self._call(
+            self._apply, group, deliveries, handler, hold_keys, replaying, suspect
+        )
+
+    def _suspect_attempt(self, params: Mapping[str, Any]) -> int:
+        if self.dialect == "mysql":  # no RETURNING: the upsert, then the row it locked
+            self._execute("suspect_attempt", params)
+            rows = self._fetch("suspect_deaths", params)
+        else:
+            rows = self._fetch("suspect_attempt", params)
+        return int(rows[0]["deaths"])
+
+    async def suspect_attempt(self, group: str, message_id: uuid.UUID) -> int:
+        work = functools.partial(self._suspect_attempt, self.id_params(group, message_id))
+        return await self._call(self._transaction, work)
 
     async def run(self, name: str, params: Mapping[str, Any]) -> int:
         return await self._call(self._transaction, functools.partial(self._execute, name, params))
@@ -1124,6 +1158,7 @@ class AsyncSession(Session):
         *,
         hold_keys: bool,
         replaying: bool = False,
+        suspect: bool = False,
     ) -> list[Result]:
         async def work() -> list[Result]:
             try:
@@ -1153,6 +1188,8 @@ class AsyncSession(Session):
                 # After the handlers (SyncSession._apply says why).
                 for i in todo if replaying else ():
                     await self._execute("delete", self.id_params(group, deliveries[i].id))
+                for delivery in deliveries if suspect else ():  # SyncSession._apply's
+                    await self._execute("suspect_delete", self.id_params(group, delivery.id))
                 moved = bool(ran) and self._xid is not None and await self._moved()
             except Exception as exc:
                 raise BatchFailed("statement", exc) from exc

@@ -91,6 +91,12 @@ class Incoming:
     #: The receiver's connection it came on: an ack on a later connection would be refused
     #: or, worse, acknowledge another message (AMQP delivery tags restart per channel).
     generation: int = 0
+    #: The broker says it delivered this message before (RabbitMQ's redelivered flag, a NATS
+    #: JetStream delivery count above 1, a Redis entry read from the pending list or claimed
+    #: from another consumer, MQTT's DUP flag where the client exposes it; never for Kafka):
+    #: an earlier attempt may have killed the consumer, so the runner records its attempt
+    #: before its handler runs (a *suspect*; docs/design/consumer.md).
+    redelivered: bool = False
 
 
 def decode_payload(body: bytes, content_type: str) -> Any:

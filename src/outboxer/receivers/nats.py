@@ -325,6 +325,9 @@ class NatsReceiver(Receiver):
         headers = received_headers(message.headers or {})
         incoming = decode(headers, message.data, fallback_topic=message.subject)
         incoming.token = message
+        # JetStream counts deliveries: above 1, an earlier one was never acknowledged (its
+        # consumer died, or its ack_wait ran out, or it was handed back with a NAK).
+        incoming.redelivered = message.metadata.num_delivered > 1
         return incoming
 
     async def _each(self, incomings: Sequence[Incoming], action: str) -> None:

@@ -223,6 +223,9 @@ class RabbitMQReceiver(Receiver):
             fallback_topic=message.routing_key or "",
         )
         incoming.token = message
+        # Set on every delivery after the first (a channel closed with it unacknowledged:
+        # a crash, a lost connection, a shutdown handing it back).
+        incoming.redelivered = bool(message.redelivered)
         return incoming
 
     async def _ack(self, incomings: Sequence[Incoming]) -> None:

@@ -164,7 +164,8 @@ class RedisReceiver(Receiver):
                     self._backlog[stream] = entries[-1][0]
                 else:
                     self._backlog.pop(stream, None)
-            received = await self._entries(replies)
+            # Our own pending entries: read before, by this consumer name's previous run.
+            received = await self._entries(replies, redelivered=True)
             if received or self._backlog:
                 return received
         loop = asyncio.get_running_loop()
@@ -200,12 +201,14 @@ class RedisReceiver(Receiver):
             # where it stopped. Started again from 0-0 each time, a dead consumer's entries
             # behind that many entries live consumers still hold were never taken over.
             self._claim_from[stream] = reply[0]
-            received += await self._entries([(stream, reply[1])])
+            received += await self._entries([(stream, reply[1])], redelivered=True)
             if len(reply) > 2 and reply[2]:  # Redis 7: ids it dropped from the pending list
                 self._report_lost(stream, reply[2])
         return received
 
-    async def _entries(self, replies: Any) -> list[Incoming]:
+    async def _entries(self, replies: Any, *, redelivered: bool = False) -> list[Incoming]:
+        """The entries of an XREADGROUP or XAUTOCLAIM reply; ``redelivered``: read before
+        (from a pending list, not ``>``), perhaps by a consumer that died applying them."""
         received = []
         gone: list[tuple[str, bytes]] = []
         for raw_stream, entries in replies or []:
@@ -225,6 +228,7 @@ class RedisReceiver(Receiver):
                         topic=self.streams.get(stream, stream),
                     )
                     incoming.token = (stream, entry_id)
+                incoming.redelivered = redelivered
                 received.append(incoming)
         for stream, entry_id in gone:
             await self._client_now().xack(stream, self.group, entry_id)

@@ -270,7 +270,7 @@ def estimate_from_sample(
 
 
 #: Tables of a schema (a MySQL database, a SQLite file) that every outbox table in it shares.
-SHARED_TABLES = frozenset({"inbox", "dead_letters"})
+SHARED_TABLES = frozenset({"inbox", "dead_letters", "inbox_suspects"})
 
 
 def adopted_by(pending: Iterable[Migration]) -> set[str]:
@@ -344,6 +344,7 @@ class Store(ABC):
             "migrations": f"{quote_ident(self.schema)}.{quote_ident(self.table + '_migrations')}",
             "inbox": f"{quote_ident(self.schema)}.{quote_ident('inbox')}",
             "dead_letters": f"{quote_ident(self.schema)}.{quote_ident('dead_letters')}",
+            "inbox_suspects": f"{quote_ident(self.schema)}.{quote_ident('inbox_suspects')}",
             "listeners": f"{quote_ident(self.schema)}.{quote_ident(self.table + '_listeners')}",
             "channel_literal": "'" + self.channel + "'",
         }

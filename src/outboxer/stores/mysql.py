@@ -267,6 +267,7 @@ class MySQLStore(Store):
     def record_migration_sql(self, table: str, version: int, name: str) -> str:
         return f"INSERT IGNORE INTO {table} (version, name) VALUES ({version}, '{name}');"
 
+            "inbox_suspects": quote_mysql("inbox_suspects"),
     # ----- connections ---------------------------------------------------------------------
 
     async def connect(self) -> None:

@@ -123,6 +123,7 @@ class SqliteStore(Store):
         database, and its directories, wherever a mistyped path pointed, for the next
         command or relay to find empty; their first statement raises SchemaError instead.
         """
+            "inbox_suspects": quote_ident("inbox_suspects"),
         if self._conn is None and await asyncio.to_thread(self._exists):
             await self._open(create=False)
 

@@ -64,3 +64,19 @@ DELETE FROM {dead_letters} WHERE consumer = :consumer
 UPDATE {dead_letters}
 SET attempts = attempts + 1, error = :error, held = FALSE, failed_at = UTC_TIMESTAMP(6)
 WHERE consumer = :consumer AND message_id = :message_id
+
+-- name: suspect_attempt
+-- A redelivered message's attempt, before its handler, in its own transaction with
+-- suspect_deaths: inserted with deaths = 0, or one more death on the row an attempt that
+-- never ended left. No RETURNING with ON DUPLICATE KEY UPDATE: suspect_deaths reads the
+-- row next, in the same transaction, which the upsert's lock keeps from changing meanwhile.
+INSERT INTO {inbox_suspects} (consumer, message_id) VALUES (:consumer, :message_id)
+ON DUPLICATE KEY UPDATE deaths = deaths + 1
+
+-- name: suspect_deaths
+-- After suspect_attempt, in its transaction: the deaths before this attempt.
+SELECT deaths FROM {inbox_suspects} WHERE consumer = :consumer AND message_id = :message_id
+
+-- name: suspect_delete
+-- The attempt ended (applied, failed in-process, or dead-lettered) -> the row is gone.
+DELETE FROM {inbox_suspects} WHERE consumer = :consumer AND message_id = :message_id

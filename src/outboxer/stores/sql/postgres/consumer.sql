@@ -99,3 +99,24 @@ DELETE FROM {dead_letters} WHERE consumer = :consumer
 UPDATE {dead_letters}
 SET attempts = attempts + 1, error = :error, held = false, failed_at = now()
 WHERE consumer = :consumer AND message_id = CAST(:message_id AS uuid)
+
+-- name: suspect_attempt
+-- A redelivered message's attempt, recorded before its handler runs, in a transaction of
+-- its own (committed before the handler can kill the process) -> the row exists while the
+-- attempt runs. The first recorded attempt inserts deaths = 0; a later one finds the row an
+-- earlier attempt left behind (it never ended: the process died under it) and adds one.
+-- Returns the deaths before this attempt. One statement: two consumers of the group
+-- recording at once serialise on the row, neither increment lost.
+INSERT INTO {inbox_suspects} AS suspect (consumer, message_id)
+VALUES (:consumer, CAST(:message_id AS uuid))
+ON CONFLICT (consumer, message_id) DO UPDATE SET deaths = suspect.deaths + 1
+RETURNING deaths
+
+-- name: suspect_delete
+-- The attempt ended -> the row is gone: in the transaction that applied the message (so
+-- "row present" <=> "an attempt began and neither committed nor failed in-process"), or in
+-- one of its own after a handler's exception (the in-process count takes over) or after the
+-- message became a dead letter. A message never delivered again leaves its row (harmless:
+-- nothing reads it but that message's next delivery).
+DELETE FROM {inbox_suspects}
+WHERE consumer = :consumer AND message_id = CAST(:message_id AS uuid)

@@ -59,3 +59,15 @@ WHERE consumer = :consumer AND message_id = :message_id
 -- transaction takes the write lock now, waiting busy_timeout for another writer. Once a
 -- read came first (the dead-letter check), SQLite answers "database is locked" at once.
 DELETE FROM {inbox} WHERE 0
+
+-- name: suspect_attempt
+-- A redelivered message's attempt, before its handler, in its own transaction: inserted with
+-- deaths = 0, or one more death on the row an attempt that never ended left. Returns the
+-- deaths before this attempt; one statement (the PostgreSQL file says why).
+INSERT INTO {inbox_suspects} (consumer, message_id) VALUES (:consumer, :message_id)
+ON CONFLICT (consumer, message_id) DO UPDATE SET deaths = deaths + 1
+RETURNING deaths
+
+-- name: suspect_delete
+-- The attempt ended (applied, failed in-process, or dead-lettered) -> the row is gone.
+DELETE FROM {inbox_suspects} WHERE consumer = :consumer AND message_id = :message_id
