@@ -262,12 +262,12 @@ class MySQLStore(Store):
             "key_slots": quote_mysql(self.table + "_key_slots"),
             "inbox": quote_mysql("inbox"),
             "dead_letters": quote_mysql("dead_letters"),
+            "inbox_suspects": quote_mysql("inbox_suspects"),
         }
 
     def record_migration_sql(self, table: str, version: int, name: str) -> str:
         return f"INSERT IGNORE INTO {table} (version, name) VALUES ({version}, '{name}');"
 
-            "inbox_suspects": quote_mysql("inbox_suspects"),
     # ----- connections ---------------------------------------------------------------------
 
     async def connect(self) -> None:

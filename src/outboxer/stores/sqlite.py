@@ -114,6 +114,7 @@ class SqliteStore(Store):
             "migrations": quote_ident(self.table + "_migrations"),
             "inbox": quote_ident("inbox"),
             "dead_letters": quote_ident("dead_letters"),
+            "inbox_suspects": quote_ident("inbox_suspects"),
         }
 
     async def connect(self) -> None:
@@ -123,7 +124,6 @@ class SqliteStore(Store):
         database, and its directories, wherever a mistyped path pointed, for the next
         command or relay to find empty; their first statement raises SchemaError instead.
         """
-            "inbox_suspects": quote_ident("inbox_suspects"),
         if self._conn is None and await asyncio.to_thread(self._exists):
             await self._open(create=False)
 
