@@ -237,6 +237,11 @@ class MySQLStore(Store):
         #: rows it counts), and whether a loop was nudged.
         self._reading: _Mark | None = None
         self._marks: dict[str, _Mark] = {}
+        #: With loops of several destinations waiting: the destinations the latest reading
+        #: asked due_destinations for, and those of them it found due (see _probe).
+        self._asked: frozenset[str] = frozenset()
+        self._found_due: frozenset[str] = frozenset()
+        self._waiting_destinations: set[str] = set()
         self._nudged: set[str] = set()
         self._probe_lock = asyncio.Lock()
         self._probed_at = 0.0
@@ -800,18 +805,42 @@ class MySQLStore(Store):
         is likely due."""
         self._nudged.add(destination)
 
-    async def _probe(self) -> _Mark:
-        """The current pending_mark; the relay's waiting loops share one reading per interval."""
+    async def _probe(self, *, fresh: bool = False) -> _Mark:
+        """The current pending_mark; the relay's waiting loops share one reading per interval
+        (``fresh``: not an earlier one, it did not ask for this loop's destination).
+
+        In a relay of several destinations the mark does not say whose rows changed: the
+        same probe then asks, for the waiting destinations that have not seen this mark yet,
+        which of them have a row due (queries.sql, due_destinations), so that a commit for
+        one destination wakes that destination only. The race with writers: the question is
+        asked after the mark is read, so a commit after the mark's snapshot is either in the
+        answer (its destination is woken now) or after the question's snapshot, and then it
+        changes the next mark, whose question sees it. A destination that has not seen the
+        mark is never told "not due" by a question asked before the mark was read.
+        """
         async with self._probe_lock:
             if (
-                self._reading is None
+                fresh
+                or self._reading is None
                 or time.monotonic() - self._probed_at >= WAKE_PROBE_INTERVAL / 2
             ):
                 async with self._transaction() as cursor:
                     await self._execute(cursor, "pending_mark")
                     row = await cursor.fetchone()
+                    mark = row["pending_at"], int(row["last_seq"]), int(row["recent"])
+                    asked = frozenset(
+                        destination
+                        for destination in self._waiting_destinations
+                        if self._marks.get(destination) != mark
+                    )
+                    due: frozenset[str] = frozenset()
+                    if asked and len(self._waiting_destinations) > 1:
+                        await self._execute(
+                            cursor, "due_destinations", {"destinations": sorted(asked)}
+                        )
+                        due = frozenset(row["destination"] for row in await cursor.fetchall())
                 self._probed_at = time.monotonic()
-                self._reading = row["pending_at"], int(row["last_seq"]), int(row["recent"])
+                self._reading, self._asked, self._found_due = mark, asked, due
             return self._reading
 
     async def wait_for_wakeup(self, destination: str, timeout: float) -> bool:
@@ -820,22 +849,43 @@ class MySQLStore(Store):
         It is compared with the last mark any loop of the destination saw, not with one read
         now: a row that committed after this loop's claim began but before this call is then
         still news. The destination's first loop to see a change takes it: one wake-up per
-        change and destination, as a NOTIFY (the mark does not say whose rows changed).
+        change and destination, as a NOTIFY.
+
+        In a relay of several destinations a change wakes only the destinations the probe
+        found due (see _probe): with traffic on one, the others' loops claimed at every
+        change and found nothing. Their loops then probe on shared ticks of the monotonic
+        clock, so that one probe answers them all. A relay of one destination never asks.
         """
+        self._waiting_destinations.add(destination)
         deadline = time.monotonic() + timeout
+        fresh = False
         while True:
             if destination in self._nudged:
                 self._nudged.discard(destination)
                 return True
-            mark = await self._probe()
-            previous, self._marks[destination] = self._marks.get(destination), mark
+            mark = await self._probe(fresh=fresh)
+            fresh = False
+            previous = self._marks.get(destination)
+            several = len(self._waiting_destinations) > 1
+            if several and mark != previous and destination not in self._asked:
+                # A reading shared from before this destination waited: it did not ask for
+                # it. Seen without its answer, the change would be lost until the poll.
+                fresh = True
+                continue
+            self._marks[destination] = mark
             # The first reading has nothing to compare with: PENDING rows then mean look again.
-            if mark != previous and (previous is not None or mark[0] is not None):
+            changed = mark != previous and (previous is not None or mark[0] is not None)
+            if changed and (not several or destination in self._found_due):
                 return True
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            remaining = deadline - now
             if remaining <= 0:
                 return False
-            await asyncio.sleep(min(WAKE_PROBE_INTERVAL, remaining))
+            # Several destinations: sleep to the next tick shared by every waiting loop.
+            pause = (
+                WAKE_PROBE_INTERVAL - now % WAKE_PROBE_INTERVAL if several else WAKE_PROBE_INTERVAL
+            )
+            await asyncio.sleep(min(pause, remaining))
 
     # ----- operators' changes by filter (outboxer.admin; SQL in admin.sql) ----------------
 

@@ -88,6 +88,9 @@ def _timestamp(value: float | None) -> datetime | None:
     return datetime.fromtimestamp(value, UTC) if value is not None else None
 
 
+#: Seconds between two readings of PRAGMA data_version by a waiting relay: its latency floor.
+WAKE_PROBE_INTERVAL = 0.02
+
 #: The time columns of a listed row (list in queries.sql), stored as Unix seconds.
 _LISTED_TIMES = ("created_at", "updated_at", "next_attempt_at", "published_at")
 
@@ -103,6 +106,12 @@ class SqliteStore(Store):
         self._lock = threading.Lock()
         #: Per destination, the last data_version one of its waiting loops saw.
         self._data_versions: dict[str, int] = {}
+        #: The latest data_version reading, shared by the waiting loops (see _probe): the
+        #: version, when it was read, the destinations it asked due_destinations for and
+        #: those of them it found due.
+        self._reading: tuple[int, float, frozenset[str], frozenset[str]] | None = None
+        self._probe_lock = asyncio.Lock()
+        self._waiting_destinations: set[str] = set()
         tokens = self.tokens()
         self._sql = {name: render(sql, tokens) for name, sql in queries("sqlite").items()}
 
@@ -448,25 +457,71 @@ class SqliteStore(Store):
 
     # ----- wake-ups ------------------------------------------------------------------------
 
+    async def _probe(self, *, fresh: bool) -> tuple[int, frozenset[str], frozenset[str]]:
+        """``PRAGMA data_version``, one reading per interval for all waiting loops (``fresh``:
+        not an earlier one, it did not ask for this loop's destination).
+
+        The version says nothing about destinations: in a relay of several, when it changed
+        for some waiting destination, the same probe asks which of them have a row due
+        (queries.sql, due_destinations). The race with writers: the question runs after the
+        version is read, so a commit after the version's read is either in the answer or
+        after it, and then it changes the next version, whose question sees it.
+        """
+        async with self._probe_lock:
+            reading = self._reading
+            if fresh or reading is None or time.monotonic() - reading[1] >= WAKE_PROBE_INTERVAL / 2:
+                waiting = set(self._waiting_destinations)
+                versions = dict(self._data_versions)
+                due_sql = self._sql["due_destinations"]
+
+                def probe(conn: sqlite3.Connection) -> tuple[int, frozenset[str], frozenset[str]]:
+                    version = int(conn.execute("PRAGMA data_version").fetchone()[0])
+                    asked = frozenset(d for d in waiting if versions.get(d) != version)
+                    if not (asked and len(waiting) > 1):
+                        return version, asked, frozenset()
+                    params = {"destinations": json.dumps(sorted(asked)), "now": time.time()}
+                    due = frozenset(row[0] for row in conn.execute(due_sql, params))
+                    return version, asked, due
+
+                version, asked, due = await self._run(probe)
+                reading = self._reading = version, time.monotonic(), asked, due
+            return reading[0], reading[2], reading[3]
+
     async def wait_for_wakeup(self, destination: str, timeout: float) -> bool:
         """Poll ``PRAGMA data_version`` (a cheap read) until another connection commits.
 
         Compared per destination: one destination's loop seeing a commit leaves it news for
-        the others' (the version does not say whose rows changed).
+        the others'. In a relay of several destinations a change wakes only those the probe
+        found due (see _probe): with traffic on one, every other destination's loops claimed
+        at each commit and found nothing. All loops probe on shared ticks of the monotonic
+        clock, one reading for all of them. A relay of one destination never asks.
         """
+        self._waiting_destinations.add(destination)
         deadline = time.monotonic() + timeout
+        fresh = False
         while True:
-            version = await self._run(
-                lambda conn: conn.execute("PRAGMA data_version").fetchone()[0]
-            )
+            version, asked, due = await self._probe(fresh=fresh)
+            fresh = False
             previous = self._data_versions.get(destination)
+            several = len(self._waiting_destinations) > 1
+            if (
+                several
+                and previous is not None
+                and version != previous
+                and destination not in asked
+            ):
+                # A reading shared from before this loop waited did not ask for its
+                # destination: taken without the answer, the change would wait for the poll.
+                fresh = True
+                continue
             self._data_versions[destination] = version
-            if previous is not None and version != previous:
+            if previous is not None and version != previous and (not several or destination in due):
                 return True
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            remaining = deadline - now
             if remaining <= 0:
                 return False
-            await asyncio.sleep(min(0.02, remaining))
+            await asyncio.sleep(min(WAKE_PROBE_INTERVAL - now % WAKE_PROBE_INTERVAL, remaining))
 
     # ----- operators' changes by filter (outboxer.admin; SQL in admin.sql) ----------------
 

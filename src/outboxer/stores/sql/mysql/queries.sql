@@ -495,3 +495,19 @@ SELECT (SELECT MAX(updated_at) FROM {outbox} WHERE status = 'PENDING') AS pendin
        m.last_seq,
        (SELECT COUNT(*) FROM {outbox} WHERE seq > m.last_seq - 1024) AS recent
 FROM (SELECT COALESCE(MAX(seq), 0) AS last_seq FROM {outbox}) AS m
+
+-- name: due_destinations
+-- Which of :destinations have a row a claim could take now, read only: a due PENDING |
+-- FAILED row, or a lease that expired. A superset of what the claim takes (a key's order,
+-- held back rows and max_attempts are the claim's to judge): a destination left out has
+-- nothing a claim would take at this statement's snapshot. Asked by the wake-up probe of a
+-- relay of several destinations, once per change of pending_mark for all of them, and
+-- always AFTER pending_mark in the same probe: a commit the mark missed is then either in
+-- this answer, or after it, and it changes the next mark (mysql.py, _probe). Each
+-- destination is a range of ready_idx (destination, unfinished = 1).
+SELECT DISTINCT o.destination
+FROM {outbox} AS o
+WHERE o.destination IN (:destinations)
+  AND o.unfinished = 1
+  AND CASE o.status WHEN 'PROCESSING' THEN o.locked_until < UTC_TIMESTAMP(6)
+                    ELSE o.next_attempt_at <= UTC_TIMESTAMP(6) END

@@ -284,3 +284,21 @@ WHERE rowid IN (
     WHERE received_at < :now - :retention
     ORDER BY received_at
     LIMIT :limit)
+
+-- name: due_destinations
+-- Which of :destinations (a JSON array) have a row a claim could take now, read only: a
+-- due PENDING | FAILED row, or a lease that expired. A superset of what the claim takes (a
+-- key's order, held back rows and max_attempts are the claim's to judge): a destination
+-- left out has nothing a claim would take at this statement's snapshot. Asked by the
+-- wake-up probe of a relay of several destinations when PRAGMA data_version changed, once
+-- for all of them, and AFTER reading the version: a commit the version missed is then
+-- either in this answer, or after it, and it changes the next version (sqlite.py, _probe).
+-- Each destination is a range of ready_idx (destination, seq).
+SELECT d.value AS destination
+FROM json_each(:destinations) AS d
+WHERE EXISTS (
+    SELECT 1 FROM {outbox} AS o
+    WHERE o.destination = d.value
+      AND o.status IN ('PENDING', 'FAILED', 'PROCESSING')
+      AND CASE o.status WHEN 'PROCESSING' THEN o.locked_until < :now
+                        ELSE o.next_attempt_at <= :now END)
