@@ -140,28 +140,37 @@ def test_a_message_that_kills_the_consumer_is_dead_lettered_after_max_attempts_d
         others = [make_message("crash.c", {"n": 200 + n}, key="j") for n in range(3)]
         asyncio.run(publish(broker, [make_message("crash.b", {"n": 99}, key="k"), killer]))
         asyncio.run(publish(broker, [*after, *others]))
-        deaths = 0
-        while (status := consume(sqlite_url, broker, group, log)) != 0:
-            assert status == KILLED, log.read_text()
-            deaths += 1
-            assert deaths <= DEATHS_ALLOWED, f"a crash loop: {deaths} deaths\n{log.read_text()}"
-        assert deaths == DEATHS_ALLOWED
-
-        [(message_id, error, attempts)] = query(
-            path, "SELECT message_id, error, attempts FROM dead_letters"
-        )
-        assert (message_id, attempts) == (str(killer.id), MAX_ATTEMPTS)
-        assert f"died {MAX_ATTEMPTS} times" in str(error)
-        # Every other message once, each key in order, the killer's followers included.
-        rows = query(path, "SELECT key, n FROM applied WHERE key IN ('k', 'j') ORDER BY rowid")
-        assert [n for key, n in rows if key == "k"] == [99, 100, 101, 102]
-        assert [n for key, n in rows if key == "j"] == [200, 201, 202]
-        assert query(path, "SELECT count(*) FROM applied") == [(37,)]
-        # Each recorded attempt of the killer, deaths before it 0, 1, 2, 3 (the last one
-        # dead-lettered it); nothing left behind.
-        killer_log = query(path, f"SELECT deaths FROM suspect_log WHERE message_id = '{killer.id}'")
-        assert [d for (d,) in killer_log] == list(range(MAX_ATTEMPTS + 1))
-        assert query(path, "SELECT count(*) FROM inbox_suspects") == [(0,)]
+        killer_dead_lettered(sqlite_url, broker, group, log, path, killer.id)
         assert asyncio.run(unacked_and_ready(group)) == 0
     finally:
         asyncio.run(remove(exchange, group))
+
+
+def killer_dead_lettered(
+    sqlite_url: str, broker: str, group: str, log: Path, path: Path, killer: uuid.UUID
+) -> None:
+    """Restart the consumer each time the killer kills it, until a run ends by itself: the
+    killer dead-lettered after MAX_ATTEMPTS recorded deaths, every other message (keys k
+    and j, 99 on k before the killer) applied once in key order, no suspect row left."""
+    deaths = 0
+    while (status := consume(sqlite_url, broker, group, log)) != 0:
+        assert status == KILLED, log.read_text()
+        deaths += 1
+        assert deaths <= DEATHS_ALLOWED, f"a crash loop: {deaths} deaths\n{log.read_text()}"
+    assert deaths == DEATHS_ALLOWED
+
+    [(message_id, error, attempts)] = query(
+        path, "SELECT message_id, error, attempts FROM dead_letters"
+    )
+    assert (message_id, attempts) == (str(killer), MAX_ATTEMPTS)
+    assert f"died {MAX_ATTEMPTS} times" in str(error)
+    # Every other message once, each key in order, the killer's followers included.
+    rows = query(path, "SELECT key, n FROM applied WHERE key IN ('k', 'j') ORDER BY rowid")
+    assert [n for key, n in rows if key == "k"] == [99, 100, 101, 102]
+    assert [n for key, n in rows if key == "j"] == [200, 201, 202]
+    assert query(path, "SELECT count(*) FROM applied") == [(37,)]
+    # Each recorded attempt of the killer, deaths before it 0, 1, 2, 3 (the last one
+    # dead-lettered it); nothing left behind in the database.
+    killer_log = query(path, f"SELECT deaths FROM suspect_log WHERE message_id = '{killer}'")
+    assert [d for (d,) in killer_log] == list(range(MAX_ATTEMPTS + 1))
+    assert query(path, "SELECT count(*) FROM inbox_suspects") == [(0,)]

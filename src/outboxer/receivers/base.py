@@ -93,7 +93,7 @@ class Incoming:
     generation: int = 0
     #: The broker says it delivered this message before (RabbitMQ's redelivered flag, a NATS
     #: JetStream delivery count above 1, a Redis entry read from the pending list or claimed
-    #: from another consumer, MQTT's DUP flag where the client exposes it; never for Kafka):
+    #: from another consumer, MQTT's PUBLISH DUP flag; never for Kafka):
     #: an earlier attempt may have killed the consumer, so the runner records its attempt
     #: before its handler runs (a *suspect*; docs/design/consumer.md).
     redelivered: bool = False

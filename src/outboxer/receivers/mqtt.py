@@ -19,7 +19,9 @@ had not acknowledged, and what arrives while it is away, and sends it again, in 
 when the client comes back under the same id. So give every process of a group its own
 stable name, and the same one after a restart (a pod name, say): two clients with one id
 take the connection from each other. Messages of a client that never comes back stay in
-its session until the session expires.
+its session until the session expires. A message sent again this way carries the PUBLISH's
+DUP flag, read as ``Incoming.redelivered``: the consumer may have died applying it, so the
+runner records its attempt before its handler runs (a suspect: docs/design/consumer.md).
 
 The URL is the relay's: host, TLS, credentials, ``topic_prefix`` and ``keepalive`` are read
 by :class:`MqttPublisher`.
@@ -72,8 +74,19 @@ class _Token(NamedTuple):
     qos: int
 
 
+class _Received(aiomqtt.Message):
+    """aiomqtt's message, plus the PUBLISH's DUP flag, which aiomqtt's own drops."""
+
+    #: The broker sent this PUBLISH before, on an earlier connection of the session, and
+    #: had no PUBACK for it (MQTT 5, 4.4: resent with DUP on reconnect): the consumer may
+    #: have died applying it. A publisher's DUP is not passed on (3.3.1.1), and a message
+    #: that waited in the session without being sent comes with DUP 0.
+    dup: bool = False
+
+
 class _ReceivingClient(_Client):
-    """The client, with its QoS 0 messages waiting to be received bounded.
+    """The client, with each PUBLISH's DUP flag kept (``_Received``) and its QoS 0 messages
+    waiting to be received bounded.
 
     Receive Maximum bounds only QoS 1 messages: a foreign publisher's QoS 0 messages come
     as fast as the broker has them, and would pile up without end in the client's queue
@@ -94,7 +107,13 @@ class _ReceivingClient(_Client):
                 self._on_drop()
                 return
             self.qos0_waiting += 1
-        super()._on_message(client, userdata, message)
+        # aiomqtt's _on_message, with the DUP flag kept (its Message has no place for it).
+        received = _Received._from_paho_message(message)
+        received.dup = bool(message.dup)
+        try:
+            self._queue.put_nowait(received)
+        except asyncio.QueueFull:
+            self._logger.warning("Message queue is full. Discarding message.")
 
 
 class MqttReceiver(Receiver):
@@ -241,6 +260,9 @@ class MqttReceiver(Receiver):
         )
         self._arrivals += 1
         incoming.token = _Token(self._arrivals, message.mid, message.qos)
+        # Sent before and not acknowledged (the consumer died, or the connection did): a
+        # suspect for the runner. Only QoS 1 messages can carry it (QoS 0 are never resent).
+        incoming.redelivered = isinstance(message, _Received) and message.dup
         return incoming
 
     async def _ack(self, incomings: Sequence[Incoming]) -> None:
