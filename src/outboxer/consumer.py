@@ -101,6 +101,7 @@ from outboxer.errors import (
 )
 from outboxer.receivers import create_receiver, receiver_class
 from outboxer.receivers.base import Delivery, Incoming, MalformedMessage, Receiver, decode_payload
+from outboxer.redact import shown_value
 from outboxer.relay import OUTAGE_BACKOFF
 from outboxer.retry import Backoff
 from outboxer.stores import create_store
@@ -155,6 +156,12 @@ class ConsumerStats:
     #: Claim-check holds (Consumer.hold) the object store refused or did not put within
     #: object_store_timeout: the dead letter that needed one waits (not written, not acked).
     claim_check_hold_errors: int = 0
+    #: Attempts at a redelivered message (a suspect) recorded in inbox_suspects before its
+    #: handler ran: each a message the broker says it delivered before.
+    suspect_attempts: int = 0
+    #: Messages dead-lettered because the consumer died max_attempts times applying them
+    #: (recorded suspect attempts that never ended; also counted in dead_lettered).
+    suspects_dead_lettered: int = 0
     started_at: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict[str, float | int]:
@@ -1080,6 +1087,7 @@ class Consumer:
             await self._failed(session, lane, exc)  # charged to it, or it would loop hot
             return False
         lane.suspect_recorded = True
+        self.stats.suspect_attempts += 1
         if deaths < self.max_attempts:
             if deaths:
                 logger.warning(
@@ -1097,7 +1105,7 @@ class Consumer:
             f"the consumer died {deaths} times applying this message (its process ended "
             "before the transaction did: a crash, the OOM killer, os._exit)"
         )
-        await self._dead_letter(session, lane, error, deaths)
+        await self._dead_letter(session, lane, error, deaths, died=True)
         return False
 
     async def _forget_suspect(self, session: Session, lane: _Lane) -> None:
@@ -1192,7 +1200,14 @@ class Consumer:
             self._ready.put_nowait(lane)
 
     async def _dead_letter(
-        self, session: Session, lane: _Lane, error: str, attempts: int, *, malformed: bool = False
+        self,
+        session: Session,
+        lane: _Lane,
+        error: str,
+        attempts: int,
+        *,
+        malformed: bool = False,
+        died: bool = False,
     ) -> None:
         delivery = lane.head.delivery
         failures = 0
@@ -1239,6 +1254,8 @@ class Consumer:
         await self._forget_suspect(session, lane)
         self.stats.dead_lettered += 1
         self.stats.malformed += malformed
+        # Counted once written, not when judged: a consumer stopping meanwhile wrote none.
+        self.stats.suspects_dead_lettered += died
         logger.error(
             "consumer %s: message %s (topic %s, key %s) is a dead letter after %d attempt(s): %s",
             self.group,
@@ -1527,7 +1544,8 @@ def parse_message_id(value: str) -> uuid.UUID:
     try:
         return uuid.UUID(str(value))
     except ValueError:
-        raise PayloadError(f"not a message id (a UUID): {value!r}") from None
+        # Cut and escaped: the id comes off the wire (redact.shown_value).
+        raise PayloadError(f"not a message id (a UUID): {shown_value(value)}") from None
 
 
 #: (metric, ConsumerStats attribute, help), one series per group (label ``group``).
@@ -1594,6 +1612,18 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
         "claim_check_hold_errors",
         "Claim-check holds of dead letters the object store refused or did not put within "
         "the timeout (the dead letter waits, not acked).",
+    ),
+    (
+        "outboxer_consumer_suspect_attempts_total",
+        "suspect_attempts",
+        "Attempts at redelivered messages recorded in the database before their handler "
+        "ran (each a message that may have killed a consumer).",
+    ),
+    (
+        "outboxer_consumer_suspects_dead_lettered_total",
+        "suspects_dead_lettered",
+        "Messages dead-lettered because the consumer died max_attempts times applying them "
+        "(also in dead_lettered).",
     ),
 )
 

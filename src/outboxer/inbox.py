@@ -21,6 +21,7 @@ from typing import Any
 
 from outboxer.enqueue import detect, mysql_errno
 from outboxer.errors import PayloadError
+from outboxer.redact import shown_value
 from outboxer.stores.base import check_identifier
 from outboxer.stores.sqlfiles import queries, render, table_name
 
@@ -74,7 +75,9 @@ class Inbox:
                 message_id if isinstance(message_id, uuid.UUID) else uuid.UUID(str(message_id))
             )
         except ValueError:
-            raise PayloadError(f"message_id is not a UUID: {message_id!r}") from None
+            # Cut and escaped: the id may come off the wire, megabytes long, with control
+            # characters that would forge or garble the log line this error ends up in.
+            raise PayloadError(f"message_id is not a UUID: {shown_value(message_id)}") from None
         driver = detect(conn)
         dialect = driver.dialect(conn)
         if dialect == "mysql":

@@ -194,6 +194,21 @@ def printable(text: object) -> str:
     return _UNPRINTABLE.sub(_escape_char, str(text))
 
 
+#: At most this many characters of a value's repr go into an error or a log line (shown_value).
+SHOWN_VALUE_CHARS = 80
+
+
+def shown_value(value: object) -> str:
+    """``value`` as an error or a log line may carry it: its repr, cut and escaped. An id
+    comes off the wire, from any producer: megabytes of it would flood the log, a newline
+    forge a line, an ESC drive the operator's terminal. The length kept says how much was
+    cut (a 36-character UUID gone wrong reads differently from a megabyte of something)."""
+    text = repr(value)
+    if len(text) > SHOWN_VALUE_CHARS:
+        text = f"{text[:SHOWN_VALUE_CHARS]}… ({len(text)} characters)"
+    return printable(text)
+
+
 def _escape_char(match: re.Match[str]) -> str:
     code = ord(match.group(0))
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"

@@ -44,7 +44,7 @@ from typing import Annotated, Any
 from outboxer.errors import MissingDependencyError, PayloadError
 from outboxer.inbox import Inbox
 from outboxer.message import HEADER_ID
-from outboxer.redact import get_logger, printable
+from outboxer.redact import SHOWN_VALUE_CHARS, get_logger, shown_value
 
 try:
     from faststream import BaseMiddleware, Context, StreamMessage
@@ -64,18 +64,9 @@ InboxConnection = Annotated[Any, Context(CONNECTION)]
 
 TransactionFactory = Callable[[], AbstractAsyncContextManager[Any]]
 
-#: Characters of a message's id kept in an error or log line (a UUID needs 36).
-SHOWN_ID_CHARS = 80
-
-
-def _shown_id(value: object) -> str:
-    """``value`` as a log line may carry it: cut and escaped. An id comes off the wire, from
-    any producer: megabytes of it would flood the log, a newline forge a line, an ESC drive
-    the operator's terminal."""
-    text = repr(value)
-    if len(text) > SHOWN_ID_CHARS:
-        text = f"{text[:SHOWN_ID_CHARS]}… ({len(text)} characters)"
-    return printable(text)
+#: Characters of a message's id kept in an error or log line (a UUID needs 36): the name
+#: stays for its importers, the bound is outboxer.redact's, shared with outboxer.inbox.
+SHOWN_ID_CHARS = SHOWN_VALUE_CHARS
 
 
 def outboxer_message_id(message: StreamMessage[Any]) -> str | None:
@@ -120,13 +111,13 @@ class InboxMiddleware:
         raw = self.message_id(message)
         if raw is None:
             raise PayloadError(
-                f"message {_shown_id(message.message_id)} carries no outbox id "
+                f"message {shown_value(message.message_id)} carries no outbox id "
                 f"(header {HEADER_ID!r}): the inbox cannot tell a redelivery from a new message; pass message_id="
             )
         try:
             return raw if isinstance(raw, uuid.UUID) else uuid.UUID(str(raw))
         except ValueError:
-            raise PayloadError(f"message id {_shown_id(raw)} is not a UUID") from None
+            raise PayloadError(f"message id {shown_value(raw)} is not a UUID") from None
 
 
 class _InboxScope(BaseMiddleware[Any, Any]):

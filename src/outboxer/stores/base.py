@@ -501,7 +501,8 @@ class Store(ABC):
 
     @abstractmethod
     async def cleanup_inbox(self, retention: float, limit: int) -> int:
-        """Delete up to ``limit`` inbox entries older than ``retention`` seconds."""
+        """Delete up to ``limit`` inbox entries older than ``retention`` seconds, and up to
+        ``limit`` consumer suspect rows first seen before that; how many of both."""
 
     @abstractmethod
     async def status(self) -> list[DestinationStatus]:

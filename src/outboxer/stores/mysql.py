@@ -711,9 +711,19 @@ class MySQLStore(Store):
 
     async def cleanup_inbox(self, retention: float, limit: int) -> int:
         params = {"retention": float(retention), "limit": limit}
+        # One transaction a table: the inbox's locks are let go before the suspects' are
+        # taken. The sum is >= limit while either table may hold more, so the caller's batch
+        # loop goes on.
+        deleted = await self._cleanup_picked("inbox_cleanup_candidates", "inbox_cleanup", params)
+        return deleted + await self._cleanup_picked(
+            "inbox_suspects_cleanup_candidates", "inbox_suspects_cleanup", params
+        )
+
+    async def _cleanup_picked(self, candidates: str, delete: str, params: dict[str, Any]) -> int:
+        """Rows of (consumer, message_id) that ``candidates`` locks, deleted by ``delete``."""
         async with self._transaction() as cursor:
             # Two steps: see inbox_cleanup_candidates in queries.sql.
-            await self._execute(cursor, "inbox_cleanup_candidates", params)
+            await self._execute(cursor, candidates, params)
             rows = await cursor.fetchall()
             deleted = 0
             # In slices: a statement for a cleanup_batch of up to a million entries would
@@ -726,7 +736,7 @@ class MySQLStore(Store):
                 args: dict[str, Any] = {}
                 for i, row in enumerate(part):
                     args[f"c{i}"], args[f"m{i}"] = row["consumer"], row["message_id"]
-                sql = self._sql["inbox_cleanup"].replace("%(picked)s", picked)
+                sql = self._sql[delete].replace("%(picked)s", picked)
                 deleted += int(await cursor.execute(sql, args))
             return deleted
 

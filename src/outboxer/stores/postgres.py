@@ -854,9 +854,14 @@ class PostgresStore(Store):
             return _count(await conn.execute(sql, *args))
 
     async def cleanup_inbox(self, retention: float, limit: int) -> int:
-        sql, args = self._args("inbox_cleanup", {"retention": float(retention), "limit": limit})
+        params = {"retention": float(retention), "limit": limit}
+        sql, args = self._args("inbox_cleanup", params)
+        suspects_sql, suspects_args = self._args("inbox_suspects_cleanup", params)
         async with self._connection() as conn:
-            return _count(await conn.execute(sql, *args))
+            # Each statement its own transaction, bounded by :limit; the sum is >= limit
+            # while either table may hold more, so the caller's batch loop goes on.
+            deleted = _count(await conn.execute(sql, *args))
+            return deleted + _count(await conn.execute(suspects_sql, *suspects_args))
 
     # ----- operations ----------------------------------------------------------------------
 

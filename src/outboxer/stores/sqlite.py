@@ -392,8 +392,13 @@ class SqliteStore(Store):
 
     async def cleanup_inbox(self, retention: float, limit: int) -> int:
         params = {"retention": retention, "limit": limit, "now": time.time()}
-        return await self._run(
+        # Two bounded statements, one write transaction each (_run); the sum is >= limit
+        # while either table may hold more, so the caller's batch loop goes on.
+        deleted = await self._run(
             lambda conn: conn.execute(self._sql["inbox_cleanup"], params).rowcount
+        )
+        return deleted + await self._run(
+            lambda conn: conn.execute(self._sql["inbox_suspects_cleanup"], params).rowcount
         )
 
     # ----- operations ----------------------------------------------------------------------

@@ -476,6 +476,28 @@ DELETE old FROM (:picked) AS pick
 STRAIGHT_JOIN {inbox} AS old FORCE INDEX (PRIMARY)
     ON old.consumer = pick.consumer AND old.message_id = pick.message_id
 
+
+-- name: inbox_suspects_cleanup_candidates
+-- Suspect retention, step 1 (the PostgreSQL file says why suspect rows need one): at most
+-- :limit rows first seen longer ago than the inbox's retention, oldest first, locked. SKIP
+-- LOCKED: a row a consumer's suspect_attempt upsert or applying transaction holds is left
+-- for a later round, never waited for. No index on first_seen: the table holds only the
+-- redelivered messages in flight and the leftovers this deletes, and under READ COMMITTED
+-- (the store's sessions) InnoDB keeps no lock on a row the WHERE turns down.
+SELECT consumer, message_id FROM {inbox_suspects}
+WHERE first_seen < UTC_TIMESTAMP(6) - INTERVAL :retention SECOND
+ORDER BY first_seen
+LIMIT :limit
+FOR UPDATE SKIP LOCKED
+
+-- name: inbox_suspects_cleanup
+-- Suspect retention, step 2, in the same transaction: the rows step 1 locked -> deleted,
+-- each by its whole primary key (:picked, as inbox_cleanup's), so that no row step 1 did
+-- not lock is waited for.
+DELETE old FROM (:picked) AS pick
+STRAIGHT_JOIN {inbox_suspects} AS old FORCE INDEX (PRIMARY)
+    ON old.consumer = pick.consumer AND old.message_id = pick.message_id
+
 -- name: pending_mark
 -- The wake-up probe of an idle relay (MySQL has no LISTEN/NOTIFY), every 50 ms: a mark that
 -- a commit of PENDING rows changes, read at a bounded cost whatever the backlog. (A COUNT of

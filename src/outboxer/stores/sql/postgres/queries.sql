@@ -326,6 +326,23 @@ WHERE ctid = ANY(ARRAY(
     LIMIT :limit
     FOR UPDATE SKIP LOCKED))
 
+
+-- name: inbox_suspects_cleanup
+-- Suspect rows (consumer.sql, suspect_attempt) first seen longer ago than the inbox's
+-- retention -> deleted, :limit a statement. Such a row belongs to a message never delivered
+-- again (its consumer died under it, then the broker dropped it or an operator purged it):
+-- nothing else ever deletes it. A message still coming back after the retention only has
+-- its death count start again, as its inbox entry would be gone by then too. SKIP LOCKED:
+-- a row a consumer's suspect_attempt upsert or applying transaction holds is left for a
+-- later round rather than holding this statement, and the relay's connection, meanwhile.
+DELETE FROM {inbox_suspects}
+WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM {inbox_suspects}
+    WHERE first_seen < now() - make_interval(secs => CAST(:retention AS float8))
+    ORDER BY first_seen
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED))
+
 -- name: register_listener
 -- This relay is idle and listening until :seconds from now: writers NOTIFY meanwhile.
 INSERT INTO {listeners} (relay, until)

@@ -285,6 +285,18 @@ WHERE rowid IN (
     ORDER BY received_at
     LIMIT :limit)
 
+
+-- name: inbox_suspects_cleanup
+-- Suspect rows first seen longer ago than the inbox's retention -> deleted, :limit a
+-- statement (the PostgreSQL file says why). SQLite has one writer at a time: no row lock
+-- to skip, the statement waits busy_timeout for the write lock as inbox_cleanup does.
+DELETE FROM {inbox_suspects}
+WHERE rowid IN (
+    SELECT rowid FROM {inbox_suspects}
+    WHERE first_seen < :now - :retention
+    ORDER BY first_seen
+    LIMIT :limit)
+
 -- name: due_destinations
 -- Which of :destinations (a JSON array) have a row a claim could take now, read only: a
 -- due PENDING | FAILED row, or a lease that expired. A superset of what the claim takes (a
