@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from outboxer.brokers import create_publisher
 from outboxer.consumer import Consumer, ConsumerCollector, Delivery
 from outboxer.testing import make_message
+from tests.acceptance.test_audit14_crash_consumer_rabbitmq import remove
 from tests.services import require
 
 RABBIT = "amqp://guest:guest@127.0.0.1:5672/"
@@ -106,13 +107,3 @@ def test_suspect_attempts_and_their_dead_letters_are_counted_and_scraped(
     scraped = generate_latest(registry).decode()
     assert f'outboxer_consumer_suspect_attempts_total{{group="{group}"}} 2.0' in scraped
     assert f'outboxer_consumer_suspects_dead_lettered_total{{group="{group}"}} 1.0' in scraped
-
-
-async def remove(exchange: str, group: str) -> None:
-    connection = await aio_pika.connect(RABBIT)
-    try:
-        channel = await connection.channel()
-        await channel.queue_delete(group)
-        await channel.exchange_delete(exchange)
-    finally:
-        await connection.close()

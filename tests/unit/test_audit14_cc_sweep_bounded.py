@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from outboxer import load_settings, payload_admin
+from outboxer import Settings, load_settings, payload_admin
 from outboxer.claimcheck import (
     ClaimCheckSweepTimeoutError,
     FileObjectStore,
@@ -135,14 +135,7 @@ def test_the_relay_cleanup_and_the_cli_sweep_pass_the_read_timeout(
     store = HangingStore(tmp_path / "claims", {"list"})
     orphans(store, 1)
     monkeypatch.setattr(payload_admin, "object_store", lambda settings: store)
-    settings = load_settings(
-        {"db": sqlite_url, "broker": "memory://audit14cc"},
-        environ={
-            "OUTBOXER_CLAIM_CHECK_STORE": store.directory.as_uri(),
-            "OUTBOXER_CLAIM_CHECK_READ_TIMEOUT": f"{TIMEOUT}s",
-            "OUTBOXER_CLAIM_CHECK_SWEEP_GRACE": "0",
-        },
-    )
+    settings = hung_store_settings(sqlite_url, store, {"OUTBOXER_CLAIM_CHECK_SWEEP_GRACE": "0"})
     try:
         outcome = _within(5, "the sweep", lambda: payload_admin.sweep_claim_checks(settings))
         assert isinstance(outcome, ClaimCheckSweepTimeoutError)
@@ -158,13 +151,7 @@ def test_the_relay_cleanup_ends_despite_a_hung_store(
 
     store = HangingStore(tmp_path / "claims", {"list"})
     monkeypatch.setattr(payload_admin, "object_store", lambda settings: store)
-    settings = load_settings(
-        {"db": sqlite_url, "broker": "memory://audit14cc"},
-        environ={
-            "OUTBOXER_CLAIM_CHECK_STORE": store.directory.as_uri(),
-            "OUTBOXER_CLAIM_CHECK_READ_TIMEOUT": f"{TIMEOUT}s",
-        },
-    )
+    settings = hung_store_settings(sqlite_url, store)
 
     async def clean() -> int:
         relay = Relay.from_settings(settings)
@@ -180,6 +167,20 @@ def test_the_relay_cleanup_ends_despite_a_hung_store(
         assert isinstance(outcome, ClaimCheckSweepTimeoutError)
     finally:
         store.answer.set()
+
+
+def hung_store_settings(
+    sqlite_url: str, store: FileObjectStore, extra: dict[str, str] | None = None
+) -> Settings:
+    """A relay's settings on ``store``, its calls given up after TIMEOUT."""
+    return load_settings(
+        {"db": sqlite_url, "broker": "memory://audit14cc"},
+        environ={
+            "OUTBOXER_CLAIM_CHECK_STORE": store.directory.as_uri(),
+            "OUTBOXER_CLAIM_CHECK_READ_TIMEOUT": f"{TIMEOUT}s",
+            **(extra or {}),
+        },
+    )
 
 
 def _within(seconds: float, what: str, run: Callable[[], object]) -> object:
