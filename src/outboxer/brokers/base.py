@@ -328,10 +328,17 @@ class Publisher(ABC):
                 self.stats.skipped += 1
         return final
 
+    def _lost_reason(self) -> str:
+        """Why the broker closed the connection, when it said (": ..."), else ""."""
+        return ""
+
     def _not_connected(self) -> Outcome:
         """The outcome of a message not sent because the publisher is not connected."""
         return Outcome(
-            OutcomeKind.FAILED, f"not connected to {self.safe_url}", retryable=True, attempted=False
+            OutcomeKind.FAILED,
+            f"not connected to {self.safe_url}{self._lost_reason()}",
+            retryable=True,
+            attempted=False,
         )
 
     async def _publish_wave_with_timeout(

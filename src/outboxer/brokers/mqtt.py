@@ -67,6 +67,9 @@ _PUBLISH_OVERHEAD = 9
 #: MQTT carries the keepalive and the receive maximum in two bytes: a larger keepalive failed
 #: every connect inside paho ("'H' format requires …"), which read as an outage for ever.
 _TWO_BYTES = 65_535
+#: The DISCONNECT reason code of a broker that gave the client's session to a newer
+#: connection under the same client id (MQTT 5, 3.14.2.1).
+_SESSION_TAKEN_OVER = 0x8E
 
 
 class _Client(aiomqtt.Client):
@@ -77,6 +80,8 @@ class _Client(aiomqtt.Client):
         self.max_inflight = max_inflight
         self.acks: dict[int, asyncio.Future[ReasonCode]] = {}
         self.lost = asyncio.Event()
+        #: The reason code of the broker's DISCONNECT, if it sent one (MQTT 5).
+        self.disconnect_reason: ReasonCode | None = None
         self.receive_maximum: int | None = None
         self.maximum_packet_size: int | None = None
 
@@ -118,6 +123,8 @@ class _Client(aiomqtt.Client):
         reason_code: ReasonCode,
         properties: Properties | None = None,
     ) -> None:
+        if flags.is_disconnect_packet_from_server:
+            self.disconnect_reason = reason_code
         self.lost.set()
         super()._on_disconnect(client, userdata, flags, reason_code, properties)
 
@@ -147,6 +154,19 @@ async def disconnect(client: _Client) -> None:
         await client.__aexit__(None, None, None)
     if client.disconnected.done() and not client.disconnected.cancelled():
         client.disconnected.exception()  # retrieved: a lost connection was already reported
+
+
+def closed_by_broker(client: _Client | None, client_id: str) -> str:
+    """Why the broker closed the connection, when its DISCONNECT said (else "")."""
+    reason = None if client is None else client.disconnect_reason
+    if reason is None:
+        return ""
+    if reason.value == _SESSION_TAKEN_OVER:
+        return (
+            f": the broker handed its session to another client that connected with client "
+            f"id {client_id!r} (0x8e); each process needs an id of its own"
+        )
+    return f": the broker closed it: {reason} (0x{reason.value:02x})"
 
 
 def abandon(client: _Client) -> None:
@@ -276,9 +296,14 @@ class MqttPublisher(AckedPublisher[ReasonCode]):
                     f"not a valid MQTT topic name: {problem}"
                 )
         self.retain = option_bool(options, "retain", retain, False)
-        self.client_id = (
-            client_id or options.get("client_id") or f"outboxer-{uuid.uuid4().hex[:12]}"
-        )
+        # Each publisher connects under an id of its own. The URL's client_id is a prefix,
+        # not the id: the URL is shared by every relay replica and by the consumers
+        # (outboxer.receivers.mqtt reads the same option as a consumer's stable id). Two
+        # clients with one id take the connection from each other for ever, and a relay
+        # (Clean Start on) taking a consumer's id wiped that consumer's session: the
+        # messages the broker held for it were lost. ``client_id=`` is the exact id.
+        prefix = options.get("client_id") or "outboxer"
+        self.client_id = client_id or f"{prefix}-{uuid.uuid4().hex[:12]}"
         self.keepalive = whole_seconds_option(
             keepalive if keepalive is not None else options.get("keepalive") or 60,
             "mqtt option keepalive",
@@ -379,7 +404,10 @@ class MqttPublisher(AckedPublisher[ReasonCode]):
         return self._refusal(self.topic_for(message), ack) if ack.is_failure else None
 
     def _connection_error(self, detail: str) -> BaseException:
-        return aiomqtt.MqttError(f"the MQTT connection {detail}")
+        return aiomqtt.MqttError(f"the MQTT connection {detail}{self._lost_reason()}")
+
+    def _lost_reason(self) -> str:
+        return closed_by_broker(self._client, self.client_id)
 
     def is_connection_error(self, exc: BaseException) -> bool:
         return (

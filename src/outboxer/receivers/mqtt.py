@@ -45,6 +45,7 @@ from outboxer.brokers.mqtt import (
     MqttPublisher,
     _Client,
     abandon,
+    closed_by_broker,
     disconnect,
     received_properties,
 )
@@ -228,7 +229,13 @@ class MqttReceiver(Receiver):
         client = self._client
         if client is None:
             raise ConnectionError("the MQTT receiver is not connected")
-        messages = await take(client._queue, client.lost, limit, timeout, "the MQTT broker")
+        try:
+            messages = await take(client._queue, client.lost, limit, timeout, "the MQTT broker")
+        except ConnectionError as exc:
+            reason = closed_by_broker(client, self.client_id)
+            if not reason:
+                raise
+            raise ConnectionError(f"{exc}{reason}") from None
         client.qos0_waiting -= sum(1 for message in messages if message.qos == 0)
         received = [self._incoming(message) for message in messages]
         # Only QoS 1 messages get a PUBACK, so only they keep their place in the PUBACK order.
