@@ -620,6 +620,7 @@ class ReplayCopier:
         #: transaction back, else left to the claim-check sweep (admin.replay).
         self.objects: list[str] = []
         self.shredded = 0
+        self._claim_check: ClaimCheck | None = None
 
     def __call__(self, originals: Sequence[Message]) -> list[Message]:
         copies = []
@@ -660,7 +661,10 @@ class ReplayCopier:
         if claim_checked:
             assert self.object_store is not None
             # Its own object, named after the copy: never the original's (module docstring).
-            copy = ClaimCheck(self.object_store, threshold=0).offload(copy)
+            # One ClaimCheck for the copier: its cap on unanswered puts bounds the replay's.
+            if self._claim_check is None:
+                self._claim_check = ClaimCheck(self.object_store, threshold=0)
+            copy = self._claim_check.offload_always(copy)
             self.objects.append(copy.headers[HEADER_CLAIM_CHECK])
         return copy
 

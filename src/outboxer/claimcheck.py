@@ -41,6 +41,7 @@ import asyncio
 import contextlib
 import errno
 import hashlib
+import logging
 import os
 import re
 import secrets
@@ -76,6 +77,8 @@ from outboxer.redact import (
 )
 
 logger = get_logger("outboxer.claimcheck")
+#: Where a sweep logs: this module's logger, or the caller's (the relay's names its database).
+Log = logging.Logger | logging.LoggerAdapter[logging.Logger]
 
 HEADER_CLAIM_CHECK = "outboxer-claim-check"
 HEADER_CLAIM_CHECK_SIZE = "outboxer-claim-check-size"
@@ -780,6 +783,13 @@ class ClaimCheck:
         ``message`` itself when the payload is small enough. The object is durable on return."""
         if not self.needs_offload(message):
             return message
+        return self.offload_always(message)
+
+    def offload_always(self, message: Message) -> Message:
+        """:meth:`offload` whatever the payload's size (a row already sized for a reference,
+        as ``outboxer keys rotate`` rewrites), within this ClaimCheck's ``put_timeout`` and
+        ``max_unanswered_puts``: a ClaimCheck made per message would have a cap of its own
+        each, and a hung store one thread per message."""
         name, reference = self._reference(message)
         try:
             if self.put_timeout is None:
@@ -1314,10 +1324,10 @@ def _check_batch(batch: int) -> None:
         raise ConfigError("the claim-check sweep's batch must be at least 1")
 
 
-def _delete_leftovers(store: ObjectStore, grace: float, now: float | None) -> None:
+def _delete_leftovers(store: ObjectStore, grace: float, now: float | None, log: Log) -> None:
     leftovers = store.delete_leftovers((time.time() if now is None else now) - grace)
     if leftovers:
-        logger.info("claim-check sweep deleted %d leftover(s) of interrupted puts", leftovers)
+        log.info("claim-check sweep deleted %d leftover(s) of interrupted puts", leftovers)
 
 
 #: The sweeps' store calls running in the process, answered or not (see SWEEP_THREADS).
@@ -1338,11 +1348,12 @@ class _SweepCalls:
     process's sweep slots: a hung one is left behind, which neither keeps the process from
     exiting nor, past SWEEP_THREADS, adds threads (further sweeps fail at once)."""
 
-    def __init__(self, store: ObjectStore, timeout: float | None) -> None:
+    def __init__(self, store: ObjectStore, timeout: float | None, log: Log | None) -> None:
         if timeout is not None and not timeout > 0:  # NaN too
             raise ConfigError("the claim-check sweep's call timeout must be positive (or None)")
         self.store = store
         self.timeout = timeout
+        self.log = logger if log is None else log
         self.deleted = 0
 
     def busy(self, what: str) -> ClaimCheckSweepTimeoutError:
@@ -1361,7 +1372,7 @@ class _SweepCalls:
         global _sweep_failures
         with _sweep_failures_lock:
             _sweep_failures += 1
-        logger.warning("%s; the next sweep tries again", message)
+        self.log.warning("%s; the next sweep tries again", message)
         return ClaimCheckSweepTimeoutError(message, deleted=self.deleted)
 
     def call(self, what: str, call: Callable[[], _T]) -> _T:
@@ -1369,26 +1380,10 @@ class _SweepCalls:
             return call()
         if not _sweep_slots.take():
             raise self.busy(what)
-        outcome: list[tuple[bool, Any]] = []
-        done = threading.Event()
-
-        def work() -> None:
-            try:
-                outcome.append((True, call()))
-            except BaseException as exc:  # noqa: BLE001 -- raised in the waiting caller
-                outcome.append((False, exc))
-            finally:
-                _sweep_slots.give_back()
-                done.set()
-
-        try:
-            threading.Thread(target=work, name="outboxer-claim-check-sweep", daemon=True).start()
-        except BaseException:
-            _sweep_slots.give_back()
-            raise
-        if not done.wait(self.timeout):
+        outcome = _in_sweep_thread(call, self.timeout)
+        if outcome is None:
             raise self.timed_out(what)
-        answered, result = outcome[0]
+        answered, result = outcome
         if not answered:
             raise result
         return result  # type: ignore[no-any-return]
@@ -1402,6 +1397,69 @@ class _SweepCalls:
         return await _bounded(running, self.timeout, lambda: self.timed_out(what))
 
 
+def _in_sweep_thread(call: Callable[[], _T], timeout: float) -> tuple[bool, Any] | None:
+    """``call()`` in a daemon thread holding a sweep slot the caller took (given back when
+    the call returns, however late): (True, its result) or (False, its exception), or None
+    when it has not returned within ``timeout`` seconds (the thread goes on)."""
+    outcome: list[tuple[bool, Any]] = []
+    done = threading.Event()
+
+    def work() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as exc:  # noqa: BLE001 -- raised in the waiting caller
+            outcome.append((False, exc))
+        finally:
+            _sweep_slots.give_back()
+            done.set()
+
+    try:
+        threading.Thread(target=work, name="outboxer-claim-check-sweep", daemon=True).start()
+    except BaseException:
+        _sweep_slots.give_back()
+        raise
+    if not done.wait(timeout):
+        return None
+    return outcome[0]
+
+
+def close_store(store: ObjectStore, *, timeout: float | None, log: Log | None = None) -> bool:
+    """``store.close()``, given up after ``timeout`` seconds (None: no bound) as a sweep's
+    calls are, in a daemon thread holding one of the sweep slots: a store whose close hangs
+    (S3's pool on a dead connection, a wrapper of the application's) neither hangs
+    ``outboxer claim-check sweep`` nor the relay's cleanup round. False, with a logged
+    warning, when it did not answer in time; False too when it was not tried because
+    SWEEP_THREADS calls are still unanswered (the store is then dropped unclosed, its
+    connections with it: logged at INFO, the sweep that met the same wall warned already).
+    An error of the close itself is raised."""
+    if timeout is None:
+        store.close()
+        return True
+    if not timeout > 0:  # NaN too
+        raise ConfigError("the claim-check store's close timeout must be positive (or None)")
+    log = logger if log is None else log
+    if not _sweep_slots.take():
+        log.info(
+            "claim-check store %r not closed: %d calls of sweeps to object stores are still "
+            "unanswered",
+            store,
+            _sweep_slots.taken,
+        )
+        return False
+    outcome = _in_sweep_thread(store.close, timeout)
+    if outcome is None:
+        log.warning(
+            "claim-check store %r did not close within %g s; left to close in the background",
+            store,
+            timeout,
+        )
+        return False
+    answered, result = outcome
+    if not answered:
+        raise result
+    return True
+
+
 def sweep_orphans(
     store: ObjectStore,
     referenced: Referenced,
@@ -1410,6 +1468,7 @@ def sweep_orphans(
     batch: int = 1000,
     now: float | None = None,
     call_timeout: float | None = DEFAULT_SWEEP_CALL_TIMEOUT,
+    log: Log | None = None,
 ) -> int:
     """Delete outboxer's objects older than ``grace`` seconds that no row refers to and
     no holder holds (:meth:`ObjectStore.put_hold`: a consumer's dead letter).
@@ -1423,11 +1482,14 @@ def sweep_orphans(
     within ``call_timeout`` seconds ends the sweep with ClaimCheckSweepTimeoutError, a
     logged warning and one more :func:`sweep_failures`: a hung store never hangs the sweep
     (nor the relay's cleanup that runs it); the next sweep tries again.
+
+    ``log`` (a logger or adapter; this module's by default) gets the sweep's lines: the
+    relay passes its own, so a warning names the database whose sweep it is.
     """
     _check_grace(grace)
     _check_batch(batch)
-    calls = _SweepCalls(store, call_timeout)
-    calls.call("deleting leftovers", lambda: _delete_leftovers(store, grace, now))
+    calls = _SweepCalls(store, call_timeout, log)
+    calls.call("deleting leftovers", lambda: _delete_leftovers(store, grace, now, calls.log))
     listing = calls.call("listing", store.list_objects)
     pages = _candidate_pages(listing, grace, now, batch)
     try:
@@ -1448,7 +1510,7 @@ def sweep_orphans(
         with contextlib.suppress(ValueError):
             pages.close()
     if calls.deleted:
-        logger.info("claim-check sweep deleted %d orphaned object(s)", calls.deleted)
+        calls.log.info("claim-check sweep deleted %d orphaned object(s)", calls.deleted)
     return calls.deleted
 
 
@@ -1460,13 +1522,17 @@ async def sweep_orphans_async(
     batch: int = 1000,
     now: float | None = None,
     call_timeout: float | None = DEFAULT_SWEEP_CALL_TIMEOUT,
+    log: Log | None = None,
 ) -> int:
     """:func:`sweep_orphans` for async callers: listing (a page at a time, through the
-    store's ``list_objects``) and deleting in threads, each call bounded the same way."""
+    store's ``list_objects``) and deleting in threads, each call bounded the same way, its
+    lines to ``log`` the same way."""
     _check_grace(grace)
     _check_batch(batch)
-    calls = _SweepCalls(store, call_timeout)
-    await calls.call_async("deleting leftovers", lambda: _delete_leftovers(store, grace, now))
+    calls = _SweepCalls(store, call_timeout, log)
+    await calls.call_async(
+        "deleting leftovers", lambda: _delete_leftovers(store, grace, now, calls.log)
+    )
     listing = await calls.call_async("listing", store.list_objects)
     pages = _candidate_pages(listing, grace, now, batch)
     try:
@@ -1487,7 +1553,7 @@ async def sweep_orphans_async(
         with contextlib.suppress(ValueError):
             pages.close()
     if calls.deleted:
-        logger.info("claim-check sweep deleted %d orphaned object(s)", calls.deleted)
+        calls.log.info("claim-check sweep deleted %d orphaned object(s)", calls.deleted)
     return calls.deleted
 
 
@@ -1516,6 +1582,7 @@ __all__ = [
     "ObjectStore",
     "S3ObjectStore",
     "StoredObject",
+    "close_store",
     "create_object_store",
     "delete_hold_bounded",
     "fetch_payload",

@@ -749,11 +749,17 @@ def _keys_generate(args: argparse.Namespace) -> int:
 
 
 def _keys_rotate(args: argparse.Namespace) -> int:
+    from outboxer.claimcheck import ClaimCheckStoreError, close_store
+
     settings = _settings(args)
     ring = payload_admin.require_keyring(settings)
+    # One ClaimCheck for the whole run: its put timeout and cap bound every row's put.
     claim_check = payload_admin.claim_check(settings)
+    committed = 0  # rows of committed batches (``result`` counts the one in progress too)
 
     def progress(done: payload_admin.RotationResult) -> None:
+        nonlocal committed
+        committed = done.rotated
         logger.info("re-encrypted %d message(s) so far", done.rotated)
 
     try:
@@ -763,9 +769,17 @@ def _keys_rotate(args: argparse.Namespace) -> int:
             result = table.rotate(
                 ring, batch=settings.rotation_batch, claim_check=claim_check, progress=progress
             )
+    except ClaimCheckStoreError as exc:
+        # The store, not a row: stopped rather than wait (and leave a thread) on every row.
+        _fail(
+            f"outboxer keys rotate: stopped: {exc}; {committed} message(s) "
+            "re-encrypted before stay so (the batch in progress rolled back): run it again "
+            "once the claim-check store answers"
+        )
+        return EXIT_ERROR
     finally:
         if claim_check is not None:
-            claim_check.store.close()
+            close_store(claim_check.store, timeout=claim_check.put_timeout)
     print(f"re-encrypted {result.rotated} message(s) under key {ring.current_key_id}")
     if result.skipped:
         print(f"{result.skipped} message(s) were claimed or re-keyed meanwhile: run it again")

@@ -27,8 +27,11 @@ from outboxer.claimcheck import (
     DEFAULT_SWEEP_CALL_TIMEOUT,
     HEADER_CLAIM_CHECK,
     ClaimCheck,
+    ClaimCheckStoreError,
+    Log,
     ObjectName,
     ObjectStore,
+    close_store,
     create_object_store,
     fetch_payload,
     is_claim_checked,
@@ -140,14 +143,16 @@ def outbox(settings: Settings) -> Outbox:
     )
 
 
-def sweep_claim_checks(settings: Settings) -> int | None:
+def sweep_claim_checks(settings: Settings, *, log: Log | None = None) -> int | None:
     """Delete the claim-check objects no row refers to, older than the grace: those of
     rolled-back enqueues, and those whose rows retention deleted. None without a store.
 
     Each call to the store is bounded by ``claim_check_read_timeout`` (the one setting for
-    how long outboxer waits on the store): a hung store ends the sweep with
-    ClaimCheckSweepTimeoutError (logged, counted in ``sweep_failures``) rather than hang
-    ``outboxer claim-check sweep`` or the relay's cleanup, which tries again next time."""
+    how long outboxer waits on the store), the store's close afterwards too: a hung store
+    ends the sweep with ClaimCheckSweepTimeoutError (logged, counted in
+    ``sweep_failures``) rather than hang ``outboxer claim-check sweep`` or the relay's
+    cleanup, which tries again next time. ``log`` gets the sweep's lines (the relay's
+    names its database)."""
     store = object_store(settings)
     if store is None:
         return None
@@ -159,9 +164,10 @@ def sweep_claim_checks(settings: Settings) -> int | None:
                 store,
                 grace=settings.claim_check_sweep_grace,
                 call_timeout=settings.claim_check_read_timeout,
+                log=log,
             )
     finally:
-        store.close()
+        close_store(store, timeout=settings.claim_check_read_timeout, log=log)
 
 
 #: Seconds before the start of the oldest open transaction from which the sweep keeps
@@ -305,10 +311,12 @@ class PayloadTable:
         *,
         grace: float,
         call_timeout: float | None = DEFAULT_SWEEP_CALL_TIMEOUT,
+        log: Log | None = None,
     ) -> int:
         """Delete the objects older than ``grace`` seconds that no row refers to, and on
         PostgreSQL none written since the oldest transaction still open began. Each store
-        call is given up after ``call_timeout`` seconds (see ``sweep_orphans``)."""
+        call is given up after ``call_timeout`` seconds (see ``sweep_orphans``); the
+        sweep's lines go to ``log``."""
         now = time.time()
         began = self._oldest_transaction()
         if began is not None:
@@ -320,7 +328,7 @@ class PayloadTable:
             # database's: hence the margin.
             now = min(now, began - OPEN_TRANSACTION_MARGIN + grace)
         return sweep_orphans(
-            store, self.referenced, grace=grace, now=now, call_timeout=call_timeout
+            store, self.referenced, grace=grace, now=now, call_timeout=call_timeout, log=log
         )
 
     def _oldest_transaction(self) -> float | None:
@@ -342,9 +350,14 @@ class PayloadTable:
     ) -> RotationResult:
         """Re-encrypt unfinished rows under ``keyring``'s current key (module docstring).
 
-        A KMS that fails (KeyRingUnavailableError) stops the rotation: what committed
-        stays, a new run goes on from there. On PostgreSQL, the log mode's rows still under
-        other keys are counted last (``log_unrelayed``, ``log_relayed``), not rewritten.
+        A KMS that fails (KeyRingUnavailableError) stops the rotation, as does an object
+        store that cannot store a claim-checked row's new object (ClaimCheckStoreError: it
+        did not answer within ``claim_check``'s ``put_timeout``, ``max_unanswered_puts``
+        puts are still unanswered, a full disk): what committed stays, a new run goes on
+        from there. Every put of the run goes through ``claim_check``, so a hung store costs
+        at most its ``max_unanswered_puts`` threads, and one ``put_timeout``, not one of
+        each per row. On PostgreSQL, the log mode's rows still under other keys are counted
+        last (``log_unrelayed``, ``log_relayed``), not rewritten.
         """
         result = RotationResult()
         after = 0
@@ -410,7 +423,9 @@ class PayloadTable:
                 except SubjectKeyDeletedError:
                     result.shredded += 1
                     continue
-                except KeyRingUnavailableError:
+                except (KeyRingUnavailableError, ClaimCheckStoreError):
+                    # Not the row's trouble but the KMS's or the store's: every row after it
+                    # would fail the same way, each after its own wait.
                     raise
                 except OutboxerError as exc:
                     result.failed.append(f"{message.id} ({message.destination}): {exc}")
@@ -457,8 +472,9 @@ class PayloadTable:
         rotated = reencrypt(fetch_payload(message, claim_check.store), keyring)
         if rotated is None:
             return None
-        # Always back to the store: the row was sized for a reference, not a payload.
-        return ClaimCheck(claim_check.store, threshold=0).offload(rotated)
+        # Always back to the store: the row was sized for a reference, not a payload. Through
+        # the run's ClaimCheck: its put timeout and its cap on unanswered puts bound them all.
+        return claim_check.offload_always(rotated)
 
 
 # ----- which keys stored messages are under ----------------------------------------------------

@@ -1620,7 +1620,7 @@ async def sweep_claim_checks(settings: Settings, *, log: Log = logger) -> int | 
     """The claim-check objects no row refers to any more (those of the rows retention just
     deleted, of rolled-back enqueues), deleted by ``payload_admin.sweep_claim_checks``;
     how many (None without a store). A store that does not answer in time raises
-    ClaimCheckSweepTimeoutError, already logged.
+    ClaimCheckSweepTimeoutError, already logged to ``log``: the relay's names its database.
 
     The sweep runs in a daemon thread, not ``asyncio.to_thread``: a relay stopped mid-sweep
     cancels the wait and exits at once, where the default executor's thread held its exit
@@ -1633,7 +1633,7 @@ async def sweep_claim_checks(settings: Settings, *, log: Log = logger) -> int | 
     # No slot: the sweep bounds its own store calls with claimcheck's sweep slots, and a
     # relay's cleanup loop awaits one sweep before the next.
     objects = await in_daemon_thread(
-        functools.partial(payload_admin.sweep_claim_checks, settings),
+        functools.partial(payload_admin.sweep_claim_checks, settings, log=log),
         None,
         "outboxer-claim-check-sweep-run",
     )

@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -30,6 +30,7 @@ from outboxer.claimcheck import (
     sweep_orphans_async,
 )
 from outboxer.message import uuid7
+from tests.waiting import within
 
 TIMEOUT = 0.2
 
@@ -137,7 +138,7 @@ def test_the_relay_cleanup_and_the_cli_sweep_pass_the_read_timeout(
     monkeypatch.setattr(payload_admin, "object_store", lambda settings: store)
     settings = hung_store_settings(sqlite_url, store, {"OUTBOXER_CLAIM_CHECK_SWEEP_GRACE": "0"})
     try:
-        outcome = _within(5, "the sweep", lambda: payload_admin.sweep_claim_checks(settings))
+        outcome = within(5, "the sweep", lambda: payload_admin.sweep_claim_checks(settings))
         assert isinstance(outcome, ClaimCheckSweepTimeoutError)
     finally:
         store.answer.set()
@@ -163,7 +164,7 @@ def test_the_relay_cleanup_ends_despite_a_hung_store(
 
     # asyncio.run joins its executor's threads: a sweep hung in one kept it from returning.
     try:
-        outcome = _within(5, "the relay's cleanup", lambda: asyncio.run(clean()))
+        outcome = within(5, "the relay's cleanup", lambda: asyncio.run(clean()))
         assert isinstance(outcome, ClaimCheckSweepTimeoutError)
     finally:
         store.answer.set()
@@ -181,20 +182,3 @@ def hung_store_settings(
             **(extra or {}),
         },
     )
-
-
-def _within(seconds: float, what: str, run: Callable[[], object]) -> object:
-    """What ``run()`` returned or raised, in a daemon thread given ``seconds`` to end."""
-    outcome: list[object] = []
-
-    def work() -> None:
-        try:
-            outcome.append(run())
-        except BaseException as exc:  # the test reads it
-            outcome.append(exc)
-
-    worker = threading.Thread(target=work, daemon=True)
-    worker.start()
-    worker.join(seconds)
-    assert not worker.is_alive(), f"{what} hung with the store"
-    return outcome[0]
