@@ -56,6 +56,10 @@ what the handler wrote is rolled back by the database). Sync sessions run in dae
 (``DaemonThreadPool``): a program that calls ``run()`` as a library can exit once it
 returned, the hung thread ending with the process (its transaction rolled back as well). After
 a second signal the broker's close gets ``CANCELLED_WAIT``, then is cancelled.
+A suspect whose attempt the shutdown cut short (its handler cancelled or abandoned, or its
+retry after a lost connection or a lock wait never came) did not kill the process: before
+its message is handed back, its suspect row is deleted on a connection of its own (given
+``SUSPECT_FORGET_WAIT``; left behind, it counts one death too many).
 """
 
 from __future__ import annotations
@@ -124,6 +128,11 @@ STABLE_CONNECTION = 10.0
 #: Seconds batches cancelled at shutdown get to roll back before they are abandoned (a sync
 #: handler's thread, an async handler that ignores its cancellation).
 CANCELLED_WAIT = 1.0
+#: Seconds a shutdown gives deleting the suspect rows of the attempts it cut short (a
+#: connection of its own, a DELETE each): a database that is gone or slow must not hold the
+#: process's exit; past it the rows stay, each counting one death too many at the next
+#: delivery of its message.
+SUSPECT_FORGET_WAIT = 2.0
 #: Dead letters a replay reads at a time: a group of millions is walked, not loaded.
 REPLAY_PAGE_SIZE = 1000
 
@@ -189,7 +198,8 @@ class _Lane:
     waits: int = 0
     #: The head is a suspect whose attempt this process recorded (Session.suspect_attempt)
     #: and has not ended yet: tried again after a lost connection or a lock wait, it is
-    #: not recorded a second time (that would count a death that did not happen).
+    #: not recorded a second time (that would count a death that did not happen); still
+    #: set at shutdown, its row is deleted (Consumer._forget_cut_short).
     suspect_recorded: bool = False
 
     @property
@@ -469,6 +479,9 @@ class Consumer:
             # Not those _shutdown abandoned (they may never end), and bounded all the same.
             if waiting := [task for task in tasks if task not in self._given_up]:
                 await asyncio.wait(waiting, timeout=CANCELLED_WAIT)
+            # Before the messages go back to the broker: another consumer's attempt at one
+            # would find this process's row (one death counted), or have its own deleted.
+            await self._forget_cut_short()
             await self._bounded(self._release_all(), "handing messages back to the broker")
             await self._bounded(receiver.close(), "closing the broker connection")
             abandoned = self._abandoned()
@@ -486,6 +499,58 @@ class Consumer:
         if cut_short is not None:
             raise cut_short
         return self.stats
+
+    async def _forget_cut_short(self) -> None:
+        """Delete the suspect rows of the attempts this run cut short and hands back: an
+        attempt the consumer itself ended (a shutdown) is no death. Bounded by
+        ``SUSPECT_FORGET_WAIT``; rows it could not delete are logged and stay."""
+        lanes = [lane for lane in self._lanes_all if lane.suspect_recorded]
+        if not lanes:
+            return
+        # A connection and a thread of their own: a worker's session may be abandoned under
+        # a hung handler, and the workers' threads taken by such handlers.
+        executor = DaemonThreadPool(1, thread_name_prefix=f"outboxer-{self.group}-suspects")
+        session = self._make_session(executor)
+        work = asyncio.ensure_future(self._delete_suspects(session, lanes))
+        try:
+            await asyncio.wait({work}, timeout=SUSPECT_FORGET_WAIT)
+        finally:
+            if not work.done():
+                work.cancel()
+                # Closed once its call ends (a sync one goes on in its thread), not under it.
+                session.close_after(work)
+            executor.shutdown(wait=False)
+        left = [lane.head.delivery for lane in lanes if lane.suspect_recorded]
+        if not left:
+            logger.info(
+                "consumer %s: %d suspect attempt(s) cut short by the shutdown: not counted as "
+                "deaths",
+                self.group,
+                len(lanes),
+            )
+            return
+        failure = work.exception() if work.done() and not work.cancelled() else None
+        logger.warning(
+            "consumer %s: deleting the suspect rows of attempts cut short by the shutdown %s; "
+            "each of these messages may count one death too many at its next delivery: %s",
+            self.group,
+            f"failed: {describe(failure)}"
+            if failure is not None
+            else f"did not finish within {SUSPECT_FORGET_WAIT:g}s",
+            ", ".join(str(delivery.id) for delivery in left),
+        )
+
+    async def _delete_suspects(self, session: Session, lanes: Sequence[_Lane]) -> None:
+        """``_forget_cut_short``'s work: each lane's suspect row deleted, its flag cleared.
+        Cancelled, it leaves the session to ``close_after``."""
+        try:
+            await session.open()
+            for lane in lanes:
+                await session.suspect_done(self.group, lane.head.delivery.id)
+                lane.suspect_recorded = False
+        finally:
+            if not (task := asyncio.current_task()) or not task.cancelling():
+                await self._quietly(session.close(), "closing a database connection")
 
     def _threads(self) -> ThreadPoolExecutor:
         """Threads for sync handlers' transactions, one per worker: daemon threads, so that

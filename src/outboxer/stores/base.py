@@ -502,7 +502,8 @@ class Store(ABC):
     @abstractmethod
     async def cleanup_inbox(self, retention: float, limit: int) -> int:
         """Delete up to ``limit`` inbox entries older than ``retention`` seconds, and up to
-        ``limit`` consumer suspect rows first seen before that; how many of both."""
+        ``limit`` consumer suspect rows whose latest attempt was recorded before that (their
+        ``first_seen``, set again at each attempt); how many of both."""
 
     @abstractmethod
     async def status(self) -> list[DestinationStatus]:

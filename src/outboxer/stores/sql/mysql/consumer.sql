@@ -70,13 +70,17 @@ WHERE consumer = :consumer AND message_id = :message_id
 -- suspect_deaths: inserted with deaths = 0, or one more death on the row an attempt that
 -- never ended left. No RETURNING with ON DUPLICATE KEY UPDATE: suspect_deaths reads the
 -- row next, in the same transaction, which the upsert's lock keeps from changing meanwhile.
+-- Each attempt sets first_seen to now: it is when the latest attempt was recorded, so the
+-- retention only deletes a row no attempt touched for a whole inbox_retention (the
+-- PostgreSQL file says why).
 INSERT INTO {inbox_suspects} (consumer, message_id) VALUES (:consumer, :message_id)
-ON DUPLICATE KEY UPDATE deaths = deaths + 1
+ON DUPLICATE KEY UPDATE deaths = deaths + 1, first_seen = UTC_TIMESTAMP(6)
 
 -- name: suspect_deaths
 -- After suspect_attempt, in its transaction: the deaths before this attempt.
 SELECT deaths FROM {inbox_suspects} WHERE consumer = :consumer AND message_id = :message_id
 
 -- name: suspect_delete
--- The attempt ended (applied, failed in-process, or dead-lettered) -> the row is gone.
+-- The attempt ended (applied, failed in-process, dead-lettered, or cut short by the
+-- consumer's own shutdown) -> the row is gone.
 DELETE FROM {inbox_suspects} WHERE consumer = :consumer AND message_id = :message_id

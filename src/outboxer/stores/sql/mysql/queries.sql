@@ -479,9 +479,10 @@ STRAIGHT_JOIN {inbox} AS old FORCE INDEX (PRIMARY)
 
 -- name: inbox_suspects_cleanup_candidates
 -- Suspect retention, step 1 (the PostgreSQL file says why suspect rows need one): at most
--- :limit rows first seen longer ago than the inbox's retention, oldest first, locked. SKIP
--- LOCKED: a row a consumer's suspect_attempt upsert or applying transaction holds is left
--- for a later round, never waited for. No index on first_seen: the table holds only the
+-- :limit rows whose latest attempt (first_seen: each attempt sets it) was recorded longer
+-- ago than the inbox's retention, oldest first, locked. SKIP LOCKED: a row a consumer's
+-- suspect_attempt upsert or applying transaction holds is left for a later round, never
+-- waited for. No index on first_seen: the table holds only the
 -- redelivered messages in flight and the leftovers this deletes, and under READ COMMITTED
 -- (the store's sessions) InnoDB keeps no lock on a row the WHERE turns down.
 SELECT consumer, message_id FROM {inbox_suspects}

@@ -107,16 +107,26 @@ WHERE consumer = :consumer AND message_id = CAST(:message_id AS uuid)
 -- earlier attempt left behind (it never ended: the process died under it) and adds one.
 -- Returns the deaths before this attempt. One statement: two consumers of the group
 -- recording at once serialise on the row, neither increment lost.
+-- Each attempt sets first_seen to now, despite the column's name (kept: no migration for
+-- it): first_seen is when the latest attempt was recorded. Invariant: a row no attempt
+-- touched for a whole inbox_retention is a message not delivered again meanwhile, the only
+-- kind the retention (queries.sql, inbox_suspects_cleanup) may delete. Kept from the first
+-- attempt, a message whose deaths come further apart than the retention (a consumer
+-- restarted less often) had its row deleted between two of them, its count started again,
+-- and it was never dead-lettered.
 INSERT INTO {inbox_suspects} AS suspect (consumer, message_id)
 VALUES (:consumer, CAST(:message_id AS uuid))
-ON CONFLICT (consumer, message_id) DO UPDATE SET deaths = suspect.deaths + 1
+ON CONFLICT (consumer, message_id) DO UPDATE
+SET deaths = suspect.deaths + 1, first_seen = now()
 RETURNING deaths
 
 -- name: suspect_delete
 -- The attempt ended -> the row is gone: in the transaction that applied the message (so
 -- "row present" <=> "an attempt began and neither committed nor failed in-process"), or in
--- one of its own after a handler's exception (the in-process count takes over) or after the
--- message became a dead letter. A message never delivered again leaves its row (harmless:
--- nothing reads it but that message's next delivery).
+-- one of its own after a handler's exception (the in-process count takes over), after the
+-- message became a dead letter, or when the consumer itself cut the attempt short (a
+-- shutdown that cancelled or abandoned its handler: no death). A message never delivered
+-- again leaves its row (harmless: nothing reads it but that message's next delivery, and
+-- the retention deletes it).
 DELETE FROM {inbox_suspects}
 WHERE consumer = :consumer AND message_id = CAST(:message_id AS uuid)

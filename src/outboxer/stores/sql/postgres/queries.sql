@@ -328,11 +328,12 @@ WHERE ctid = ANY(ARRAY(
 
 
 -- name: inbox_suspects_cleanup
--- Suspect rows (consumer.sql, suspect_attempt) first seen longer ago than the inbox's
--- retention -> deleted, :limit a statement. Such a row belongs to a message never delivered
--- again (its consumer died under it, then the broker dropped it or an operator purged it):
--- nothing else ever deletes it. A message still coming back after the retention only has
--- its death count start again, as its inbox entry would be gone by then too. SKIP LOCKED:
+-- Suspect rows (consumer.sql, suspect_attempt) whose latest attempt was recorded longer
+-- ago than the inbox's retention (first_seen: each attempt sets it to now) -> deleted,
+-- :limit a statement. Such a row belongs to a message not delivered again for a whole
+-- retention (its consumer died under it, then the broker dropped it or an operator purged
+-- it): nothing else ever deletes it. A message that keeps coming back keeps its row, however
+-- slowly its deaths come, as long as no two attempts are a retention apart. SKIP LOCKED:
 -- a row a consumer's suspect_attempt upsert or applying transaction holds is left for a
 -- later round rather than holding this statement, and the relay's connection, meanwhile.
 DELETE FROM {inbox_suspects}

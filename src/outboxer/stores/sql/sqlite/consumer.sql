@@ -63,11 +63,16 @@ DELETE FROM {inbox} WHERE 0
 -- name: suspect_attempt
 -- A redelivered message's attempt, before its handler, in its own transaction: inserted with
 -- deaths = 0, or one more death on the row an attempt that never ended left. Returns the
--- deaths before this attempt; one statement (the PostgreSQL file says why).
+-- deaths before this attempt; one statement (the PostgreSQL file says why). Each attempt
+-- sets first_seen to now (the column's default, in seconds since the epoch): it is when the
+-- latest attempt was recorded, so the retention only deletes a row no attempt touched for a
+-- whole inbox_retention (the PostgreSQL file says why).
 INSERT INTO {inbox_suspects} (consumer, message_id) VALUES (:consumer, :message_id)
-ON CONFLICT (consumer, message_id) DO UPDATE SET deaths = deaths + 1
+ON CONFLICT (consumer, message_id) DO UPDATE
+SET deaths = deaths + 1, first_seen = (julianday('now') - 2440587.5) * 86400.0
 RETURNING deaths
 
 -- name: suspect_delete
--- The attempt ended (applied, failed in-process, or dead-lettered) -> the row is gone.
+-- The attempt ended (applied, failed in-process, dead-lettered, or cut short by the
+-- consumer's own shutdown) -> the row is gone.
 DELETE FROM {inbox_suspects} WHERE consumer = :consumer AND message_id = :message_id

@@ -287,9 +287,10 @@ WHERE rowid IN (
 
 
 -- name: inbox_suspects_cleanup
--- Suspect rows first seen longer ago than the inbox's retention -> deleted, :limit a
--- statement (the PostgreSQL file says why). SQLite has one writer at a time: no row lock
--- to skip, the statement waits busy_timeout for the write lock as inbox_cleanup does.
+-- Suspect rows whose latest attempt (first_seen: each attempt sets it) was recorded longer
+-- ago than the inbox's retention -> deleted, :limit a statement (the PostgreSQL file says
+-- why). SQLite has one writer at a time: no row lock to skip, the statement waits
+-- busy_timeout for the write lock as inbox_cleanup does.
 DELETE FROM {inbox_suspects}
 WHERE rowid IN (
     SELECT rowid FROM {inbox_suspects}
