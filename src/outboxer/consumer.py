@@ -65,6 +65,7 @@ its message is handed back, its suspect row is deleted on a connection of its ow
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import dataclasses
 import importlib
@@ -103,6 +104,7 @@ from outboxer.errors import (
     PayloadError,
     SchemaError,
 )
+from outboxer.metrics import LATENCY_BUCKETS
 from outboxer.receivers import create_receiver, receiver_class
 from outboxer.receivers.base import Delivery, Incoming, MalformedMessage, Receiver, decode_payload
 from outboxer.redact import shown_value
@@ -175,6 +177,33 @@ class ConsumerStats:
 
     def as_dict(self) -> dict[str, float | int]:
         return dict(self.__dict__)
+
+
+@dataclass
+class LatencyHistogram:
+    """Bucket counts of seconds observed (one group's delivery latency), read by
+    ConsumerCollector as a Prometheus histogram: the consumer counts, the scrape renders."""
+
+    bounds: tuple[float, ...] = LATENCY_BUCKETS
+    #: Observations per bucket (not cumulative), the last one past every bound (+Inf).
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    count: int = 0
+    sum: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        # Prometheus buckets are "less than or equal": the first bound >= seconds.
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.count += 1
+        self.sum += seconds
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        """(le, observations at or below it) for each bound and +Inf."""
+        buckets: list[tuple[str, float]] = []
+        seen = 0
+        for bound, observed in zip([*map(repr, self.bounds), "+Inf"], self.counts, strict=True):
+            seen += observed
+            buckets.append((bound, seen))
+        return buckets
 
 
 class HandlerCancelled(Exception):
@@ -360,6 +389,10 @@ class Consumer:
             db, schema, is_async=self.is_async, async_driver=async_driver
         )
         self.stats = ConsumerStats()
+        #: Seconds from each applied message's creation (its enqueue transaction, by the
+        #: ``created_at`` it carries) to the commit that applied it: the whole pipeline's
+        #: delay, outbox, relay, broker and this consumer's queue included.
+        self.delivery_latency = LatencyHistogram()
         self._stats_lock = threading.Lock()
         self._stopping = asyncio.Event()
         #: A second SIGTERM/SIGINT: the batches in flight are not waited for.
@@ -987,9 +1020,13 @@ class Consumer:
                 await self._failed(session, todo.pop(), failure.cause)
                 continue
             self.stats.transactions += 1
+            committed = time.time()
             for lane, result in zip(todo, results, strict=True):
                 if result is Result.APPLIED:
                     self.stats.applied += 1
+                    if (created := lane.head.delivery.created_at) is not None:
+                        # Clocks of two hosts: a message "from the future" counts as 0 s.
+                        self.delivery_latency.observe(max(committed - created.timestamp(), 0.0))
                 elif result is Result.DUPLICATE:
                     self.stats.duplicates += 1
                 else:
@@ -1721,12 +1758,24 @@ class ConsumerCollector:
             "retry).",
             labels=["group"],
         )
+        latency = core.HistogramMetricFamily(
+            "outboxer_consumer_delivery_seconds",
+            "Seconds from a message's creation (its enqueue transaction) to the commit that "
+            "applied it, per applied message (the outbox, the relay, the broker and the "
+            "consumer's queue together; the two hosts' clocks apart).",
+            labels=["group"],
+        )
         for consumer in self.consumers:
             if consumer._receiver is not None:
                 acked.add_metric([consumer.group], consumer._receiver.stats.acked)
             held.add_metric([consumer.group], consumer.in_flight)
+            histogram = consumer.delivery_latency
+            latency.add_metric(
+                [consumer.group], buckets=histogram.cumulative(), sum_value=histogram.sum
+            )
         yield acked
         yield held
+        yield latency
 
 
 __all__ = [
@@ -1737,6 +1786,7 @@ __all__ = [
     "Handler",
     "HandlerReturnedAwaitable",
     "HoldFailed",
+    "LatencyHistogram",
     "SessionFactory",
     "Unreadable",
     "load_handler",

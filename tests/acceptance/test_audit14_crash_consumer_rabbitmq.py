@@ -77,7 +77,7 @@ async def publish(broker: str, messages: list[Message]) -> None:
     assert all(outcome.published for outcome in outcomes), outcomes
 
 
-async def declare(exchange: str, group: str) -> None:
+async def declare(exchange: str, group: str, routing_key: str = "crash.*") -> None:
     """The queue the consumer declares on its first connect (durable, classic), bound
     already: messages published before that would have nowhere to go."""
     connection = await aio_pika.connect("amqp://guest:guest@127.0.0.1:5672/")
@@ -85,7 +85,7 @@ async def declare(exchange: str, group: str) -> None:
         channel = await connection.channel()
         topic = await channel.declare_exchange(exchange, aio_pika.ExchangeType.TOPIC, durable=True)
         queue = await channel.declare_queue(group, durable=True)
-        await queue.bind(topic, routing_key="crash.*")
+        await queue.bind(topic, routing_key=routing_key)
     finally:
         await connection.close()
 

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from outboxer.brokers import create_publisher
 from outboxer.consumer import Consumer, ConsumerCollector, Delivery
 from outboxer.testing import make_message
-from tests.acceptance.test_audit14_crash_consumer_rabbitmq import remove
+from tests.acceptance.test_audit14_crash_consumer_rabbitmq import declare, remove
 from tests.services import require
 
 RABBIT = "amqp://guest:guest@127.0.0.1:5672/"
@@ -35,14 +35,7 @@ def record(message: Delivery, conn: sqlite3.Connection) -> None:
 
 
 async def scenario(db: str, path: Path, exchange: str, group: str) -> Consumer:
-    connection = await aio_pika.connect(RABBIT)
-    try:
-        channel = await connection.channel()
-        topic = await channel.declare_exchange(exchange, aio_pika.ExchangeType.TOPIC, durable=True)
-        queue = await channel.declare_queue(group, durable=True)  # as the consumer declares it
-        await queue.bind(topic, routing_key="susp.*")
-    finally:
-        await connection.close()
+    await declare(exchange, group, "susp.*")  # as the consumer declares it
 
     broker = f"{RABBIT}?exchange={exchange}"
     victim, other = make_message("susp.a", {"n": 1}), make_message("susp.a", {"n": 2})

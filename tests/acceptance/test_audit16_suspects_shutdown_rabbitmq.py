@@ -24,7 +24,7 @@ from outboxer.brokers import create_publisher
 from outboxer.consumer import Consumer, Delivery
 from outboxer.errors import ConsumerShutdownError
 from outboxer.testing import make_message
-from tests.acceptance.test_audit14_crash_consumer_rabbitmq import remove
+from tests.acceptance.test_audit14_crash_consumer_rabbitmq import declare, remove
 from tests.services import require
 
 RABBIT = "amqp://guest:guest@127.0.0.1:5672/"
@@ -51,14 +51,7 @@ def dead_letters(db: str, group: str) -> list[str]:
 async def redelivered_once(exchange: str, group: str) -> uuid.UUID:
     """One message in the group's queue, received and not acked on a connection that then
     closed: RabbitMQ requeues it flagged redelivered, a suspect for the next consumer."""
-    connection = await aio_pika.connect(RABBIT)
-    try:
-        channel = await connection.channel()
-        topic = await channel.declare_exchange(exchange, aio_pika.ExchangeType.TOPIC, durable=True)
-        queue = await channel.declare_queue(group, durable=True)  # as the consumer declares it
-        await queue.bind(topic, routing_key="susp.*")
-    finally:
-        await connection.close()
+    await declare(exchange, group, "susp.*")  # as the consumer declares it
     message = make_message("susp.a", {"n": 1})
     async with create_publisher(f"{RABBIT}?exchange={exchange}") as publisher:
         outcomes = await publisher.publish_batch([message])

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 import yaml  # PyYAML, which mkdocs brings
@@ -47,7 +48,7 @@ def run_promtool(*args: str) -> subprocess.CompletedProcess[str]:
 def test_promtool_accepts_the_rules() -> None:
     result = run_promtool("check", "rules", str(RULES))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 9 rules found" in result.stdout
+    assert "SUCCESS: 11 rules found" in result.stdout
 
 
 def test_the_alerts_unit_tests_pass() -> None:
@@ -90,6 +91,7 @@ def test_every_metric_the_rules_read_is_exported() -> None:
     from tests.unit.test_audit10_walwarn_alert import stream_exported
 
     exported |= stream_exported()
+    exported |= consumer_exported()
     expressions = [
         rule["expr"]
         for group in yaml.safe_load(RULES.read_text())["groups"]
@@ -98,3 +100,22 @@ def test_every_metric_the_rules_read_is_exported() -> None:
     used = {name for expr in expressions for name in re.findall(r"\b(outboxer_[a-z_]+)\b", expr)}
     assert used  # the pattern finds them
     assert used <= exported, used - exported
+
+
+def consumer_exported() -> set[str]:
+    """The series names ``outboxer consume --http`` exports (ConsumerCollector)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from outboxer.consumer import ConsumerCollector, ConsumerStats, LatencyHistogram
+
+    consumer = SimpleNamespace(
+        group="g",
+        stats=ConsumerStats(),
+        _receiver=None,
+        in_flight=0,
+        delivery_latency=LatencyHistogram(),
+    )
+    registry = CollectorRegistry()
+    registry.register(ConsumerCollector([consumer]))  # type: ignore[list-item]
+    body = generate_latest(registry).decode()
+    return set(re.findall(r"^([a-z_]+)[{ ]", body, re.MULTILINE))
