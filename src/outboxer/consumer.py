@@ -135,6 +135,9 @@ CANCELLED_WAIT = 1.0
 #: process's exit; past it the rows stay, each counting one death too many at the next
 #: delivery of its message.
 SUSPECT_FORGET_WAIT = 2.0
+#: Seconds between two readings of the group's backlog at the broker (``Receiver.lag``,
+#: ``outboxer_consumer_lag_messages``): one cheap broker request each.
+LAG_INTERVAL = 5.0
 #: Dead letters a replay reads at a time: a group of millions is walked, not loaded.
 REPLAY_PAGE_SIZE = 1000
 
@@ -393,6 +396,9 @@ class Consumer:
         #: ``created_at`` it carries) to the commit that applied it: the whole pipeline's
         #: delay, outbox, relay, broker and this consumer's queue included.
         self.delivery_latency = LatencyHistogram()
+        #: The group's backlog at the broker as last read (``Receiver.lag``, every
+        #: ``LAG_INTERVAL`` while running); None when the broker does not tell.
+        self.lag: int | None = None
         self._stats_lock = threading.Lock()
         self._stopping = asyncio.Event()
         #: A second SIGTERM/SIGINT: the batches in flight are not waited for.
@@ -503,6 +509,7 @@ class Consumer:
             tasks = [fetcher, *workers]
             if receiver.extend_interval:
                 tasks.append(asyncio.create_task(self._extend(receiver.extend_interval)))
+            tasks.append(asyncio.create_task(self._read_lag(receiver)))
             await self._stopping.wait()
             cut_short = await self._shutdown(fetcher, workers)
         finally:
@@ -526,12 +533,23 @@ class Consumer:
                 if session not in abandoned.values():  # closing under a handler would hang
                     await self._quietly(session.close(), "closing a database connection")
             executor.shutdown(wait=False)
+            self.lag = None
             logger.info("consumer %s stopped: %s", self.group, self.stats.as_dict())
         if self._fatal is not None:
             raise self._fatal
         if cut_short is not None:
             raise cut_short
         return self.stats
+
+    async def _read_lag(self, receiver: Receiver) -> None:
+        """The group's backlog at the broker, read every ``LAG_INTERVAL`` for /metrics."""
+        while True:
+            try:
+                self.lag = await receiver.lag(LAG_INTERVAL) if receiver.connected else None
+            except Exception as exc:  # noqa: BLE001 -- a receiver of the application's: a metric
+                logger.debug("consumer %s: the broker's backlog not read: %s", self.group, exc)
+                self.lag = None
+            await asyncio.sleep(LAG_INTERVAL)
 
     async def _forget_cut_short(self) -> None:
         """Delete the suspect rows of the attempts this run cut short and hands back: an
@@ -1758,6 +1776,14 @@ class ConsumerCollector:
             "retry).",
             labels=["group"],
         )
+        lag = core.GaugeMetricFamily(
+            "outboxer_consumer_lag_messages",
+            "Messages the broker holds for the group that no consumer of it was handed yet "
+            "(RabbitMQ: the queue's ready messages; NATS: num_pending; Redis: the group's lag; "
+            "Kafka: this process's partitions only, sum by group); absent where the broker "
+            "does not tell (MQTT).",
+            labels=["group"],
+        )
         latency = core.HistogramMetricFamily(
             "outboxer_consumer_delivery_seconds",
             "Seconds from a message's creation (its enqueue transaction) to the commit that "
@@ -1769,12 +1795,15 @@ class ConsumerCollector:
             if consumer._receiver is not None:
                 acked.add_metric([consumer.group], consumer._receiver.stats.acked)
             held.add_metric([consumer.group], consumer.in_flight)
+            if consumer.lag is not None:
+                lag.add_metric([consumer.group], consumer.lag)
             histogram = consumer.delivery_latency
             latency.add_metric(
                 [consumer.group], buckets=histogram.cumulative(), sum_value=histogram.sum
             )
         yield acked
         yield held
+        yield lag
         yield latency
 
 

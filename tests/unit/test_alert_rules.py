@@ -48,7 +48,7 @@ def run_promtool(*args: str) -> subprocess.CompletedProcess[str]:
 def test_promtool_accepts_the_rules() -> None:
     result = run_promtool("check", "rules", str(RULES))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 11 rules found" in result.stdout
+    assert "SUCCESS: 12 rules found" in result.stdout
 
 
 def test_the_alerts_unit_tests_pass() -> None:
@@ -113,6 +113,7 @@ def consumer_exported() -> set[str]:
         stats=ConsumerStats(),
         _receiver=None,
         in_flight=0,
+        lag=7,
         delivery_latency=LatencyHistogram(),
     )
     registry = CollectorRegistry()

@@ -397,6 +397,20 @@ class Receiver(ABC):
         """Hand back messages that will not be applied here (shutdown), for prompt redelivery."""
         return None
 
+    async def lag(self, timeout: float = 5.0) -> int | None:
+        """Messages the broker holds for this consumer group that no consumer of it has been
+        handed yet; None when the broker does not tell (or the receiver is not connected).
+
+        For metrics, called every few seconds beside ``receive`` and ``ack``: it never raises
+        for a broker that does not answer, but gives None after ``timeout`` seconds at most
+        (and logs at DEBUG only). What it counts differs by broker, and so does how a group's
+        members' figures add up: on Kafka each member reports its own partitions (high
+        watermark less its position), so a group's lag is the *sum* over its members; the
+        others (RabbitMQ's ready count, JetStream's ``num_pending``, Redis's group ``lag``)
+        report the whole group's backlog, the same from every member: take the *max* by
+        group. MQTT gives no queue depth (None)."""
+        return None
+
     def idle(self) -> bool:
         """Whether an empty receive means the broker has nothing more for now (``exit_when_idle``);
         False while the receiver is still getting ready (joining a group, waiting)."""

@@ -121,6 +121,22 @@ class FileReceiver(Receiver):
                 headers[name] = str(record[field])
         return decode(headers, _body(record))
 
+    async def lag(self, timeout: float = 5.0) -> int | None:
+        """Whole lines of the file not handed out yet (the demo's broker: read in full)."""
+        if not self._connected or self._file is None:
+            return None
+        try:
+            lines = await asyncio.wait_for(asyncio.to_thread(self._lines), timeout)
+        except (OSError, TimeoutError):
+            return None
+        # Counted before the receives meanwhile moved on: never below nothing.
+        return max(0, lines - self._line)
+
+    def _lines(self) -> int:
+        # Read as _receive reads: a line still being written (no newline yet) waits.
+        with self.path.open(encoding="utf-8", errors="replace") as file:
+            return sum(1 for line in file if line.endswith("\n"))
+
     async def _ack(self, incomings: Sequence[Incoming]) -> None:
         moved = False
         for incoming in incomings:

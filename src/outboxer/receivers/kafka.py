@@ -190,6 +190,9 @@ class KafkaReceiver(Receiver):
         except (TypeError, ValueError):  # librdkafka refuses it at connect
             session = 45.0
         self._handover_wait = _HANDOVER_SESSIONS * session
+        #: ``lag`` calls waiting for the polling thread (which owns the consumer) to measure
+        #: it, each with its deadline (monotonic).
+        self._lag_asked: list[tuple[asyncio.Future[int | None], float]] = []
 
     @property
     def _kafka(self) -> KafkaPublisher:
@@ -280,11 +283,16 @@ class KafkaReceiver(Receiver):
                             self._caught_up(end)
                     if received:
                         loop.call_soon_threadsafe(self._deliver, received)
+                if self._lag_asked:
+                    # Paused, the partitions are not fetched: their cached ends are stale.
+                    self._answer_lag(consumer, loop, stale=full)
             self._commit(consumer)  # the last acks
         except Exception as exc:  # noqa: BLE001 -- reported to the runner, which reconnects
             logger.warning("kafka consumer failed: %s", exc)
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
                 loop.call_soon_threadsafe(self._lost.set)
+        finally:
+            self._settle_lag(loop, None)  # nobody measures it any more on this consumer
 
     def _commit(self, consumer: Consumer) -> None:
         """Commit the offsets acks moved (in the polling thread, which owns the consumer)."""
@@ -312,6 +320,66 @@ class KafkaReceiver(Receiver):
             for where in failed:
                 if where in self._partitions:
                     self._to_commit.setdefault(where, due[where])  # a later ack's offset wins
+
+    def _answer_lag(self, consumer: Any, loop: asyncio.AbstractEventLoop, stale: bool) -> None:
+        """Measure the lag for the ``lag`` calls waiting (in the polling thread, which owns
+        the consumer); None if it cannot be told. Never raises: a metric must not stop the
+        polling."""
+        with self._lock:
+            deadline = max((until for _, until in self._lag_asked), default=0.0)
+        try:
+            value = self._measure_lag(consumer, stale, deadline)
+        except Exception as exc:  # noqa: BLE001 -- KafkaException, a timeout: unknown this time
+            logger.debug("kafka lag not measured: %s", describe(exc))
+            value = None
+        self._settle_lag(loop, value)
+
+    def _settle_lag(self, loop: asyncio.AbstractEventLoop, value: int | None) -> None:
+        with self._lock:
+            asked, self._lag_asked = self._lag_asked, []
+        if asked:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
+                loop.call_soon_threadsafe(_settle, [answer for answer, _ in asked], value)
+
+    def _measure_lag(self, consumer: Any, stale: bool, deadline: float) -> int | None:
+        """The records of this member's partitions past its position: their end (the high
+        watermark) less the offset of the next record the consumer hands over, or where
+        it starts reading (the committed offset, else ``offset_reset``) if it has handed
+        over none yet. Ends cached from the fetches, else asked of the broker (``stale``: the
+        partitions are paused, and not fetched), until ``deadline`` (monotonic)."""
+        with self._lock:
+            if not self._assigned:
+                return None  # a rebalance: this member's share is not known yet
+        assigned = consumer.assignment()
+        if not assigned:
+            return 0  # more members than partitions: nothing is this member's
+        starts: dict[tuple[str, int], int] = {}
+        unplaced: list[TopicPartition] = []
+        for tp in consumer.position(assigned):
+            if tp.error is not None:
+                return None
+            if tp.offset >= 0:
+                starts[(tp.topic, tp.partition)] = tp.offset
+            else:
+                unplaced.append(TopicPartition(tp.topic, tp.partition))
+        if unplaced:
+            for tp in consumer.committed(unplaced, timeout=_left(deadline)):
+                if tp.error is not None:
+                    return None
+                starts[(tp.topic, tp.partition)] = tp.offset  # negative: none committed
+        total = 0
+        for (topic, part), start in starts.items():
+            where = TopicPartition(topic, part)
+            ends = None if stale else consumer.get_watermark_offsets(where, cached=True)
+            if ends is None or ends[1] < 0 or (start < 0 and ends[0] < 0):
+                ends = consumer.get_watermark_offsets(where, timeout=_left(deadline))
+                if ends is None:
+                    return None  # the broker did not answer in time
+            low, high = ends
+            if start < 0:
+                start = low if self._offset_reset == "earliest" else high
+            total += max(0, high - start)
+        return total
 
     def _check_handover(self, consumer: Any) -> None:
         """Forget the handed-over partitions nothing is left to read in: the group's
@@ -426,6 +494,22 @@ class KafkaReceiver(Receiver):
 
     # ----- what the runner calls ---------------------------------------------------------------
 
+    async def lag(self, timeout: float = 5.0) -> int | None:
+        """The records of *this member's* partitions it has not handed over yet (each
+        partition's high watermark less the member's position): a group's lag is the sum
+        over its members. Measured by the polling thread, which alone calls the consumer."""
+        thread = self._thread
+        if not self._connected or thread is None or not thread.is_alive():
+            return None
+        answer: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._lag_asked.append((answer, time.monotonic() + timeout))
+        try:
+            return await asyncio.wait_for(answer, timeout)
+        except TimeoutError:
+            logger.debug("kafka lag not measured within %.1f s", timeout)
+            return None
+
     async def _close(self) -> None:
         consumer, thread = self._consumer, self._thread
         self._consumer = self._thread = None
@@ -498,6 +582,20 @@ class _Probe:
             finished = self._finished
         if finished:  # the request ended as the connect gave up: nobody else will close it
             threading.Thread(target=_close, args=(self.consumer,), daemon=True).start()
+
+
+def _settle(answers: Sequence[asyncio.Future[int | None]], value: int | None) -> None:
+    for answer in answers:
+        if not answer.done():  # else its lag() gave up waiting
+            answer.set_result(value)
+
+
+def _left(deadline: float) -> float:
+    """Seconds to ``deadline``; TimeoutError once it passed (a lag nobody waits for)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the lag's deadline passed")
+    return left
 
 
 def _failed(error: KafkaError) -> None:

@@ -91,6 +91,14 @@ class MemoryReceiver(Receiver):
             received.append(incoming)
         return received
 
+    async def lag(self, timeout: float = 5.0) -> int | None:
+        """The group's messages not handed out: those handed back, and the broker's list
+        from the group's position on (of its topics)."""
+        if not self._connected or not self.broker.available:
+            return None
+        ahead = range(self.state.position, len(self.broker.messages))
+        return len(self.state.returned) + sum(1 for p in ahead if self._wanted(p))
+
     async def _ack(self, incomings: Sequence[Incoming]) -> None:
         for incoming in incomings:
             self.state.unacked.discard(incoming.token)

@@ -272,6 +272,12 @@ class MqttReceiver(Receiver):
         incoming.redelivered = isinstance(message, _Received) and message.dup
         return incoming
 
+    async def lag(self, timeout: float = 5.0) -> int | None:
+        # MQTT has no way to ask a broker how many messages it holds: neither for a shared
+        # subscription's group nor for a client's session (Mosquitto's $SYS topics count the
+        # whole broker's messages, not a group's). Unknown, not 0.
+        return None
+
     async def _ack(self, incomings: Sequence[Incoming]) -> None:
         client = self._client
         if client is None:

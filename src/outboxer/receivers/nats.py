@@ -49,10 +49,14 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import DEFAULT_PREFIX, AckPolicy, ConsumerConfig, DeliverPolicy, StatusCode
 
+from outboxer.brokers.base import describe
 from outboxer.brokers.nats import NatsPublisher, check_subject, received_headers
 from outboxer.config import duration_option
 from outboxer.errors import ConfigError
 from outboxer.receivers.base import Incoming, Receiver, decode
+from outboxer.redact import get_logger
+
+logger = get_logger("outboxer.receiver")
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 #: What a JetStream consumer's name cannot hold (nats-py's check, which raises on connect).
@@ -233,6 +237,27 @@ class NatsReceiver(Receiver):
                 self._next_check = loop.time() + _CHECK_EVERY
             self._pulled_nothing = True  # a real pull found nothing (not the startup wait)
         return [self._incoming(message) for message in messages]
+
+    async def lag(self, timeout: float = 5.0) -> int | None:
+        """The messages of the stream its durable consumers have not delivered yet
+        (``num_pending``), summed over the group's topics: the whole group's backlog, the
+        same from every member. Redeliveries due (an ack_wait that ran out) are not in it."""
+        js, pullers = self._js, list(self._subscriptions)
+        if not self._connected or js is None or not pullers:
+            return None
+        try:
+            return await asyncio.wait_for(self._pending(js, pullers, timeout), timeout)
+        except Exception as exc:  # noqa: BLE001 -- a metric: unknown this time, never a failure
+            logger.debug("%s: no consumer backlog: %s", self.safe_url, describe(exc))
+            return None
+
+    @staticmethod
+    async def _pending(js: JetStreamContext, pullers: Sequence[_Puller], timeout: float) -> int:
+        # Requests of their own (a reply inbox each): they take nothing from the pulls.
+        infos = await asyncio.gather(
+            *(js.consumer_info(p.stream, p.durable, timeout=timeout) for p in pullers)
+        )
+        return sum(info.num_pending or 0 for info in infos)
 
     async def _check_consumers(self) -> None:
         """ConnectionError if a consumer is gone (deleted by an operator, or with its

@@ -25,6 +25,7 @@ rest of the envelope (``outboxer-topic``, ``outboxer-key``, ``outboxer-created-a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,10 +34,13 @@ import aiormq
 import pamqp.decode
 from aio_pika.abc import AbstractConnection, AbstractIncomingMessage
 
-from outboxer.brokers.base import option_bool
+from outboxer.brokers.base import describe, option_bool
 from outboxer.brokers.rabbitmq import RabbitMQPublisher, connect_amqp
 from outboxer.errors import ConfigError
 from outboxer.receivers.base import Incoming, Receiver, decode, take
+from outboxer.redact import get_logger
+
+logger = get_logger("outboxer.receiver")
 
 _QUEUE_TYPES = ("classic", "quorum")
 _PREFETCH_MAX = 65535
@@ -149,6 +153,8 @@ class RabbitMQReceiver(Receiver):
         self._connection: AbstractConnection | None = None
         self._arrived: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
         self._lost = asyncio.Event()
+        #: The passive declare ``lag`` waits for (it may outlive a call that gave up on it).
+        self._lag_query: asyncio.Future[int] | None = None
 
     @property
     def _rabbit(self) -> RabbitMQPublisher:
@@ -231,6 +237,54 @@ class RabbitMQReceiver(Receiver):
     async def _ack(self, incomings: Sequence[Incoming]) -> None:
         for incoming in incomings:
             await incoming.token.ack()
+
+    async def lag(self, timeout: float = 5.0) -> int | None:
+        """The queue's ready messages (``message_count`` of a passive declare): the group's
+        whole backlog, the same from every member; delivered and unacknowledged ones are
+        not counted."""
+        connection = self._connection
+        if not self._connected or connection is None or connection.is_closed:
+            return None
+        query = self._lag_query
+        if query is None or query.done():
+            query = self._lag_query = asyncio.ensure_future(self._ready(connection))
+            query.add_done_callback(_retrieved)
+        # Waited for, never cancelled: aiormq closes a channel whose request is cancelled,
+        # with a warning each time. One query at a time: a broker slow to answer gets no
+        # pile of them; the next calls wait for the same one.
+        await asyncio.wait((query,), timeout=timeout)
+        if not query.done():
+            logger.debug("%s: no queue depth within %.1f s", self.safe_url, timeout)
+            return None
+        problem = asyncio.CancelledError() if query.cancelled() else query.exception()
+        if problem is not None:
+            logger.debug(
+                "%s: no queue depth for %r: %s", self.safe_url, self.queue, describe(problem)
+            )
+            return None
+        return query.result()
+
+    async def _ready(self, connection: AbstractConnection) -> int:
+        transport = connection.transport
+        if transport is None:
+            raise ConnectionError("the connection to RabbitMQ is closed")
+        # A channel of its own: a passive declare of a queue that is gone (deleted by an
+        # operator) closes its channel with a 404, and on the consuming channel that would
+        # drop the messages held and read as a lost connection. aiormq's own channel: none
+        # of the receiver's close callbacks hears of its end.
+        channel = await transport.connection.channel(publisher_confirms=False)
+        try:
+            declared = await channel.queue_declare(self.queue, passive=True)
+            return int(declared.message_count or 0)
+        finally:
+            with contextlib.suppress(Exception):  # closed by the 404, or with the connection
+                await channel.close()
+
+
+def _retrieved(query: asyncio.Future[int]) -> None:
+    """Take a lag query's exception, which ``lag`` may have stopped waiting for."""
+    if not query.cancelled():
+        query.exception()
 
 
 __all__ = ["RabbitMQReceiver"]
