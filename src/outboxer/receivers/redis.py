@@ -10,11 +10,18 @@ consumer's name (``name``, default the host name), so a consumer that restarts u
 name reads its own pending entries first (``XREADGROUP … 0``), in order, before new ones.
 Entries of a consumer that never comes back are taken over by the others with
 ``XAUTOCLAIM`` once idle for ``claim_idle`` seconds (default 60), in passes over the whole
-pending list (every ``claim_idle / 2``; Redis scans a bounded part of it per call, so a pass
-goes on at each receive until it is through); a live consumer keeps the entries it holds
-from looking idle (``XCLAIM … JUSTID`` every third of that time), however long a handler or
-its retries take. One receive returns at most ``limit`` entries over all the streams;
-the rest of a read waits in the receiver, ours already, and goes out first next time.
+pending list (every ``claim_idle / 2``; Redis scans a bounded part of it per call, and a
+receive takes over no more than its ``limit`` over all the streams, so a pass goes on at
+each receive until it is through); a live consumer keeps the entries it holds from looking
+idle (``XCLAIM … JUSTID`` every third of that time), however long a handler or its retries
+take. One receive returns at most ``limit`` entries over all the streams; the rest of a
+read waits in the receiver, ours already, and goes out first next time. For
+``exit_when_idle`` the receiver is not idle while other consumers of the group hold pending
+entries: it waits for their holders to acknowledge them, or takes them over once idle.
+
+A group missing on a reconnect (``XGROUP DESTROY``, or the stream deleted and written
+again) is created again from the stream's first entry, as the first time, with a WARNING:
+every entry still in the stream is read again, and the inbox skips only those it remembers.
 
 A reply that does not come within ``socket_timeout`` (redis-py's option in the URL; 10 s
 unless it says otherwise) is a lost connection: a stalled network fails the XACK (the
@@ -90,8 +97,14 @@ class RedisReceiver(Receiver):
         #: and the last one read of each.
         self._backlog: dict[str, str | bytes] = {}
         self._next_claim = 0.0
-        #: Per stream: where the next XAUTOCLAIM goes on in the group's pending list.
-        self._claim_from: dict[str, str | bytes] = {}
+        #: The streams the current XAUTOCLAIM pass is not through yet, in order, and where
+        #: it goes on in each one's pending list (empty: no pass under way).
+        self._claim_pass: dict[str, str | bytes] = {}
+        #: Entries other consumers of the group held at the last empty read (``idle``).
+        self._others_pending = 0
+        #: Streams on which this receiver found (or made) the group: one missing later was
+        #: destroyed meanwhile.
+        self._had_group: set[str] = set()
         #: Seconds a blocking read may wait at most (None: no limit).
         self._longest_block: float | None = None
         #: Entries read (or claimed) beyond a receive's ``limit``, handed out first next time.
@@ -122,11 +135,48 @@ class RedisReceiver(Receiver):
             except rexc.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):  # it exists: fine
                     raise
+            else:
+                await self._created(client, stream)
+            self._had_group.add(stream)
         self._backlog = dict.fromkeys(self.streams, "0")
         # Still in our pending list: the backlog read from "0" above reads them again.
         self._overflow.clear()
         self._next_claim = 0.0
-        self._claim_from = dict.fromkeys(self.streams, _PEL_START)
+        self._claim_pass = {}
+        self._others_pending = 0
+
+    async def _created(self, client: Any, stream: str) -> None:
+        """Say that the group was just created on ``stream``, from its first entry.
+
+        From ``0``, not ``$``, even when it existed before (XGROUP DESTROY, or the stream
+        deleted and written again): from anywhere later, the entries its pending list held
+        unacknowledged, and those added while it was missing (all of a stream written
+        again), would never be delivered. The price: every entry still in the stream comes
+        again, and the inbox skips only those it still remembers (its retention); older
+        ones are applied a second time. Loud, then."""
+        entries = int(await client.xlen(stream))
+        if stream not in self._had_group:
+            logger.info(
+                "%s: created consumer group %r on stream %r from its first entry: %d "
+                "entr%s to read",
+                self.safe_url,
+                self.group,
+                stream,
+                entries,
+                "y" if entries == 1 else "ies",
+            )
+            return
+        logger.warning(
+            "%s: consumer group %r was gone from stream %r (XGROUP DESTROY, or the stream "
+            "deleted and written again): created again from the stream's first entry, so "
+            "its %d entr%s are read again; the inbox skips those it still remembers, older "
+            "ones are applied a second time",
+            self.safe_url,
+            self.group,
+            stream,
+            entries,
+            "y" if entries == 1 else "ies",
+        )
 
     async def _close(self) -> None:
         client, self._client = self._client, None
@@ -150,7 +200,56 @@ class RedisReceiver(Receiver):
         # idle to other consumers' XAUTOCLAIM, as it does the entries the runner holds.
         if not self._overflow:
             self._overflow.extend(await self._read(limit, timeout))
+            if not self._overflow:
+                self._others_pending = await self._pending_elsewhere()
         return [self._overflow.popleft() for _ in range(min(limit, len(self._overflow)))]
+
+    def idle(self) -> bool:
+        """Not while other consumers of the group hold pending entries: a live one's are
+        its own until acknowledged, but a dead one's come to us once idle ``claim_idle``
+        seconds, and exiting first would leave them unapplied. So ``exit_when_idle`` waits
+        for whatever the group still holds, acknowledged by its holder or taken over."""
+        return not self._backlog and not self._overflow and self._others_pending == 0
+
+    async def _pending_elsewhere(self) -> int:
+        """Entries other consumers of the group hold, over all the streams."""
+        async with self._client_now().pipeline(transaction=False) as pipe:
+            for stream in self.streams:
+                pipe.xpending(stream, self.group)
+            replies = await pipe.execute()
+        ours = (self.consumer, self.consumer.encode())  # bytes unless decode_responses
+        return sum(
+            int(consumer["pending"])
+            for reply in replies
+            for consumer in reply.get("consumers") or []
+            if consumer["name"] not in ours
+        )
+
+    async def lag(self, timeout: float = 5.0) -> int | None:
+        """Entries of the group's streams not yet delivered to any consumer of the group
+        (XINFO GROUPS' ``lag``, Redis 7), summed over its streams: the whole group's
+        backlog, the same from every member (max by group). None where Redis cannot tell:
+        ``lag`` is nil (entries deleted or trimmed ahead of the group) or absent (before
+        Redis 7)."""
+        client = self._client
+        if not self._connected or client is None:
+            return None
+        try:
+            return await asyncio.wait_for(self._group_lag(client), timeout)
+        except Exception as exc:  # noqa: BLE001 -- a metric: unknown this time, never a failure
+            logger.debug("%s: no group lag: %s", self.safe_url, describe(exc))
+            return None
+
+    async def _group_lag(self, client: Any) -> int | None:
+        total = 0
+        names = (self.group, self.group.encode())  # bytes unless decode_responses
+        for stream in self.streams:
+            groups = await client.xinfo_groups(stream)
+            mine = [group for group in groups if group.get("name") in names]
+            if not mine or mine[0].get("lag") is None:
+                return None
+            total += int(mine[0]["lag"])
+        return total
 
     async def _read(self, limit: int, timeout: float) -> list[Incoming]:
         client = self._client_now()
@@ -169,11 +268,12 @@ class RedisReceiver(Receiver):
             if received or self._backlog:
                 return received
         loop = asyncio.get_running_loop()
-        if loop.time() >= self._next_claim:
-            self._next_claim = loop.time() + self.claim_idle / 2
+        if self._claim_pass or loop.time() >= self._next_claim:
+            if not self._claim_pass:
+                self._claim_pass = dict.fromkeys(self.streams, _PEL_START)
             claimed = await self._claim_idle(limit)
-            if any(cursor not in _PEL_STARTS for cursor in self._claim_from.values()):
-                self._next_claim = 0.0  # the pass over the pending list goes on next time
+            if not self._claim_pass:  # through: the next pass in a while
+                self._next_claim = loop.time() + self.claim_idle / 2
             if claimed:
                 return claimed
         ids = dict.fromkeys(self.streams, ">")
@@ -185,22 +285,33 @@ class RedisReceiver(Receiver):
         return await self._entries(replies)
 
     async def _claim_idle(self, limit: int) -> list[Incoming]:
-        """Entries other consumers left idle too long (they died): ours now."""
+        """Entries other consumers left idle too long (they died): ours now, ``limit`` at
+        most over all the streams of the pass."""
         client = self._client_now()
         received: list[Incoming] = []
-        for stream in self.streams:
+        for stream, start in list(self._claim_pass.items()):
+            # COUNT bounds one stream's call, not the pass: a claim per stream of up to
+            # ``limit`` took that many times more than the runner had room for, and what
+            # waited in the overflow, ours and kept fresh by ``_extend``, no other live
+            # consumer could take over meanwhile. The pass goes on with the rest next time.
+            room = limit - len(received)
+            if room <= 0:
+                break
             reply = await client.xautoclaim(
                 stream,
                 self.group,
                 self.consumer,
                 int(self.claim_idle * 1000),
-                start_id=self._claim_from.get(stream, _PEL_START),
-                count=min(limit, _CLAIM_COUNT),
+                start_id=start,
+                count=min(room, _CLAIM_COUNT),
             )
             # Redis looks at no more than ten times COUNT pending entries per call and says
             # where it stopped. Started again from 0-0 each time, a dead consumer's entries
             # behind that many entries live consumers still hold were never taken over.
-            self._claim_from[stream] = reply[0]
+            if reply[0] in _PEL_STARTS:
+                del self._claim_pass[stream]
+            else:
+                self._claim_pass[stream] = reply[0]
             received += await self._entries([(stream, reply[1])], redelivered=True)
             if len(reply) > 2 and reply[2]:  # Redis 7: ids it dropped from the pending list
                 self._report_lost(stream, reply[2])
