@@ -477,8 +477,8 @@ class MySQLStore(Store):
                         cursor, "abandon_expired", {"seqs": exhausted, "destination": destination}
                     )
                     abandoned = await self._abandoned(cursor, exhausted)
-                    if abandoned_blocks:  # else such a row heads its key: recovered alone
-                        await self._release_behind(cursor, destination, abandoned, max_attempts)
+                if expired and abandoned_blocks:  # else such a row heads its key: recovered
+                    await self._release_behind(cursor, destination, max_attempts)
                 heads = [row for row in expired if row["seq"] not in exhausted and row["heads_key"]]
                 if heads and not recover:
                     return Claim(lease=lease, recovery_waiting=True, abandoned=abandoned)
@@ -601,19 +601,16 @@ class MySQLStore(Store):
             rows = without_overtaking(rows, await cursor.fetchall())
         return rows
 
-    async def _release_behind(
-        self,
-        cursor: Any,
-        destination: str,
-        abandoned: Sequence[AbandonedRow],
-        max_attempts: int,
-    ) -> None:
-        """The in-flight rows of a dead relay behind the rows it just abandoned, per key from
-        its first abandoned row -> FAILED, due now (queries.sql: release_behind_abandoned)."""
+    async def _release_behind(self, cursor: Any, destination: str, max_attempts: int) -> None:
+        """The in-flight rows of a dead relay behind an ABANDONED row of their key, per key
+        from its first abandoned row -> FAILED, due now (queries.sql:
+        abandoned_before_expired, release_behind_abandoned)."""
+        await self._execute(cursor, "abandoned_before_expired", {"destination": destination})
         first: dict[str, int] = {}
-        for row in abandoned:
-            if row.key is not None:
-                first[row.key] = min(row.seq, first.get(row.key, row.seq))
+        for row in await cursor.fetchall():
+            if row["after"] is not None:
+                key, after = row["key"], int(row["after"])
+                first[key] = min(after, first.get(key, after))
         if first:
             await cursor.executemany(
                 self._sql["release_behind_abandoned"],

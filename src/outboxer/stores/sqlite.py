@@ -272,18 +272,12 @@ class SqliteStore(Store):
             # the order they ran: read before it, a claim could run after a settle that
             # released a row at a later time, find it not yet due, and take its key's next.
             params["now"] = time.time()
+            # RETURNING: seq, id, topic, key, attempts, last_error.
             abandoned = conn.execute(self._sql["abandon_expired"], params).fetchall()
-            # RETURNING: seq, id, topic, key, attempts, last_error. Per key, from its first
-            # abandoned row: the dead relay's rows behind it are released when abandoned
-            # rows block (see the SQL); else such a row heads its key: recovered alone.
-            first: dict[str, int] = {}
-            for seq, _, _, key, _, _ in abandoned if abandoned_blocks else ():
-                if key is not None:
-                    first[key] = min(seq, first.get(key, seq))
-            conn.executemany(
-                self._sql["release_behind_abandoned"],
-                [{**params, "key": key, "after": after} for key, after in first.items()],
-            )
+            if abandoned_blocks:
+                # The dead relay's rows behind an abandoned row of their key are released
+                # (see the SQL); else such a row heads its key: recovered alone.
+                conn.execute(self._sql["release_behind_abandoned"], params)
             head = conn.execute(self._sql["expired_head"], params).fetchone()
             if head is not None and recover:
                 rows = conn.execute(self._sql["recover"], {**params, "seq": head[0]}).fetchall()

@@ -135,6 +135,31 @@ WHERE destination = :destination
   AND attempts + 1 < :max_attempts
   AND locked_until < UTC_TIMESTAMP(6)
 
+-- name: abandoned_before_expired
+-- Per expired row in flight (its relay died or stalled), the first ABANDONED row of its key
+-- before it, if any: release_behind_abandoned then releases the rows in flight behind it,
+-- when abandoned rows block. Not only rows abandon_expired just abandoned: the key's first
+-- row may have been recovered alone by an earlier claim and abandoned by its settle (a
+-- permanent refusal), its batch-mates still under the dead lease; left in flight, they were
+-- never a head again, requeue refused the abandoned row (a later row of its key in flight)
+-- and purge refused them (PROCESSING): the key was stuck. lease_idx serves the outer range,
+-- blocking_idx the probe. Same transaction, under the exclusive destination lock.
+SELECT t.`key` AS `key`,
+       (SELECT min(a.seq) FROM {outbox} AS a
+        WHERE a.destination = t.destination
+          AND BINARY a.destination = BINARY t.destination
+          AND a.blocker = 1
+          AND a.`key` = t.`key`
+          AND BINARY a.`key` = BINARY t.`key`
+          AND a.status = 'ABANDONED'
+          AND a.seq < t.seq) AS after
+FROM {outbox} AS t
+WHERE t.destination = :destination
+  AND BINARY t.destination = :destination
+  AND t.locked_until < UTC_TIMESTAMP(6)
+  AND t.status = 'PROCESSING'
+  AND t.`key` IS NOT NULL
+
 -- name: abandoned_rows
 -- What abandon_expired recorded, for the relay's log.
 SELECT seq, id, topic, `key`, attempts, last_error FROM {outbox} WHERE seq IN (:seqs)

@@ -27,30 +27,38 @@ WHERE destination = :destination
 RETURNING seq, id, topic, key, attempts, last_error
 
 -- name: release_behind_abandoned
--- 1b. PROCESSING, lease expired, behind a row of its key that step 1 just abandoned
--- (:after, its seq) -> FAILED, due now; the attempt that died counts, as recover's does.
--- The dead relay held the key's rows in one batch; left in flight, such a row was never a
--- head again (the abandoned row blocks it when abandoned rows block), so it stayed
--- PROCESSING for good, and once an operator requeued the abandoned row (PENDING: no longer
--- a blocker) step 2 recovered it, and it was published, before that row. FAILED, it is
--- claimed in seq order behind the abandoned row, as a row the relay released when the
--- abandoned row failed would be.
+-- 1b. PROCESSING, lease expired, behind an ABANDONED row of its key -> FAILED, due now; the
+-- attempt that died counts, as recover's does. The dead relay held the key's rows in one
+-- batch; left in flight, such a row was never a head again (the abandoned row blocks it when
+-- abandoned rows block), so it stayed PROCESSING for good: once an operator requeued the
+-- abandoned row (PENDING: no longer a blocker) step 2 recovered it, and it was published,
+-- before that row; and while it stayed in flight, requeue refused the abandoned row (a
+-- later row of its key in flight) and purge refused it (PROCESSING): the key was stuck.
+-- FAILED, it is claimed in seq order behind the abandoned row, as a row the relay released
+-- when the abandoned row failed would be. Any ABANDONED row, not only those step 1 just
+-- abandoned: the key's first row may have been recovered alone by an earlier claim and
+-- abandoned by its settle (a permanent refusal), its batch-mates still under the dead
+-- lease (PostgreSQL's migration 0009 tests the same).
 -- Run only when abandoned rows block: otherwise such a row heads its key and is
 -- recovered alone (step 2). A row this attempt would use up is left to the next
 -- claim's abandon_expired (ABANDONED, not FAILED at max_attempts).
-UPDATE {outbox}
+UPDATE {outbox} AS t
 SET attempts = attempts + 1,
     last_error = 'relay ' || coalesce(locked_by, '?')
                  || ' died or stalled while publishing this message (its lease expired)',
     status = 'FAILED',
     next_attempt_at = :now,
     locked_by = NULL, locked_until = NULL, lease = NULL, updated_at = :now
-WHERE destination = :destination
-  AND key = :key
-  AND seq > :after
-  AND status = 'PROCESSING'
-  AND attempts + 1 < :max_attempts
-  AND locked_until < :now
+WHERE t.destination = :destination
+  AND t.status = 'PROCESSING'
+  AND t.locked_until < :now
+  AND t.attempts + 1 < :max_attempts
+  AND t.key IS NOT NULL
+  AND EXISTS (SELECT 1 FROM {outbox} AS a
+              WHERE a.destination = t.destination
+                AND a.key = t.key
+                AND a.status = 'ABANDONED'
+                AND a.seq < t.seq)
 
 -- name: expired_head
 -- 2. The earliest row whose lease expired and that heads its key (no earlier row of its key
