@@ -773,8 +773,8 @@ def _keys_rotate(args: argparse.Namespace) -> int:
         # The store, not a row: stopped rather than wait (and leave a thread) on every row.
         _fail(
             f"outboxer keys rotate: stopped: {exc}; {committed} message(s) "
-            "re-encrypted before stay so (the batch in progress rolled back): run it again "
-            "once the claim-check store answers"
+            "re-encrypted in committed batches keep the new key (the batch in progress "
+            "rolled back): run it again once the claim-check store answers"
         )
         return EXIT_ERROR
     finally:

@@ -145,7 +145,7 @@ def test_the_cli_rotation_exits_with_an_error_naming_the_store(
     assert code == EXIT_ERROR, err
     assert err.startswith("outboxer keys rotate: stopped: claim-check store FileObjectStore("), err
     assert f"no answer within {PUT_TIMEOUT:g} s (put_timeout)" in err
-    assert "0 message(s) re-encrypted before" in err
+    assert "0 message(s) re-encrypted in committed batches" in err
     assert "run it again once the claim-check store answers" in err
     assert (hanging.puts_started, put_threads() - threads) == (1, 1)
     assert {row.headers["outboxer-key-id"] for row in raw_rows(sqlite_url)} == {"k1"}

@@ -93,7 +93,8 @@ class Incoming:
     generation: int = 0
     #: The broker says it delivered this message before (RabbitMQ's redelivered flag, a NATS
     #: JetStream delivery count above 1, a Redis entry read from the pending list or claimed
-    #: from another consumer, MQTT's PUBLISH DUP flag; never for Kafka):
+    #: from another consumer, MQTT's PUBLISH DUP flag; on Kafka, with ``suspect_window``, the
+    #: first messages of a partition after each assignment):
     #: an earlier attempt may have killed the consumer, so the runner records its attempt
     #: before its handler runs (a *suspect*; docs/design/consumer.md).
     redelivered: bool = False

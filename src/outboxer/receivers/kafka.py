@@ -27,7 +27,21 @@ while ``prefetch`` messages wait for the runner, and runs every call on the cons
 The URL is the relay's (bootstrap servers, SASL user, librdkafka options), read by
 :class:`KafkaPublisher`; its producer-only settings are left out. Options of the receiver:
 ``offset_reset`` (``earliest``, the default: a new group reads each partition from its
-start, or ``latest``).
+start, or ``latest``) and ``suspect_window`` (below).
+
+Suspects (``suspect_window``, default 0: off). A record read again from the committed offset
+carries no redelivered flag, so a message that kills the process (a segfault, the OOM
+killer) would come first again after every restart, for ever, its partition stopped. With
+``suspect_window=N``, the first N messages this member receives from a partition after each
+assignment of it (a start, a reconnect, every rebalance, eager or cooperative: only the
+partitions an assignment adds) are marked ``redelivered``, so the runner applies each alone
+and records its attempt before its handler runs (a *suspect*, docs/design/consumer.md).
+When a process dies, the message that killed it is among those past its partition's
+committed offset, which is where the next owner starts: acks commit offsets as they go, so
+those are at most the messages the runner held (``prefetch``), unless one held back the
+commit (a message of another key retrying, while later ones were applied). N should be at
+least the consumer's ``prefetch``. The cost, why it is off by default: N messages per
+partition after every assignment are applied alone, each with one extra commit.
 """
 
 from __future__ import annotations
@@ -48,6 +62,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from outboxer.brokers.base import describe
 from outboxer.brokers.kafka import ENFORCED, KafkaPublisher
+from outboxer.config import int_option
 from outboxer.errors import ConfigError
 from outboxer.receivers.base import Incoming, Receiver, decode, take, unreadable
 
@@ -62,6 +77,8 @@ _TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
 _COMMIT_RETRY = 1.0
 #: Session timeouts a cooperative handover (``idle``) is waited for at most.
 _HANDOVER_SESSIONS = 3
+#: Seconds the polling thread may spend asking the broker for one ``lag`` reading.
+LAG_BROKER_BUDGET = 0.5
 #: Seconds between two looks at a handover's partitions (committed offsets, ends), and
 #: the bound on each of the two requests a look makes.
 _HANDOVER_CHECK_EVERY = 0.5
@@ -93,6 +110,8 @@ class _Partition:
     #: Where the last end of the partition was reached (-1: not yet, in this series); caught up
     #: while nothing came after it (``eof > last``).
     eof: int = -1
+    #: Messages received under this assignment (counted up to ``suspect_window`` only).
+    seen: int = 0
 
     def restart(self, epoch: int) -> None:
         """A new series (the position moved back): what the old one received counts no more."""
@@ -121,7 +140,7 @@ class KafkaReceiver(Receiver):
     """A consumer group member; commits a partition's offsets only past applied messages."""
 
     schemes = ("kafka",)
-    options = ("offset_reset",)
+    options = ("offset_reset", "suspect_window")
     publisher_class = KafkaPublisher
 
     def __init__(self, url: str, **options: Any) -> None:
@@ -131,6 +150,13 @@ class KafkaReceiver(Receiver):
             raise ConfigError(
                 f"kafka option offset_reset must be earliest or latest, not {reset!r}"
             )
+        #: The first messages of each partition's assignment marked redelivered (suspects).
+        self.suspect_window = int_option(
+            self.settings.get("suspect_window", 0),
+            "kafka option suspect_window",
+            0,
+            Receiver.max_prefetch,
+        )
         for topic in self.topics:
             # Subscribed to, a name Kafka refuses is a topic that never comes: the member
             # would wait for ever, logging at INFO only.
@@ -327,6 +353,10 @@ class KafkaReceiver(Receiver):
         polling."""
         with self._lock:
             deadline = max((until for _, until in self._lag_asked), default=0.0)
+        # The polling thread neither fetches nor commits while it asks the broker (committed
+        # offsets, paused partitions' ends): a slow coordinator must cost it a moment every
+        # LAG_INTERVAL, not the caller's whole timeout. Unanswered within it: None.
+        deadline = min(deadline, time.monotonic() + LAG_BROKER_BUDGET)
         try:
             value = self._measure_lag(consumer, stale, deadline)
         except Exception as exc:  # noqa: BLE001 -- KafkaException, a timeout: unknown this time
@@ -440,6 +470,11 @@ class KafkaReceiver(Receiver):
                 partition.restart(self._epoch)
             partition.last = offset
             partition.received.append(offset)
+            if partition.seen < self.suspect_window:
+                # Read again from the committed offset, this may be the message that killed
+                # the partition's last owner: nothing else tells (no redelivered flag).
+                partition.seen += 1
+                incoming.redelivered = True
             incoming.token = (where, message.offset(), partition.epoch)
         return incoming
 
