@@ -361,3 +361,17 @@ async def redis_stream() -> AsyncIterator[str]:
     client = aioredis.Redis.from_url("redis://127.0.0.1:6379/0")
     await client.delete(topic)
     await client.aclose()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    """librdkafka's mock cluster (a MockCluster of tests/integration/test_broker_kafka.py),
+    one per test module; skipped where librdkafka exposes no mock cluster API."""
+    from tests.integration.test_broker_kafka import MockCluster  # confluent-kafka: lazily
+
+    mock = MockCluster()
+    if mock._handle is None:
+        mock.stop()
+        pytest.skip("this librdkafka exposes no mock cluster API")
+    yield mock
+    mock.stop()

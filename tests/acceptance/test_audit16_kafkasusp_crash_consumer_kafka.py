@@ -17,10 +17,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from outboxer.brokers.kafka import KafkaPublisher
 from outboxer.message import Message
@@ -32,16 +29,6 @@ from tests.integration.test_kafka_audit_receiver import one_partition_topic
 OUTBOXER = [sys.executable, "-m", "outboxer.cli"]
 ROOT = Path(__file__).resolve().parents[2]
 MAX_ATTEMPTS = 3
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[MockCluster]:
-    mock = MockCluster()
-    if mock._handle is None:
-        mock.stop()
-        pytest.skip("this librdkafka exposes no mock cluster API")
-    yield mock
-    mock.stop()
 
 
 def query(path: Path, sql: str) -> list[tuple[object, ...]]:

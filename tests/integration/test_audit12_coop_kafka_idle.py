@@ -15,9 +15,7 @@ from outboxer.receivers import create_receiver
 from outboxer.receivers.base import Incoming, Receiver
 from outboxer.testing import make_message
 from tests.integration.test_broker_kafka import MockCluster
-from tests.integration.test_kafka_audit_receiver import cluster, one_partition_topic
-
-__all__ = ["cluster"]
+from tests.integration.test_kafka_audit_receiver import one_partition_topic
 
 
 def two_partition_topic(cluster: MockCluster) -> str:

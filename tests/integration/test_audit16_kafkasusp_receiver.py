@@ -19,13 +19,7 @@ from outboxer.receivers import create_receiver
 from outboxer.receivers.base import Incoming, Receiver
 from outboxer.testing import make_message
 from tests.integration.test_broker_kafka import quiet
-from tests.integration.test_kafka_audit_receiver import (
-    MockCluster,
-    cluster,
-    one_partition_topic,
-)
-
-__all__ = ["cluster"]
+from tests.integration.test_kafka_audit_receiver import MockCluster, one_partition_topic
 
 
 def receiver(cluster: MockCluster, group: str, topic: str, query: str = "") -> Receiver:

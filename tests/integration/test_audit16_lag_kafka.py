@@ -6,9 +6,6 @@ connected."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
-
-import pytest
 
 from outboxer.brokers.kafka import KafkaPublisher
 from outboxer.receivers import create_receiver
@@ -16,16 +13,6 @@ from outboxer.testing import make_message
 from tests.integration.test_broker_kafka import MockCluster
 from tests.integration.test_kafka_audit_receiver import one_partition_topic
 from tests.receiving import collect, lag_becomes
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[MockCluster]:
-    mock = MockCluster()
-    if mock._handle is None:
-        mock.stop()
-        pytest.skip("this librdkafka exposes no mock cluster API")
-    yield mock
-    mock.stop()
 
 
 async def publish(cluster: MockCluster, topic: str, count: int) -> None:

@@ -8,7 +8,6 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,16 +25,6 @@ from tests.integration.test_kafka_audit_receiver import (
     one_partition_topic,
     push_errors,
 )
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[MockCluster]:
-    mock = MockCluster()
-    if mock._handle is None:
-        mock.stop()
-        pytest.skip("this librdkafka exposes no mock cluster API")
-    yield mock
-    mock.stop()
 
 
 def librdkafka_handles() -> int:

@@ -14,7 +14,6 @@ import logging
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 
 import pytest
 from confluent_kafka import Consumer, TopicPartition
@@ -74,16 +73,6 @@ def produce_raw(
     args[len(args) - 1].vtype = _END
     assert lib.rd_kafka_produceva(handle.handle, args, len(args) - 1) is None
     assert lib.rd_kafka_flush(handle.handle, 10_000) == 0
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[MockCluster]:
-    mock = MockCluster()
-    if mock._handle is None:
-        mock.stop()
-        pytest.skip("this librdkafka exposes no mock cluster API")
-    yield mock
-    mock.stop()
 
 
 def one_partition_topic(cluster: MockCluster, partitions: int = 1, prefix: str = "audit") -> str:
