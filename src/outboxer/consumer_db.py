@@ -778,6 +778,9 @@ class SyncSession(Session):
         release: list[uuid.UUID] = []  # see _release
         claims: list[uuid.UUID] = []  # made at once for the batch, before its handlers
         ran: list[int] = []  # the indexes of the messages whose handlers were called
+        #: The handler seen ending the transaction right after it returned: then what to
+        #: release is known (``release``, perhaps nothing), not guessed (``_stuck``).
+        ended: list[int] = []
         self._xid = None
 
         def work() -> list[Result]:
@@ -820,6 +823,7 @@ class SyncSession(Session):
                     # rollback undid them, and failing here has them applied again. Claimed
                     # at once (PostgreSQL), the later messages' claims went with a commit.
                     release.extend(_unhandled(deliveries, todo, claimed, index))
+                    ended.append(index)
                     raise BatchFailed("handler", HandlerEndedTransaction(), index)
             try:
                 # After the handlers, not before: a handler's COMMIT would have committed
@@ -843,7 +847,10 @@ class SyncSession(Session):
         try:
             return self._transaction(work)
         except BatchFailed:
-            if not release and ran and self._xid is not None and self._committed_early():
+            # Not when the handler that ended it is known: its COMMIT took its own claim
+            # with its writes, which releasing (as _stuck does for all but the first handler's)
+            # would have applied again on the redelivery.
+            if not ended and ran and self._xid is not None and self._committed_early():
                 release = self._stuck(claims, [deliveries[i].id for i in ran])
                 self.committed_early(group, release)
             if release:
@@ -1183,6 +1190,7 @@ class AsyncSession(Session):
                     # follows in autocommit, where no failure rolls anything back): its
                     # failure, the later messages' claims released (SyncSession._apply).
                     release.extend(_unhandled(deliveries, todo, claimed, index))
+                    ended.append(index)
                     raise BatchFailed("handler", HandlerEndedTransaction(), index)
             try:
                 # After the handlers (SyncSession._apply says why).
@@ -1201,11 +1209,12 @@ class AsyncSession(Session):
         release: list[uuid.UUID] = []
         claims: list[uuid.UUID] = []  # made at once for the batch, before its handlers
         ran: list[int] = []  # the indexes of the messages whose handlers were called
+        ended: list[int] = []  # SyncSession._apply's
         self._xid = None
         try:
             return await self._transaction(work)
         except BatchFailed:
-            if not release and ran and self._xid is not None and await self._committed_early():
+            if not ended and ran and self._xid is not None and await self._committed_early():
                 release = self._stuck(claims, [deliveries[i].id for i in ran])
                 self.committed_early(group, release)
             if release:

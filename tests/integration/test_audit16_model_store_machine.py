@@ -37,6 +37,7 @@ import outboxer
 from outboxer.admin import MessageFilter
 from outboxer.stores.base import Failure, Store
 from tests.integration.test_http_api import connect_sync
+from tests.peek import Peek
 
 KEYS = ("k1", "k2", "k3", None)
 RELAYS = ("relay-a", "relay-b")
@@ -69,35 +70,16 @@ class OpenClaim:
     seqs: dict[str, int] = field(default_factory=dict)  # id -> seq, in claim order
 
 
-class Database:
+class Database(Peek):
     """The test's own SQL on the real database: reading the rows, moving time."""
 
     def __init__(self, url: str) -> None:
-        self.url = url
-        self.dialect = (
-            "sqlite"
-            if url.startswith("sqlite")
-            else ("mysql" if url.startswith("mysql") else "postgres")
-        )
+        super().__init__(url)
         self.table = {
             "sqlite": '"outbox"',
             "mysql": "`outbox`",
             "postgres": '"outboxer"."outbox"',
         }[self.dialect]
-        self.conn = connect_sync(url)
-
-    def close(self) -> None:
-        self.conn.close()
-
-    def _run(self, sql: str) -> list[tuple[Any, ...]]:
-        cursor = self.conn.cursor()
-        try:
-            cursor.execute(sql)
-            found = list(cursor.fetchall()) if cursor.description else []
-        finally:
-            cursor.close()
-        self.conn.commit()  # no snapshot or transaction left open between steps
-        return found
 
     def _back(self, column: str) -> str:
         return {
