@@ -117,6 +117,16 @@ class ConsumerSettings:
         # Its own variable: OUTBOXER_SHUTDOWN_TIMEOUT is the relay's (20 s by default).
         env="OUTBOXER_CONSUMER_SHUTDOWN_TIMEOUT",
     )
+    handler_timeout: float | None = setting(
+        kind=Duration(LONGEST_INTERVAL, positive=True, low=SHORTEST_INTERVAL),
+        help="how long one message's handler may run: past it the attempt fails (rolled "
+        "back, retried after its backoff, dead-lettered after max_attempts); an async handler "
+        "is cancelled, a sync one abandoned in its thread (its transaction ended), and the "
+        "process exits 1 once more than concurrency of those still run",
+        commands=CONSUME,
+        env="OUTBOXER_CONSUMER_HANDLER_TIMEOUT",
+        default_text="none (no bound)",
+    )
     name: str | None = setting(
         kind=Text(100),
         help="this process's stable name in its group (Redis consumer, MQTT client id)",
@@ -289,6 +299,7 @@ def build_consumer(settings: Settings, own: ConsumerSettings, **overrides: Any) 
         "schema": settings.schema,
         "table": settings.table,
         "shutdown_timeout": own.shutdown_timeout,
+        "handler_timeout": own.handler_timeout,
         "name": own.name,
         "broker_options": dict(own.options or {}),
         # The default destination's options are the relay's publisher's (a settings file

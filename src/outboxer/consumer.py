@@ -41,6 +41,14 @@ attempt counted, its claim then a duplicate once the holder commits. A handler t
 a coroutine without being a coroutine function (a plain decorator around one) fails the same
 way: nothing awaited it, nothing is applied.
 
+Hung handlers. With ``handler_timeout``, an attempt whose handler has not returned in time
+fails (HandlerTimeout) like any other: an async handler is cancelled; a sync handler's
+thread cannot be, so its session is abandoned (never commits, closed once the call ends),
+its transaction ended from a fresh session (``Session.end_abandoned``: its locks go) that
+the worker goes on with, the pool given a thread in its place. More than ``concurrency``
+such threads at once stop the consumer (ConsumerShutdownError, ``hung``) for a supervisor
+to restart it, that attempt not charged (a suspect's row stays: one death).
+
 Shutdown (SIGTERM, ``stop()``): stop fetching; batches in flight commit and are acked
 (given ``shutdown_timeout``, or until a second SIGTERM/SIGINT, ``signalled()``), their
 leases extended meanwhile; messages
@@ -176,6 +184,9 @@ class ConsumerStats:
     #: Messages dead-lettered because the consumer died max_attempts times applying them
     #: (recorded suspect attempts that never ended; also counted in dead_lettered).
     suspects_dead_lettered: int = 0
+    #: Handler attempts that had not returned within handler_timeout (each also a failed
+    #: attempt: rolled back, retried after its backoff, then dead-lettered).
+    handler_timeouts: int = 0
     started_at: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict[str, float | int]:
@@ -207,6 +218,28 @@ class LatencyHistogram:
             seen += observed
             buckets.append((bound, seen))
         return buckets
+
+
+class HandlerTimeout(Exception):
+    """A handler had not returned within ``handler_timeout``: a failed attempt, its
+    transaction rolled back (an async handler cancelled; a sync one abandoned in its thread,
+    its connection ended), retried after its backoff, dead-lettered after max_attempts."""
+
+    def __init__(self, handler: object, timeout: float, how: str, *, fatal: bool = False) -> None:
+        self.handler_name = _handler_name(handler)
+        self.timeout = timeout
+        #: Abandoned past the bound of hung threads: the consumer stops (not charged).
+        self.fatal = fatal
+        super().__init__(
+            f"handler {self.handler_name} did not return within handler_timeout "
+            f"({timeout:g}s): {how}"
+        )
+
+
+def _handler_name(handler: object) -> str:
+    name = getattr(handler, "__qualname__", None) or type(handler).__qualname__
+    module = getattr(handler, "__module__", None)
+    return f"{module}.{name}" if module else str(name)
 
 
 class HandlerCancelled(Exception):
@@ -298,6 +331,7 @@ class Consumer:
         object_store: ObjectStore | None = None,
         object_store_timeout: float = 30.0,
         sessions: SessionFactory | None = None,
+        handler_timeout: float | None = None,
     ) -> None:
         if not 1 <= concurrency <= 256:
             raise ConfigError("concurrency must be between 1 and 256")
@@ -309,6 +343,8 @@ class Consumer:
             raise ConfigError("shutdown_timeout must be positive")
         if not object_store_timeout > 0:  # NaN too
             raise ConfigError("object_store_timeout must be positive")
+        if handler_timeout is not None and not 0 < handler_timeout < float("inf"):
+            raise ConfigError("handler_timeout must be a positive number of seconds, or None")
         self.handler: Handler = load_handler(handler) if isinstance(handler, str) else handler
         if not callable(self.handler):
             raise ConfigError("handler must be a function taking (message, connection)")
@@ -358,6 +394,10 @@ class Consumer:
         #: mount) fails the message retryably rather than stopping its worker for ever. It
         #: bounds a dead letter's claim-check hold (and its release) and a KMS key fetch too.
         self.object_store_timeout = object_store_timeout
+        #: Seconds an attempt's handler may run (None: no bound): past it the attempt fails
+        #: (HandlerTimeout). An async handler is cancelled; a sync one's thread cannot be,
+        #: so its attempt is abandoned there (see DESIGN), at most ``concurrency`` at once.
+        self.handler_timeout = handler_timeout
         self._receiver: Receiver | None
         if broker is None or isinstance(broker, Receiver):
             self._receiver = broker  # None: only for replaying dead letters
@@ -404,9 +444,15 @@ class Consumer:
         #: A second SIGTERM/SIGINT: the batches in flight are not waited for.
         self._forced = asyncio.Event()
         self._fatal: BaseException | None = None
-        #: The deliveries whose handler is running now (sync ones in threads) and the
-        #: connection each was given, by call.
-        self._running: dict[object, tuple[Delivery, Any]] = {}
+        #: The deliveries whose handler is running now (sync ones in threads), the
+        #: connection each was given and when it began (time.monotonic()), by call.
+        self._running: dict[object, tuple[Delivery, Any, float]] = {}
+        #: Each worker's session now: a handler_timeout gives a worker a new one.
+        self._worker_sessions: dict[asyncio.Task[None], Session] = {}
+        #: Sessions abandoned under a sync handler past handler_timeout whose call still
+        #: runs in its thread (left when it ends).
+        self._hung: set[Session] = set()
+        self._executor: ThreadPoolExecutor | None = None
         #: Each worker's session and the batch it is applying.
         self._batches: dict[asyncio.Task[None], tuple[Session, list[_Lane]]] = {}
         #: Workers abandoned at shutdown (see DESIGN).
@@ -420,7 +466,11 @@ class Consumer:
         self._lanes_all: set[_Lane] = set()
         self._held = 0  # messages received and not yet acked or handed back
         self._room = asyncio.Event()
-        self._timed_handler = self._timed(self.handler)
+        self._timed_handler = self._timed(self.handler, handler_timeout)
+        #: A replay of dead letters is an operator's command, not bounded (Ctrl-C ends it).
+        self._replay_handler = (
+            self._timed(self.handler, None) if handler_timeout is not None else self._timed_handler
+        )
 
     # ----- lifecycle -------------------------------------------------------------------------
 
@@ -480,11 +530,12 @@ class Consumer:
         self._forced.clear()
         self._fatal = None
         self._running, self._batches, self._given_up = {}, {}, set()
+        self._worker_sessions, self._hung = {}, set()
         self._loop = asyncio.get_running_loop()
         cut_short: ConsumerShutdownError | None = None
         # Nothing carries over from an earlier run: its unacked messages come again.
         self._ready, self._lanes, self._lanes_all, self._held = asyncio.Queue(), {}, set(), 0
-        executor = self._threads()
+        executor = self._executor = self._threads()
         sessions: list[Session] = []
         tasks: list[asyncio.Task[None]] = []
         try:
@@ -505,6 +556,7 @@ class Consumer:
                 self.prefetch,
             )
             workers = [asyncio.create_task(self._work(session)) for session in sessions]
+            self._worker_sessions = dict(zip(workers, sessions, strict=True))
             fetcher = asyncio.create_task(self._fetch())
             tasks = [fetcher, *workers]
             if receiver.extend_interval:
@@ -529,8 +581,18 @@ class Consumer:
                 # Closed once its call ends (in that call's thread, or from the task's end on
                 # the loop): not left open until garbage collection, one per hung batch.
                 session.close_after(task)
-            for session in sessions:
-                if session not in abandoned.values():  # closing under a handler would hang
+            with self._stats_lock:
+                hung = set(self._hung)  # closed by close_after when their call ends
+            if hung:
+                logger.warning(
+                    "consumer %s: %d handler(s) abandoned after handler_timeout still run in "
+                    "their threads (left to end with the process)",
+                    self.group,
+                    len(hung),
+                )
+            for session in dict.fromkeys([*sessions, *self._worker_sessions.values()]):
+                # Closing under a handler would hang.
+                if session not in abandoned.values() and session not in hung:
                     await self._quietly(session.close(), "closing a database connection")
             executor.shutdown(wait=False)
             self.lag = None
@@ -647,7 +709,7 @@ class Consumer:
             await asyncio.wait({returned, *ending}, timeout=left, return_when="FIRST_COMPLETED")
             returned.cancel()
         self._given_up = set(hung)
-        named = [delivery for delivery, _ in running] or [
+        named = [delivery for delivery, _, _ in running] or [
             lane.head.delivery for lanes in batches for lane in lanes
         ]
         what = "handler(s) that did not return" if running else "batch(es) that did not finish"
@@ -688,7 +750,7 @@ class Consumer:
         open, for closing one would wait for the handler (or pull the connection from under
         it), and marked so that its transaction never commits if the handler returns."""
         with self._stats_lock:
-            busy = [conn for _, conn in self._running.values()]
+            busy = [conn for _, conn, _ in self._running.values()]
         workers: dict[asyncio.Task[None], Session] = {}
         for task, (session, _) in list(self._batches.items()):
             # A cancelled sync batch's task ends at once, its thread does not: still in the
@@ -893,6 +955,7 @@ class Consumer:
             lanes = await self._take()
             if not lanes:
                 return
+            session = self._worker_sessions.get(me, session)  # a new one after a timeout
             self._batches[me] = (session, lanes)  # named at shutdown if it does not finish
             try:
                 await self._apply(session, lanes)
@@ -924,6 +987,7 @@ class Consumer:
 
     async def _apply(self, session: Session, lanes: list[_Lane], *, alone: bool = False) -> None:
         """Apply the heads of ``lanes`` in one transaction, then ack them (see DESIGN)."""
+        session = self._session_now(session)
         todo: list[_Lane] = []
         for lane in lanes:
             if lane.head.malformed is None and (self.keyring or self.object_store):
@@ -966,14 +1030,19 @@ class Consumer:
                 for lane in todo
             ]
             try:
-                results = await session.apply(
-                    self.group,
-                    deliveries,
-                    self._timed_handler,
-                    hold_keys=self.abandoned_blocks_key,
-                    suspect=suspect,
-                )
+                results = await self._applied(session, deliveries, suspect=suspect)
             except BatchFailed as failure:
+                session = self._session_now(session)  # a new one if the handler hung
+                if isinstance(failure.cause, HandlerTimeout) and failure.index is not None:
+                    lane = todo.pop(failure.index)
+                    self._timed_out(lane, failure.cause)
+                    if failure.cause.fatal:
+                        # Not charged: the process stops over it. A suspect's row stays, one
+                        # death, so that restarts over it end in a dead letter.
+                        lane.suspect_recorded = False
+                        return
+                    await self._failed(session, lane, failure.cause)
+                    continue  # the others again at once, no attempt charged
                 if session.abandoned:
                     # Shutdown gave up on this batch and handed its messages back; an async
                     # handler that ignored its cancellation has just returned. Nothing to
@@ -1055,6 +1124,156 @@ class Consumer:
                     await self.hold_committed(lane.head.delivery)
             await self._done(todo)
             return
+
+    def _session_now(self, session: Session) -> Session:
+        """The current worker's session: ``session``, or the one that replaced it after a
+        sync handler outlived handler_timeout (``_abandon``)."""
+        task = asyncio.current_task()
+        return self._worker_sessions.get(task, session) if task is not None else session
+
+    async def _applied(
+        self, session: Session, deliveries: list[Delivery], *, suspect: bool
+    ) -> list[Result]:
+        """``session.apply`` of ``deliveries``; a sync handler running longer than
+        handler_timeout fails its attempt: BatchFailed with HandlerTimeout, its index. (An
+        async handler's bound is its own: ``_timed``.)"""
+        applying = session.apply(
+            self.group,
+            deliveries,
+            self._timed_handler,
+            hold_keys=self.abandoned_blocks_key,
+            suspect=suspect,
+        )
+        timeout = self.handler_timeout
+        if timeout is None or self.is_async:
+            return await applying
+        task = asyncio.ensure_future(applying)
+        try:
+            while True:
+                started = self._handler_started(session)
+                now = time.monotonic()
+                wait = timeout if started is None else started + timeout - now
+                done, _ = await asyncio.wait({task}, timeout=max(wait, 0.0))
+                if done:
+                    return task.result()
+                if (started := self._handler_started(session)) is None:
+                    continue
+                if time.monotonic() - started >= timeout:
+                    timed_out = await self._abandon(session, task, deliveries)
+                    if timed_out is not None:
+                        raise timed_out
+        except BaseException:
+            task.cancel()  # a sync call goes on in its thread: shutdown's business
+            raise
+
+    def _handler_started(self, session: Session) -> float | None:
+        """When the handler running on ``session``'s connection began, if one runs."""
+        with self._stats_lock:
+            return next(
+                (began for _, conn, began in self._running.values() if conn is session.conn),
+                None,
+            )
+
+    async def _abandon(
+        self, session: Session, task: asyncio.Task[list[Result]], deliveries: list[Delivery]
+    ) -> BatchFailed | None:
+        """Give up on ``session``'s batch, whose sync handler outlived handler_timeout: its
+        transaction never commits (``abandoned``), its connection is ended from a new one
+        (``end_abandoned``: the batch's locks go) and closed once the call returns
+        (``close_after``); the worker goes on with a new session, the pool with a new
+        thread. The failure to raise, or None if the handler returned meanwhile."""
+        with self._stats_lock:  # the handler's thread removes its entry under it
+            call = next(
+                (c for c, (_, conn, _) in self._running.items() if conn is session.conn), None
+            )
+            if call is None:
+                return None  # it returned: the batch goes on to its commit
+            delivery = self._running.pop(call)[0]  # not named again at shutdown
+            # Before the lock is released: from its return on, the thread checks it before
+            # the next handler and the commit (consumer_db._refuse_abandoned).
+            session.abandoned = True
+            self._hung.add(session)
+            hung = len(self._hung)
+        task.cancel()
+        me = asyncio.current_task()
+        assert me is not None
+
+        def ended() -> None:
+            with self._stats_lock:
+                self._hung.discard(session)
+
+        pool = self._executor
+        assert pool is not None  # set by run_async, which runs the workers
+        if getattr(session, "executor", None) is pool and isinstance(pool, DaemonThreadPool):
+            daemons: DaemonThreadPool = pool
+            daemons.grow()
+            session.when_idle(daemons.shrink)
+        session.when_idle(ended)
+        session.close_after(task)
+        fatal = hung > self.concurrency
+        fresh = self._make_session(pool)
+        fresh.on_return = self._wake
+        self._worker_sessions[me] = fresh
+        if me in self._batches:
+            self._batches[me] = (fresh, self._batches[me][1])
+        index = next((i for i, d in enumerate(deliveries) if d is delivery), None)
+        if fatal:
+            self._fatal = ConsumerShutdownError(
+                f"consumer {self.group}: {hung} sync handlers did not return within "
+                f"handler_timeout ({self.handler_timeout:g}s) and still run in their threads, "
+                f"more than concurrency ({self.concurrency}): stopping so that a restart ends "
+                f"them; the last one applied message {delivery.id} (topic {delivery.topic}, "
+                f"key {delivery.key})",
+                message_ids=[str(delivery.id)],
+                hung=True,
+            )
+            self.stop()
+        elif await self._open(fresh):
+            try:
+                if not await fresh.end_abandoned(session):
+                    logger.warning(
+                        "consumer %s: the transaction of the abandoned handler of message %s "
+                        "cannot be ended from another connection here: its locks stay until "
+                        "the handler returns",
+                        self.group,
+                        delivery.id,
+                    )
+            except Exception as exc:  # noqa: BLE001 -- its locks stay: later attempts wait
+                logger.warning(
+                    "consumer %s: ending the transaction of the abandoned handler of message "
+                    "%s failed (%s): its locks stay until the handler returns",
+                    self.group,
+                    delivery.id,
+                    describe(exc),
+                )
+        assert self.handler_timeout is not None
+        return BatchFailed(
+            "handler",
+            HandlerTimeout(
+                self.handler, self.handler_timeout, "abandoned in its thread", fatal=fatal
+            ),
+            index,
+        )
+
+    def _timed_out(self, lane: _Lane, cause: HandlerTimeout) -> None:
+        self.stats.handler_timeouts += 1
+        delivery = lane.head.delivery
+        with self._stats_lock:
+            hung = len(self._hung)
+        logger.warning(
+            "consumer %s: message %s (topic %s, key %s): handler %s did not return within "
+            "handler_timeout (%gs): %s%s",
+            self.group,
+            delivery.id,
+            delivery.topic,
+            delivery.key,
+            cause.handler_name,
+            cause.timeout,
+            "cancelled" if self.is_async else "abandoned in its thread",
+            f" ({hung} abandoned handler(s) still running, at most {self.concurrency})"
+            if not self.is_async
+            else "",
+        )
 
     async def unwrap(self, delivery: Delivery) -> Delivery:
         """``delivery`` with its claim-checked payload fetched and its encryption undone
@@ -1139,7 +1358,7 @@ class Consumer:
         elif isinstance(exc, ObjectNotFoundError):
             self.stats.claim_check_missing += 1
 
-    def _timed(self, handler: Handler) -> Handler:
+    def _timed(self, handler: Handler, timeout: float | None) -> Handler:
         stats, lock = self.stats, self._stats_lock
 
         def add(started: float, call: object) -> None:
@@ -1151,7 +1370,7 @@ class Consumer:
         def begin(delivery: Delivery, conn: Any) -> object:
             call = object()
             with lock:
-                self._running[call] = (delivery, conn)
+                self._running[call] = (delivery, conn, time.monotonic())
             return call
 
         if self.is_async:
@@ -1159,7 +1378,16 @@ class Consumer:
             async def timed_async(delivery: Delivery, conn: Any) -> Any:
                 started, call = time.perf_counter(), begin(delivery, conn)
                 try:
-                    return await handler(delivery, conn)
+                    if timeout is None:
+                        return await handler(delivery, conn)
+                    bound = asyncio.timeout(timeout)
+                    try:
+                        async with bound:
+                            return await handler(delivery, conn)
+                    except Exception as exc:
+                        if bound.expired():  # cancelled by the bound, whatever it raised then
+                            raise HandlerTimeout(handler, timeout, "cancelled") from exc
+                        raise
                 except asyncio.CancelledError as exc:
                     task = asyncio.current_task()
                     if task is None or task.cancelling():
@@ -1505,7 +1733,7 @@ class Consumer:
         try:
             retry = await self.unwrap(retry)
             [result] = await session.apply(
-                self.group, [retry], self._timed_handler, hold_keys=False, replaying=True
+                self.group, [retry], self._replay_handler, hold_keys=False, replaying=True
             )
             # The dead letter left the table with that commit: its hold goes now (a crash
             # before keeps the object too long, never loses it).
@@ -1745,6 +1973,12 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
         "Messages dead-lettered because the consumer died max_attempts times applying them "
         "(also in dead_lettered).",
     ),
+    (
+        "outboxer_consumer_handler_timeouts_total",
+        "handler_timeouts",
+        "Handler attempts that had not returned within handler_timeout (each a failed "
+        "attempt: async handlers cancelled, sync ones abandoned in their thread).",
+    ),
 )
 
 
@@ -1814,6 +2048,7 @@ __all__ = [
     "Delivery",
     "Handler",
     "HandlerReturnedAwaitable",
+    "HandlerTimeout",
     "HoldFailed",
     "LatencyHistogram",
     "SessionFactory",

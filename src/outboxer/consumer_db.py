@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -279,6 +280,20 @@ class Session(ABC):
         """Close the connection at once without awaiting (``close_after``); drivers say how.
         A session of the caller's own kind (``sessions=``) keeps its connection here."""
         return None
+
+    def when_idle(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the call this session runs in a thread of its own has
+        ended (from that thread), at once if none runs (async sessions: none ever does)."""
+        callback()
+
+    async def end_abandoned(self, other: Session) -> bool:
+        """Roll back the open transaction of ``other``, a session of the same database that
+        the runner abandoned under a sync handler that did not return (``handler_timeout``),
+        from this session's connection: its locks (the inbox claims of its batch, SQLite's
+        write lock) would otherwise hold back every later attempt at those messages for as
+        long as the handler hangs. The handler, if it ever returns, finds its connection
+        gone. Whether it could (False: drivers that cannot, such as a framework's session)."""
+        return False
 
     @abstractmethod
     async def apply(
@@ -586,6 +601,18 @@ class DaemonThreadPool(ThreadPoolExecutor):
                 self._started.append(thread)
         return future
 
+    def grow(self) -> None:
+        """One thread more, in place of one that a call abandoned by its caller holds (a
+        hung handler): the pool's other callers keep as many threads as before."""
+        with self._guard:
+            self._size += 1
+
+    def shrink(self) -> None:
+        """``grow`` undone once the abandoned call ended: its thread serves again (threads
+        never end before ``shutdown``: only no new one is started)."""
+        with self._guard:
+            self._size -= 1
+
     def _serve(self) -> None:
         while True:
             call = self._calls.get()
@@ -713,6 +740,39 @@ class SyncSession(Session):
         conn, self.conn = self.conn, None
         if conn is not None:
             _close_quietly(conn)
+
+    def when_idle(self, callback: Callable[[], None]) -> None:
+        future = self._future
+        if future is None:
+            callback()
+        else:
+            future.add_done_callback(lambda _: callback())
+
+    #: Ends another connection's session on the server, given its ``_backend_id`` (None:
+    #: the driver has no such statement).
+    _terminate_sql: str | None = None
+
+    def _backend_id(self) -> Any:
+        """The server's id of this session's connection, read without a round trip."""
+        return None
+
+    async def end_abandoned(self, other: Session) -> bool:
+        if type(other) is not type(self) or self.conn is None:
+            return False
+        assert isinstance(other, SyncSession)
+        if self._terminate_sql is None or (backend := other._backend_id()) is None:
+            return False
+        sql = self._terminate_sql
+
+        def terminate() -> None:
+            cursor = self.conn.cursor()
+            try:
+                cursor.execute(sql, (backend,))
+            finally:
+                cursor.close()
+
+        await self._call(self._transaction, terminate)
+        return True
 
     async def open(self) -> None:
         self.conn = await self._call(self._connect)
@@ -991,6 +1051,14 @@ class PsycopgSession(SyncSession):
     def lock_timeout(self, exc: BaseException) -> bool:
         return getattr(exc, "sqlstate", None) in _PG_LOCK_WAITS
 
+    # The server rolls the backend's transaction back and closes its socket: a handler
+    # blocked in a statement gets an error, one blocked elsewhere finds it gone later.
+    _terminate_sql = "SELECT pg_terminate_backend(%s)"
+
+    def _backend_id(self) -> Any:
+        conn = self.conn
+        return None if conn is None or conn.closed else conn.info.backend_pid
+
 
 class SqliteSession(SyncSession):
     dialect = "sqlite"
@@ -1042,6 +1110,24 @@ class SqliteSession(SyncSession):
             and (code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED))
         )
 
+    async def end_abandoned(self, other: Session) -> bool:
+        # No server to ask: the abandoned connection itself is interrupted (sqlite3's
+        # interrupt() is meant to be called from another thread) and closed, which rolls its
+        # transaction back and releases the write lock (check_same_thread=False, and
+        # SQLite's serialized mode guards the call). In this session's thread, not the
+        # loop's: a close waits for a statement still running on it.
+        if not isinstance(other, SqliteSession) or other.conn is None:
+            return False
+        conn = other.conn
+
+        def close() -> None:
+            with contextlib.suppress(sqlite3.ProgrammingError):  # closed already
+                conn.interrupt()
+            _close_quietly(conn)
+
+        await self._call(close)
+        return True
+
 
 class PyMySQLSession(SyncSession):
     dialect = "mysql"
@@ -1092,6 +1178,12 @@ class PyMySQLSession(SyncSession):
         import pymysql
 
         return isinstance(exc, pymysql.err.MySQLError) and mysql_errno(exc) in _MYSQL_LOCK_WAITS
+
+    _terminate_sql = "KILL CONNECTION %s"
+
+    def _backend_id(self) -> Any:
+        conn = self.conn
+        return None if conn is None or not conn.open else conn.thread_id()
 
 
 # ----- async connections, on the event loop -------------------------------------------------
