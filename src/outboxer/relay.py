@@ -90,6 +90,10 @@ HUNG_CLAIM = 1.0
 #: that hangs gives only after the driver's timeout (a minute), or never. Settles answer in
 #: milliseconds; one parked while merely slow costs nothing: its batch is published already.
 HUNG_SETTLE = 1.0
+#: How long a forced shutdown waits for the answer of a claim it cut short, to give back
+#: what the claim took (see Relay._release_cut_claim): a claim answers in milliseconds, and a
+#: forced shutdown must end at once, a database that hangs or not.
+CUT_CLAIM_WAIT = 0.25
 #: A batch given back unpublished: claimed while another database's recovered row was held.
 BESIDE_RECOVERY = Outcome(
     OutcomeKind.SKIPPED, "not attempted: another database's recovered row is published alone"
@@ -988,8 +992,10 @@ class Relay:
             self._claims_sent[destination] += 1
             started = time.perf_counter()
             claimed_at = time.monotonic()  # the lease runs from no later than this
-            try:
-                batch = await self.store.claim(
+            # A task of its own, so that a claim cut short by a forced shutdown can still be
+            # answered: its rows are then given back (see _release_cut_claim).
+            claiming = asyncio.ensure_future(
+                self.store.claim(
                     destination,
                     self.relay_id,
                     settings.batch_size,
@@ -999,11 +1005,15 @@ class Relay:
                     recover=recover,
                     max_bytes=settings.claim_max_bytes,
                 )
+            )
+            try:
+                batch = await asyncio.shield(claiming)
             except asyncio.CancelledError:
                 # A forced shutdown: the gate must not keep this claim's recovery slot.
                 if hung is not None:
                     hung.cancel()
                 self._gate.claimed(None, recover, self.database, under_way)
+                await self._release_cut_claim(destination, claiming)
                 raise
             except Exception as exc:  # noqa: BLE001 -- database outage: log, back off, resume by itself
                 if hung is not None:
@@ -1111,6 +1121,46 @@ class Relay:
                 raise
         finally:
             self._gate.settled(False, self.database, parked=given_back.parked)
+
+    async def _release_cut_claim(self, destination: str, claiming: asyncio.Future[Claim]) -> None:
+        """Give back, unpublished, what a claim cut short by a forced shutdown took.
+
+        Its statement may commit all the same (SQLite runs it in a worker thread, and any
+        driver may have sent it whole already): its rows would stay in flight under a relay
+        that has stopped until their lease expires, then each be recovered alone and charged
+        an attempt it never had (ABANDONED, unpublished, at max_attempts 1). The claim is
+        waited for CUT_CLAIM_WAIT at most, so that a database that hangs does not hold the
+        shutdown; its rows are then released as a batch cut short is (see _process)."""
+        done, _ = await asyncio.wait({claiming}, timeout=CUT_CLAIM_WAIT)
+        if not done:
+            claiming.cancel()
+            self.log.warning(
+                "destination %s: a claim cut short by the shutdown did not answer within "
+                "%.2fs; what it took waits for its lease to expire",
+                destination,
+                CUT_CLAIM_WAIT,
+            )
+            return
+        if claiming.cancelled() or claiming.exception() is not None:
+            return  # nothing taken (the exception is the outage a claim retries, not ours)
+        batch = claiming.result()
+        if not batch:
+            return
+        if batch.recovered:
+            # As in _give_back: released, it would be claimed again beside others; its
+            # lease ends now instead, and it is recovered again, alone.
+            try:
+                await self.store.renew(destination, batch.lease, [m.stored_seq for m in batch], 0)
+            except Exception as exc:  # noqa: BLE001 -- the lease then ends by itself
+                self.log.warning(
+                    "destination %s: could not end the lease of recovered message(s) %s "
+                    "cut short by the shutdown (%s); recovered again when it expires",
+                    destination,
+                    ", ".join(str(m.id) for m in batch),
+                    describe(exc),
+                )
+            return
+        await self._settle(destination, batch, [None] * len(batch))
 
     def _log_abandoned(self, destination: str, batch: Claim) -> None:
         """Say what the claim gave up, and that it recovers a row alone."""
