@@ -1182,12 +1182,21 @@ class Consumer:
         (``end_abandoned``: the batch's locks go) and closed once the call returns
         (``close_after``); the worker goes on with a new session, the pool with a new
         thread. The failure to raise, or None if the handler returned meanwhile."""
+        assert self.handler_timeout is not None
         with self._stats_lock:  # the handler's thread removes its entry under it
+            now = time.monotonic()
+            # Only a handler past the bound: the one the caller saw may have returned since
+            # and the batch's next handler begun on the same connection, not to be charged.
             call = next(
-                (c for c, (_, conn, _) in self._running.items() if conn is session.conn), None
+                (
+                    c
+                    for c, (_, conn, began) in self._running.items()
+                    if conn is session.conn and now - began >= self.handler_timeout
+                ),
+                None,
             )
             if call is None:
-                return None  # it returned: the batch goes on to its commit
+                return None  # it returned: the batch goes on (to its next handler, its commit)
             delivery = self._running.pop(call)[0]  # not named again at shutdown
             # Before the lock is released: from its return on, the thread checks it before
             # the next handler and the commit (consumer_db._refuse_abandoned).
@@ -1228,7 +1237,7 @@ class Consumer:
                 hung=True,
             )
             self.stop()
-        elif await self._open(fresh):
+        elif await self._open_now(fresh):
             try:
                 if not await fresh.end_abandoned(session):
                     logger.warning(
@@ -1246,7 +1255,6 @@ class Consumer:
                     delivery.id,
                     describe(exc),
                 )
-        assert self.handler_timeout is not None
         return BatchFailed(
             "handler",
             HandlerTimeout(
@@ -1254,6 +1262,21 @@ class Consumer:
             ),
             index,
         )
+
+    async def _open_now(self, session: Session) -> bool:
+        """``_open``, and while stopping one try all the same (``_open`` makes none then): a
+        timeout during the shutdown's wait must still end the abandoned transaction, whose
+        locks (SQLite's write lock) would hold back the other batches in flight until
+        shutdown_timeout, and give its worker a connection to finish its batch on."""
+        if not self.stopping:
+            return await self._open(session)
+        try:
+            await session.open()
+        except Exception as exc:  # noqa: BLE001 -- stopping: the batch's messages come again
+            self.stats.database_errors += 1
+            logger.warning("database unreachable while stopping (%s)", describe(exc))
+            return False
+        return True
 
     def _timed_out(self, lane: _Lane, cause: HandlerTimeout) -> None:
         self.stats.handler_timeouts += 1
