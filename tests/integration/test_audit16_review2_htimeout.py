@@ -16,28 +16,16 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
-
-import pytest
 
 from outboxer.brokers import create_publisher
 from outboxer.consumer import Consumer, Delivery
 from outboxer.consumer_db import BatchFailed, Session
-from outboxer.retry import Backoff
 from outboxer.testing import make_message
+from tests.integration.test_audit16_htimeout_consumer import FAST, REDIS, drop, release
 from tests.services import require
 
-REDIS = "redis://127.0.0.1:6379/0"
-FAST = Backoff(base=0.05, multiplier=2, cap=0.1, jitter=0)
-
-
-@pytest.fixture
-def release() -> Iterator[threading.Event]:
-    """Set at teardown: a handler left hanging returns."""
-    event = threading.Event()
-    yield event
-    event.set()
+__all__ = ["release"]  # the fixture, imported
 
 
 def prepare(url: str) -> str:
@@ -57,16 +45,6 @@ async def publish(stream: str, ns: list[int]) -> list[uuid.UUID]:
     async with create_publisher(REDIS) as publisher:
         assert all(o.published for o in await publisher.publish_batch(messages))
     return [message.id for message in messages]
-
-
-async def drop(stream: str) -> None:
-    import redis.asyncio as aioredis
-
-    client = aioredis.Redis.from_url(REDIS)
-    try:
-        await client.delete(stream)
-    finally:
-        await client.aclose()
 
 
 def test_the_next_handler_of_the_batch_is_not_abandoned_for_the_last_ones_time(
