@@ -27,9 +27,9 @@ import functools
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from outboxer.config import Settings, float_option
@@ -71,6 +71,7 @@ if TYPE_CHECKING:
     from outboxer.admin import MessageFilter
 
 logger = get_logger("outboxer.store")
+R = TypeVar("R")
 
 _MIGRATIONS_TABLE = """
 CREATE TABLE IF NOT EXISTS {migrations} (
@@ -452,6 +453,32 @@ class MySQLStore(Store):
         recover: bool = True,
         max_bytes: int = Settings.claim_max_bytes,
     ) -> Claim:
+        return await self._deadlock_retried(
+            "a claim",
+            lambda: self._claim_once(
+                destination,
+                relay_id,
+                limit,
+                lock_seconds,
+                abandoned_blocks,
+                max_attempts=max_attempts,
+                recover=recover,
+                max_bytes=max_bytes,
+            ),
+        )
+
+    async def _claim_once(
+        self,
+        destination: str,
+        relay_id: str,
+        limit: int,
+        lock_seconds: float,
+        abandoned_blocks: bool,
+        *,
+        max_attempts: int,
+        recover: bool,
+        max_bytes: int,
+    ) -> Claim:
         lease = Lease.new(relay_id)
         abandoned: list[AbandonedRow] = []
         recovered = False
@@ -643,6 +670,13 @@ class MySQLStore(Store):
     async def renew(
         self, destination: str, lease: Lease, seqs: Sequence[int], lock_seconds: float
     ) -> int:
+        return await self._deadlock_retried(
+            "a renewal", lambda: self._renew_once(destination, lease, seqs, lock_seconds)
+        )
+
+    async def _renew_once(
+        self, destination: str, lease: Lease, seqs: Sequence[int], lock_seconds: float
+    ) -> int:
         async with self._transaction() as cursor:
             return await self._execute(
                 cursor,
@@ -657,6 +691,22 @@ class MySQLStore(Store):
             )
 
     async def settle(
+        self,
+        destination: str,
+        lease: Lease,
+        published: Sequence[int],
+        failed: Sequence[Failure],
+        released: Sequence[int],
+        max_attempts: int,
+    ) -> SettleResult:
+        return await self._deadlock_retried(
+            "a settle",
+            lambda: self._settle_once(
+                destination, lease, published, failed, released, max_attempts
+            ),
+        )
+
+    async def _settle_once(
         self,
         destination: str,
         lease: Lease,
@@ -925,14 +975,25 @@ class MySQLStore(Store):
         read ``then`` finds after it, in the transaction (0 without one).
 
         InnoDB may choose it as a deadlock's victim (1213) beside a live relay, whose settles
-        and cleanup lock the same rows in another order: the whole transaction was rolled
-        back, so it is tried again, as MySQL advises, up to ADMIN_DEADLOCK_TRIES times. An
-        operator's `requeue` failed with "Deadlock found" and changed nothing."""
-        for tried in range(1, ADMIN_DEADLOCK_TRIES + 1):
+        and cleanup lock the same rows in another order: it is tried again (see
+        ``_deadlock_retried``). An operator's `requeue` failed with "Deadlock found" and
+        changed nothing."""
+        return await self._deadlock_retried(
+            name, lambda: self._under_destination_locks_once(name, where, then)
+        )
+
+    async def _deadlock_retried(self, name: str, attempt: Callable[[], Awaitable[R]]) -> R:
+        """``attempt()``, tried again when InnoDB chose its transaction as a deadlock's victim
+        (1213), up to DEADLOCK_TRIES times: the whole transaction was rolled back, so trying
+        it again is what MySQL advises. Claims and settles are victims too, beside an
+        operator's requeue or purge: its UPDATE locks every index record it scans, other
+        destinations' rows among them, whose claims it does not hold back. Raised to the
+        relay, the deadlock was taken for a database outage (a warning, a back-off)."""
+        for tried in range(1, DEADLOCK_TRIES + 1):
             try:
-                return await self._under_destination_locks_once(name, where, then)
+                return await attempt()
             except StoreError as exc:
-                if tried == ADMIN_DEADLOCK_TRIES or not _deadlocked(exc):
+                if tried == DEADLOCK_TRIES or not _deadlocked(exc):
                     raise
                 logger.info("MySQL: %s chosen as a deadlock's victim; trying it again", name)
                 await asyncio.sleep(random.uniform(0.01, 0.05) * tried)
@@ -997,9 +1058,9 @@ class MySQLStore(Store):
         return inserted
 
 
-#: Tries of an admin statement InnoDB chose as a deadlock's victim (see
-#: MySQLStore._under_destination_locks).
-ADMIN_DEADLOCK_TRIES = 5
+#: Tries of a transaction InnoDB chose as a deadlock's victim (see
+#: MySQLStore._deadlock_retried).
+DEADLOCK_TRIES = 5
 
 
 def _deadlocked(exc: BaseException) -> bool:
