@@ -614,6 +614,8 @@ class Relay:
         #: ``force_stop`` was called: a loop cancelled by it ends quietly once its batch
         #: has been given back.
         self._forced = False
+        #: Loops whose claim is under way (force_stop lets it answer: CUT_CLAIM_WAIT).
+        self._claiming: set[asyncio.Task[Any] | None] = set()
         #: Cuts the batches in flight short ``shutdown_timeout`` after ``stop``.
         self._deadline: asyncio.TimerHandle | None = None
         self._gate = gate if gate is not None else RecoveryGate(self._stopping)
@@ -719,7 +721,12 @@ class Relay:
                 self.relay_id,
             )
         for task in busy:
-            task.cancel()
+            if task in self._claiming:
+                # Its claim may commit whatever we do: let it answer, and give back what it
+                # took (_claim_publish_settle), unless it does not answer in time.
+                asyncio.get_running_loop().call_later(CUT_CLAIM_WAIT, self._cut_claim, task)
+            else:
+                task.cancel()
 
     def _shutdown_timed_out(self) -> None:
         if any(not task.done() for task in self._loops):
@@ -992,10 +999,12 @@ class Relay:
             self._claims_sent[destination] += 1
             started = time.perf_counter()
             claimed_at = time.monotonic()  # the lease runs from no later than this
-            # A task of its own, so that a claim cut short by a forced shutdown can still be
-            # answered: its rows are then given back (see _release_cut_claim).
-            claiming = asyncio.ensure_future(
-                self.store.claim(
+            # A forced shutdown lets a claim under way answer (force_stop, CUT_CLAIM_WAIT), so
+            # that what it took is given back, not left in flight (see _give_back_cut_claim).
+            me = asyncio.current_task()
+            self._claiming.add(me)
+            try:
+                batch = await self.store.claim(
                     destination,
                     self.relay_id,
                     settings.batch_size,
@@ -1005,15 +1014,11 @@ class Relay:
                     recover=recover,
                     max_bytes=settings.claim_max_bytes,
                 )
-            )
-            try:
-                batch = await asyncio.shield(claiming)
             except asyncio.CancelledError:
                 # A forced shutdown: the gate must not keep this claim's recovery slot.
                 if hung is not None:
                     hung.cancel()
                 self._gate.claimed(None, recover, self.database, under_way)
-                await self._release_cut_claim(destination, claiming)
                 raise
             except Exception as exc:  # noqa: BLE001 -- database outage: log, back off, resume by itself
                 if hung is not None:
@@ -1021,8 +1026,15 @@ class Relay:
                 self._gate.claimed(None, recover, self.database, under_way)
                 await claims.back_off(exc)
                 continue
+            finally:
+                self._claiming.discard(me)
             if hung is not None:
                 hung.cancel()
+            if self._forced:
+                # Forced while the claim was under way: its rows go back, untried.
+                self._gate.claimed(None, recover, self.database, under_way)
+                await self._give_back_cut_claim(destination, batch)
+                return
             if not self._gate.claimed(batch, recover, self.database, under_way):
                 claims.over()
                 await self._give_back(destination, batch)
@@ -1122,28 +1134,27 @@ class Relay:
         finally:
             self._gate.settled(False, self.database, parked=given_back.parked)
 
-    async def _release_cut_claim(self, destination: str, claiming: asyncio.Future[Claim]) -> None:
-        """Give back, unpublished, what a claim cut short by a forced shutdown took.
-
-        Its statement may commit all the same (SQLite runs it in a worker thread, and any
-        driver may have sent it whole already): its rows would stay in flight under a relay
-        that has stopped until their lease expires, then each be recovered alone and charged
-        an attempt it never had (ABANDONED, unpublished, at max_attempts 1). The claim is
-        waited for CUT_CLAIM_WAIT at most, so that a database that hangs does not hold the
-        shutdown; its rows are then released as a batch cut short is (see _process)."""
-        done, _ = await asyncio.wait({claiming}, timeout=CUT_CLAIM_WAIT)
-        if not done:
-            claiming.cancel()
+    def _cut_claim(self, task: asyncio.Task[None]) -> None:
+        """CUT_CLAIM_WAIT after a forced shutdown, a loop whose claim has still not answered
+        is cancelled: a database that hangs must not hold the shutdown. What the claim took
+        (SQLite's worker thread goes on) then waits for its lease to expire."""
+        if task in self._claiming and not task.done():
             self.log.warning(
-                "destination %s: a claim cut short by the shutdown did not answer within "
-                "%.2fs; what it took waits for its lease to expire",
-                destination,
+                "a claim under way at the forced shutdown did not answer within %.2fs; what "
+                "it took waits for its lease to expire",
                 CUT_CLAIM_WAIT,
             )
-            return
-        if claiming.cancelled() or claiming.exception() is not None:
-            return  # nothing taken (the exception is the outage a claim retries, not ours)
-        batch = claiming.result()
+            task.cancel()
+
+    async def _give_back_cut_claim(self, destination: str, batch: Claim) -> None:
+        """Give back, unpublished, what a claim under way at a forced shutdown took.
+
+        Cancelled, the claim's statement may commit all the same (SQLite runs it in a worker
+        thread, and any driver may have sent it whole already): its rows stayed in flight
+        under a relay that had stopped until their lease expired, then each was recovered
+        alone and charged an attempt it never had (ABANDONED, unpublished, at max_attempts
+        1). So force_stop lets a claim answer, for CUT_CLAIM_WAIT at most, and its rows are
+        released as a batch cut short is (see _process)."""
         if not batch:
             return
         if batch.recovered:
