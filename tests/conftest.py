@@ -72,6 +72,41 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.serial)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _nats_streams_directory() -> None:
+    """One JetStream stream on the shared NATS server that no test deletes.
+
+    nats-server (2.x here) removes its streams directory when the last stream goes, and a
+    stream created at that moment on another worker fails "could not create storage
+    directory" (err_code 10049, error creating store for stream): two tests deleting and
+    creating streams in parallel made each other fail. With this stream the directory stays.
+    """
+    from tests.services import port_open
+
+    if not port_open(4222):
+        return
+    try:
+        import nats
+        from nats.js.api import StreamConfig
+    except ImportError:  # the lowest-drivers run installs no nats-py
+        return
+
+    async def keep() -> None:
+        nc = await nats.connect("nats://127.0.0.1:4222", connect_timeout=5)
+        try:
+            js = nc.jetstream()
+            try:
+                await js.stream_info("OUTBOXER_TESTS_KEEP")
+            except nats.js.errors.NotFoundError:
+                config = StreamConfig(name="OUTBOXER_TESTS_KEEP", subjects=["outboxer-tests.keep"])
+                with contextlib.suppress(nats.js.errors.BadRequestError):  # another worker's
+                    await js.add_stream(config)
+        finally:
+            await nc.close()
+
+    asyncio.run(keep())
+
+
 PG_ADMIN = os.environ.get("OUTBOXER_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 # One template per pytest process: several runs (a developer's and CI's, or parallel
 # worktrees) share the server, and one run must not drop the template another is cloning.
