@@ -67,6 +67,16 @@ _PERMANENT = (nats.errors.MaxPayloadError, nats.errors.BadSubjectError, nats.err
 #: exceeded for account" (the account's JetStream storage is used up; space comes back as
 #: messages age out or are consumed, or the operator raises the limit). Not the message's fault.
 _RETRYABLE_API_ERRORS = frozenset({10002})
+#: JetStream's "maximum bytes exceeded" (503): the stream is full and discards new messages,
+#: or the message is larger than the stream could ever hold (_never_fits tells them apart).
+_STREAM_FULL = 10077
+
+
+class _StreamFull(PublishError):
+    """A publish refused because the stream is at its ``max_bytes`` (retryable until
+    _never_fits finds the message larger than the whole stream)."""
+
+
 #: The connection is gone: reconnect before going on.
 _CONNECTION = (
     nats.errors.ConnectionClosedError,
@@ -436,6 +446,8 @@ class NatsPublisher(AckedPublisher[Msg]):
         """The error to report for a publish that failed with ``exc``."""
         if isinstance(exc, nats.js.errors.APIError):
             code = exc.code or 0
+            if exc.err_code == _STREAM_FULL:
+                return _StreamFull(f"JetStream refused {subject!r}: {exc}")
             return PublishError(
                 f"JetStream refused {subject!r}: {exc}",
                 retryable=not 400 <= code < 500
@@ -490,7 +502,16 @@ class NatsPublisher(AckedPublisher[Msg]):
             _DUPLICATES.reset(token)
         recreate = asyncio.ensure_future(self._recreate_stream()) if self._stream_missing else None
         checks = [asyncio.ensure_future(self._duplicate_error(m, ack)) for m, ack in found]
-        work: list[asyncio.Future[Any]] = [*checks, *([recreate] if recreate else [])]
+        full = [
+            (index, asyncio.ensure_future(self._never_fits(messages[index], error)))
+            for index, error in enumerate(results)
+            if isinstance(error, _StreamFull)
+        ]
+        work: list[asyncio.Future[Any]] = [
+            *checks,
+            *(check for _, check in full),
+            *([recreate] if recreate else []),
+        ]
         if not work:
             return results
         try:
@@ -512,7 +533,33 @@ class NatsPublisher(AckedPublisher[Msg]):
                 error = check.result()
             if error is not None:
                 results[position[id(message)]] = error
+        for index, check in full:
+            if not check.cancelled() and check.exception() is None and check.result() is not None:
+                results[index] = check.result()
         return results
+
+    async def _never_fits(self, message: Message, error: _StreamFull) -> PublishError | None:
+        """For a publish the stream refused as full (``discard: new`` at ``max_bytes``):
+        a refusal for good if the message alone is larger than the stream's whole
+        ``max_bytes``, which no consumer's progress can make room for; else None (the
+        stream may drain: retried). JetStream answers both with the same error."""
+        js = self._js
+        if js is None:
+            return None
+        subject = self.subject_for(message)
+        try:
+            stream = self.stream or await js.find_stream_name_by_subject(subject)
+            limit = (await js.stream_info(stream)).config.max_bytes or -1
+        except (nats.errors.Error, TimeoutError) as exc:
+            logger.debug("no stream limit for %r: %s", subject, exc)
+            return None
+        if 0 < limit < len(message.payload):
+            return PublishError(
+                f"{error}: a payload of {len(message.payload)} bytes can never fit stream "
+                f"{stream!r}, whose max_bytes is {limit}",
+                retryable=False,
+            )
+        return None
 
     def _unchecked(self, message: Message) -> PublishError:
         """A message JetStream answered as a duplicate whose stored copy could not be read
