@@ -91,7 +91,7 @@ HUNG_CLAIM = 1.0
 #: milliseconds; one parked while merely slow costs nothing: its batch is published already.
 HUNG_SETTLE = 1.0
 #: How long a forced shutdown waits for the answer of a claim it cut short, to give back
-#: what the claim took (see Relay._release_cut_claim): a claim answers in milliseconds, and a
+#: what the claim took (Relay._give_back_cut_claim): a claim answers in milliseconds, and a
 #: forced shutdown must end at once, a database that hangs or not.
 CUT_CLAIM_WAIT = 0.25
 #: A batch given back unpublished: claimed while another database's recovered row was held.
