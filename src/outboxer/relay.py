@@ -1106,20 +1106,9 @@ class Relay:
         given_back = HeldBatch(self.database, recovered=False)
         try:
             if batch.recovered:
-                # Released, it would be claimed again as an ordinary row, beside others:
-                # its lease ends now instead, and it is recovered again, alone.
-                try:
-                    await asyncio.shield(
-                        self.store.renew(destination, batch.lease, [m.stored_seq for m in batch], 0)
-                    )
-                except Exception as exc:  # noqa: BLE001 -- the lease then ends by itself
-                    self.log.warning(
-                        "destination %s: could not end the lease of recovered message(s) %s "
-                        "given back unpublished (%s); recovered again when it expires",
-                        destination,
-                        ", ".join(str(m.id) for m in batch),
-                        describe(exc),
-                    )
+                await asyncio.shield(
+                    self._end_recovered_lease(destination, batch, "given back unpublished")
+                )
                 return
             settle = asyncio.ensure_future(
                 self._settle(destination, batch, [BESIDE_RECOVERY] * len(batch), given_back)
@@ -1158,20 +1147,25 @@ class Relay:
         if not batch:
             return
         if batch.recovered:
-            # As in _give_back: released, it would be claimed again beside others; its
-            # lease ends now instead, and it is recovered again, alone.
-            try:
-                await self.store.renew(destination, batch.lease, [m.stored_seq for m in batch], 0)
-            except Exception as exc:  # noqa: BLE001 -- the lease then ends by itself
-                self.log.warning(
-                    "destination %s: could not end the lease of recovered message(s) %s "
-                    "cut short by the shutdown (%s); recovered again when it expires",
-                    destination,
-                    ", ".join(str(m.id) for m in batch),
-                    describe(exc),
-                )
+            await self._end_recovered_lease(destination, batch, "cut short by the shutdown")
             return
         await self._settle(destination, batch, [None] * len(batch))
+
+    async def _end_recovered_lease(self, destination: str, batch: Claim, why: str) -> None:
+        """A recovered row given back unpublished: released, it would be claimed again as an
+        ordinary row, beside others; its lease ends now instead, and it is recovered again,
+        alone. If the database does not answer, the lease ends by itself."""
+        try:
+            await self.store.renew(destination, batch.lease, [m.stored_seq for m in batch], 0)
+        except Exception as exc:  # noqa: BLE001 -- the lease then ends by itself
+            self.log.warning(
+                "destination %s: could not end the lease of recovered message(s) %s %s (%s); "
+                "recovered again when it expires",
+                destination,
+                ", ".join(str(m.id) for m in batch),
+                why,
+                describe(exc),
+            )
 
     def _log_abandoned(self, destination: str, batch: Claim) -> None:
         """Say what the claim gave up, and that it recovers a row alone."""
