@@ -18,9 +18,10 @@ overtaken by its successor.
 from __future__ import annotations
 
 import asyncio
+import difflib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar, Generic, TypeVar
@@ -106,11 +107,46 @@ def parse_options(url: str) -> tuple[Any, dict[str, str]]:
     return parts, dict(parse_qsl(parts.query, keep_blank_values=True))
 
 
+def unknown_names(unknown: Iterable[str], known: Collection[str]) -> str:
+    """``unknown`` for a message, each with the known name it is closest to, if any."""
+    shown = []
+    for name in sorted(unknown):
+        text = repr(name[:60])
+        if close := difflib.get_close_matches(name, known, n=1):
+            text += f" (did you mean {close[0]}?)"
+        shown.append(text)
+    return ", ".join(shown)
+
+
+def check_url_options(url: str, known: frozenset[str], broker: str) -> None:
+    """ConfigError for a query option of ``url`` not in ``known``, or one given twice.
+
+    A typo (``subjet_prefix=orders.``) was dropped without a word, and the relay published
+    to the subject the default prefix makes, where no consumer listens; a name given twice
+    kept its last value, silently too."""
+    names = [name for name, _ in parse_qsl(urlsplit(url).query, keep_blank_values=True)]
+    if unknown := set(names) - known:
+        raise ConfigError(
+            f"{broker}: unknown URL option(s) {unknown_names(unknown, known)} in "
+            f"{redact_url(url)!r:.200}; known: {', '.join(sorted(known))}"
+        )
+    if twice := sorted({name for name in names if names.count(name) > 1}):
+        raise ConfigError(
+            f"{broker}: URL option(s) {', '.join(repr(name[:60]) for name in twice)} given "
+            f"more than once in {redact_url(url)!r:.200}"
+        )
+
+
 class Publisher(ABC):
     """Publishes outbox messages to one broker; a message counts only once confirmed."""
 
     #: URL schemes this adapter serves, e.g. ("amqp", "amqps").
     schemes: ClassVar[tuple[str, ...]] = ()
+    #: Every query option the adapter's URL may carry: its own, its driver's, and its
+    #: receiver's (one URL serves the relay and the consumers); any other is refused at
+    #: start (check_url_options). None: the rest goes to a driver that refuses unknown
+    #: names itself (librdkafka, redis-py) or to the endpoint (webhooks).
+    url_options: ClassVar[frozenset[str] | None] = None
 
     def __init__(
         self,
@@ -123,6 +159,8 @@ class Publisher(ABC):
             raise ConfigError("publish_timeout must be positive")
         self.url = url
         register_url_secrets(url)  # masked in every outboxer log line from now on
+        if self.url_options is not None:
+            check_url_options(url, self.url_options, f"{urlsplit(url).scheme.lower()}:// broker")
         #: Outbox topic -> broker destination (exchange routing key, stream, subject…).
         self.routes: dict[str, str] = dict(routes or {})
         self.publish_timeout = publish_timeout

@@ -33,6 +33,9 @@ from outboxer.redact import get_logger, redact_url
 
 logger = get_logger("outboxer.kafka")
 
+#: The consumer's own URL options (outboxer.receivers.kafka), not librdkafka's: one URL
+#: serves the relay and the consumers.
+CONSUMER_OPTIONS = ("offset_reset", "suspect_window")
 #: Settings the delivery guarantee depends on; a different value is a ConfigError.
 ENFORCED = {"acks": ("all", "-1"), "enable.idempotence": ("true",)}
 
@@ -162,8 +165,11 @@ class KafkaPublisher(Publisher):
             raise ConfigError(
                 f"kafka URL needs bootstrap servers: {redact_url(url)!r} (kafka://host:9092)"
             )
-        # connect_timeout is outboxer's; every other query parameter goes to librdkafka.
+        # connect_timeout is outboxer's, and the consumer's own options are not the
+        # producer's (one URL serves both); every other query parameter goes to librdkafka.
         url_timeout = options.pop("connect_timeout", "10")
+        for name in CONSUMER_OPTIONS:
+            options.pop(name, None)
         self.connect_timeout = duration_option(
             connect_timeout if connect_timeout is not None else url_timeout,
             "kafka option connect_timeout",

@@ -31,7 +31,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
 from outboxer.brokers.base import AckedPublisher, option_bool, parse_options
-from outboxer.brokers.tlsfiles import client_context, tls_files
+from outboxer.brokers.tlsfiles import TLS_FILE_OPTIONS, client_context, tls_files
 from outboxer.config import int_option, whole_seconds_option
 from outboxer.errors import ConfigError, PublishError
 from outboxer.message import Message
@@ -246,10 +246,25 @@ def publish_properties(message: Message) -> Properties:
     return properties
 
 
+#: The consumer's own URL options (outboxer.receivers.mqtt), accepted on the relay's side
+#: too: one URL serves both (the relay takes ``client_id`` as its ids' prefix).
+CONSUMER_OPTIONS = ("client_id", "session_expiry")
+
+
 class MqttPublisher(AckedPublisher[ReasonCode]):
     """Publishes each message to the MQTT topic ``topic_prefix + destination``."""
 
     schemes = ("mqtt", "mqtts")
+    url_options = frozenset(
+        (
+            "topic_prefix",
+            "retain",
+            "keepalive",
+            "max_inflight",
+            *TLS_FILE_OPTIONS,
+            *CONSUMER_OPTIONS,
+        )
+    )
 
     def __init__(
         self,

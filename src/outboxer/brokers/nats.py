@@ -40,7 +40,7 @@ from nats.js import JetStreamContext
 from nats.js.api import Header, PubAck
 
 from outboxer.brokers.base import AckedPublisher, option_bool, parse_options
-from outboxer.brokers.tlsfiles import client_context, tls_files
+from outboxer.brokers.tlsfiles import TLS_FILE_OPTIONS, client_context, tls_files
 from outboxer.config import LONGEST_INTERVAL, duration_option
 from outboxer.errors import ConfigError, PublishError
 from outboxer.message import Message
@@ -208,10 +208,29 @@ async def abandon(nc: Client) -> None:
         await asyncio.wait_for(nc.close(), _ABANDON_TIMEOUT)
 
 
+#: The consumer's own URL options (outboxer.receivers.nats), accepted on the relay's side
+#: too: one URL serves both.
+CONSUMER_OPTIONS = ("ack_wait", "durable")
+
+
 class NatsPublisher(AckedPublisher[Msg]):
     """Publishes each message to the subject ``subject_prefix + destination`` on JetStream."""
 
     schemes = ("nats",)
+    url_options = frozenset(
+        (
+            "subject_prefix",
+            "stream",
+            "create_stream",
+            "subjects",
+            "duplicate_window",
+            "tls",
+            "creds",
+            "connect_timeout",
+            *TLS_FILE_OPTIONS,
+            *CONSUMER_OPTIONS,
+        )
+    )
 
     def __init__(
         self,

@@ -92,7 +92,7 @@ from outboxer.redact import get_logger
 
 logger = get_logger("outboxer.publisher.rabbitmq")
 
-#: Our own URL options; the rest of the query string goes to aio-pika (heartbeat, name, cafile…).
+#: Our own URL options; the driver's (_DRIVER_OPTIONS) go on to aio-pika.
 _OPTIONS = (
     "exchange",
     "exchange_type",
@@ -101,6 +101,25 @@ _OPTIONS = (
     "mandatory",
     "connect_timeout",
 )
+#: The query options aiormq reads (TLS, timeouts, the connection's name, the auth
+#: mechanism) and those aio-pika's plain Connection reads.
+_DRIVER_OPTIONS = (
+    "cafile",
+    "capath",
+    "cadata",
+    "certfile",
+    "keyfile",
+    "no_verify_ssl",
+    "timeout",
+    "heartbeat",
+    "name",
+    "auth",
+    "interleave",
+    "happy_eyeballs_delay",
+)
+#: The consumer's own URL options (outboxer.receivers.rabbitmq), accepted on the relay's
+#: side too: one URL serves both.
+CONSUMER_OPTIONS = ("queue", "queue_type", "single_active_consumer")
 _EXCHANGE_TYPES = ("topic", "direct", "fanout", "headers")
 #: Channel closes that the same message will cause again: refused for good.
 _PERMANENT = (aiormq.exceptions.ChannelAccessRefused, aiormq.exceptions.ChannelPreconditionFailed)
@@ -454,6 +473,7 @@ class RabbitMQPublisher(Publisher):
     """Publishes to a RabbitMQ exchange with publisher confirms and ``mandatory``."""
 
     schemes = ("amqp", "amqps")
+    url_options = frozenset((*_OPTIONS, *_DRIVER_OPTIONS, *CONSUMER_OPTIONS))
     #: Write each wave in one go (see ``_write_wave``); False: a ``basic_publish`` each.
     _wave_writes = True
 
@@ -499,7 +519,7 @@ class RabbitMQPublisher(Publisher):
             if parts.scheme.lower() != "amqps":
                 raise ConfigError(f"rabbitmq option {', '.join(files)}: TLS needs an amqps:// URL")
             client_context("rabbitmq", files)
-        rest = {name: value for name, value in options.items() if name not in _OPTIONS}
+        rest = {name: value for name, value in options.items() if name in _DRIVER_OPTIONS}
         self._driver_url = parts._replace(query=urlencode(rest)).geturl()
         self._connection: AbstractConnection | None = None
         #: Channels of the current connection that no wave is using (see "Lanes").

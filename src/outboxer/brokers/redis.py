@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 from collections.abc import Mapping, Sequence
 from typing import cast
@@ -38,14 +39,18 @@ from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from outboxer.brokers.base import NotSent, Publisher, parse_options
+from outboxer.brokers.base import NotSent, Publisher, parse_options, unknown_names
 from outboxer.brokers.tlsfiles import TLS_FILE_OPTIONS, client_context
 from outboxer.config import int_option
 from outboxer.errors import ConfigError, PublishError
 from outboxer.message import Message
+from outboxer.redact import redact_url
 
 #: Our own URL options; the rest of the query string goes to redis-py.
 _OPTIONS = ("stream_prefix", "maxlen")
+#: The consumer's own URL options (outboxer.receivers.redis), not the driver's: one URL
+#: serves the relay and the consumers.
+CONSUMER_OPTIONS = ("claim_idle",)
 
 #: Error replies that may clear up on their own (failover, memory freed, loading).
 _RETRYABLE_REPLIES = (
@@ -156,6 +161,29 @@ def _closed_by_server(connection: Connection) -> bool:
     return reader.at_eof() or reader.exception() is not None
 
 
+def _check_driver_options(url: str, driver_url: str) -> None:
+    """The options left for redis-py checked now, with no I/O: it refuses an unknown or bad
+    one only when it connects, where a typo (``stream_prefx=``) read as an outage retried
+    for ever."""
+    try:
+        pool = aioredis.ConnectionPool.from_url(driver_url)
+        pool.make_connection()  # type: ignore[no-untyped-call]
+    except ValueError as exc:  # redis-py's own message names the option, not its value
+        raise ConfigError(f"redis:// broker: {exc} ({redact_url(url)!r:.200})") from None
+    except TypeError as exc:
+        known = {*_OPTIONS, *CONSUMER_OPTIONS, *TLS_FILE_OPTIONS}
+        for cls in pool.connection_class.__mro__:
+            if "__init__" in vars(cls):
+                known.update(inspect.signature(vars(cls)["__init__"]).parameters)
+        unknown = set(parse_options(url)[1]) - known
+        if not unknown:
+            raise ConfigError(f"redis:// broker: {exc} ({redact_url(url)!r:.200})") from None
+        raise ConfigError(
+            f"redis:// broker: unknown URL option(s) {unknown_names(unknown, known)} in "
+            f"{redact_url(url)!r:.200}"
+        ) from None
+
+
 class RedisPublisher(Publisher):
     """Appends each message to the stream ``stream_prefix + destination``."""
 
@@ -183,8 +211,13 @@ class RedisPublisher(Publisher):
         #: Trim each stream to about this many entries (``XADD … MAXLEN ~ n``); None keeps all.
         self.maxlen = maxlen
         _check_tls_files(parts.scheme, options)
-        rest = {name: value for name, value in options.items() if name not in _OPTIONS}
+        rest = {
+            name: value
+            for name, value in options.items()
+            if name not in _OPTIONS and name not in CONSUMER_OPTIONS
+        }
         self._driver_url = parts._replace(query=urlencode(rest)).geturl()
+        _check_driver_options(url, self._driver_url)
         self._client: aioredis.Redis | None = None
         #: Connections with no wave on them; a wave takes one, or has the pool make one.
         self._idle: list[Connection] = []

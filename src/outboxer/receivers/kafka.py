@@ -61,7 +61,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from outboxer.brokers.base import describe
-from outboxer.brokers.kafka import ENFORCED, KafkaPublisher
+from outboxer.brokers.kafka import CONSUMER_OPTIONS, ENFORCED, KafkaPublisher
 from outboxer.config import int_option
 from outboxer.errors import ConfigError
 from outboxer.receivers.base import Incoming, Receiver, decode, take, unreadable
@@ -140,7 +140,7 @@ class KafkaReceiver(Receiver):
     """A consumer group member; commits a partition's offsets only past applied messages."""
 
     schemes = ("kafka",)
-    options = ("offset_reset", "suspect_window")
+    options = CONSUMER_OPTIONS
     publisher_class = KafkaPublisher
 
     def __init__(self, url: str, **options: Any) -> None:

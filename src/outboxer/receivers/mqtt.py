@@ -41,6 +41,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from outboxer.brokers.mqtt import (
+    CONSUMER_OPTIONS,
     QOS,
     MqttPublisher,
     _Client,
@@ -121,7 +122,7 @@ class MqttReceiver(Receiver):
     """A shared subscription per topic; PUBACKs, in arrival order, after commit."""
 
     schemes = ("mqtt", "mqtts")
-    options = ("client_id", "session_expiry")
+    options = CONSUMER_OPTIONS
     publisher_class = MqttPublisher
     all_topics = "#"
 

@@ -50,7 +50,12 @@ from nats.js import JetStreamContext
 from nats.js.api import DEFAULT_PREFIX, AckPolicy, ConsumerConfig, DeliverPolicy, StatusCode
 
 from outboxer.brokers.base import describe
-from outboxer.brokers.nats import NatsPublisher, check_subject, received_headers
+from outboxer.brokers.nats import (
+    CONSUMER_OPTIONS,
+    NatsPublisher,
+    check_subject,
+    received_headers,
+)
 from outboxer.config import duration_option
 from outboxer.errors import ConfigError
 from outboxer.receivers.base import Incoming, Receiver, decode
@@ -106,7 +111,7 @@ class NatsReceiver(Receiver):
     """Pulls the group's messages from a durable JetStream consumer per topic."""
 
     schemes = ("nats",)
-    options = ("ack_wait", "durable")
+    options = CONSUMER_OPTIONS
     publisher_class = NatsPublisher
     all_topics = ">"
 

@@ -35,7 +35,7 @@ import pamqp.decode
 from aio_pika.abc import AbstractConnection, AbstractIncomingMessage
 
 from outboxer.brokers.base import describe, option_bool
-from outboxer.brokers.rabbitmq import RabbitMQPublisher, connect_amqp
+from outboxer.brokers.rabbitmq import CONSUMER_OPTIONS, RabbitMQPublisher, connect_amqp
 from outboxer.errors import ConfigError
 from outboxer.receivers.base import Incoming, Receiver, decode, take
 from outboxer.redact import get_logger
@@ -120,7 +120,7 @@ class RabbitMQReceiver(Receiver):
     """Consumes the group's durable queue, bound to the outbox exchange by topic pattern."""
 
     schemes = ("amqp", "amqps")
-    options = ("queue", "queue_type", "single_active_consumer")
+    options = CONSUMER_OPTIONS
     publisher_class = RabbitMQPublisher
     all_topics = "#"
     max_prefetch = _PREFETCH_MAX

@@ -46,7 +46,7 @@ import redis.asyncio as aioredis
 from redis import exceptions as rexc
 
 from outboxer.brokers.base import describe
-from outboxer.brokers.redis import RedisPublisher
+from outboxer.brokers.redis import CONSUMER_OPTIONS, RedisPublisher
 from outboxer.config import duration_option
 from outboxer.errors import ConfigError
 from outboxer.receivers.base import Incoming, Receiver, decode, unreadable
@@ -78,7 +78,7 @@ class RedisReceiver(Receiver):
     """Reads the group's entries from each topic's stream; XACK after commit."""
 
     schemes = ("redis", "rediss")
-    options = ("claim_idle",)
+    options = CONSUMER_OPTIONS
     publisher_class = RedisPublisher
 
     def __init__(self, url: str, **options: Any) -> None:
