@@ -129,3 +129,11 @@ def test_the_consumers_url_serves_the_relay_too(receiver: type, url: str) -> Non
     consumer = receiver(shared, group="billing", topics=["orders"])
     for name in receiver.options:
         assert str(consumer.settings[name]) == VALUES[name]
+
+
+@pytest.mark.parametrize(("receiver", "url"), RECEIVERS)
+def test_a_consumer_option_given_twice_is_refused(receiver: type, url: str) -> None:
+    name = receiver.options[0]
+    twice = f"{url}&{name}={VALUES[name]}&{name}={VALUES[name]}"
+    with pytest.raises(ConfigError, match="more than once"):
+        receiver(twice, group="billing", topics=["orders"])

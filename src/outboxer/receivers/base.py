@@ -197,9 +197,17 @@ def unreadable(problem: str, body: bytes = b"", *, topic: str = "") -> Incoming:
 
 
 def split_url(url: str, names: Sequence[str]) -> tuple[str, dict[str, str]]:
-    """``url`` without the query options in ``names``, and those options."""
+    """``url`` without the query options in ``names``, and those options (ConfigError for
+    one given twice: the last would win without a word, as the publisher's options would
+    not, check_url_options)."""
     parts = urlsplit(url)
     pairs = parse_qsl(parts.query, keep_blank_values=True)
+    given = [name for name, _ in pairs if name in names]
+    if twice := sorted({name for name in given if given.count(name) > 1}):
+        raise ConfigError(
+            f"URL option(s) {', '.join(repr(name) for name in twice)} given more than once "
+            f"in {redact_url(url)!r:.200}"
+        )
     ours = {name: value for name, value in pairs if name in names}
     rest = [(name, value) for name, value in pairs if name not in names]
     return parts._replace(query=urlencode(rest)).geturl(), ours
