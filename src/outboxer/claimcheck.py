@@ -41,7 +41,6 @@ import asyncio
 import contextlib
 import errno
 import hashlib
-import logging
 import os
 import re
 import secrets
@@ -69,6 +68,7 @@ from outboxer.durable import sync_directory, write_new_file
 from outboxer.errors import ConfigError, MissingDependencyError, OutboxerError, PayloadError
 from outboxer.message import BINARY, Message
 from outboxer.redact import (
+    Log,
     get_logger,
     redact_text,
     redact_url,
@@ -77,8 +77,6 @@ from outboxer.redact import (
 )
 
 logger = get_logger("outboxer.claimcheck")
-#: Where a sweep logs: this module's logger, or the caller's (the relay's names its database).
-Log = logging.Logger | logging.LoggerAdapter[logging.Logger]
 
 HEADER_CLAIM_CHECK = "outboxer-claim-check"
 HEADER_CLAIM_CHECK_SIZE = "outboxer-claim-check-size"

@@ -10,7 +10,9 @@ do not collide). It exposes:
 - histograms per destination of the latency from a message's ``created_at`` (its
   transaction) to the broker's confirm, and of the claim and settle statements' durations;
 - gauges per destination of the messages in flight (claimed, not yet settled), and, from
-  the outbox table, the rows by status and the oldest pending message's age.
+  the outbox table, the rows by status and the oldest pending message's age;
+- on SQLite, a gauge of the -wal file's bytes after each cleanup round (which truncates it
+  when a burst grew it: SqliteStore.bound_wal).
 
 Every series but the process's own carries a ``database`` label: the name of the
 database its relay serves, ``default`` for a relay of one ``db`` (so a process serving
@@ -318,6 +320,14 @@ class Metrics:
             ["database", "destination"],
             registry=self.registry,
         )
+        self.sqlite_wal_bytes = client.Gauge(
+            "outboxer_sqlite_wal_bytes",
+            "Bytes of a SQLite database's -wal file after the relay's last cleanup round, "
+            "which truncates it when larger than 8 MiB; it grows without bound while a "
+            "connection holds an old snapshot (logged as a warning).",
+            ["database"],
+            registry=self.registry,
+        )
         #: Per database and destination, its series of the four families above, looked
         #: up once: the relay reports to them several times per batch (``labels`` locks).
         self._series: dict[tuple[str, str], _Series] = {}
@@ -397,6 +407,10 @@ class Metrics:
         series.settle_duration.observe(seconds)
         if settled:
             series.in_flight.dec(settled)
+
+    def observe_sqlite_wal(self, size: int, *, database: str = DEFAULT_DATABASE) -> None:
+        """The SQLite database's -wal file is ``size`` bytes after a cleanup round."""
+        self.sqlite_wal_bytes.labels(database).set(size)
 
     def observe_store_status(
         self, statuses: Sequence[DestinationStatus] | None, database: str = DEFAULT_DATABASE

@@ -28,7 +28,6 @@ from outboxer.claimcheck import (
     HEADER_CLAIM_CHECK,
     ClaimCheck,
     ClaimCheckStoreError,
-    Log,
     ObjectName,
     ObjectStore,
     close_store,
@@ -48,6 +47,7 @@ from outboxer.crypto import (
 from outboxer.enqueue import Outbox
 from outboxer.errors import ConfigError, OutboxerError
 from outboxer.message import Message
+from outboxer.redact import Log
 from outboxer.stores.pgmodes import tokens as mode_tokens
 from outboxer.stores.sqlfiles import queries, render, table_name, to_pyformat
 

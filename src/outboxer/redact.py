@@ -275,6 +275,10 @@ class RedactingFilter(logging.Filter):
 _FILTER = RedactingFilter()
 
 
+#: A logger, or one that adds context to each line (the relay's: its database).
+Log = logging.Logger | logging.LoggerAdapter[logging.Logger]
+
+
 def get_logger(name: str) -> logging.Logger:
     """``logging.getLogger(name)`` carrying the redacting filter (once)."""
     logger = logging.getLogger(name)
@@ -285,6 +289,7 @@ def get_logger(name: str) -> logging.Logger:
 
 __all__ = [
     "MASK",
+    "Log",
     "RedactingFilter",
     "get_logger",
     "is_secret_option",

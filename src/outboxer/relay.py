@@ -28,7 +28,7 @@ from outboxer.config import DEFAULT_DATABASE, DestinationSettings, Settings
 from outboxer.errors import ConfigError, InsecureConnectionError, PublishError, SchemaError
 from outboxer.message import Message
 from outboxer.payload_relay import PayloadHandling
-from outboxer.redact import get_logger, redact_text
+from outboxer.redact import Log, get_logger, redact_text
 from outboxer.retry import Backoff
 
 if TYPE_CHECKING:
@@ -45,7 +45,6 @@ from outboxer.stores import (
 from outboxer.stores.pgpartitions import PartitionPolicy
 
 logger = get_logger("outboxer.relay")
-Log = logging.Logger | logging.LoggerAdapter[logging.Logger]
 
 
 class DatabaseLog(logging.LoggerAdapter[logging.Logger]):
@@ -1600,8 +1599,20 @@ class Relay:
                 # Apart from the rows' retention: a failed sweep neither hides the round's
                 # deleted rows nor makes a second warning of the one the sweep logged.
                 await self._sweep_claim_checks()
+            await self._bound_sqlite_wal()
             if await self._sleep(self.settings.cleanup_interval):
                 return
+
+    async def _bound_sqlite_wal(self) -> None:
+        """SQLite: truncate a -wal file a burst grew, which nothing else shrinks while the
+        application keeps a connection open (Store.bound_wal)."""
+        try:
+            size = await self.store.bound_wal(log=self.log)
+        except Exception as exc:  # noqa: BLE001 -- the next round tries again
+            self.log.warning("SQLite -wal checkpoint failed: %s; the next cleanup tries again", exc)
+            return
+        if size is not None and self.metrics is not None:
+            self.metrics.observe_sqlite_wal(size, database=self.database)
 
     async def _sweep_claim_checks(self) -> None:
         try:

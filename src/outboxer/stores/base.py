@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from outboxer.config import Settings
 from outboxer.errors import ConfigError, SchemaError, StoreError
 from outboxer.message import Message
-from outboxer.redact import redact_text, register_url_secrets
+from outboxer.redact import Log, redact_text, register_url_secrets
 from outboxer.stores.pgpartitions import PARTITIONED, PartitionPolicy, PartitionReport
 from outboxer.stores.sqlfiles import Migration, adopted_tables, migrations, quote_ident, render
 
@@ -519,6 +519,12 @@ class Store(ABC):
 
     async def oldest_transaction(self) -> float | None:
         """Seconds the oldest open writing transaction has run; None where the database cannot tell."""
+        return None
+
+    async def bound_wal(self, *, log: Log | None = None) -> int | None:
+        """After the relay's cleanup round: shrink the database's write-ahead file if a burst
+        grew it, and return its bytes; None where the server owns its WAL (only SQLite's is
+        a file beside the application's, see SqliteStore.bound_wal)."""
         return None
 
     async def status_report(self) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from outboxer.config import Settings
 from outboxer.errors import ConfigError, SchemaError, StoreError
 from outboxer.message import Message, Status
-from outboxer.redact import redact_url
+from outboxer.redact import Log, get_logger, redact_url
 from outboxer.stores.base import (
     AbandonedRow,
     Claim,
@@ -56,6 +56,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+logger = get_logger("outboxer.stores.sqlite")
+
 _MIGRATIONS_TABLE = """
 CREATE TABLE IF NOT EXISTS {migrations} (
     version    INTEGER PRIMARY KEY,
@@ -76,12 +78,42 @@ def sqlite_path(url: str) -> str:
     raise ConfigError(f"not a sqlite URL: {redact_url(url)!r} (expected sqlite:///path.db)")
 
 
+#: Milliseconds a statement of outboxer's connections waits for another's lock.
+BUSY_TIMEOUT_MS = 30_000
+
+
 def open_connection(path: str) -> sqlite3.Connection:
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
     conn.execute("PRAGMA journal_mode = WAL")  # readers do not block the writer
     conn.execute("PRAGMA synchronous = FULL")  # a confirmed enqueue survives power loss
-    conn.execute("PRAGMA busy_timeout = 30000")
+    conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
     return conn
+
+
+#: A -wal file larger than this at the relay's cleanup is checkpointed and truncated
+#: (SqliteStore.bound_wal). SQLite's automatic checkpoint (every 1000 pages: 4 MiB of 4 KiB
+#: pages) restarts the WAL at its start but never shrinks the file, so steady traffic keeps
+#: it about that size and reuses it (truncating it would only make the next writes grow it
+#: again); twice that, a burst or a long reader grew it, and it keeps that size for as long
+#: as any connection is open: an application's connection beside a relay, for weeks.
+WAL_TRUNCATE_ABOVE = 8 * 1024 * 1024
+
+#: Seconds a truncating checkpoint waits for the readers of the WAL to end. It holds the
+#: write lock meanwhile, so the application's writers (and the relay's statements, on the
+#: same connection) wait as long: a reader that does not end soon is left for next time.
+WAL_TRUNCATE_WAIT = 0.1
+
+#: Seconds the -wal file may stay too large for bound_wal to truncate before a warning: a
+#: reader may hold its snapshot for a moment; one that still holds it at the next round
+#: (``cleanup_interval``, 5 minutes by default) is stuck.
+WAL_STUCK_WARNING = 60.0
+
+
+def _file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:  # no connection open: SQLite deleted it
+        return 0
 
 
 def _timestamp(value: float | None) -> datetime | None:
@@ -112,6 +144,10 @@ class SqliteStore(Store):
         self._reading: tuple[int, float, frozenset[str], frozenset[str]] | None = None
         self._probe_lock = asyncio.Lock()
         self._waiting_destinations: set[str] = set()
+        #: Since when bound_wal has found the -wal file too large and could not truncate it
+        #: (monotonic), and its size at the last warning about it (0: none yet).
+        self._wal_stuck_since: float | None = None
+        self._wal_warned_at = 0
         tokens = self.tokens()
         self._sql = {name: render(sql, tokens) for name, sql in queries("sqlite").items()}
 
@@ -394,6 +430,90 @@ class SqliteStore(Store):
         return deleted + await self._run(
             lambda conn: conn.execute(self._sql["inbox_suspects_cleanup"], params).rowcount
         )
+
+    async def bound_wal(self, *, log: Log | None = None) -> int:
+        """Truncate the -wal file if a burst grew it past WAL_TRUNCATE_ABOVE; its bytes after.
+
+        The relay runs this after each cleanup round: nothing else shrinks the file while
+        any connection is open, and ``journal_size_limit`` acts only on the connection that
+        restarts the WAL, often the application's, whose pragmas are not outboxer's to set.
+
+        A PASSIVE checkpoint first, which waits for nothing: frames it could not copy into
+        the database are those a reader's old snapshot still needs, and a truncation would
+        only wait for that reader, holding the write lock. Otherwise a TRUNCATE checkpoint,
+        waiting at most WAL_TRUNCATE_WAIT for the readers of the WAL. Either refusal is left
+        for the next round, and warned about once it has lasted WAL_STUCK_WARNING (again each
+        time the file has doubled): while a reader holds its snapshot the WAL cannot restart,
+        so it grows with every write, without bound.
+        """
+        if self.path == ":memory:":
+            return 0
+        log = logger if log is None else log
+        wal = Path(self.path + "-wal")
+
+        def work(conn: sqlite3.Connection) -> tuple[int, int, int, bool, float]:
+            before = _file_size(wal)
+            if before <= WAL_TRUNCATE_ABOVE:
+                return before, before, 0, False, 0.0
+            started = time.monotonic()
+            # (busy, frames in the WAL, frames copied into the database); PASSIVE's busy is
+            # another connection's checkpoint under way.
+            busy, frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            if not busy and copied >= frames:
+                conn.execute(f"PRAGMA busy_timeout = {round(WAL_TRUNCATE_WAIT * 1000)}")
+                try:
+                    busy, frames, copied = conn.execute(
+                        "PRAGMA wal_checkpoint(TRUNCATE)"
+                    ).fetchone()
+                finally:
+                    conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            blocked = bool(busy) or copied < frames
+            return before, _file_size(wal), max(frames - copied, 0), blocked, started
+
+        before, after, left, blocked, started = await self._run(work)
+        if before <= WAL_TRUNCATE_ABOVE:
+            self._wal_stuck_since, self._wal_warned_at = None, 0
+            return after
+        now = time.monotonic()
+        if not blocked:
+            (log.info if self._wal_warned_at else log.debug)(
+                "SQLite -wal file of %s truncated: %.1f MB to %.1f MB in %.0f ms",
+                self.path,
+                before / 1e6,
+                after / 1e6,
+                (now - started) * 1000,
+            )
+            self._wal_stuck_since, self._wal_warned_at = None, 0
+            return after
+        stuck_since = self._wal_stuck_since = self._wal_stuck_since or started
+        if now - stuck_since < WAL_STUCK_WARNING or after < 2 * self._wal_warned_at:
+            log.debug(
+                "SQLite -wal file of %s (%.1f MB) not truncated: a connection holds a "
+                "transaction open, or checkpoints (%d WAL frame(s) not copied); the next "
+                "cleanup tries again",
+                self.path,
+                after / 1e6,
+                left,
+            )
+            return after
+        self._wal_warned_at = after
+        why = (
+            f"{left} WAL frame(s) written after its snapshot cannot be copied into the "
+            "database until it ends"
+            if left
+            else "the WAL cannot restart until it ends (or a write under way commits)"
+        )
+        log.warning(
+            "SQLite -wal file of %s is %.1f MB and could not be truncated for %.0f s: a "
+            "connection holds a read transaction on an old snapshot (a transaction left "
+            "open, or a cursor not read to its end), so %s; the file grows with every write "
+            "meanwhile, and the cleanup tries again each round",
+            self.path,
+            after / 1e6,
+            now - stuck_since,
+            why,
+        )
+        return after
 
     # ----- operations ----------------------------------------------------------------------
 
