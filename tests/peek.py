@@ -4,9 +4,20 @@ open between a test's steps."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from tests.integration.test_http_api import connect_sync
+
+
+@dataclass(frozen=True)
+class Row:
+    """An outbox row's state as a test reads it."""
+
+    status: str
+    attempts: int
+    locked_by: str | None
+    last_error: str | None
 
 
 class Peek:

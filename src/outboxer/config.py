@@ -1313,7 +1313,8 @@ class Settings:
     )
     shutdown_timeout: float = _interval(
         "how long a stopping relay lets its batches in flight finish; then it cuts them "
-        "short and gives their rows back (a second SIGTERM or Ctrl-C does so at once)",
+        "short, records what the broker answered and gives the rest back (a second SIGTERM "
+        "or Ctrl-C does so at once)",
         20.0,
     )
     abandoned_blocks_key: bool = setting(

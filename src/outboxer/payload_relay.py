@@ -80,9 +80,20 @@ class PayloadHandling:
         # here and go out in plaintext to a party it was not encrypted for.
         return decrypt(message, self.keyring, destination=message.destination)
 
-    async def publish(self, publisher: Publisher, batch: Sequence[Message]) -> list[Outcome]:
-        """Prepare each message, publish those prepared; one Outcome per message, in order."""
-        outcomes: list[Outcome | None] = [None] * len(batch)
+    async def publish(
+        self,
+        publisher: Publisher,
+        batch: Sequence[Message],
+        known: list[Outcome | None] | None = None,
+    ) -> list[Outcome]:
+        """Prepare each message, publish those prepared; one Outcome per message, in order.
+
+        ``known`` (one None per message) gets each outcome as it is known: a failure to
+        prepare at once, a publish once its wave has ended (Publisher.publish_batch). A
+        caller cancelled mid-batch records those and gives back the rest."""
+        if known is not None and len(known) != len(batch):
+            raise ValueError(f"known holds {len(known)} entries for {len(batch)} messages")
+        outcomes: list[Outcome | None] = known if known is not None else [None] * len(batch)
         ready: list[tuple[int, Message]] = []
         failed_keys: set[str] = set()
         for index, message in enumerate(batch):
@@ -106,7 +117,16 @@ class PayloadHandling:
             if message.key is not None:
                 failed_keys.add(message.key)
         if ready:
-            published = await publisher.publish_batch([message for _, message in ready])
+            answered: list[Outcome | None] = [None] * len(ready)
+            try:
+                published = await publisher.publish_batch(
+                    [message for _, message in ready], answered
+                )
+            except asyncio.CancelledError:
+                # Cut short: the waves that ended before are known, in the batch's places.
+                for (index, _), outcome in zip(ready, answered, strict=True):
+                    outcomes[index] = outcome
+                raise
             for (index, _), outcome in zip(ready, published, strict=True):
                 outcomes[index] = outcome
         return [outcome if outcome is not None else SKIPPED for outcome in outcomes]

@@ -706,9 +706,11 @@ class Relay:
                 task.cancel()
 
     def force_stop(self) -> None:
-        """Stop at once: the batches in flight are cut short and their rows given back
-        unpublished, with no attempt counted (what the broker got of them may be
-        published again, as at-least-once allows); then ``run`` returns."""
+        """Stop at once: the batches in flight are cut short; the outcomes the broker gave
+        for their waves that ended are recorded (published, failed), and the rest (the
+        wave in flight, the later ones) is given back with no attempt counted (what the
+        broker got of them may be published again, as at-least-once allows); then ``run``
+        returns."""
         self.stop()
         if self._forced:
             return
@@ -1207,8 +1209,14 @@ class Relay:
 
         If the lease is lost (taken over, or run out while the database did not answer),
         the publish is cancelled at once, so this loop never publishes a row that its next
-        holder publishes too: that would interleave a key's messages. The rows still held
-        are then given back; what the broker got meanwhile may be published again.
+        holder publishes too: that would interleave a key's messages. A forced shutdown
+        cancels it too. Either way the outcomes known by then (the waves the broker had
+        answered, the messages that failed to decrypt) are recorded as a settle records
+        them, and only the rest (the wave in flight, the later ones) is given back, no
+        attempt counted. Waves keep that in key order: a key's message is confirmed only
+        after its earlier ones were. The settle is fenced by the claim's lease token, so
+        after a lost lease it changes only the rows nobody took over; there, a key's
+        confirmation behind an earlier row of its key is given back (after_lost_lease).
         """
         for stats in self._stats(destination):
             stats.claimed += len(batch)
@@ -1226,6 +1234,8 @@ class Relay:
         assert task is not None
         lease = LeaseKeeper(self, destination, batch, claimed_at, task)
         outcomes: list[Outcome] | None = None
+        #: Filled in as the publish learns them: what a cancelled publish leaves known.
+        known: list[Outcome | None] = [None] * len(batch)
         if held is not None:
             held.lease_until = lease.give_up_at
         if time.monotonic() >= lease.give_up_at:
@@ -1237,7 +1247,7 @@ class Relay:
         else:
             lease.start()
             try:
-                outcomes = await self._publish(destination, batch.recovered, spans.messages)
+                outcomes = await self._publish(destination, batch.recovered, spans.messages, known)
             except asyncio.CancelledError:
                 renewing = lease.stop()
                 if renewing is not None:
@@ -1245,11 +1255,12 @@ class Relay:
                 if lease.lost is not None:
                     task.uncancel()
                 if task.cancelling():
-                    # Cancelled mid-publish (forced shutdown): nothing is known, give the rows back.
-                    spans.end([None] * len(batch))
-                    await asyncio.shield(
-                        self._settle(destination, batch, [None] * len(batch), held)
-                    )
+                    # Cancelled mid-publish (forced shutdown): what the broker answered is
+                    # recorded (confirmed rows published again after the restart would be
+                    # duplicates; a failure would lose its attempt and error), the rest
+                    # goes back.
+                    self._published(destination, batch, spans, known)
+                    await asyncio.shield(self._settle(destination, batch, known, held))
                     raise
             else:
                 renewing = lease.stop()
@@ -1263,15 +1274,35 @@ class Relay:
             for stats in self._stats(destination):
                 stats.leases_lost += 1
             self.log.warning(
-                "destination %s: stopped publishing a batch of %d: %s; the rows still held "
-                "go back to the queue",
+                "destination %s: stopped publishing a batch of %d: %s; the outcomes known "
+                "are recorded, the rows still held and unanswered go back to the queue",
                 destination,
                 len(batch),
                 lease.lost or "publishing was cancelled",
             )
-            spans.end([None] * len(batch))
-            await self._settle(destination, batch, [None] * len(batch), held)
+            self._published(destination, batch, spans, known)
+            await self._settle(destination, batch, after_lost_lease(batch, known), held)
             return
+        self._published(destination, batch, spans, outcomes)
+        settle = asyncio.ensure_future(self._settle(destination, batch, outcomes, held))
+        try:
+            await asyncio.shield(settle)
+        except asyncio.CancelledError:
+            # Cut short once the batch was published (force_stop): its outcomes are known,
+            # so they are recorded rather than left in flight until the lease expires.
+            # (A settle that waits for a database that is down ends once stopping.)
+            await settle
+            raise
+
+    def _published(
+        self,
+        destination: str,
+        batch: Claim,
+        spans: tracing.PublishSpans,
+        outcomes: Sequence[Outcome | None],
+    ) -> None:
+        """A publish ended, or was cut short: its spans end and its confirmations are
+        observed, with its outcomes (None: not known, given back)."""
         spans.end(outcomes)
         if self.metrics is not None:
             self.metrics.observe_confirmed(
@@ -1283,20 +1314,16 @@ class Relay:
                 ],
                 database=self.database,
             )
-        settle = asyncio.ensure_future(self._settle(destination, batch, outcomes, held))
-        try:
-            await asyncio.shield(settle)
-        except asyncio.CancelledError:
-            # Cut short once the batch was published (force_stop): its outcomes are known,
-            # so they are recorded rather than left in flight until the lease expires.
-            # (A settle that waits for a database that is down ends once stopping.)
-            await settle
-            raise
 
     async def _publish(
-        self, destination: str, recovered: bool, outgoing: Sequence[Message]
+        self,
+        destination: str,
+        recovered: bool,
+        outgoing: Sequence[Message],
+        known: list[Outcome | None],
     ) -> list[Outcome]:
-        """Publish a batch; a recovered row once it is all this relay holds (RecoveryGate)."""
+        """Publish a batch; a recovered row once it is all this relay holds (RecoveryGate).
+        ``known`` gets each outcome as soon as it is known (see PayloadHandling.publish)."""
         if recovered and not await self._gate.alone(self._stopping):
             # Stopping while other batches were still held: publishing the recovered row
             # beside them would defeat its isolation, and waiting for them need not end.
@@ -1305,7 +1332,9 @@ class Relay:
         started = time.perf_counter()
         # Decrypted (or forwarded) and enveloped per destination; a key error fails its
         # message, never the batch.
-        outcomes = await self.payloads[destination].publish(self.publishers[destination], outgoing)
+        outcomes = await self.payloads[destination].publish(
+            self.publishers[destination], outgoing, known
+        )
         for stats in self._stats(destination):
             stats.publish_seconds += time.perf_counter() - started
         return outcomes
@@ -1706,6 +1735,29 @@ async def sweep_claim_checks(settings: Settings, *, log: Log = logger) -> int | 
     if objects:
         log.info("cleanup deleted %d claim-check object(s)", objects)
     return objects
+
+
+def after_lost_lease(
+    batch: Sequence[Message], known: Sequence[Outcome | None]
+) -> list[Outcome | None]:
+    """What a batch whose lease was lost records of ``known``: the same, except a
+    confirmation of a key's message that follows another of its key in the batch, which
+    is given back instead (published again: a duplicate).
+
+    The settle is fenced (only rows still under the claim's lease change), but an earlier
+    row of the key may have been taken over by then, and its new holder may give it back
+    or abandon it: its successor must not be PUBLISHED meanwhile, a key's later message
+    recorded as out before an earlier one that is not. A key's first row, a keyless row
+    and a failure are recorded: nothing of their key comes before them in the batch."""
+    kept: list[Outcome | None] = []
+    keys: set[str] = set()
+    for message, outcome in zip(batch, known, strict=True):
+        if message.key is not None:
+            if message.key in keys and outcome is not None and outcome.published:
+                outcome = None
+            keys.add(message.key)
+        kept.append(outcome)
+    return kept
 
 
 async def _cancel(*tasks: asyncio.Task[Any]) -> None:

@@ -47,7 +47,7 @@ from outboxer.message import Message
 from outboxer.relay import Relay
 from outboxer.stores import Store, create_store
 from tests.integration.test_http_api import connect_sync
-from tests.peek import Peek
+from tests.peek import Peek, Row
 
 KEYS = ("k1", "k2", "k3", None)
 LEASE = 0.5  # the shortest lock_timeout allowed
@@ -159,14 +159,6 @@ def scenarios(draw: st.DrawFn) -> Scenario:
 
 
 # ----- the test's own SQL ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Row:
-    status: str
-    attempts: int
-    locked_by: str | None
-    last_error: str | None
 
 
 class Database(Peek):

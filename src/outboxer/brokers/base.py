@@ -301,13 +301,22 @@ class Publisher(ABC):
         """The URL without its password, token or secret query values, for logs and errors."""
         return redact_url(self.url)
 
-    async def publish_batch(self, messages: Sequence[Message]) -> list[Outcome]:
+    async def publish_batch(
+        self, messages: Sequence[Message], known: list[Outcome | None] | None = None
+    ) -> list[Outcome]:
         """Publish a batch; one Outcome per message, in the same order.
 
         Never raises for a broker failure: every failure is an Outcome, so the
         relay can record it on the message.
+
+        ``known`` (one None per message) gets each message's outcome once its wave has
+        ended: a caller whose publish is cancelled mid-batch (a forced shutdown, a lost
+        lease) reads there what the broker answered for the waves before the one in flight;
+        the messages still None there have an unknown fate.
         """
-        outcomes: list[Outcome | None] = [None] * len(messages)
+        if known is not None and len(known) != len(messages):
+            raise ValueError(f"known holds {len(known)} entries for {len(messages)} messages")
+        outcomes: list[Outcome | None] = known if known is not None else [None] * len(messages)
         failed_keys: set[str] = set()
         started = time.perf_counter()
         for wave in waves(messages):
