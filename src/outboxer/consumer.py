@@ -45,9 +45,15 @@ Hung handlers. With ``handler_timeout``, an attempt whose handler has not return
 fails (HandlerTimeout) like any other: an async handler is cancelled; a sync handler's
 thread cannot be, so its session is abandoned (never commits, closed once the call ends),
 its transaction ended from a fresh session (``Session.end_abandoned``: its locks go) that
-the worker goes on with, the pool given a thread in its place. More than ``concurrency``
-such threads at once stop the consumer (ConsumerShutdownError, ``hung``) for a supervisor
-to restart it, that attempt not charged (a suspect's row stays: one death).
+the worker goes on with, the pool given a thread in its place. An async handler that has
+not ended ``TIMEOUT_GRACE`` after its cancellation (it caught the CancelledError and went
+on) is abandoned the same way: its batch runs in a task of its own (only with
+handler_timeout: one task per batch), left running on the abandoned session. More than
+``concurrency`` such handlers at once stop the consumer (ConsumerShutdownError, ``hung``)
+for a supervisor to restart it, that attempt not charged (a suspect's row stays: one
+death). An abandoned async handler still running when the consumer stops has its
+connection closed and makes ``run_async`` raise ConsumerShutdownError (``hung``): asyncio's
+own end would wait for its task for ever.
 
 Shutdown (SIGTERM, ``stop()``): stop fetching; batches in flight commit and are acked
 (given ``shutdown_timeout``, or until a second SIGTERM/SIGINT, ``signalled()``), their
@@ -138,6 +144,10 @@ STABLE_CONNECTION = 10.0
 #: Seconds batches cancelled at shutdown get to roll back before they are abandoned (a sync
 #: handler's thread, an async handler that ignores its cancellation).
 CANCELLED_WAIT = 1.0
+#: Seconds an async handler cancelled at ``handler_timeout`` gets to end (its cancellation
+#: runs its ``finally`` and ``except`` blocks) before it is abandoned, as a sync one is at
+#: once: one that catches its cancellation and goes on must not hold its worker for ever.
+TIMEOUT_GRACE = 1.0
 #: Seconds a shutdown gives deleting the suspect rows of the attempts it cut short (a
 #: connection of its own, a DELETE each): a database that is gone or slow must not hold the
 #: process's exit; past it the rows stay, each counting one death too many at the next
@@ -228,6 +238,8 @@ class HandlerTimeout(Exception):
     def __init__(self, handler: object, timeout: float, how: str, *, fatal: bool = False) -> None:
         self.handler_name = _handler_name(handler)
         self.timeout = timeout
+        #: What became of the handler: cancelled, or abandoned still running.
+        self.how = how
         #: Abandoned past the bound of hung threads: the consumer stops (not charged).
         self.fatal = fatal
         super().__init__(
@@ -449,9 +461,10 @@ class Consumer:
         self._running: dict[object, tuple[Delivery, Any, float]] = {}
         #: Each worker's session now: a handler_timeout gives a worker a new one.
         self._worker_sessions: dict[asyncio.Task[None], Session] = {}
-        #: Sessions abandoned under a sync handler past handler_timeout whose call still
-        #: runs in its thread (left when it ends).
-        self._hung: set[Session] = set()
+        #: Sessions abandoned under a handler past handler_timeout that still runs (a sync
+        #: one in its thread, an async one that ignores its cancellation in its task), with
+        #: the message it applies; each leaves when its call ends.
+        self._hung: dict[Session, Delivery] = {}
         self._executor: ThreadPoolExecutor | None = None
         #: Each worker's session and the batch it is applying.
         self._batches: dict[asyncio.Task[None], tuple[Session, list[_Lane]]] = {}
@@ -530,7 +543,7 @@ class Consumer:
         self._forced.clear()
         self._fatal = None
         self._running, self._batches, self._given_up = {}, {}, set()
-        self._worker_sessions, self._hung = {}, set()
+        self._worker_sessions, self._hung = {}, {}
         self._loop = asyncio.get_running_loop()
         cut_short: ConsumerShutdownError | None = None
         # Nothing carries over from an earlier run: its unacked messages come again.
@@ -582,13 +595,22 @@ class Consumer:
                 # the loop): not left open until garbage collection, one per hung batch.
                 session.close_after(task)
             with self._stats_lock:
-                hung = set(self._hung)  # closed by close_after when their call ends
+                hung = dict(self._hung)  # closed by close_after when their call ends
+            # An async one's task would hold asyncio.run's end for ever (it cancels every task
+            # and waits for each): the consumer says so (hung), and its connection goes now
+            # (unless a statement of the handler waits on it: psycopg's discard), which rolls
+            # back its transaction if end_abandoned did not already end it.
+            tasks_left = {s: d for s, d in hung.items() if s.is_async and s.busy()}
+            for session in tasks_left:
+                session.discard()
             if hung:
                 logger.warning(
-                    "consumer %s: %d handler(s) abandoned after handler_timeout still run in "
-                    "their threads (left to end with the process)",
+                    "consumer %s: %d handler(s) abandoned after handler_timeout still run%s",
                     self.group,
                     len(hung),
+                    f" ({len(tasks_left)} async one(s) ignoring their cancellation)"
+                    if tasks_left
+                    else " in their threads (left to end with the process)",
                 )
             for session in dict.fromkeys([*sessions, *self._worker_sessions.values()]):
                 # Closing under a handler would hang.
@@ -597,6 +619,21 @@ class Consumer:
             executor.shutdown(wait=False)
             self.lag = None
             logger.info("consumer %s stopped: %s", self.group, self.stats.as_dict())
+        if tasks_left:
+            stopped = self._fatal if isinstance(self._fatal, ConsumerShutdownError) else cut_short
+            if stopped is not None:
+                stopped.hung = True
+            elif self._fatal is None:
+                listed = "; ".join(
+                    f"{delivery.id} (topic {delivery.topic}, key {delivery.key})"
+                    for delivery in tasks_left.values()
+                )
+                raise ConsumerShutdownError(
+                    f"consumer {self.group}: async handler(s) abandoned after handler_timeout "
+                    f"ignore their cancellation and still run: {listed}",
+                    message_ids=[str(delivery.id) for delivery in tasks_left.values()],
+                    hung=True,
+                )
         if self._fatal is not None:
             raise self._fatal
         if cut_short is not None:
@@ -1134,9 +1171,10 @@ class Consumer:
     async def _applied(
         self, session: Session, deliveries: list[Delivery], *, suspect: bool
     ) -> list[Result]:
-        """``session.apply`` of ``deliveries``; a sync handler running longer than
-        handler_timeout fails its attempt: BatchFailed with HandlerTimeout, its index. (An
-        async handler's bound is its own: ``_timed``.)"""
+        """``session.apply`` of ``deliveries``; a handler running longer than handler_timeout
+        fails its attempt: BatchFailed with HandlerTimeout, its index. An async handler is
+        cancelled at the bound by its wrapper (``_timed``); a sync one, or an async one still
+        running ``TIMEOUT_GRACE`` after its cancellation, is abandoned (``_abandon``)."""
         applying = session.apply(
             self.group,
             deliveries,
@@ -1144,10 +1182,13 @@ class Consumer:
             hold_keys=self.abandoned_blocks_key,
             suspect=suspect,
         )
-        timeout = self.handler_timeout
-        if timeout is None or self.is_async:
-            return await applying
+        if self.handler_timeout is None:
+            return await applying  # in this worker's task: no task, no watch
+        timeout = self._abandon_after()
+        # A task of its own (one per batch), that the worker can leave running under a
+        # handler that does not end.
         task = asyncio.ensure_future(applying)
+        task.add_done_callback(_outcome_read)
         try:
             while True:
                 started = self._handler_started(session)
@@ -1162,9 +1203,22 @@ class Consumer:
                     timed_out = await self._abandon(session, task, deliveries)
                     if timed_out is not None:
                         raise timed_out
-        except BaseException:
+        except asyncio.CancelledError:
             task.cancel()  # a sync call goes on in its thread: shutdown's business
+            if self.is_async:
+                # The handler runs in that task: this worker ends when it has (rolled back),
+                # as when the worker ran it itself; the shutdown gives that CANCELLED_WAIT,
+                # then gives up on the batch (``_abandoned``: the session is busy).
+                await asyncio.wait({task})
             raise
+        except BaseException:
+            task.cancel()
+            raise
+
+    def _abandon_after(self) -> float:
+        """Seconds a handler may run before its attempt is abandoned (handler_timeout set)."""
+        assert self.handler_timeout is not None
+        return self.handler_timeout + (TIMEOUT_GRACE if self.is_async else 0.0)
 
     def _handler_started(self, session: Session) -> float | None:
         """When the handler running on ``session``'s connection began, if one runs."""
@@ -1177,12 +1231,16 @@ class Consumer:
     async def _abandon(
         self, session: Session, task: asyncio.Task[list[Result]], deliveries: list[Delivery]
     ) -> BatchFailed | None:
-        """Give up on ``session``'s batch, whose sync handler outlived handler_timeout: its
-        transaction never commits (``abandoned``), its connection is ended from a new one
+        """Give up on ``session``'s batch, whose handler outlived handler_timeout (a sync
+        one) or its cancellation at it by TIMEOUT_GRACE (an async one): its transaction
+        never commits (``abandoned``), its connection is ended from a new one
         (``end_abandoned``: the batch's locks go) and closed once the call returns
         (``close_after``); the worker goes on with a new session, the pool with a new
-        thread. The failure to raise, or None if the handler returned meanwhile."""
+        thread (a sync handler's). An async handler's task is left running: nothing it does
+        later is committed or acked, and it holds only the abandoned session. The failure
+        to raise, or None if the handler returned meanwhile."""
         assert self.handler_timeout is not None
+        limit = self._abandon_after()
         with self._stats_lock:  # the handler's thread removes its entry under it
             now = time.monotonic()
             # Only a handler past the bound: the one the caller saw may have returned since
@@ -1191,7 +1249,7 @@ class Consumer:
                 (
                     c
                     for c, (_, conn, began) in self._running.items()
-                    if conn is session.conn and now - began >= self.handler_timeout
+                    if conn is session.conn and now - began >= limit
                 ),
                 None,
             )
@@ -1201,7 +1259,7 @@ class Consumer:
             # Before the lock is released: from its return on, the thread checks it before
             # the next handler and the commit (consumer_db._refuse_abandoned).
             session.abandoned = True
-            self._hung.add(session)
+            self._hung[session] = delivery
             hung = len(self._hung)
         task.cancel()
         me = asyncio.current_task()
@@ -1209,7 +1267,7 @@ class Consumer:
 
         def ended() -> None:
             with self._stats_lock:
-                self._hung.discard(session)
+                self._hung.pop(session, None)
 
         pool = self._executor
         assert pool is not None  # set by run_async, which runs the workers
@@ -1220,6 +1278,12 @@ class Consumer:
         session.when_idle(ended)
         session.close_after(task)
         fatal = hung > self.concurrency
+        where = "async ones ignoring their cancellation" if self.is_async else "in their threads"
+        how = (
+            f"cancelled, and still running {TIMEOUT_GRACE:g}s later: abandoned"
+            if self.is_async
+            else "abandoned in its thread"
+        )
         fresh = self._make_session(pool)
         fresh.on_return = self._wake
         self._worker_sessions[me] = fresh
@@ -1228,8 +1292,8 @@ class Consumer:
         index = next((i for i, d in enumerate(deliveries) if d is delivery), None)
         if fatal:
             self._fatal = ConsumerShutdownError(
-                f"consumer {self.group}: {hung} sync handlers did not return within "
-                f"handler_timeout ({self.handler_timeout:g}s) and still run in their threads, "
+                f"consumer {self.group}: {hung} handlers did not return within "
+                f"handler_timeout ({self.handler_timeout:g}s) and still run ({where}), "
                 f"more than concurrency ({self.concurrency}): stopping so that a restart ends "
                 f"them; the last one applied message {delivery.id} (topic {delivery.topic}, "
                 f"key {delivery.key})",
@@ -1257,9 +1321,7 @@ class Consumer:
                 )
         return BatchFailed(
             "handler",
-            HandlerTimeout(
-                self.handler, self.handler_timeout, "abandoned in its thread", fatal=fatal
-            ),
+            HandlerTimeout(self.handler, self.handler_timeout, how, fatal=fatal),
             index,
         )
 
@@ -1292,9 +1354,9 @@ class Consumer:
             delivery.key,
             cause.handler_name,
             cause.timeout,
-            "cancelled" if self.is_async else "abandoned in its thread",
+            cause.how,
             f" ({hung} abandoned handler(s) still running, at most {self.concurrency})"
-            if not self.is_async
+            if hung
             else "",
         )
 
@@ -1406,11 +1468,16 @@ class Consumer:
                     bound = asyncio.timeout(timeout)
                     try:
                         async with bound:
-                            return await handler(delivery, conn)
+                            result = await handler(delivery, conn)
                     except Exception as exc:
                         if bound.expired():  # cancelled by the bound, whatever it raised then
                             raise HandlerTimeout(handler, timeout, "cancelled") from exc
                         raise
+                    if bound.expired():
+                        # It caught its cancellation and returned all the same: what it
+                        # wrote may be half of what it meant to, not to be committed.
+                        raise HandlerTimeout(handler, timeout, "cancelled (and it returned)")
+                    return result
                 except asyncio.CancelledError as exc:
                     task = asyncio.current_task()
                     if task is None or task.cancelling():
@@ -1870,6 +1937,14 @@ class Consumer:
                 name,
                 describe(exc),
             )
+
+
+def _outcome_read(task: asyncio.Task[Any]) -> None:
+    """Done callback of a batch's own task: its outcome marked as read, for a task the worker
+    left (abandoned, or cancelled at shutdown) ends with nobody to read it, and asyncio would
+    log "Task exception was never retrieved" for its BatchFailed."""
+    if not task.cancelled():
+        task.exception()
 
 
 class HoldFailed(Exception):

@@ -120,6 +120,15 @@ _MYSQL_GONE = frozenset({2003, 2006, 2013, 2055, 1053, 1927, 4031})
 _PG_LOCK_WAITS = frozenset({"55P03", "40P01"})
 #: MySQL/MariaDB: ER_LOCK_WAIT_TIMEOUT (innodb_lock_wait_timeout), ER_LOCK_DEADLOCK.
 _MYSQL_LOCK_WAITS = frozenset({1205, 1213})
+#: A PostgreSQL connection's backend as its session opened it: its pid and when it began.
+_PG_BACKEND = "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+#: Ends an abandoned session's backend (``end_abandoned``), in psycopg's parameters. A pid
+#: alone may name another backend by now (the abandoned one gone, its pid reused): only the
+#: backend that also began when the abandoned session opened it is terminated.
+_PG_TERMINATE = (
+    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid = %s AND backend_start = %s"
+)
+_PG_TERMINATE_NUMBERED = _PG_TERMINATE.replace("%s", "$1", 1).replace("%s", "$2")  # asyncpg's
 
 
 def storable(value: str, dialect: str) -> str:
@@ -288,11 +297,12 @@ class Session(ABC):
 
     async def end_abandoned(self, other: Session) -> bool:
         """Roll back the open transaction of ``other``, a session of the same database that
-        the runner abandoned under a sync handler that did not return (``handler_timeout``),
-        from this session's connection: its locks (the inbox claims of its batch, SQLite's
-        write lock) would otherwise hold back every later attempt at those messages for as
-        long as the handler hangs. The handler, if it ever returns, finds its connection
-        gone. Whether it could (False: drivers that cannot, such as a framework's session)."""
+        the runner abandoned under a handler that did not end (``handler_timeout``: a sync
+        handler's thread, an async handler that ignored its cancellation), from this
+        session's connection: its locks (the inbox claims of its batch, SQLite's write lock)
+        would otherwise hold back every later attempt at those messages for as long as the
+        handler hangs. The handler, if it ever returns, finds its connection gone. Whether
+        it could (False: drivers that cannot, such as a framework's session)."""
         return False
 
     @abstractmethod
@@ -748,11 +758,11 @@ class SyncSession(Session):
         else:
             future.add_done_callback(lambda _: callback())
 
-    #: Ends another connection's session on the server, given its ``_backend_id`` (None:
-    #: the driver has no such statement).
+    #: Ends another connection's session on the server, given its ``_backend_id`` as the
+    #: parameters (None: the driver has no such statement).
     _terminate_sql: str | None = None
 
-    def _backend_id(self) -> Any:
+    def _backend_id(self) -> tuple[Any, ...] | None:
         """The server's id of this session's connection, read without a round trip."""
         return None
 
@@ -767,7 +777,7 @@ class SyncSession(Session):
         def terminate() -> None:
             cursor = self.conn.cursor()
             try:
-                cursor.execute(sql, (backend,))
+                cursor.execute(sql, backend)
             finally:
                 cursor.close()
 
@@ -1011,10 +1021,20 @@ _IDLE = 0
 
 class PsycopgSession(SyncSession):
     dialect = "postgres"
+    #: This connection's backend, pid and backend_start, read when it opened (_PG_BACKEND).
+    _backend: tuple[Any, Any] | None = None
 
     def _connect(self) -> Any:
         psycopg = _require("psycopg", "psycopg")
-        return psycopg.connect(_libpq_url(self.url))
+        conn = psycopg.connect(_libpq_url(self.url))
+        try:
+            row = conn.execute(_PG_BACKEND).fetchone()
+            conn.rollback()  # the runner's transactions begin on an idle connection
+        except BaseException:
+            _close_quietly(conn)
+            raise
+        self._backend = (row[0], row[1]) if row is not None else None
+        return conn
 
     def _transaction(self, work: Callable[[], T]) -> T:
         # In psycopg's transaction block, so that a handler's conn.commit() or rollback() is
@@ -1053,11 +1073,10 @@ class PsycopgSession(SyncSession):
 
     # The server rolls the backend's transaction back and closes its socket: a handler
     # blocked in a statement gets an error, one blocked elsewhere finds it gone later.
-    _terminate_sql = "SELECT pg_terminate_backend(%s)"
+    _terminate_sql = _PG_TERMINATE
 
-    def _backend_id(self) -> Any:
-        conn = self.conn
-        return None if conn is None or conn.closed else conn.info.backend_pid
+    def _backend_id(self) -> tuple[Any, ...] | None:
+        return None if self.conn is None or self.conn.closed else self._backend
 
 
 class SqliteSession(SyncSession):
@@ -1179,11 +1198,12 @@ class PyMySQLSession(SyncSession):
 
         return isinstance(exc, pymysql.err.MySQLError) and mysql_errno(exc) in _MYSQL_LOCK_WAITS
 
+    # MySQL's connection ids are not reused until the counter wraps (2^32 at least).
     _terminate_sql = "KILL CONNECTION %s"
 
-    def _backend_id(self) -> Any:
+    def _backend_id(self) -> tuple[Any, ...] | None:
         conn = self.conn
-        return None if conn is None or not conn.open else conn.thread_id()
+        return None if conn is None or not conn.open else (conn.thread_id(),)
 
 
 # ----- async connections, on the event loop -------------------------------------------------
@@ -1191,6 +1211,53 @@ class PyMySQLSession(SyncSession):
 
 class AsyncSession(Session):
     is_async = True
+    #: The task running this session's last ``apply``: the worker's own, or one of its own
+    #: that the runner watches (``handler_timeout``) and may abandon under a handler that
+    #: ignores its cancellation, still running on this connection after the worker moved on.
+    _applying: asyncio.Task[Any] | None = None
+    #: This connection's backend, pid and backend_start, read when it opened (_PG_BACKEND).
+    _backend: tuple[Any, Any] | None = None
+
+    def busy(self) -> bool:
+        task = self._applying
+        return task is not None and not task.done()
+
+    def when_idle(self, callback: Callable[[], None]) -> None:
+        task = self._applying
+        if task is None or task.done():
+            callback()
+        else:
+            task.add_done_callback(lambda _: callback())
+
+    def close_after(self, task: asyncio.Task[Any]) -> None:
+        # Once both ``task`` (a worker) and the task running the batch have ended: the
+        # handler may go on in the latter after the worker was cancelled or moved on.
+        applying = self._applying
+
+        def close_if_ended(_: object) -> None:
+            if task.done() and (applying is None or applying.done()):
+                self.discard()  # once: it leaves no connection to close again
+
+        task.add_done_callback(close_if_ended)
+        if applying is not None and applying is not task:
+            applying.add_done_callback(close_if_ended)
+
+    async def end_abandoned(self, other: Session) -> bool:
+        # From this fresh connection, as PsycopgSession does: the abandoned handler's task
+        # still holds the other one, maybe mid-statement (a lock wait, a slow query), which
+        # closing the socket would not stop on the server until it ended.
+        if type(other) is not type(self) or self.conn is None:
+            return False
+        assert isinstance(other, AsyncSession)
+        backend = other._backend if other.conn is not None else None
+        if backend is None:
+            return False
+        await self._transaction(functools.partial(self._terminate, backend))
+        return True
+
+    async def _terminate(self, backend: tuple[Any, Any]) -> None:
+        """Run _PG_TERMINATE for ``backend`` (drivers with a server to ask say how)."""
+        raise NotImplementedError
 
     @abstractmethod
     async def _begin(self) -> Any: ...
@@ -1259,6 +1326,8 @@ class AsyncSession(Session):
         replaying: bool = False,
         suspect: bool = False,
     ) -> list[Result]:
+        self._applying = asyncio.current_task()
+
         async def work() -> list[Result]:
             try:
                 held = [hold_keys and await self._hold(group, d) for d in deliveries]
@@ -1402,7 +1471,14 @@ class AsyncpgSession(AsyncSession):
         asyncpg = _require("asyncpg", "postgres")
         from outboxer.stores.postgres import asyncpg_dsn
 
-        self.conn = await asyncpg.connect(asyncpg_dsn(self.url))
+        conn = await asyncpg.connect(asyncpg_dsn(self.url))
+        try:
+            row = await conn.fetchrow(_PG_BACKEND)
+        except BaseException:
+            conn.terminate()
+            raise
+        self._backend = (row[0], row[1]) if row is not None else None
+        self.conn = conn
 
     async def close(self) -> None:
         conn, self.conn = self.conn, None
@@ -1438,6 +1514,9 @@ class AsyncpgSession(AsyncSession):
         conn, self.conn = self.conn, None
         if conn is not None and not conn.is_closed():
             conn.terminate()  # no await: the server rolls the open transaction back
+
+    async def _terminate(self, backend: tuple[Any, Any]) -> None:
+        await self.conn.fetch(_PG_TERMINATE_NUMBERED, *backend)
 
     def _in_transaction(self) -> bool:
         # The protocol's transaction status of the last answer: no round trip.
@@ -1493,7 +1572,15 @@ class PsycopgAsyncSession(AsyncSession):
 
     async def open(self) -> None:
         psycopg = _require("psycopg", "psycopg")
-        self.conn = await psycopg.AsyncConnection.connect(_libpq_url(self.url))
+        conn = await psycopg.AsyncConnection.connect(_libpq_url(self.url))
+        try:
+            row = await (await conn.execute(_PG_BACKEND)).fetchone()
+            await conn.rollback()  # the runner's transactions begin on an idle connection
+        except BaseException:
+            conn.pgconn.finish()
+            raise
+        self._backend = (row[0], row[1]) if row is not None else None
+        self.conn = conn
 
     async def close(self) -> None:
         conn, self.conn = self.conn, None
@@ -1510,15 +1597,25 @@ class PsycopgAsyncSession(AsyncSession):
         return getattr(exc, "sqlstate", None) in _PG_LOCK_WAITS
 
     def discard(self) -> None:
-        conn, self.conn = self.conn, None
+        conn = self.conn
+        if conn is not None and conn.lock.locked():
+            # A statement of an abandoned handler waits on the socket, its reader registered
+            # with the loop: closing the descriptor under it would leave that registration to
+            # whichever socket gets the number next. Left to close_after (its task's end).
+            return
+        self.conn = None
         if conn is not None and not conn.closed:
             conn.pgconn.finish()  # what AsyncConnection.close() does, without awaiting
+
+    async def _terminate(self, backend: tuple[Any, Any]) -> None:
+        await self.conn.execute(_PG_TERMINATE, backend)
 
     async def _begin(self) -> Any:
         return _PsycopgTransaction(self.conn)
 
     def _in_transaction(self) -> bool:
-        return _psycopg_in_transaction(self.conn)
+        # None: discarded under an abandoned handler (the runner's checks then raise).
+        return self.conn is None or _psycopg_in_transaction(self.conn)
 
     async def _transaction(self, work: Callable[[], Awaitable[T]]) -> T:
         # psycopg's transaction block: a handler's commit() or rollback() fails the handler
