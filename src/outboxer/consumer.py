@@ -526,7 +526,9 @@ class Consumer:
 
         ConsumerShutdownError if handlers had not returned at shutdown; with ``hung``, a
         thread of a sync handler still runs: a daemon thread, which the interpreter's exit
-        does not wait for (the process's end closes its connection, rolling it back)."""
+        does not wait for (the process's end closes its connection, rolling it back), or an
+        async handler ignoring its cancellation, whose connection is closed and whose task
+        is left behind after ``CANCELLED_WAIT`` (asyncio.run would wait for it for ever)."""
 
         async def main() -> ConsumerStats:
             loop = asyncio.get_running_loop()
@@ -534,7 +536,21 @@ class Consumer:
                 loop.add_signal_handler(sig, self.signalled)
             return await self.run_async()
 
-        return asyncio.run(main())
+        # asyncio.run, but its end does not wait for ever for a task that ignores its
+        # cancellation (an abandoned async handler, ``hung``): asyncio.run cancels every
+        # task left and waits for each.
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            return loop.run_until_complete(main())
+        finally:
+            try:
+                _end_tasks_left(loop)
+                loop.run_until_complete(loop.shutdown_asyncgens())
+                loop.run_until_complete(loop.shutdown_default_executor())
+            finally:
+                asyncio.set_event_loop(None)
+                loop.close()
 
     async def run_async(self) -> ConsumerStats:
         """Run until ``stop()``; returns the counters."""
@@ -601,7 +617,13 @@ class Consumer:
             # (unless a statement of the handler waits on it: psycopg's discard), which rolls
             # back its transaction if end_abandoned did not already end it.
             tasks_left = {s: d for s, d in hung.items() if s.is_async and s.busy()}
-            for session in tasks_left:
+            # So does the session of an async batch the shutdown cut short whose handler
+            # ignores its cancellation: left to close_after, it stayed open as long as the
+            # handler ran, its transaction holding the claims of the messages just handed
+            # back to the broker (their next delivery waited on them). Such a batch is
+            # already named, with ``hung``, by the shutdown's error.
+            cut_left = [s for s in abandoned.values() if s.is_async and s.busy()]
+            for session in dict.fromkeys([*tasks_left, *cut_left]):
                 session.discard()
             if hung:
                 logger.warning(
@@ -1937,6 +1959,34 @@ class Consumer:
                 name,
                 describe(exc),
             )
+
+
+def _end_tasks_left(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel the tasks left on ``loop`` (``run``'s end, as asyncio.run's) and wait for them
+    up to CANCELLED_WAIT, not for ever: those still running then (an abandoned async handler
+    ignoring its cancellation, whose connection ``run_async`` closed) are left behind."""
+    left = asyncio.all_tasks(loop)
+    if not left:
+        return
+    for task in left:
+        task.cancel()
+    done, pending = loop.run_until_complete(asyncio.wait(left, timeout=CANCELLED_WAIT))
+    for task in done:
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            loop.call_exception_handler(
+                {
+                    "message": "unhandled exception during Consumer.run() shutdown",
+                    "exception": exc,
+                    "task": task,
+                }
+            )
+    if pending:
+        logger.warning(
+            "%d task(s) still running %gs after their cancellation (abandoned async "
+            "handlers ignoring it): left behind",
+            len(pending),
+            CANCELLED_WAIT,
+        )
 
 
 def _outcome_read(task: asyncio.Task[Any]) -> None:

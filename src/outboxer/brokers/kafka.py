@@ -25,7 +25,7 @@ from urllib.parse import unquote
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from outboxer.brokers.base import NotSent, Publisher, parse_options
+from outboxer.brokers.base import NotSent, Publisher, check_url_repeats, parse_options
 from outboxer.config import duration_option
 from outboxer.errors import ConfigError, PublishError
 from outboxer.message import Message
@@ -159,6 +159,8 @@ class KafkaPublisher(Publisher):
         config: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(url, routes=routes, publish_timeout=publish_timeout)
+        # librdkafka would get the last value only (acks=1&acks=all passed the check).
+        check_url_repeats(url, "kafka:// broker")
         parts, options = parse_options(url)
         userinfo, _, hosts = parts.netloc.rpartition("@")
         if not hosts:

@@ -39,7 +39,13 @@ from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from outboxer.brokers.base import NotSent, Publisher, parse_options, unknown_names
+from outboxer.brokers.base import (
+    NotSent,
+    Publisher,
+    check_url_repeats,
+    parse_options,
+    unknown_names,
+)
 from outboxer.brokers.tlsfiles import TLS_FILE_OPTIONS, client_context
 from outboxer.config import int_option
 from outboxer.errors import ConfigError, PublishError
@@ -199,6 +205,8 @@ class RedisPublisher(Publisher):
         maxlen: int | None = None,
     ) -> None:
         super().__init__(url, routes=routes, publish_timeout=publish_timeout)
+        # Not left to redis-py: its parsing keeps a name's first value, ours its last.
+        check_url_repeats(url, "redis:// broker")
         parts, options = parse_options(url)
         self.stream_prefix = (
             stream_prefix if stream_prefix is not None else options.get("stream_prefix", "")

@@ -28,7 +28,7 @@ from typing import Any, ClassVar, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from outboxer.brokers import publisher_options
-from outboxer.brokers.base import Publisher, describe
+from outboxer.brokers.base import Publisher, describe, repeated_names
 from outboxer.config import int_option
 from outboxer.errors import BrokerUnavailableError, ConfigError
 from outboxer.message import (
@@ -202,12 +202,8 @@ def split_url(url: str, names: Sequence[str]) -> tuple[str, dict[str, str]]:
     not, check_url_options)."""
     parts = urlsplit(url)
     pairs = parse_qsl(parts.query, keep_blank_values=True)
-    given = [name for name, _ in pairs if name in names]
-    if twice := sorted({name for name in given if given.count(name) > 1}):
-        raise ConfigError(
-            f"URL option(s) {', '.join(repr(name) for name in twice)} given more than once "
-            f"in {redact_url(url)!r:.200}"
-        )
+    if twice := repeated_names(name for name, _ in pairs if name in names):
+        raise ConfigError(f"URL option(s) {twice} given more than once in {redact_url(url)!r:.200}")
     ours = {name: value for name, value in pairs if name in names}
     rest = [(name, value) for name, value in pairs if name not in names]
     return parts._replace(query=urlencode(rest)).geturl(), ours
