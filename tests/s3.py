@@ -12,9 +12,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -80,3 +82,30 @@ def s3_bucket(s3_client: Any) -> str:
     bucket = f"outboxer-{uuid.uuid4().hex[:12]}"
     s3_client.create_bucket(Bucket=bucket)
     return bucket
+
+
+@contextmanager
+def silent_listener() -> Iterator[str]:
+    """``host:port`` of a listener that accepts connections and never answers (an object
+    store that hangs), closed with every connection it accepted at the end."""
+    listener = socket.socket()
+    listener.bind((HOST, 0))
+    listener.listen(64)
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:  # closed at the end
+                return
+            accepted.append(connection)
+
+    threading.Thread(target=accept, daemon=True).start()
+    host, port = listener.getsockname()
+    try:
+        yield f"{host}:{port}"
+    finally:
+        listener.close()
+        for connection in accepted:
+            connection.close()

@@ -110,9 +110,10 @@ BATCH_PUTS = 16
 #: within this many seconds (``outboxer claim-check sweep`` and the relay's cleanup pass
 #: ``claim_check_read_timeout``).
 DEFAULT_SWEEP_CALL_TIMEOUT = 30.0
-#: Sweep calls to stores that may run at once in the process. A sweep that times out leaves
-#: one call hung and ends; once this many are, sweeps fail at once until one returns (the
-#: relay makes a new store for each sweep, so the bound is the process's, not a store's).
+#: Sweep calls to stores that may run at once in the process (``delete_many_bounded``'s and
+#: ``close_store``'s too). A sweep that times out leaves one call hung and ends; once this
+#: many are, sweeps fail at once until one returns (the relay makes a new store for each
+#: sweep, so the bound is the process's, not a store's).
 SWEEP_THREADS = 4
 
 #: Where holds live in a store: a name no object has (objects never start with a dot).
@@ -140,6 +141,12 @@ class ObjectMismatchError(ClaimCheckError):
 class ObjectReadTimeoutError(ClaimCheckError, TimeoutError):
     """The store did not answer a read in time (a hung NFS mount, a stalled S3 connection):
     the same read may succeed later."""
+
+
+class ObjectDeleteTimeoutError(ClaimCheckError, TimeoutError):
+    """The store did not answer a delete in time, or was not asked because earlier calls
+    to object stores are still unanswered (:func:`delete_many_bounded`). The objects may
+    or may not be gone: those no row refers to are the orphan sweep's."""
 
 
 class HoldTimeoutError(ClaimCheckError, TimeoutError):
@@ -1021,17 +1028,45 @@ def _checked_reference(message: Message) -> tuple[str, int]:
     return name, int(size)
 
 
-def fetch_payload(message: Message, store: ObjectStore) -> Message:
+def fetch_payload(message: Message, store: ObjectStore, *, timeout: float | None = None) -> Message:
     """The message with its claim-checked payload fetched, checked (size, SHA-256) and
     restored, with its content type; a message without a claim-check comes back unchanged.
 
     Raises ObjectNotFoundError, ObjectMismatchError or ClaimCheckError (a reference that
     is not outboxer's, or another message's). If the outbox encrypts, decrypt afterwards:
     ``outboxer.decrypt(fetch_payload(message, store), keyring)``.
+
+    With ``timeout`` (seconds), a read the store has not answered by then raises
+    ObjectReadTimeoutError: it runs in a daemon thread holding one of the store's read
+    slots (the ones :func:`fetch_payload_async` takes), left to finish when given up. A
+    synchronous caller cannot wait for a slot within its bound as an async one does, so
+    with all READ_THREADS of them held by unanswered reads it fails at once, not tried.
     """
     if not is_claim_checked(message):
         return message
-    return _restore(message, store.get_at_most(*_checked_reference(message)))
+    name, size = _checked_reference(message)
+    if timeout is None:
+        return _restore(message, store.get_at_most(name, size))
+    if not timeout > 0:  # NaN too
+        raise ConfigError("the claim-check read timeout must be positive (or None)")
+    reads = _read_threads(store)
+    if not reads.take_now():
+        raise ObjectReadTimeoutError(
+            f"claim-check object {name}: {store!r} not read: {reads.running} read(s) of it "
+            "are still unanswered"
+        )
+    outcome = _within(
+        lambda: store.get_at_most(name, size), timeout, reads.release, "outboxer-claim-check-read"
+    )
+    if outcome is None:
+        raise ObjectReadTimeoutError(
+            f"claim-check object {name}: {store!r} did not answer within {timeout:g} s "
+            f"({reads.running} read(s) of it still running)"
+        )
+    answered, result = outcome
+    if not answered:
+        raise result
+    return _restore(message, result)
 
 
 async def fetch_payload_async(
@@ -1149,6 +1184,18 @@ class _ReadThreads:
     async def run(self, read: Callable[[], _T]) -> _T:
         await self._acquire(asyncio.get_running_loop())
         return await in_daemon_thread(read, self._release, "outboxer-claim-check-read")
+
+    def take_now(self) -> bool:
+        """A slot for a synchronous caller, without waiting: False when none is free (or
+        async readers queue for one: they come first). Given back with :meth:`release`."""
+        with self._lock:
+            if self._free > 0 and not self._waiters:
+                self._free -= 1
+                return True
+            return False
+
+    def release(self) -> None:
+        self._release()
 
     async def _acquire(self, loop: asyncio.AbstractEventLoop) -> None:
         with self._lock:
@@ -1396,9 +1443,17 @@ class _SweepCalls:
 
 
 def _in_sweep_thread(call: Callable[[], _T], timeout: float) -> tuple[bool, Any] | None:
-    """``call()`` in a daemon thread holding a sweep slot the caller took (given back when
-    the call returns, however late): (True, its result) or (False, its exception), or None
-    when it has not returned within ``timeout`` seconds (the thread goes on)."""
+    """``call()`` in a daemon thread holding a sweep slot the caller took: see _within."""
+    return _within(call, timeout, _sweep_slots.give_back, "outboxer-claim-check-sweep")
+
+
+def _within(
+    call: Callable[[], _T], timeout: float, release: Callable[[], None], thread_name: str
+) -> tuple[bool, Any] | None:
+    """``call()`` in a daemon thread holding a slot the caller took (``release`` gives it
+    back when the call returns, however late): (True, its result) or (False, its
+    exception), or None when it has not returned within ``timeout`` seconds (the thread
+    goes on)."""
     outcome: list[tuple[bool, Any]] = []
     done = threading.Event()
 
@@ -1408,17 +1463,53 @@ def _in_sweep_thread(call: Callable[[], _T], timeout: float) -> tuple[bool, Any]
         except BaseException as exc:  # noqa: BLE001 -- raised in the waiting caller
             outcome.append((False, exc))
         finally:
-            _sweep_slots.give_back()
+            release()
             done.set()
 
     try:
-        threading.Thread(target=work, name="outboxer-claim-check-sweep", daemon=True).start()
+        threading.Thread(target=work, name=thread_name, daemon=True).start()
     except BaseException:
-        _sweep_slots.give_back()
+        release()
         raise
     if not done.wait(timeout):
         return None
     return outcome[0]
+
+
+def delete_many_bounded(store: ObjectStore, names: Sequence[str], *, timeout: float | None) -> None:
+    """``store.delete_many(names)`` given up after ``timeout`` seconds (None: no bound, in
+    the caller's thread) with ObjectDeleteTimeoutError, as a sweep's calls are: in a daemon
+    thread holding one of the process's SWEEP_THREADS slots, so hung deletes add up to no
+    more threads than hung sweeps do, and with none free the delete fails at once, not
+    tried. An error of the delete itself is raised."""
+    names = list(names)  # the thread may outlive the caller's list
+    if not names:
+        return
+    if timeout is None:
+        store.delete_many(names)
+        return
+    if not timeout > 0:  # NaN too
+        raise ConfigError("the claim-check delete timeout must be positive (or None)")
+    if not _sweep_slots.take():
+        raise ObjectDeleteTimeoutError(
+            f"claim-check store {store!r}: {len(names)} object(s) not deleted: "
+            f"{_sweep_slots.taken} calls of sweeps or deletes to object stores are still "
+            "unanswered"
+        )
+    outcome = _within(
+        lambda: store.delete_many(names),
+        timeout,
+        _sweep_slots.give_back,
+        "outboxer-claim-check-delete",
+    )
+    if outcome is None:
+        raise ObjectDeleteTimeoutError(
+            f"claim-check store {store!r} did not delete {len(names)} object(s) within "
+            f"{timeout:g} s"
+        )
+    answered, result = outcome
+    if not answered:
+        raise result
 
 
 def close_store(store: ObjectStore, *, timeout: float | None, log: Log | None = None) -> bool:
@@ -1573,6 +1664,7 @@ __all__ = [
     "ClaimCheckSweepTimeoutError",
     "FileObjectStore",
     "HoldTimeoutError",
+    "ObjectDeleteTimeoutError",
     "ObjectMismatchError",
     "ObjectName",
     "ObjectNotFoundError",
@@ -1583,6 +1675,7 @@ __all__ = [
     "close_store",
     "create_object_store",
     "delete_hold_bounded",
+    "delete_many_bounded",
     "fetch_payload",
     "fetch_payload_async",
     "held_object",

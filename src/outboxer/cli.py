@@ -749,11 +749,12 @@ def _keys_generate(args: argparse.Namespace) -> int:
 
 
 def _keys_rotate(args: argparse.Namespace) -> int:
-    from outboxer.claimcheck import ClaimCheckStoreError, close_store
+    from outboxer.claimcheck import ClaimCheckStoreError, ObjectReadTimeoutError, close_store
 
     settings = _settings(args)
     ring = payload_admin.require_keyring(settings)
-    # One ClaimCheck for the whole run: its put timeout and cap bound every row's put.
+    # One ClaimCheck for the whole run: its put timeout (claim_check_put_timeout) and cap
+    # bound every row's put; claim_check_read_timeout bounds each read and delete.
     claim_check = payload_admin.claim_check(settings)
     committed = 0  # rows of committed batches (``result`` counts the one in progress too)
 
@@ -767,20 +768,34 @@ def _keys_rotate(args: argparse.Namespace) -> int:
             settings.require_db(), schema=settings.schema, table=settings.table
         ) as table:
             result = table.rotate(
-                ring, batch=settings.rotation_batch, claim_check=claim_check, progress=progress
+                ring,
+                batch=settings.rotation_batch,
+                claim_check=claim_check,
+                progress=progress,
+                call_timeout=settings.claim_check_read_timeout,
             )
-    except ClaimCheckStoreError as exc:
+    except (ClaimCheckStoreError, ObjectReadTimeoutError) as exc:
         # The store, not a row: stopped rather than wait (and leave a thread) on every row.
+        setting = " (claim_check_read_timeout)" if isinstance(exc, ObjectReadTimeoutError) else ""
         _fail(
-            f"outboxer keys rotate: stopped: {exc}; {committed} message(s) "
+            f"outboxer keys rotate: stopped: {exc}{setting}; {committed} message(s) "
             "re-encrypted in committed batches keep the new key (the batch in progress "
             "rolled back): run it again once the claim-check store answers"
         )
         return EXIT_ERROR
     finally:
         if claim_check is not None:
-            close_store(claim_check.store, timeout=claim_check.put_timeout)
+            close_store(claim_check.store, timeout=settings.claim_check_read_timeout)
     print(f"re-encrypted {result.rotated} message(s) under key {ring.current_key_id}")
+    if result.orphaned and claim_check is not None:
+        # Exit 0 still: every row is done, so a rerun would find nothing to do; removing
+        # these objects is the sweep's work, as after a crash between commit and delete.
+        _fail(
+            f"outboxer keys rotate: warning: {result.orphaned} claim-check object(s) no row "
+            f"refers to any more were not deleted from {claim_check.store!r} (see the log "
+            "above); `outboxer claim-check sweep` deletes them once older than "
+            "claim_check_sweep_grace"
+        )
     if result.skipped:
         print(f"{result.skipped} message(s) were claimed or re-keyed meanwhile: run it again")
     if result.shredded:

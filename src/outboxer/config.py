@@ -1396,13 +1396,21 @@ class Settings:
         help="payloads larger than this many bytes (after encryption) go to the claim-check store",
         commands=("enqueue",),
     )
+    claim_check_put_timeout: float = setting(
+        30.0,
+        kind=Duration(LONGEST_INTERVAL, positive=True, low=SHORTEST_INTERVAL),
+        help="a claim-check put not answered within this long fails: the enqueue (its "
+        "transaction is the caller's to roll back), or `keys rotate`, which stops",
+        commands=("enqueue", "keys rotate"),
+    )
     claim_check_read_timeout: float = setting(
         30.0,
         kind=Duration(LONGEST_INTERVAL, positive=True, low=SHORTEST_INTERVAL),
         help="`consume` fails a message retryably when the claim-check store has not "
         "returned its payload within this long (a store that hangs: a dead NFS mount); the "
-        "sweep gives up a store call after it",
-        commands=("consume", "claim-check sweep", "cleanup", "relay"),
+        "sweep gives up a store call after it; `keys rotate` stops on a read not answered "
+        "by then, and leaves objects it could not delete by then to the sweep",
+        commands=("consume", "claim-check sweep", "cleanup", "relay", "keys rotate"),
     )
     claim_check_sweep_grace: float = setting(
         3600.0,

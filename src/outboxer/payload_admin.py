@@ -11,10 +11,17 @@ its bytes), as is a row whose key changed since it was read; a later run takes t
 claim-checked row gets a new object holding the new ciphertext; the old object is deleted
 once the row's new reference has committed (a crash in between leaves an orphan for the
 sweep, never a row without its object).
+
+Every call of a rotation to the object store is bounded, so that a store that hangs (a dead
+NFS mount, an S3 endpoint that never answers) neither holds a batch's transaction nor the
+operator's command for ever: puts by the run's ClaimCheck (``put_timeout``), reads and
+deletes by ``call_timeout``, in daemon threads whose number is capped (see
+:class:`_RunStore`).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import time
 import uuid
@@ -28,10 +35,13 @@ from outboxer.claimcheck import (
     HEADER_CLAIM_CHECK,
     ClaimCheck,
     ClaimCheckStoreError,
+    ObjectDeleteTimeoutError,
     ObjectName,
+    ObjectReadTimeoutError,
     ObjectStore,
     close_store,
     create_object_store,
+    delete_many_bounded,
     fetch_payload,
     is_claim_checked,
     sweep_orphans,
@@ -47,12 +57,14 @@ from outboxer.crypto import (
 from outboxer.enqueue import Outbox
 from outboxer.errors import ConfigError, OutboxerError
 from outboxer.message import Message
-from outboxer.redact import Log
+from outboxer.redact import Log, get_logger
 from outboxer.stores.pgmodes import tokens as mode_tokens
 from outboxer.stores.sqlfiles import queries, render, table_name, to_pyformat
 
 if TYPE_CHECKING:
     from outboxer.config import Settings
+
+logger = get_logger("outboxer.payload_admin")
 
 
 def dialect_of(url: str) -> str:
@@ -130,7 +142,11 @@ def object_store(settings: Settings) -> ObjectStore | None:
 
 def claim_check(settings: Settings) -> ClaimCheck | None:
     store = object_store(settings)
-    return ClaimCheck(store, settings.claim_check_threshold) if store is not None else None
+    if store is None:
+        return None
+    return ClaimCheck(
+        store, settings.claim_check_threshold, put_timeout=settings.claim_check_put_timeout
+    )
 
 
 def outbox(settings: Settings) -> Outbox:
@@ -185,6 +201,11 @@ class RotationResult:
     skipped: int = 0
     #: Rows that could not be re-encrypted, as "id (destination): error".
     failed: list[str] = field(default_factory=list)
+    #: Claim-check objects no row refers to any more that the store did not delete (it did
+    #: not answer within the run's ``call_timeout``, or refused): the old objects of
+    #: re-encrypted rows, the new ones of rows skipped or rolled back. The orphan sweep
+    #: (``outboxer claim-check sweep``) deletes them once older than its grace.
+    orphaned: int = 0
     #: PostgreSQL log mode (``<table>_log``, append-only: never re-encrypted): by key id,
     #: the rows under another key than the current one that some reader has not confirmed
     #: yet (all of them while no reader is registered). Their key cannot be retired yet:
@@ -347,19 +368,28 @@ class PayloadTable:
         batch: int = 500,
         claim_check: ClaimCheck | None = None,
         progress: Callable[[RotationResult], None] | None = None,
+        call_timeout: float | None = DEFAULT_SWEEP_CALL_TIMEOUT,
     ) -> RotationResult:
         """Re-encrypt unfinished rows under ``keyring``'s current key (module docstring).
 
         A KMS that fails (KeyRingUnavailableError) stops the rotation, as does an object
         store that cannot store a claim-checked row's new object (ClaimCheckStoreError: it
         did not answer within ``claim_check``'s ``put_timeout``, ``max_unanswered_puts``
-        puts are still unanswered, a full disk): what committed stays, a new run goes on
-        from there. Every put of the run goes through ``claim_check``, so a hung store costs
-        at most its ``max_unanswered_puts`` threads, and one ``put_timeout``, not one of
-        each per row. On PostgreSQL, the log mode's rows still under other keys are counted
-        last (``log_unrelayed``, ``log_relayed``), not rewritten.
+        puts are still unanswered, a full disk) or did not return a row's object within
+        ``call_timeout`` seconds (ObjectReadTimeoutError; None: no bound): the batch rolls
+        back, what committed stays, a new run goes on from there. Every put of the run goes
+        through ``claim_check``, so a hung store costs at most its ``max_unanswered_puts``
+        threads, and one ``put_timeout``, not one of each per row; a read leaves at most
+        one thread hung, since the run stops.
+
+        A delete not answered within ``call_timeout`` (or refused) fails no row: the
+        objects no row refers to are logged and counted in ``orphaned``, for the sweep;
+        after one timed out, the run deletes nothing more (each would wait as long, on a
+        store that is not answering). On PostgreSQL, the log mode's rows still under other
+        keys are counted last (``log_unrelayed``, ``log_relayed``), not rewritten.
         """
         result = RotationResult()
+        store = None if claim_check is None else _RunStore(claim_check, call_timeout, result)
         after = 0
         while True:
             with self._transaction():
@@ -370,10 +400,10 @@ class PayloadTable:
                 if not rows:
                     break
                 after = int(rows[-1][0])
-                replaced = self._rotate_rows(rows, keyring, claim_check, result)
+                replaced = self._rotate_rows(rows, keyring, store, result)
             # Committed: the rows refer to the new objects only.
-            if claim_check is not None and replaced:
-                claim_check.store.delete_many(replaced)
+            if store is not None and replaced:
+                store.delete(replaced, "old object(s) of re-encrypted rows")
             if progress is not None:
                 progress(result)
         if self._log_table is not None and self._has_log_table():
@@ -409,7 +439,7 @@ class PayloadTable:
         self,
         rows: Sequence[Sequence[Any]],
         keyring: KeyRing,
-        claim_check: ClaimCheck | None,
+        store: _RunStore | None,
         result: RotationResult,
     ) -> list[str]:
         """Update the batch's rows; return the objects they no longer refer to."""
@@ -419,11 +449,11 @@ class PayloadTable:
             for row in rows:
                 message = _message(row)
                 try:
-                    rotated = self._reencrypt(message, keyring, claim_check)
+                    rotated = self._reencrypt(message, keyring, store)
                 except SubjectKeyDeletedError:
                     result.shredded += 1
                     continue
-                except (KeyRingUnavailableError, ClaimCheckStoreError):
+                except (KeyRingUnavailableError, ClaimCheckStoreError, ObjectReadTimeoutError):
                     # Not the row's trouble but the KMS's or the store's: every row after it
                     # would fail the same way, each after its own wait.
                     raise
@@ -453,28 +483,85 @@ class PayloadTable:
                         replaced.append(message.headers[HEADER_CLAIM_CHECK])
                 else:
                     result.skipped += 1
-                    if new_object is not None:  # no row will ever refer to it
-                        claim_check.store.delete(new_object)  # type: ignore[union-attr]
+                    if new_object is not None and store is not None:  # never referred to
+                        put.remove(new_object)
+                        store.delete([new_object], "new object(s) of rows re-keyed meanwhile")
         except BaseException:
-            if claim_check is not None and put:  # the transaction rolls back: unreferenced
-                claim_check.store.delete_many(put)
+            if store is not None and put:  # the transaction rolls back: unreferenced
+                store.delete(put, "new object(s) of the batch rolled back")
             raise
         return replaced
 
     @staticmethod
-    def _reencrypt(
-        message: Message, keyring: KeyRing, claim_check: ClaimCheck | None
-    ) -> Message | None:
+    def _reencrypt(message: Message, keyring: KeyRing, store: _RunStore | None) -> Message | None:
         if not is_claim_checked(message):
             return reencrypt(message, keyring)
-        if claim_check is None:
+        if store is None:
             raise ConfigError("the row is claim-checked: configure claim_check_store to rotate it")
-        rotated = reencrypt(fetch_payload(message, claim_check.store), keyring)
+        rotated = reencrypt(store.fetch(message), keyring)
         if rotated is None:
             return None
         # Always back to the store: the row was sized for a reference, not a payload. Through
         # the run's ClaimCheck: its put timeout and its cap on unanswered puts bound them all.
-        return claim_check.offload_always(rotated)
+        return store.offload(rotated)
+
+
+class _RunStore:
+    """One rotation's calls to its object store. Puts go through the run's ClaimCheck (its
+    ``put_timeout`` and ``max_unanswered_puts``); reads and deletes are given up after
+    ``timeout`` seconds, in daemon threads under the caps of ``fetch_payload``'s read slots
+    and of the sweeps' slots (``delete_many_bounded``). Once a call of the run went
+    unanswered, the run tries no more deletes: the store is not answering, and each would
+    hold the command (inside a batch's transaction, its rows) for as long again."""
+
+    def __init__(
+        self, claim_check: ClaimCheck, timeout: float | None, result: RotationResult
+    ) -> None:
+        self.claim_check = claim_check
+        self.timeout = timeout
+        self.result = result
+        self.unanswered: str | None = None  # why the run stopped deleting
+
+    def fetch(self, message: Message) -> Message:
+        try:
+            return fetch_payload(message, self.claim_check.store, timeout=self.timeout)
+        except ObjectReadTimeoutError as exc:
+            self.unanswered = str(exc)
+            raise
+
+    def offload(self, message: Message) -> Message:
+        try:
+            return self.claim_check.offload_always(message)
+        except ClaimCheckStoreError as exc:
+            if exc.errno in (errno.ETIMEDOUT, errno.EBUSY):  # unanswered, not refused
+                self.unanswered = str(exc)
+            raise
+
+    def delete(self, names: Sequence[str], what: str) -> None:
+        """Delete objects no row refers to; a failure is logged and counted, not raised:
+        the sweep deletes them later, and none of the rows is the worse for it."""
+        if not names:
+            return
+        if self.unanswered is None:
+            try:
+                delete_many_bounded(self.claim_check.store, names, timeout=self.timeout)
+                return
+            except ObjectDeleteTimeoutError as exc:
+                self.unanswered = str(exc)
+                reason = self.unanswered
+            except Exception as exc:  # noqa: BLE001 -- refused: a later batch's may work
+                reason = f"{type(exc).__name__}: {exc}"
+        else:
+            reason = f"not tried, the store did not answer earlier: {self.unanswered}"
+        self.result.orphaned += len(names)
+        logger.warning(
+            "keys rotate: %d %s not deleted from claim-check store %r (%s); no row refers to "
+            "them: `outboxer claim-check sweep` deletes them once older than its grace",
+            len(names),
+            what,
+            self.claim_check.store,
+            reason,
+        )
 
 
 # ----- which keys stored messages are under ----------------------------------------------------

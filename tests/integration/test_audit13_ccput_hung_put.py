@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import socket
 import sqlite3
 import threading
 import time
@@ -23,7 +22,7 @@ import pytest
 
 from outboxer import Outbox
 from outboxer.claimcheck import ClaimCheck, ClaimCheckStoreError, FileObjectStore, S3ObjectStore
-from tests.s3 import CREDENTIALS, REGION
+from tests.s3 import CREDENTIALS, REGION, silent_listener
 
 BIG = {"blob": "x" * 5000}
 TIMEOUT = 0.5
@@ -32,30 +31,10 @@ TIMEOUT = 0.5
 @pytest.fixture
 def hung_s3() -> Iterator[S3ObjectStore]:
     """An S3 store whose endpoint accepts connections and never answers."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(64)
-    accepted: list[socket.socket] = []
-
-    def accept() -> None:
-        while True:
-            try:
-                connection, _ = listener.accept()
-            except OSError:  # closed at the end of the test
-                return
-            accepted.append(connection)
-
-    threading.Thread(target=accept, daemon=True).start()
-    port = listener.getsockname()[1]
-    store = S3ObjectStore(
-        "bucket", endpoint_url=f"http://127.0.0.1:{port}", region=REGION, **CREDENTIALS
-    )
-    try:
-        yield store
-    finally:
-        listener.close()
-        for connection in accepted:
-            connection.close()
+    with silent_listener() as endpoint:
+        yield S3ObjectStore(
+            "bucket", endpoint_url=f"http://{endpoint}", region=REGION, **CREDENTIALS
+        )
 
 
 def _check_timed_out(error: ClaimCheckStoreError, store: object, elapsed: float) -> None:
