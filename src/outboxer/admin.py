@@ -44,6 +44,8 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from outboxer.claimcheck import (
+    DEFAULT_PUT_TIMEOUT,
+    DEFAULT_READ_TIMEOUT,
     HEADER_CLAIM_CHECK,
     ClaimCheck,
     ClaimCheckError,
@@ -610,10 +612,19 @@ class ReplayCopier:
     source may block)."""
 
     def __init__(
-        self, keyring: KeyRing | None = None, object_store: ObjectStore | None = None
+        self,
+        keyring: KeyRing | None = None,
+        object_store: ObjectStore | None = None,
+        *,
+        read_timeout: float | None = DEFAULT_READ_TIMEOUT,
+        put_timeout: float | None = DEFAULT_PUT_TIMEOUT,
     ) -> None:
         self.keyring = keyring
         self.object_store = object_store
+        #: Bounds on the object store's calls (None: none), inside the replay's transaction:
+        #: a store that hangs (a dead NFS mount) held its locks and the command for ever.
+        self.read_timeout = read_timeout
+        self.put_timeout = put_timeout
         #: The destination of every copy (None: each original's own); set by ``replay``.
         self.to: str | None = None
         #: Objects put for copies; deleted when a refused copy (ReplayError) rolled the
@@ -642,7 +653,7 @@ class ReplayCopier:
                     "claim_check_store (OUTBOXER_CLAIM_CHECK_STORE) to replay it"
                 )
             try:
-                stored = fetch_payload(original, self.object_store)
+                stored = fetch_payload(original, self.object_store, timeout=self.read_timeout)
             except ClaimCheckError as exc:
                 raise ReplayError(f"message {original.id} cannot be replayed: {exc}") from exc
         copy_id = uuid7()
@@ -663,7 +674,9 @@ class ReplayCopier:
             # Its own object, named after the copy: never the original's (module docstring).
             # One ClaimCheck for the copier: its cap on unanswered puts bounds the replay's.
             if self._claim_check is None:
-                self._claim_check = ClaimCheck(self.object_store, threshold=0)
+                self._claim_check = ClaimCheck(
+                    self.object_store, threshold=0, put_timeout=self.put_timeout
+                )
             copy = self._claim_check.offload_always(copy)
             self.objects.append(copy.headers[HEADER_CLAIM_CHECK])
         return copy
@@ -735,7 +748,12 @@ def copier_from_settings(settings: Any) -> ReplayCopier:
     None); close it with :meth:`ReplayCopier.close`."""
     from outboxer import payload_admin
 
-    return ReplayCopier(payload_admin.keyring(settings), payload_admin.object_store(settings))
+    return ReplayCopier(
+        payload_admin.keyring(settings),
+        payload_admin.object_store(settings),
+        read_timeout=settings.claim_check_read_timeout,
+        put_timeout=settings.claim_check_put_timeout,
+    )
 
 
 __all__ = [

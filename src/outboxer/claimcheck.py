@@ -97,6 +97,9 @@ DEFAULT_THRESHOLD = 256 * 1024
 DEFAULT_SWEEP_GRACE = 3600.0
 #: A claim-check put not answered within this many seconds fails the enqueue.
 DEFAULT_PUT_TIMEOUT = 30.0
+#: A claim-check read an operator's command makes (``replay``, ``keys rotate``) not
+#: answered within this many seconds fails it (``claim_check_read_timeout``).
+DEFAULT_READ_TIMEOUT = 30.0
 #: Bounded puts of one ClaimCheck whose threads may run at once (answered or not): past it, a
 #: put fails at once (errno EBUSY). A healthy put lasts milliseconds, so even 50 writers
 #: each putting 10 objects a second into a 100 ms S3 keep about 50 in flight; a hung store

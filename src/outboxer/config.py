@@ -1400,8 +1400,9 @@ class Settings:
         30.0,
         kind=Duration(LONGEST_INTERVAL, positive=True, low=SHORTEST_INTERVAL),
         help="a claim-check put not answered within this long fails: the enqueue (its "
-        "transaction is the caller's to roll back), or `keys rotate`, which stops",
-        commands=("enqueue", "keys rotate"),
+        "transaction is the caller's to roll back), or `keys rotate`, which stops, or a "
+        "replay, which rolls back",
+        commands=("enqueue", "keys rotate", "replay", "serve"),
     )
     claim_check_read_timeout: float = setting(
         30.0,
@@ -1409,8 +1410,17 @@ class Settings:
         help="`consume` fails a message retryably when the claim-check store has not "
         "returned its payload within this long (a store that hangs: a dead NFS mount); the "
         "sweep gives up a store call after it; `keys rotate` stops on a read not answered "
-        "by then, and leaves objects it could not delete by then to the sweep",
-        commands=("consume", "claim-check sweep", "cleanup", "relay", "keys rotate"),
+        "by then, and leaves objects it could not delete by then to the sweep; a replay "
+        "rolls back",
+        commands=(
+            "consume",
+            "claim-check sweep",
+            "cleanup",
+            "relay",
+            "keys rotate",
+            "replay",
+            "serve",
+        ),
     )
     claim_check_sweep_grace: float = setting(
         3600.0,
