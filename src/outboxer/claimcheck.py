@@ -1515,6 +1515,35 @@ def delete_many_bounded(store: ObjectStore, names: Sequence[str], *, timeout: fl
         raise result
 
 
+def run_bounded(
+    call: Callable[[], object], *, timeout: float, what: str, log: Log | None = None
+) -> bool:
+    """``call()`` given up after ``timeout`` seconds, in a daemon thread holding one of the
+    sweep slots (as :func:`delete_many_bounded`): True once it returned; False, with a logged
+    warning naming ``what``, when it did not answer in time (the thread goes on) or was not
+    tried (SWEEP_THREADS calls to object stores are still unanswered). An error of the call
+    is raised. For an operator's calls after a commit (releasing holds), which a hung store
+    must not keep from returning: the command, or a web request of Django's admin."""
+    if not timeout > 0:  # NaN too
+        raise ConfigError("the claim-check store's call timeout must be positive")
+    log = logger if log is None else log
+    if not _sweep_slots.take():
+        log.warning(
+            "%s: not tried, %d calls to object stores are still unanswered",
+            what,
+            _sweep_slots.taken,
+        )
+        return False
+    outcome = _within(call, timeout, _sweep_slots.give_back, "outboxer-claim-check-call")
+    if outcome is None:
+        log.warning("%s: no answer within %g s; left to finish in the background", what, timeout)
+        return False
+    answered, result = outcome
+    if not answered:
+        raise result
+    return True
+
+
 def close_store(store: ObjectStore, *, timeout: float | None, log: Log | None = None) -> bool:
     """``store.close()``, given up after ``timeout`` seconds (None: no bound) as a sweep's
     calls are, in a daemon thread holding one of the sweep slots: a store whose close hangs

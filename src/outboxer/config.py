@@ -1411,7 +1411,7 @@ class Settings:
         "returned its payload within this long (a store that hangs: a dead NFS mount); the "
         "sweep gives up a store call after it; `keys rotate` stops on a read not answered "
         "by then, and leaves objects it could not delete by then to the sweep; a replay "
-        "rolls back",
+        "rolls back; `dead-letters purge` leaves holds not released by then",
         commands=(
             "consume",
             "claim-check sweep",
@@ -1420,6 +1420,7 @@ class Settings:
             "keys rotate",
             "replay",
             "serve",
+            "dead-letters purge",
         ),
     )
     claim_check_sweep_grace: float = setting(

@@ -431,10 +431,14 @@ async def _purge(args: argparse.Namespace) -> int:
         # The dead letters are gone (committed): their holds go now. A crash before keeps
         # the objects too long, never deletes one a dead letter still needs.
         if store is not None:
-            await asyncio.to_thread(release_holds, store, held, group)
+            await asyncio.to_thread(
+                release_holds, store, held, group, timeout=settings.claim_check_read_timeout
+            )
     finally:
         if store is not None:
-            store.close()
+            from outboxer.claimcheck import close_store
+
+            close_store(store, timeout=settings.claim_check_read_timeout, log=logger)
     print(f"purged {deleted} dead letter(s)")
     return 0
 
@@ -466,21 +470,43 @@ async def _held_objects(session: Any, group: str) -> list[str]:
         after = page[-1].seq
 
 
-def release_holds(store: Any, names: Sequence[str], group: str) -> None:
+def release_holds(
+    store: Any, names: Sequence[str], group: str, *, timeout: float | None = None
+) -> None:
     """Release ``group``'s holds on ``names``, once their dead letters are gone (committed):
-    a failure is logged and keeps the object too long, never more."""
-    for name in names:
-        try:
-            store.delete_hold(name, group)
-        except NotImplementedError:
-            return
-        except Exception as exc:  # noqa: BLE001 -- the object is kept too long, no more
-            logger.warning(
-                "releasing the hold on claim-check object %s failed (%s): it is kept until "
-                "the hold is deleted",
-                name,
-                exc,
-            )
+    a failure is logged and keeps the object too long, never more. With ``timeout``, the
+    releases are given up after that many seconds (``claim_check_read_timeout``): a store
+    that stopped answering hung the purge, or Django admin's request, for ever."""
+    names = list(names)  # the releasing thread may outlive the caller's list
+
+    def release_each() -> None:
+        for name in names:
+            try:
+                store.delete_hold(name, group)
+            except NotImplementedError:
+                return
+            except Exception as exc:  # noqa: BLE001 -- the object is kept too long, no more
+                logger.warning(
+                    "releasing the hold on claim-check object %s failed (%s): it is kept "
+                    "until the hold is deleted",
+                    name,
+                    exc,
+                )
+
+    if not names:
+        return
+    if timeout is None:
+        release_each()
+        return
+    from outboxer.claimcheck import run_bounded
+
+    run_bounded(
+        release_each,
+        timeout=timeout,
+        what=f"releasing group {group!r}'s holds on {len(names)} claim-check object(s) "
+        f"(the ones not released are kept until their holds are deleted)",
+        log=logger,
+    )
 
 
 class _session:

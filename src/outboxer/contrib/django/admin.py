@@ -303,11 +303,13 @@ def purge_dead_letters(queryset: QuerySet[DeadLetter], rows: Sequence[tuple[Any,
     the ``claim_check_store`` setting, as ``outboxer dead-letters purge`` does: otherwise
     their objects were kept for ever. A crash in between keeps them too long, no more."""
     from outboxer import payload_admin
+    from outboxer.claimcheck import close_store
     from outboxer.consume_cli import claim_check_names, release_holds
 
     alias = queryset.db
+    settings = conf.settings_with(database=alias)
     # Opened first: a bad setting purges nothing (the action says why).
-    store = payload_admin.object_store(conf.settings_with(database=alias))
+    store = payload_admin.object_store(settings)
     held: dict[str, list[str]] = {}  # group -> the objects its purged dead letters held
     if store is not None:
         for _, group, headers in rows:
@@ -323,11 +325,12 @@ def purge_dead_letters(queryset: QuerySet[DeadLetter], rows: Sequence[tuple[Any,
         return count
 
     def release() -> None:
+        # Bounded: a store that stopped answering must not hold the admin's request.
         try:
             for group, names in held.items():
-                release_holds(store, names, group)
+                release_holds(store, names, group, timeout=settings.claim_check_read_timeout)
         finally:
-            store.close()
+            close_store(store, timeout=settings.claim_check_read_timeout)
 
     # At once in autocommit; after the commit inside a transaction (ATOMIC_REQUESTS).
     transaction.on_commit(release, using=alias)
