@@ -1258,8 +1258,11 @@ class Relay:
                     # Cancelled mid-publish (forced shutdown): what the broker answered is
                     # recorded (confirmed rows published again after the restart would be
                     # duplicates; a failure would lose its attempt and error), the rest
-                    # goes back.
+                    # goes back. The lease may have been lost in the same turn (a stall
+                    # made both timers overdue): then fenced by key as after a loss.
                     self._published(destination, batch, spans, known)
+                    if lease.lost is not None:
+                        known = after_lost_lease(batch, known)
                     await asyncio.shield(self._settle(destination, batch, known, held))
                     raise
             else:
@@ -1284,7 +1287,12 @@ class Relay:
             await self._settle(destination, batch, after_lost_lease(batch, known), held)
             return
         self._published(destination, batch, spans, outcomes)
-        settle = asyncio.ensure_future(self._settle(destination, batch, outcomes, held))
+        recorded: Sequence[Outcome | None] = outcomes
+        if lease.lost is not None:
+            # The publish swallowed the lease's cancellation: its outcomes stand, fenced
+            # by key as a cut-short publish's are.
+            recorded = after_lost_lease(batch, outcomes)
+        settle = asyncio.ensure_future(self._settle(destination, batch, recorded, held))
         try:
             await asyncio.shield(settle)
         except asyncio.CancelledError:

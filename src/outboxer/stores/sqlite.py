@@ -449,9 +449,18 @@ class SqliteStore(Store):
         if self.path == ":memory:":
             return 0
         log = logger if log is None else log
-        wal = Path(self.path + "-wal")
 
         def work(conn: sqlite3.Connection) -> tuple[int, int, int, bool, float]:
+            # The file SQLite names, not the configured path's: SQLite resolves symbolic
+            # links (the -wal file lies beside the real database) and opened a relative
+            # path from the directory current then; ``<path>-wal`` may not exist, and
+            # a burst's -wal file was never measured nor truncated.
+            database = next(
+                (row[2] for row in conn.execute("PRAGMA database_list") if row[1] == "main"), ""
+            )
+            if not database:  # a temporary or in-memory database: no file
+                return 0, 0, 0, False, 0.0
+            wal = Path(database + "-wal")
             before = _file_size(wal)
             if before <= WAL_TRUNCATE_ABOVE:
                 return before, before, 0, False, 0.0
