@@ -19,7 +19,7 @@ import functools
 import logging
 import re
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 from urllib.parse import unquote
 
@@ -286,17 +286,8 @@ class KafkaPublisher(Publisher):
         # outcome instead; librdkafka's own timeout (message.timeout.ms = publish_timeout)
         # is checked about once a second, so its report would always come too late.
         deadline = loop.time() + self.publish_timeout - min(1.0, self.publish_timeout / 10)
-        futures: list[asyncio.Future[None]] = []
         refused: set[int] = set()
-        for index, message in enumerate(messages):
-            future: asyncio.Future[None] = loop.create_future()
-            futures.append(future)
-            try:
-                await self._produce(producer, message, functools.partial(_deliver, loop, future))
-            except (KafkaException, TypeError, ValueError) as exc:  # refused: not in flight
-                future.set_exception(self._refused(exc))
-                refused.add(index)
-        results = await self._reports(futures, deadline)
+        results = await self._send(producer, messages, deadline, refused)
         for result in results:
             if isinstance(result, KafkaPublishError) and result.fatal and self._fatal is None:
                 self._fatal = result.error
@@ -309,45 +300,95 @@ class KafkaPublisher(Publisher):
                 and isinstance(result, KafkaPublishError)
                 and result.code in BATCH_REFUSALS
             ):
-                results[index] = await self._publish_alone(producer, messages[index], deadline)
+                [results[index]] = await self._send(producer, [messages[index]], deadline, set())
         return results
 
-    async def _reports(
-        self, futures: Sequence[asyncio.Future[None]], deadline: float
+    async def _send(
+        self, producer: Producer, messages: Sequence[Message], deadline: float, refused: set[int]
     ) -> list[BaseException | None]:
-        """Each message's delivery report, or a timeout of its own if none came by ``deadline``."""
+        """Produce independent messages and wait for their reports until ``deadline``; the
+        indexes of those ``produce()`` refused (never in flight) are added to ``refused``.
+
+        A message still unanswered when the wait ends (the deadline, or a cancellation: a
+        lost lease, a forced stop) is dropped from librdkafka's queue before the wave ends:
+        left there, librdkafka kept sending it until message.timeout.ms, after the relay had
+        handed its row on (retried after backoff, or given back to the next lease holder),
+        so a stale copy could land after the retry and after the key's next message. A
+        message another wave's purge took from the queue is produced again (it was not
+        this wave's to drop)."""
+        loop = asyncio.get_running_loop()
+        results: list[BaseException | None] = [None] * len(messages)
+        todo = list(range(len(messages)))
+        while todo:
+            if loop.time() >= deadline:  # no time left to hear back: not sent, retried later
+                for index in todo:
+                    results[index] = self._timed_out()
+                break
+            futures: dict[int, asyncio.Future[None]] = {}
+            try:
+                for index in todo:
+                    future: asyncio.Future[None] = loop.create_future()
+                    try:
+                        await self._produce(
+                            producer, messages[index], functools.partial(_deliver, loop, future)
+                        )
+                    except (KafkaException, TypeError, ValueError) as exc:  # not in flight
+                        results[index] = self._refused(exc)
+                        refused.add(index)
+                        continue
+                    futures[index] = future
+                await self._reports(futures.values(), deadline)
+            finally:
+                if not all(future.done() for future in futures.values()):
+                    self._purge_queued(producer)
+                for future in futures.values():
+                    future.cancel()  # a late report is dropped (_resolve)
+            todo = []
+            for index, future in futures.items():
+                if future.cancelled():
+                    results[index] = self._timed_out()
+                elif (error := future.exception()) is not None and self._purged_by_another(
+                    producer, error
+                ):
+                    todo.append(index)
+                else:
+                    results[index] = error
+        return results
+
+    async def _reports(self, futures: Collection[asyncio.Future[None]], deadline: float) -> None:
+        """Wait for the delivery reports until ``deadline``."""
         pending = [future for future in futures if not future.done()]
         if pending:
             await asyncio.wait(
                 pending, timeout=max(0.0, deadline - asyncio.get_running_loop().time())
             )
-        results: list[BaseException | None] = []
-        for future in futures:
-            if future.done():
-                results.append(future.exception())
-            else:
-                future.cancel()  # a late report is dropped (_resolve)
-                results.append(self._timed_out())
-        return results
+
+    def _purge_queued(self, producer: Producer) -> None:
+        """Drop what librdkafka has not sent yet, of every wave (there is no per-message
+        purge): the others' purged messages are produced again (``_purged_by_another``).
+        What is in flight stays: its report, whoever listens, is the broker's answer."""
+        if self._producer is not producer:  # closed (a forced stop purged it) or replaced
+            return
+        try:
+            # Not blocking: the partition queues are emptied in this call; a broker thread
+            # empties its transmit queue on its next turn (a batch it sends first is in flight).
+            producer.purge(in_queue=True, in_flight=False, blocking=False)
+        except Exception:  # a broken producer holds nothing that can be sent
+            logger.debug("kafka producer purge failed", exc_info=True)
+
+    def _purged_by_another(self, producer: Producer, error: BaseException) -> bool:
+        """Whether another wave's purge took this message (see ``_send``): the producer is
+        still this publisher's, and usable; ``_close``'s purge replaces it first."""
+        return (
+            isinstance(error, KafkaPublishError)
+            and error.code == KafkaError._PURGE_QUEUE
+            and self._producer is producer
+            and self._fatal is None
+        )
 
     def _timed_out(self) -> TimeoutError:
         """Retryable, and a connection error: the relay checks the cluster before going on."""
         return TimeoutError(f"kafka did not confirm within {self.publish_timeout}s")
-
-    async def _publish_alone(
-        self, producer: Producer, message: Message, deadline: float
-    ) -> BaseException | None:
-        """Produce one message and wait for its report before anything else of this wave."""
-        loop = asyncio.get_running_loop()
-        if loop.time() >= deadline:  # no time left to hear back: not sent again, retried later
-            return self._timed_out()
-        future: asyncio.Future[None] = loop.create_future()
-        try:
-            await self._produce(producer, message, functools.partial(_deliver, loop, future))
-        except (KafkaException, TypeError, ValueError) as exc:
-            return self._refused(exc)
-        [result] = await self._reports([future], deadline)
-        return result
 
     def _refused(self, exc: BaseException) -> BaseException:
         """The error of a message ``produce()`` refused (it is not in flight)."""
