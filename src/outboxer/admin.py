@@ -36,6 +36,8 @@ sweep then its object, whenever the original's time comes, and the copy is unaff
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import math
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -49,7 +51,12 @@ from outboxer.claimcheck import (
     HEADER_CLAIM_CHECK,
     ClaimCheck,
     ClaimCheckError,
+    ClaimCheckStoreError,
+    ObjectDeleteTimeoutError,
+    ObjectReadTimeoutError,
     ObjectStore,
+    close_store,
+    delete_many_bounded,
     fetch_payload,
     is_claim_checked,
 )
@@ -579,7 +586,9 @@ async def replay(
         count = await store.replay(applied, copier)
     except ReplayError:
         # A copy refused, inside the transaction: it rolled back, no row refers to them.
-        copier.discard_objects()
+        # In a thread: a store's delete blocks (up to the copier's bound), and this loop may
+        # serve the HTTP API and run relays.
+        await asyncio.to_thread(copier.discard_objects)
         raise
     except BaseException:
         # Anything else may have come with the copies committed, or about to be: a cancel
@@ -632,6 +641,10 @@ class ReplayCopier:
         self.objects: list[str] = []
         self.shredded = 0
         self._claim_check: ClaimCheck | None = None
+        #: Why the store is taken for hung (a call of this copier went unanswered): the
+        #: copier then deletes and closes nothing, each would wait as long again and leave
+        #: one more thread.
+        self.unanswered: str | None = None
 
     def __call__(self, originals: Sequence[Message]) -> list[Message]:
         copies = []
@@ -655,6 +668,8 @@ class ReplayCopier:
             try:
                 stored = fetch_payload(original, self.object_store, timeout=self.read_timeout)
             except ClaimCheckError as exc:
+                if isinstance(exc, ObjectReadTimeoutError):
+                    self.unanswered = str(exc)
                 raise ReplayError(f"message {original.id} cannot be replayed: {exc}") from exc
         copy_id = uuid7()
         if is_encrypted(stored):
@@ -677,7 +692,17 @@ class ReplayCopier:
                 self._claim_check = ClaimCheck(
                     self.object_store, threshold=0, put_timeout=self.put_timeout
                 )
-            copy = self._claim_check.offload_always(copy)
+            try:
+                copy = self._claim_check.offload_always(copy)
+            except ClaimCheckError as exc:
+                # Refused like a read: the transaction rolls back, nothing is written (not
+                # a failure that may have committed, whose objects must be kept).
+                if isinstance(exc, ClaimCheckStoreError) and exc.errno in (
+                    errno.ETIMEDOUT,
+                    errno.EBUSY,
+                ):
+                    self.unanswered = str(exc)
+                raise ReplayError(f"message {original.id} cannot be replayed: {exc}") from exc
             self.objects.append(copy.headers[HEADER_CLAIM_CHECK])
         return copy
 
@@ -708,20 +733,42 @@ class ReplayCopier:
         )
 
     def close(self) -> None:
-        """Close the object store (the keys hold nothing to close)."""
-        if self.object_store is not None:
-            self.object_store.close()
+        """Close the object store (the keys hold nothing to close), given up after
+        ``read_timeout`` (:func:`~outboxer.claimcheck.close_store`); not tried once a call
+        went unanswered (the store is dropped unclosed, its connections with it)."""
+        if self.object_store is None:
+            return
+        if self.unanswered is not None:
+            logger.info(
+                "claim-check store %r not closed: it did not answer earlier", self.object_store
+            )
+            return
+        close_store(self.object_store, timeout=self.read_timeout, log=logger)
 
     def discard_objects(self) -> None:
-        """Delete the objects put for copies that were not committed (best effort: the
-        claim-check sweep deletes what is left)."""
+        """Delete the objects put for copies that were not committed, given up after
+        ``read_timeout``; not tried once a call went unanswered. Best effort: the
+        claim-check sweep deletes what is left. Blocks: async callers run it in a thread."""
         if self.object_store is None or not self.objects:
             return
         names, self.objects = self.objects, []
-        try:
-            self.object_store.delete_many(names)
-        except Exception as exc:  # noqa: BLE001 -- the sweep deletes orphans later
-            logger.warning("could not delete %d unused claim-check object(s): %s", len(names), exc)
+        if self.unanswered is not None:
+            reason = f"not tried, the store did not answer earlier: {self.unanswered}"
+        else:
+            try:
+                delete_many_bounded(self.object_store, names, timeout=self.read_timeout)
+                return
+            except ObjectDeleteTimeoutError as exc:
+                self.unanswered = reason = str(exc)
+            except Exception as exc:  # noqa: BLE001 -- the sweep deletes orphans later
+                reason = f"{type(exc).__name__}: {exc}"
+        logger.warning(
+            "%d unused claim-check object(s) not deleted from %r (%s): the claim-check sweep "
+            "deletes them once older than its grace",
+            len(names),
+            self.object_store,
+            reason,
+        )
 
 
 def _renamed(

@@ -414,6 +414,7 @@ async def _purge(args: argparse.Namespace) -> int:
 
     store = payload_admin.object_store(settings)
     held: list[str] = []  # the claim-check objects of the purged dead letters
+    answered = True  # whether the store answered the releases (else it is not closed)
     try:
         async with _session(settings) as session:
             if args.all:
@@ -431,14 +432,16 @@ async def _purge(args: argparse.Namespace) -> int:
         # The dead letters are gone (committed): their holds go now. A crash before keeps
         # the objects too long, never deletes one a dead letter still needs.
         if store is not None:
-            await asyncio.to_thread(
+            answered = await asyncio.to_thread(
                 release_holds, store, held, group, timeout=settings.claim_check_read_timeout
             )
     finally:
         if store is not None:
             from outboxer.claimcheck import close_store
 
-            close_store(store, timeout=settings.claim_check_read_timeout, log=logger)
+            # Not after releases given up on: one more wait, and one more hung thread.
+            if answered:
+                close_store(store, timeout=settings.claim_check_read_timeout, log=logger)
     print(f"purged {deleted} dead letter(s)")
     return 0
 
@@ -472,11 +475,13 @@ async def _held_objects(session: Any, group: str) -> list[str]:
 
 def release_holds(
     store: Any, names: Sequence[str], group: str, *, timeout: float | None = None
-) -> None:
+) -> bool:
     """Release ``group``'s holds on ``names``, once their dead letters are gone (committed):
     a failure is logged and keeps the object too long, never more. With ``timeout``, the
     releases are given up after that many seconds (``claim_check_read_timeout``): a store
-    that stopped answering hung the purge, or Django admin's request, for ever."""
+    that stopped answering hung the purge, or Django admin's request, for ever. False when
+    given up (logged; its thread goes on) or not tried for want of a free slot: the store
+    is not answering, so the caller makes no more calls to it (each would wait as long)."""
     names = list(names)  # the releasing thread may outlive the caller's list
 
     def release_each() -> None:
@@ -494,13 +499,13 @@ def release_holds(
                 )
 
     if not names:
-        return
+        return True
     if timeout is None:
         release_each()
-        return
+        return True
     from outboxer.claimcheck import run_bounded
 
-    run_bounded(
+    return run_bounded(
         release_each,
         timeout=timeout,
         what=f"releasing group {group!r}'s holds on {len(names)} claim-check object(s) "

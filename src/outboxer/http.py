@@ -796,15 +796,22 @@ class HttpApi:
         copier = admin.copier_from_settings(self.settings)
 
         async def replay(name: str, store: Store) -> admin.AdminResult:
-            return await admin.replay(
-                store,
-                where,
-                to=to,
-                everything=everything,
-                copier=copier,
-                known_destinations=self.database_settings[name].destination_names,
-                dry_run=dry_run,
-            )
+            try:
+                return await admin.replay(
+                    store,
+                    where,
+                    to=to,
+                    everything=everything,
+                    copier=copier,
+                    known_destinations=self.database_settings[name].destination_names,
+                    dry_run=dry_run,
+                )
+            except ReplayError as exc:
+                if copier.unanswered is None:
+                    raise  # a row that cannot be copied: 409, retrying would not help
+                # The claim-check store did not answer (rolled back, nothing written): the
+                # server's trouble, which passes, as a database that does not answer.
+                raise ServiceUnavailable(redact_text(str(exc))) from exc
 
         def check(name: str) -> None:
             if to is not None:

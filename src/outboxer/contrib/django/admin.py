@@ -303,7 +303,7 @@ def purge_dead_letters(queryset: QuerySet[DeadLetter], rows: Sequence[tuple[Any,
     the ``claim_check_store`` setting, as ``outboxer dead-letters purge`` does: otherwise
     their objects were kept for ever. A crash in between keeps them too long, no more."""
     from outboxer import payload_admin
-    from outboxer.claimcheck import close_store
+    from outboxer.claimcheck import close_store, run_bounded
     from outboxer.consume_cli import claim_check_names, release_holds
 
     alias = queryset.db
@@ -315,22 +315,36 @@ def purge_dead_letters(queryset: QuerySet[DeadLetter], rows: Sequence[tuple[Any,
         for _, group, headers in rows:
             if names := claim_check_names(_headers(headers)):
                 held.setdefault(group, []).extend(names)
+    timeout = settings.claim_check_read_timeout
     try:
         count = int(queryset.filter(seq__in=[row[0] for row in rows]).delete()[0])
     except BaseException:
         if store is not None:
-            store.close()
+            close_store(store, timeout=timeout)
         raise
     if store is None:
         return count
 
+    def release_all() -> None:
+        for group, names in held.items():
+            release_holds(store, names, group)
+
     def release() -> None:
-        # Bounded: a store that stopped answering must not hold the admin's request.
+        # Every group's releases in one bounded call: a store that stopped answering holds
+        # the admin's request one timeout and leaves one thread, not one of each per group.
+        answered = True
         try:
-            for group, names in held.items():
-                release_holds(store, names, group, timeout=settings.claim_check_read_timeout)
+            if held:
+                answered = run_bounded(
+                    release_all,
+                    timeout=timeout,
+                    what=f"releasing {sum(map(len, held.values()))} claim-check hold(s) of "
+                    f"purged dead letters of {len(held)} group(s) (those not released keep "
+                    "their objects until their holds are deleted)",
+                )
         finally:
-            close_store(store, timeout=settings.claim_check_read_timeout)
+            if answered:  # else one more wait, and one more hung thread
+                close_store(store, timeout=timeout)
 
     # At once in autocommit; after the commit inside a transaction (ATOMIC_REQUESTS).
     transaction.on_commit(release, using=alias)
