@@ -91,6 +91,18 @@ _SESSION_SETUP = "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"
 #: Seconds ``apply_schema`` waits for another process applying the schema.
 _SCHEMA_LOCK_WAIT = 60
 
+#: Seconds a statement, a COMMIT or the opening of a connection may take before it is given
+#: up (StoreError, the connection closed): aiomysql has no read timeout, so a database that
+#: stopped answering (a stalled network, a proxy that accepts and never answers) held the
+#: relay's claims, settles and cleanup, an HTTP request or an admin command for ever. A
+#: minute, as asyncpg's command_timeout on PostgreSQL; InnoDB's lock waits (50 s by default)
+#: answer first. Schema changes are not bounded: DDL on a big table takes what it takes.
+STATEMENT_TIMEOUT = 60.0
+
+
+class NoAnswerError(StoreError):
+    """MySQL did not answer a statement, a COMMIT or a connect within ``statement_timeout``."""
+
 
 def schema_lock_name(database: str, table: str) -> str:
     """The GET_LOCK name of the schema changes of ``table`` (Django's migrations take it too);
@@ -232,6 +244,10 @@ class MySQLStore(Store):
         super().__init__(url, schema=schema, table=table)
         self.connect_args = mysql_connect_args(url)
         self.pool_size = pool_size
+        self.statement_timeout = STATEMENT_TIMEOUT
+        #: The transactions under way, and the timer that gives up their hung round trips.
+        self._in_transaction: set[_RoundTrips] = set()
+        self._watchdog: asyncio.TimerHandle | None = None
         self._pool: Any = None
         #: The latest pending_mark reading, shared by the waiting loops; and per destination
         #: the last one any of its waiting loops saw (every claim after that reading sees the
@@ -288,20 +304,26 @@ class MySQLStore(Store):
         args.pop("ssl_disabled", None)
         if "ssl" in args:
             hook_aiomysql()  # the refusal before the login, not after
+        bound = asyncio.timeout(self.statement_timeout)
         try:
-            self._pool = await aiomysql.create_pool(
-                minsize=1,
-                maxsize=self.pool_size,
-                autocommit=False,
-                init_command=_SESSION_SETUP,
-                # rowcount = rows matched, as PostgreSQL counts them (not only rows changed).
-                client_flag=CLIENT.FOUND_ROWS,
-                **args,
-            )
+            async with bound:
+                self._pool = await aiomysql.create_pool(
+                    minsize=1,
+                    maxsize=self.pool_size,
+                    autocommit=False,
+                    init_command=_SESSION_SETUP,
+                    # rowcount = rows matched, as PostgreSQL counts them (not only rows changed).
+                    client_flag=CLIENT.FOUND_ROWS,
+                    **args,
+                )
         except (OSError, aiomysql.Error) as exc:
+            if bound.expired():  # aiomysql's connect_timeout covers the TCP connect only
+                raise NoAnswerError(
+                    f"cannot connect to MySQL: no answer within {self.statement_timeout:g}s"
+                ) from None
             raise StoreError(f"cannot connect to MySQL: {exc}") from exc
         try:  # the pool's first connection, made above: refused here, not at the first claim
-            async with self._pool.acquire() as conn:
+            async with self._pool.acquire() as conn:  # a free one: no round trip
                 self._refuse_plaintext(conn)
         except BaseException:
             await self.close()
@@ -319,40 +341,111 @@ class MySQLStore(Store):
             raise
 
     async def close(self) -> None:
+        # Kept while a transaction runs: wait_closed() below waits for its connection.
+        if self._watchdog is not None and not self._in_transaction:
+            self._watchdog.cancel()
+            self._watchdog = None
         if self._pool is not None:
             pool, self._pool = self._pool, None
             pool.close()
             await pool.wait_closed()
 
     @contextlib.asynccontextmanager
-    async def _transaction(self) -> AsyncIterator[Any]:
+    async def _transaction(self, *, bounded: bool = True) -> AsyncIterator[Any]:
         """A cursor in one transaction: committed when the block ends, rolled back if it raises.
 
         A connection interrupted mid-statement (cancelled, or the server went away) is
         closed rather than given back to the pool. Values the server refuses (a data error,
         a constraint) or text the driver cannot encode raise StoreDataError: no outage, and
-        the same statement would fail again.
+        the same statement would fail again. The wait for a new connection and, if
+        ``bounded``, each statement and the COMMIT give up after ``statement_timeout``
+        (NoAnswerError, the connection closed).
         """
         await self.connect()
         aiomysql = _aiomysql()
+        pool = self._pool
+        trips = self._watched()
         try:
-            async with self._pool.acquire() as conn:
-                # Each time, as the pool opens connections on its own when it runs short.
-                self._refuse_plaintext(conn)
+            try:
+                if pool.freesize:  # a free connection: taken without a round trip
+                    conn = await pool.acquire()
+                else:
+                    # A new connection is opened under the pool's lock, which every other
+                    # caller waits for: a handshake that never answered held them all.
+                    trips.arm("waiting for a connection")
+                    conn = await pool.acquire()
+                    trips.disarm()
                 try:
-                    async with conn.cursor(aiomysql.DictCursor) as cursor:
-                        yield cursor
-                    await conn.commit()
-                except (aiomysql.Error, UnicodeError):
-                    await _rollback_or_close(conn)
-                    raise
-                except BaseException:
-                    conn.close()
-                    raise
-        except (aiomysql.Error, OSError, UnicodeError) as exc:
-            if _refused_values(exc):
-                raise StoreDataError(f"MySQL refused the values: {exc}") from exc
-            raise StoreError(f"MySQL: {exc}") from exc
+                    # Each time, as the pool opens connections on its own when it runs short.
+                    self._refuse_plaintext(conn)
+                    try:
+                        async with conn.cursor(aiomysql.DictCursor) as cursor:
+                            yield _BoundedCursor(cursor, trips) if bounded else cursor
+                        if bounded:
+                            trips.arm("COMMIT")
+                        await conn.commit()
+                        trips.disarm()
+                    except (aiomysql.Error, UnicodeError):
+                        trips.disarm()  # the server answered: its error, no timeout
+                        await _rollback_or_close(conn)
+                        raise
+                    except BaseException:
+                        conn.close()
+                        raise
+                finally:
+                    await pool.release(conn)
+            except (aiomysql.Error, OSError, UnicodeError) as exc:
+                if _refused_values(exc):
+                    raise StoreDataError(f"MySQL refused the values: {exc}") from exc
+                raise StoreError(f"MySQL: {exc}") from exc
+        except asyncio.CancelledError:
+            # The watchdog's cancellation (and no other, as asyncio.timeout tells them apart).
+            if trips.expired and trips.task.uncancel() <= trips.cancelling:
+                raise NoAnswerError(
+                    f"MySQL did not answer within {self.statement_timeout:g}s "
+                    f"({trips.what}): given up, the connection closed"
+                ) from None
+            raise
+        finally:
+            self._in_transaction.discard(trips)
+
+    def _watched(self) -> _RoundTrips:
+        """The round trips of a transaction starting now, watched by ``_watchdog``.
+
+        A watchdog, not an asyncio.timeout a round trip: a timer armed and cancelled for
+        each statement cost the relay's short transactions (a probe, a claim) 10-15 µs of
+        CPU each; this costs a clock read, and one timer a second while any runs."""
+        task = asyncio.current_task()
+        assert task is not None
+        trips = _RoundTrips(task)
+        self._in_transaction.add(trips)
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().call_later(
+                self._watch_interval(), self._watch
+            )
+        return trips
+
+    def _watch_interval(self) -> float:
+        return min(1.0, self.statement_timeout / 4)
+
+    def _watch(self) -> None:
+        """Cancel each transaction whose round trip has run ``statement_timeout``; again in
+        a moment while any transaction runs."""
+        self._watchdog = None
+        now = time.monotonic()
+        for trips in self._in_transaction:
+            started = trips.started
+            if (
+                started is not None
+                and not trips.expired
+                and now - started >= self.statement_timeout
+            ):
+                trips.expired = True
+                trips.task.cancel()
+        if self._in_transaction:
+            self._watchdog = asyncio.get_running_loop().call_later(
+                self._watch_interval(), self._watch
+            )
 
     async def _execute(
         self, cursor: Any, name: str, params: Mapping[str, Any] | None = None
@@ -367,7 +460,8 @@ class MySQLStore(Store):
         tokens = self.tokens()
         applied: list[str] = []
         lock_name = schema_lock_name(self.connect_args["database"], self.table)
-        async with self._transaction() as cursor:
+        # Not bounded: DDL over a big table, and GET_LOCK's own wait, take what they take.
+        async with self._transaction(bounded=False) as cursor:
             # One schema change at a time, whoever runs it (GET_LOCK is the session's).
             await cursor.execute(
                 "SELECT GET_LOCK(%s, %s) AS granted", (lock_name, _SCHEMA_LOCK_WAIT)
@@ -1079,9 +1173,73 @@ def _refused_values(exc: BaseException) -> bool:
     return isinstance(exc, aiomysql.Error) and bool(exc.args) and exc.args[0] in ER_CHECK_CONSTRAINT
 
 
+class _RoundTrips:
+    """Where one transaction is: in a round trip since ``started`` (None: between them),
+    doing ``what``; ``expired`` once the watchdog cancelled it for taking too long."""
+
+    __slots__ = ("cancelling", "expired", "started", "task", "what")
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task = task
+        #: The cancellations already asked for: the watchdog's is one more.
+        self.cancelling = task.cancelling()
+        self.started: float | None = None
+        self.what = ""
+        self.expired = False
+
+    def arm(self, what: str) -> None:
+        self.what = what
+        self.started = time.monotonic()
+
+    def disarm(self) -> None:
+        self.started = None
+
+
+class _BoundedCursor:
+    """A DictCursor whose statements give up after the store's ``statement_timeout``. Its
+    fetches read what the statement buffered: no round trip, no bound."""
+
+    __slots__ = ("_cursor", "_trips")
+
+    def __init__(self, cursor: Any, trips: _RoundTrips) -> None:
+        self._cursor = cursor
+        self._trips = trips
+
+    @property
+    def connection(self) -> Any:
+        return self._cursor.connection
+
+    async def execute(self, query: str, args: Any = None) -> Any:
+        self._trips.arm("a statement")
+        try:
+            return await self._cursor.execute(query, args)
+        finally:
+            self._trips.disarm()
+
+    async def executemany(self, query: str, args: Any) -> Any:
+        self._trips.arm("a statement")
+        try:
+            return await self._cursor.executemany(query, args)
+        finally:
+            self._trips.disarm()
+
+    async def fetchone(self) -> Any:
+        return await self._cursor.fetchone()
+
+    async def fetchall(self) -> Any:
+        return await self._cursor.fetchall()
+
+
+#: Seconds a ROLLBACK after a refused statement may take; past it the connection is closed.
+_ROLLBACK_TIMEOUT = 5.0
+
+
 async def _rollback_or_close(conn: Any) -> None:
     try:
-        await conn.rollback()
+        # Bounded: a server that refused the statement and then stopped answering held the
+        # caller for ever; closing the connection rolls back as well.
+        async with asyncio.timeout(_ROLLBACK_TIMEOUT):
+            await conn.rollback()
     except Exception:  # noqa: BLE001 -- the connection is broken: drop it, the pool makes another
         conn.close()
 

@@ -73,6 +73,12 @@ CLOSE_TIMEOUT = 1.0
 #: closed instead. asyncpg waits up to command_timeout (a minute) for a database that
 #: stopped answering, and a scrape, a health probe or a shutdown waited with it.
 RELEASE_TIMEOUT = 0.5
+#: Seconds the wake-up listener's connect and statements (LISTEN, the idle registration
+#: and its withdrawal, all trivial) may take: past it the relay polls instead. Its
+#: connection had no statement timeout, and one that got no answer (a row lock held on
+#: the listeners' table, an idle connection a NAT forgot) held the listener's lock, and
+#: with it every idle loop of the relay, for ever: nothing was claimed until it answered.
+LISTENER_TIMEOUT = 5.0
 
 
 def _detached(conn: Any) -> bool:
@@ -188,6 +194,7 @@ class PostgresStore(Store):
         self._wakeups = WakeUps()
         #: This store's name among the idle listeners.
         self._listener_name = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.listener_timeout = LISTENER_TIMEOUT
         #: The relay's loops share one listening connection: one query on it at a time.
         self._listener_lock = asyncio.Lock()
         self._unregistering: asyncio.Task[None] | None = None
@@ -971,7 +978,10 @@ class PostgresStore(Store):
             return
         asyncpg = _asyncpg()
         self._listener = await asyncpg.connect(
-            asyncpg_dsn(self.url), server_settings={"application_name": "outboxer-relay-listen"}
+            asyncpg_dsn(self.url),
+            server_settings={"application_name": "outboxer-relay-listen"},
+            timeout=self.listener_timeout,
+            command_timeout=self.listener_timeout,
         )
         await self._listener.add_listener(self.channel, self._on_notify)
         # Cut by the server (pg_terminate_backend, a restart), it hears no more NOTIFYs and
