@@ -263,10 +263,10 @@ class MySQLStore(Store):
         self._probe_lock = asyncio.Lock()
         self._probed_at = 0.0
         #: Per destination, the claims whose COMMIT got no answer (the connection broke, or
-        #: the claim was cancelled): their lease, seqs, whether they recovered an expired
-        #: row, and until when the lease lasts. The COMMIT may have reached the server: the
-        #: rows then wait in flight for nobody (see _release_unanswered).
-        self._unanswered: dict[str, list[tuple[Lease, list[int], bool, float]]] = {}
+        #: the claim was cancelled): their lease, seqs, and whether they recovered an expired
+        #: row. The COMMIT may have reached the server: the rows then wait in flight for
+        #: nobody (see _release_unanswered).
+        self._unanswered: dict[str, list[tuple[Lease, list[int], bool]]] = {}
         tokens = self.tokens()
         self._sql = {
             name: to_pyformat(strip_comments(render(sql, tokens)))
@@ -367,14 +367,12 @@ class MySQLStore(Store):
         trips = self._watched()
         try:
             try:
-                if pool.freesize:  # a free connection: taken without a round trip
-                    conn = await pool.acquire()
-                else:
-                    # A new connection is opened under the pool's lock, which every other
-                    # caller waits for: a handshake that never answered held them all.
-                    trips.arm("waiting for a connection")
-                    conn = await pool.acquire()
-                    trips.disarm()
+                # Bounded even with a free connection: one the server closed meanwhile
+                # (wait_timeout, a restart) is replaced inside acquire(), a handshake under
+                # the pool's lock, which every other caller waits for.
+                trips.arm("waiting for a connection")
+                conn = await pool.acquire()
+                trips.disarm()
                 try:
                     # Each time, as the pool opens connections on its own when it runs short.
                     self._refuse_plaintext(conn)
@@ -577,7 +575,6 @@ class MySQLStore(Store):
         abandoned: list[AbandonedRow] = []
         recovered = False
         await self._release_unanswered(destination)
-        sent_at = time.monotonic()
         taken: list[int] = []  # the seqs claim_update took: after it, only COMMIT can fail
         try:
             async with self._transaction() as cursor:
@@ -630,9 +627,7 @@ class MySQLStore(Store):
                 # there, they waited for the lock timeout, then went to recovery one a
                 # claim, each charged an attempt it never made. An error the server
                 # reported means it rolled back: the release then matches nothing.
-                self._unanswered.setdefault(destination, []).append(
-                    (lease, taken, recovered, sent_at + float(lock_seconds))
-                )
+                self._unanswered.setdefault(destination, []).append((lease, taken, recovered))
             raise
 
         def attempts(row: Mapping[str, Any]) -> int:
@@ -667,16 +662,18 @@ class MySQLStore(Store):
         shared destination lock, as a settle (queries.sql: release,
         expire_unanswered_recovery). A failure raises: the relay backs off as from a failed
         claim, and the leases are tried again next time."""
-        now = time.monotonic()
-        # A lease that ran out needs no release: recovery takes its rows over (fenced).
-        pending = [entry for entry in self._unanswered.pop(destination, []) if entry[3] > now]
+        # Released even when the lease ran out (the statement bound cuts a COMMIT a whole
+        # statement_timeout after it was sent, when the default lease has ended already):
+        # skipped, the rows went to recovery one a claim, each charged an attempt it never
+        # had. Fenced by the lease: rows taken over since are left alone.
+        pending = self._unanswered.pop(destination, [])
         if not pending:
             return
         try:
             released = 0
             async with self._transaction() as cursor:
                 await self._lock_destination(cursor, destination, exclusive=False)
-                for lease, seqs, recovered, _ in pending:
+                for lease, seqs, recovered in pending:
                     holder = {
                         "destination": destination,
                         "relay_id": lease.relay_id,
@@ -1147,7 +1144,12 @@ class MySQLStore(Store):
                 rows = await cursor.fetchall()
                 copies = await asyncio.to_thread(copy, [_original(row) for row in rows])
                 if copies:
-                    await detect(cursor.connection).write_async(outbox, cursor.connection, copies)
+                    # The write path's code, on the raw connection: bounded here, the page's
+                    # statements together.
+                    await cursor.round_trips(
+                        "the copies' writes",
+                        detect(cursor.connection).write_async(outbox, cursor.connection, copies),
+                    )
                     inserted += len(copies)
         return inserted
 
@@ -1220,6 +1222,14 @@ class _BoundedCursor:
         self._trips.arm("a statement")
         try:
             return await self._cursor.executemany(query, args)
+        finally:
+            self._trips.disarm()
+
+    async def round_trips(self, what: str, work: Awaitable[R]) -> R:
+        """``work``'s round trips on ``connection`` (past this cursor), bounded together."""
+        self._trips.arm(what)
+        try:
+            return await work
         finally:
             self._trips.disarm()
 

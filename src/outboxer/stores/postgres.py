@@ -979,7 +979,15 @@ class PostgresStore(Store):
         asyncpg = _asyncpg()
         self._listener = await asyncpg.connect(
             asyncpg_dsn(self.url),
-            server_settings={"application_name": "outboxer-relay-listen"},
+            server_settings={
+                "application_name": "outboxer-relay-listen",
+                # The server gives up too: a statement asyncpg gave up on is cancelled by a
+                # request of its own, which the listener's termination (_drop_listener)
+                # abandons, so its session waited on (for a lock: until it was released),
+                # one more after each failed registration, up to max_connections. Idle
+                # waits for a NOTIFY are no statement.
+                "statement_timeout": str(max(1, round(self.listener_timeout * 1000))),
+            },
             timeout=self.listener_timeout,
             command_timeout=self.listener_timeout,
         )
