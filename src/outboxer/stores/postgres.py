@@ -12,7 +12,6 @@ import datetime as dt
 import functools
 import os
 import socket
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -199,10 +198,10 @@ class PostgresStore(Store):
         self._listener_lock = asyncio.Lock()
         self._unregistering: asyncio.Task[None] | None = None
         #: Per destination, the leases of claims that never answered (their connection
-        #: broke, or they were cancelled) and until when each lasts: the claim may have
-        #: committed, and its rows then wait in flight for nobody (see _release_unanswered).
-        #: Whether the claim was allowed to recover matters (queries.sql: expire_unanswered_recovery).
-        self._unanswered: dict[str, list[tuple[Lease, float, bool]]] = {}
+        #: broke, or they were cancelled): the claim may have committed, and its rows then
+        #: wait in flight for nobody (see _release_unanswered). Whether the claim was
+        #: allowed to recover matters (queries.sql: expire_unanswered_recovery).
+        self._unanswered: dict[str, list[tuple[Lease, bool]]] = {}
         #: The question to the database the loops of quiet destinations woken in this turn
         #: of the event loop join (see _due), before it is sent.
         self._forming_probe: _DueProbe | None = None
@@ -695,7 +694,6 @@ class PostgresStore(Store):
             },
         )
         await self._release_unanswered(destination)
-        sent_at = time.monotonic()
         try:
             rows = await self._statement(lambda conn: conn.fetch(sql, *args))
         except BaseException as exc:
@@ -707,9 +705,7 @@ class PostgresStore(Store):
                 # may have committed, its rows held under a lease this relay never learnt.
                 # Left there, they waited for the lock timeout, then went to recovery one a
                 # claim, each charged an attempt it never made (abandoned at its last).
-                self._unanswered.setdefault(destination, []).append(
-                    (lease, sent_at + float(lock_seconds), recover)
-                )
+                self._unanswered.setdefault(destination, []).append((lease, recover))
             raise
         kinds = {row["taken"] for row in rows}
         taken = sorted((row for row in rows if row["taken"] in _TAKEN), key=_by_seq)
@@ -759,15 +755,17 @@ class PostgresStore(Store):
         """Give back the rows of this destination's claims that never answered, before the
         next claim (whose order they would otherwise hold up). A failure raises: the relay
         backs off as from a failed claim, and the leases are tried again next time."""
-        now = time.monotonic()
-        # A lease that ran out needs no release: recovery takes its rows over (fenced).
-        pending = [entry for entry in self._unanswered.pop(destination, []) if entry[1] > now]
+        # Even a lease that ran out: recovery would take its rows over one a claim, each
+        # charged an attempt it never made, and a claim cut by command_timeout (60 s) has
+        # always outlived the default lease (60 s). Rows someone took over since are not
+        # matched (release_unanswered: lease and relay).
+        pending = self._unanswered.pop(destination, [])
         if not pending:
             return
         lock_sql, _ = self._sql["destination_lock"]
         lock_key = self.lock_key(destination)
         leases: dict[str, tuple[list[str], list[str]]] = {}
-        for lease, _, recover in pending:
+        for lease, recover in pending:
             tokens, recovering = leases.setdefault(lease.relay_id, ([], []))
             tokens.append(lease.token)
             if recover:
