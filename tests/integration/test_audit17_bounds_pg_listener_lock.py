@@ -22,13 +22,17 @@ from tests.relaying import all_published, enqueue, relay, until
 LISTENER_TIMEOUT = 2.0
 
 
-async def _listener_waits_for_a_lock(admin: asyncpg.Connection) -> bool:
-    return bool(
-        await admin.fetchval(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-            "AND application_name = 'outboxer-relay-listen' AND wait_event_type = 'Lock'"
-        )
+async def listeners_waiting_for_a_lock(admin: asyncpg.Connection) -> set[int]:
+    """The listener sessions whose statement waits for a lock."""
+    rows = await admin.fetch(
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+        "AND application_name = 'outboxer-relay-listen' AND wait_event_type = 'Lock'"
     )
+    return {row["pid"] for row in rows}
+
+
+async def _listener_waits_for_a_lock(admin: asyncpg.Connection) -> bool:
+    return bool(await listeners_waiting_for_a_lock(admin))
 
 
 async def test_a_relay_whose_listener_waits_for_a_lock_polls_and_publishes(pg_url: str) -> None:

@@ -29,20 +29,9 @@ from outboxer.errors import StoreError
 from outboxer.message import Message
 from outboxer.stores.mysql import MySQLStore
 from outboxer.testing import TcpProxy
+from tests.integration.test_audit17_bounds_mysql_hung import BOUND, GIVE_UP, _through
 from tests.integration.test_http_api import connect_sync
 from tests.relaying import enqueue, until
-
-#: The shortened bound on each round trip.
-BOUND = 0.5
-#: What the old code reached instead of an answer (it waited for ever).
-GIVE_UP = 5.0
-
-
-def _through(url: str, port: int) -> str:
-    """``url`` with its host and port replaced by 127.0.0.1:``port``."""
-    parts = urlsplit(url)
-    user = f"{parts.username}@" if parts.username else ""
-    return f"mysql://{user}127.0.0.1:{port}{parts.path}"
 
 
 def _free_connections_dead(store: MySQLStore) -> bool:

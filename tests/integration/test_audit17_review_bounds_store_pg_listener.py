@@ -17,20 +17,12 @@ import asyncio
 import asyncpg
 
 from outboxer.stores.postgres import PostgresStore
+from tests.integration.test_audit17_bounds_pg_listener_lock import listeners_waiting_for_a_lock
 from tests.receiver import Receiver
 from tests.relaying import all_published, enqueue, relay, until
 
 #: The shortened bound (5 s by default).
 LISTENER_TIMEOUT = 1.0
-
-
-async def _listeners_waiting_for_a_lock(admin: asyncpg.Connection) -> set[int]:
-    """The listener sessions whose statement waits for a lock."""
-    rows = await admin.fetch(
-        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
-        "AND application_name = 'outboxer-relay-listen' AND wait_event_type = 'Lock'"
-    )
-    return {row["pid"] for row in rows}
 
 
 async def test_a_registration_given_up_on_leaves_no_session_waiting_on_the_server(
@@ -51,13 +43,13 @@ async def test_a_registration_given_up_on_leaves_no_session_waiting_on_the_serve
         seen: list[int] = []  # the sessions seen waiting, in order
 
         async def given_up_twice() -> bool:
-            for pid in sorted(await _listeners_waiting_for_a_lock(observer)):
+            for pid in sorted(await listeners_waiting_for_a_lock(observer)):
                 if pid not in seen:
                     seen.append(pid)
             return len(seen) >= 3
 
         await until(given_up_twice, "two registrations given up on, a third waits", 10)
-        still = await _listeners_waiting_for_a_lock(observer)
+        still = await listeners_waiting_for_a_lock(observer)
         # Before: every session given up on still waited for the lock (until it went).
         assert seen[0] not in still
         assert len(still) <= 1
