@@ -1126,6 +1126,31 @@ class MySQLStore(Store):
     async def replay(
         self, where: MessageFilter, copy: Callable[[Sequence[Message]], list[Message]]
     ) -> int:
+        """Copy the originals ``where`` matches, in one transaction (admin.sql: replay_page).
+
+        InnoDB may choose it as a deadlock's victim (1213): it holds its originals in share
+        mode page after page, in seq order, and a purge (whose DELETE locks rows in the
+        order of the index it reads) or an operator's session locking them in another order
+        meets it; the operator's `replay` failed with "Deadlock found". The whole
+        transaction was rolled back, so it is tried again (``_deadlock_retried``). The
+        copier's work outside the database is not repeated (``made``, see _copied_once): a
+        try inserts the claim-checked copies an earlier one made of the originals it reads
+        again, so their objects are put once (none left behind for a rolled-back copy,
+        unless its original is gone by the next try: the sweep takes it), and a shredded
+        original is counted once. The copies' ids were never committed, so inserting them
+        again is inserting them once. Other copies are made again: kept, they held every
+        copy's payload in memory until the replay ended, not a page's."""
+        made: dict[int, list[Message]] = {}
+        return await self._deadlock_retried(
+            "a replay", lambda: self._replay_once(where, copy, made)
+        )
+
+    async def _replay_once(
+        self,
+        where: MessageFilter,
+        copy: Callable[[Sequence[Message]], list[Message]],
+        made: dict[int, list[Message]],
+    ) -> int:
         from outboxer.admin import REPLAY_PAGE
         from outboxer.enqueue import Outbox, detect, mysql_key_slots
 
@@ -1142,7 +1167,9 @@ class MySQLStore(Store):
                 page = seqs[start : start + REPLAY_PAGE]
                 await self._admin(cursor, "replay_page", where, seqs=page)
                 rows = await cursor.fetchall()
-                copies = await asyncio.to_thread(copy, [_original(row) for row in rows])
+                copies = await asyncio.to_thread(
+                    _copied_once, copy, [_original(row) for row in rows], made
+                )
                 if copies:
                     # The write path's code, on the raw connection: bounded here, the page's
                     # statements together.
@@ -1157,6 +1184,37 @@ class MySQLStore(Store):
 #: Tries of a transaction InnoDB chose as a deadlock's victim (see
 #: MySQLStore._deadlock_retried).
 DEADLOCK_TRIES = 5
+
+
+def _copied_once(
+    copy: Callable[[Sequence[Message]], list[Message]],
+    originals: Sequence[Message],
+    made: dict[int, list[Message]],
+) -> list[Message]:
+    """The copies of ``originals``, in their order, ``copy`` called with one original at a
+    time, so that one it leaves out (a shredded subject's) is known.
+
+    ``made`` keeps across a replay's tries, by the original's seq, what must not be done
+    twice: copies whose claim-check object was put (the next try inserts the same copy, its
+    object named after its id) and originals the copier left out (counted as shredded once,
+    not offered again). Any other copy leaves nothing behind to make again (at most the key
+    source is asked again), and is not kept: ``made`` holding every copy, payload and all, a
+    replay of a long history held all of it in memory until it committed, where a page's
+    copies are dropped once written (admin.REPLAY_PAGE). What it keeps is a reference's
+    headers (the payload is in the object) or nothing."""
+    from outboxer.claimcheck import HEADER_CLAIM_CHECK
+
+    copies: list[Message] = []
+    for original in originals:
+        seq = original.seq
+        assert seq is not None  # read from the table
+        kept = made.get(seq)
+        if kept is None:
+            kept = copy([original])
+            if not kept or any(HEADER_CLAIM_CHECK in made_copy.headers for made_copy in kept):
+                made[seq] = kept
+        copies.extend(kept)
+    return copies
 
 
 def _deadlocked(exc: BaseException) -> bool:

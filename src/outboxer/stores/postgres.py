@@ -11,6 +11,7 @@ import contextlib
 import datetime as dt
 import functools
 import os
+import random
 import socket
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -78,6 +79,9 @@ RELEASE_TIMEOUT = 0.5
 #: the listeners' table, an idle connection a NAT forgot) held the listener's lock, and
 #: with it every idle loop of the relay, for ever: nothing was claimed until it answered.
 LISTENER_TIMEOUT = 5.0
+#: Tries of a claim, settle or renewal PostgreSQL chose as a deadlock's victim (see
+#: PostgresStore._deadlock_retried), as MySQLStore's DEADLOCK_TRIES.
+DEADLOCK_TRIES = 5
 
 
 def _detached(conn: Any) -> bool:
@@ -695,7 +699,9 @@ class PostgresStore(Store):
         )
         await self._release_unanswered(destination)
         try:
-            rows = await self._statement(lambda conn: conn.fetch(sql, *args))
+            rows = await self._deadlock_retried(
+                "a claim", lambda: self._statement(lambda conn: conn.fetch(sql, *args))
+            )
         except BaseException as exc:
             asyncpg = _asyncpg()
             if not isinstance(exc, asyncpg.PostgresError) or isinstance(
@@ -816,7 +822,12 @@ class PostgresStore(Store):
                 "lock_seconds": float(lock_seconds),
             },
         )
-        return int(await self._statement(lambda conn: _refusing_data(conn.fetchval(sql, *args))))
+        return int(
+            await self._deadlock_retried(
+                "a renewal",
+                lambda: self._statement(lambda conn: _refusing_data(conn.fetchval(sql, *args))),
+            )
+        )
 
     async def settle(
         self,
@@ -843,13 +854,43 @@ class PostgresStore(Store):
                 "released": list(released),
             },
         )
-        row = await self._statement(lambda conn: _refusing_data(conn.fetchrow(sql, *args)))
+        row = await self._deadlock_retried(
+            "a settle",
+            lambda: self._statement(lambda conn: _refusing_data(conn.fetchrow(sql, *args))),
+        )
         result = SettleResult(
             published=row["n_published"], failed=row["n_failed"], released=row["n_released"]
         )
         expected = len(published) + len(failed) + len(released)
         result.lost = expected - result.published - result.failed - result.released
         return result
+
+    async def _deadlock_retried(self, name: str, attempt: Callable[[], Awaitable[T]]) -> T:
+        """``attempt()``, tried again when PostgreSQL chose its statement as a deadlock's
+        victim (40P01), up to DEADLOCK_TRIES times after a short jittered pause.
+
+        Only for a claim, a settle or a renewal: each is one statement, its own transaction
+        (a function call in autocommit), and nothing outside the database happens inside it.
+        The server answered with the error, so it rolled that transaction back whole, and
+        trying it again is safe (its lease token too: nothing under it was written). The
+        relay's own statements form no lock cycle (migration 0014: a claim never waits for a
+        row, and takes the destination lock before any other); someone else's transaction
+        that locks outbox rows in another order can (an operator's, holding a row a settle
+        waits for and then asking for one the settle holds). Raised to the relay, the
+        deadlock was taken for an outage and backed off: a settle's rows stayed leased, and
+        once the back-off outlasted the lease they were recovered, published again and
+        charged an attempt. Not 40001: the pool pins READ COMMITTED, where no serialization
+        failure arises (the claim function and the settles rely on it, see connect)."""
+        asyncpg = _asyncpg()
+        for tried in range(1, DEADLOCK_TRIES + 1):
+            try:
+                return await attempt()
+            except asyncpg.DeadlockDetectedError:
+                if tried == DEADLOCK_TRIES:
+                    raise
+                logger.info("PostgreSQL: %s chosen as a deadlock's victim; trying it again", name)
+                await asyncio.sleep(random.uniform(0.01, 0.05) * tried)
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
     async def cleanup(self, status: str, retention: float, limit: int) -> int:
         sql, args = self._args(

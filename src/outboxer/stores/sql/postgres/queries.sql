@@ -60,8 +60,11 @@ SELECT pg_advisory_xact_lock_shared(CAST(:lock_key AS bigint))
 -- Expired leases with their attempts used up -> ABANDONED; else the earliest expired lease
 -- that heads its key -> PROCESSING alone (if :recover); else due PENDING | FAILED ->
 -- PROCESSING, within :max_bytes of payload (plus one row); all under this claim's new
--- lease. One call, one round trip; the SQL and its invariants are in migrations 0006 and
--- 0010 (the byte budget).
+-- lease. One call, one round trip; the SQL and its invariants are in migrations 0006, 0010
+-- (the byte budget), 0013 and 0014 (the lock order: it waits for its destination lock
+-- only, taken first, and locks every row SKIP LOCKED, so it is never in a lock cycle).
+-- A deadlock all the same (someone else's session) is tried again by the store
+-- (postgres.py: _deadlock_retried): one statement, rolled back whole.
 SELECT seq, id, destination, topic, key, payload, content_type, headers, attempts,
        created_at, taken, last_error
 FROM {schema}.{table_raw}_claim(:destination, :relay_id, CAST(:lease AS uuid), :limit,
@@ -72,6 +75,12 @@ FROM {schema}.{table_raw}_claim(:destination, :relay_id, CAST(:lease AS uuid), :
 -- name: settle
 -- PROCESSING -> PUBLISHED | FAILED | ABANDONED | PENDING (released), by the holder of the
 -- rows' lease, in one transaction; the SQL and its invariants are in migration 0006.
+-- Lock order: the shared destination lock first, then only rows in flight under this
+-- lease, which nothing of outboxer's locks meanwhile: claims wait for the lock, operators'
+-- commands change other statuses, other settles other leases, retention SKIPs LOCKED, and
+-- the relay stops the batch's renewals before it settles. A session of someone else's that
+-- locks these rows in another order can deadlock with it: the store tries it again
+-- (postgres.py: _deadlock_retried), as nothing outside the database happens inside it.
 SELECT n_published, n_failed, n_released
 FROM {schema}.{table_raw}_settle(:destination, :relay_id, CAST(:lease AS uuid),
                                  CAST(:lock_key AS bigint), :max_attempts,
@@ -81,7 +90,9 @@ FROM {schema}.{table_raw}_settle(:destination, :relay_id, CAST(:lease AS uuid),
 
 -- name: renew
 -- PROCESSING under this lease -> locked until :lock_seconds from now, one statement for the
--- batch, durably; the SQL and its invariants are in migration 0006.
+-- batch, durably; the SQL and its invariants are in migration 0006. No destination lock:
+-- it may wait for a row a claim locked, never the reverse (migration 0014), so no cycle;
+-- a deadlock with someone else's session is tried again, as a settle's.
 SELECT n_renewed
 FROM {schema}.{table_raw}_renew(:destination, :relay_id, CAST(:lease AS uuid),
                                 CAST(:seqs AS bigint[]), CAST(:lock_seconds AS float8))
