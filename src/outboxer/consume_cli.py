@@ -28,7 +28,6 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -392,18 +391,24 @@ async def _replay(args: argparse.Namespace) -> int:
 
 
 async def _list(args: argparse.Namespace) -> int:
+    from outboxer.consumer_db import NoAnswerError
+
     settings, own = _load(args)
     if not 1 <= args.limit <= DEAD_LETTERS_LIMIT:
         # Past a bigint (or SQLite's INTEGER) the database refuses it with its own error.
         raise ConfigError(f"--limit must be between 1 and {DEAD_LETTERS_LIMIT}, not {args.limit}")
-    async with _session(settings) as session:
-        letters = await session.dead_letters(own.group, args.limit)
+    try:
+        async with _session(settings) as session:
+            letters = await session.dead_letters(own.group, args.limit)
+    except NoAnswerError as exc:
+        raise NoAnswerError(f"dead-letters list: {exc}") from exc
     _print_letters([letter.as_dict() for letter in letters], as_json=args.json)
     return 0
 
 
 async def _purge(args: argparse.Namespace) -> int:
     from outboxer.consumer import parse_message_id
+    from outboxer.consumer_db import NoAnswerError
 
     settings, own = _load(args)
     group = own.require("group")
@@ -415,20 +420,28 @@ async def _purge(args: argparse.Namespace) -> int:
     store = payload_admin.object_store(settings)
     held: list[str] = []  # the claim-check objects of the purged dead letters
     answered = True  # whether the store answered the releases (else it is not closed)
+    deleted = 0
     try:
-        async with _session(settings) as session:
-            if args.all:
-                if store is not None:  # read first: a dead letter added meanwhile keeps its hold
-                    held = await _held_objects(session, group)
-                deleted = await session.run("purge_consumer", {"consumer": group})
-            else:
-                deleted = 0
-                for message_id in ids:
-                    letter = await session.dead_letter(group, message_id)
-                    gone = await session.run("delete", session.id_params(group, message_id))
-                    deleted += gone
-                    if gone and letter is not None and store is not None:
-                        held += claim_check_references(letter.delivery)
+        try:
+            async with _session(settings) as session:
+                if args.all:
+                    if store is not None:  # read first: one added meanwhile keeps its hold
+                        held = await _held_objects(session, group)
+                    deleted = await session.run("purge_consumer", {"consumer": group})
+                else:
+                    for message_id in ids:
+                        letter = await session.dead_letter(group, message_id)
+                        gone = await session.run("delete", session.id_params(group, message_id))
+                        deleted += gone
+                        if gone and letter is not None and store is not None:
+                            held += claim_check_references(letter.delivery)
+        except NoAnswerError as exc:
+            # Each --id is a transaction of its own: those before it are purged (their holds
+            # stay, kept too long, never lost); the one cut off perhaps (at its COMMIT).
+            raise NoAnswerError(
+                f"dead-letters purge: {exc}; {deleted} dead letter(s) purged before it: run "
+                "it again once the database answers"
+            ) from exc
         # The dead letters are gone (committed): their holds go now. A crash before keeps
         # the objects too long, never deletes one a dead letter still needs.
         if store is not None:
@@ -515,19 +528,28 @@ def release_holds(
 
 
 class _session:
-    """A sync connection of the consumer's database, for ``list`` and ``purge``."""
+    """A sync connection of the consumer's database, for ``list`` and ``purge``.
+
+    Its connect and each statement give up after ``Session.statement_timeout`` (a minute):
+    NoAnswerError, the command exits 1 saying so, where a database that stopped answering
+    held it for ever. In a daemon thread (DaemonThreadPool): one the bound cannot free (a
+    hung file system under SQLite) does not hold the process's exit as well."""
 
     def __init__(self, settings: Settings) -> None:
-        from outboxer.consumer_db import session_factory
+        from outboxer.consumer_db import DaemonThreadPool, session_factory
 
-        self._executor = ThreadPoolExecutor(1)
+        self._executor = DaemonThreadPool(1, thread_name_prefix="outboxer-dead-letters")
         make = session_factory(
             settings.require_db(), settings.schema, is_async=False, async_driver=None
         )
         self.session = make(self._executor)
 
     async def __aenter__(self) -> Any:
-        await self.session.open()
+        try:
+            await self.session.open()
+        except BaseException:
+            self._executor.shutdown(wait=False)
+            raise
         return self.session
 
     async def __aexit__(self, *exc_info: object) -> None:

@@ -31,7 +31,10 @@ never ended it is dead-lettered without calling the handler. Database outages ar
 the message's fault: the worker opens a new connection with the relay's outage backoff
 and applies the batch again, no attempt counted; lost again, it applies each message alone, and one that goes on losing the
 connection waits the outage backoff between tries (no hot loop, no other key held back).
-An outage is a connection that is gone (its driver says so, or the rollback fails):
+An outage is a connection that is gone (its driver says so, or the rollback fails), or a
+round trip of the runner's own, a COMMIT included, that got no answer within
+``statement_timeout`` (``consumer_db`` cuts the connection off; a batch whose COMMIT was cut
+off is not acked: if it did commit, the inbox makes the next attempt a duplicate):
 whatever the handler raised while the connection is fine (an OSError of its own included) is
 its failure. So is a failure of the consumer's own statements for a message applied alone
 (the inbox claim, the dead-letter check, the held record), which retrying at once would
@@ -99,11 +102,13 @@ from urllib.parse import urlsplit
 
 from outboxer.brokers.base import describe
 from outboxer.consumer_db import (
+    STATEMENT_TIMEOUT,
     BatchFailed,
     DaemonThreadPool,
     DeadLetter,
     HandlerEndedTransaction,
     HandlerReturnedAwaitable,
+    NoAnswerError,
     Result,
     Session,
     call_sync_handler,
@@ -443,6 +448,12 @@ class Consumer:
         self._make_session = sessions or session_factory(
             db, schema, is_async=self.is_async, async_driver=async_driver
         )
+        #: Seconds each round trip of the runner's own on its sessions may take (a connect,
+        #: the inbox claim, COMMIT, a dead letter's record; not the handler's statements,
+        #: which ``handler_timeout`` bounds): past it the connection is cut off and the
+        #: batch is an outage, not acked, applied again on a new connection with no attempt
+        #: counted. The relay's bound on MySQL; set before ``run_async`` (tests lower it).
+        self.statement_timeout: float | None = STATEMENT_TIMEOUT
         self.stats = ConsumerStats()
         #: Seconds from each applied message's creation (its enqueue transaction, by the
         #: ``created_at`` it carries) to the commit that applied it: the whole pipeline's
@@ -570,7 +581,7 @@ class Consumer:
         try:
             if not await self._check_schema():
                 return self.stats
-            sessions = [self._make_session(executor) for _ in range(self.concurrency)]
+            sessions = [self._new_session(executor) for _ in range(self.concurrency)]
             for session in sessions:
                 session.on_return = self._wake
                 if not await self._open(session):
@@ -682,7 +693,7 @@ class Consumer:
         # A connection and a thread of their own: a worker's session may be abandoned under
         # a hung handler, and the workers' threads taken by such handlers.
         executor = DaemonThreadPool(1, thread_name_prefix=f"outboxer-{self.group}-suspects")
-        session = self._make_session(executor)
+        session = self._new_session(executor)
         work = asyncio.ensure_future(self._delete_suspects(session, lanes))
         try:
             await asyncio.wait({work}, timeout=SUSPECT_FORGET_WAIT)
@@ -723,6 +734,18 @@ class Consumer:
         finally:
             if not (task := asyncio.current_task()) or not task.cancelling():
                 await self._quietly(session.close(), "closing a database connection")
+
+    def _new_session(self, executor: ThreadPoolExecutor) -> Session:
+        """A session of ``_make_session``, bounded by ``statement_timeout``."""
+        bound = self.statement_timeout
+        # 0 or less fired the watchdog every loop turn; NaN cut every round trip at once.
+        if bound is not None and not 0 < bound < float("inf"):
+            raise ConfigError(
+                f"statement_timeout must be a positive number of seconds or None, not {bound!r}"
+            )
+        session = self._make_session(executor)
+        session.statement_timeout = bound
+        return session
 
     def _threads(self) -> ThreadPoolExecutor:
         """Threads for sync handlers' transactions, one per worker: daemon threads, so that
@@ -1110,7 +1133,7 @@ class Consumer:
                     return
                 if session.lost(failure):  # an outage, wherever it struck: no attempt
                     self.stats.database_errors += 1
-                    logger.warning("database connection lost (%s); reconnecting", failure)
+                    self._outage(failure, todo)
                     if not await self._open(session):
                         return
                     lost += 1
@@ -1183,6 +1206,20 @@ class Consumer:
                     await self.hold_committed(lane.head.delivery)
             await self._done(todo)
             return
+
+    def _outage(self, failure: BatchFailed, lanes: Sequence[_Lane]) -> None:
+        if not isinstance(failure.cause, NoAnswerError):
+            logger.warning("database connection lost (%s); reconnecting", failure)
+            return
+        # A database that stopped answering (a stalled network, a proxy that forwards
+        # nothing): said as such, its messages named, for nothing else shows it. A COMMIT
+        # cut off may have committed: the inbox then makes the next attempt a duplicate.
+        logger.warning(
+            "consumer %s: %s; reconnecting, not acked, applied again with no attempt counted: %s",
+            self.group,
+            failure.cause,
+            ", ".join(str(lane.head.delivery.id) for lane in lanes),
+        )
 
     def _session_now(self, session: Session) -> Session:
         """The current worker's session: ``session``, or the one that replaced it after a
@@ -1306,7 +1343,7 @@ class Consumer:
             if self.is_async
             else "abandoned in its thread"
         )
-        fresh = self._make_session(pool)
+        fresh = self._new_session(pool)
         fresh.on_return = self._wake
         self._worker_sessions[me] = fresh
         if me in self._batches:
@@ -1432,27 +1469,19 @@ class Consumer:
         )
 
     async def _fetch_key(self, key_id: str) -> None:
-        """Fetch ``key_id`` from the keyring's source (a KMS) in a daemon thread, given up
-        after object_store_timeout (KeyRingUnavailableError: a failed attempt, retried).
-        Not asyncio's default executor: ``asyncio.run`` joins its threads at exit, so a KMS
-        call that never answers kept a program that ran the consumer from exiting."""
-        from outboxer.crypto import KeyRingUnavailableError
+        """Fetch ``key_id`` from the keyring's source (a KMS) in a daemon thread of its own,
+        given up after object_store_timeout (KeyRingUnavailableError: a failed attempt,
+        retried), as the relay does (``crypto.fetch_key_bounded``). Not a fixed pool: once
+        its threads were all held by calls that never return, every later fetch queued
+        behind them and timed out, never reaching the KMS again until a restart. Past
+        MAX_ABANDONED_FETCHES calls of this ring left running, the fetch fails at once."""
+        from outboxer.crypto import fetch_key_bounded
 
         keyring = self.keyring
         assert keyring is not None
-        fetch = asyncio.get_running_loop().run_in_executor(_key_threads(), keyring.key, key_id)
-        try:
-            finished, _ = await asyncio.wait((fetch,), timeout=self.object_store_timeout)
-        except BaseException:
-            fetch.cancel()
-            raise
-        if not finished:
-            fetch.cancel()  # still queued: never runs; running: its thread is left to finish
-            raise KeyRingUnavailableError(
-                f"key {key_id!r}: the keyring's source did not answer within "
-                f"{self.object_store_timeout:g} s"
-            )
-        fetch.result()
+        await fetch_key_bounded(
+            keyring, key_id, self.object_store_timeout, waiter="the consumer", log=logger
+        )
 
     def fetch_failed(self, exc: BaseException) -> None:
         """Count what ``unwrap`` raised for now (not Unreadable): a claim-check read that
@@ -1763,7 +1792,7 @@ class Consumer:
         wanted = None if ids is None else {parse_message_id(value) for value in ids}
         counts = dict.fromkeys(("replayed", "duplicates", "failed", "skipped"), 0)
         executor = self._threads()
-        session = self._make_session(executor)
+        session = self._new_session(executor)
         await session.open()
         try:
             pages = self._group_pages(session) if wanted is None else self._chosen(session, wanted)
@@ -2000,19 +2029,6 @@ def _outcome_read(task: asyncio.Task[Any]) -> None:
 class HoldFailed(Exception):
     """The object store did not put a claim-check hold (an error, or no answer within
     object_store_timeout): the dead letter that needs it is not written; tried again."""
-
-
-#: Daemon threads for KMS key fetches (Consumer._fetch_key), made on first use.
-_key_pool: DaemonThreadPool | None = None
-_key_pool_lock = threading.Lock()
-
-
-def _key_threads() -> DaemonThreadPool:
-    global _key_pool
-    with _key_pool_lock:
-        if _key_pool is None:
-            _key_pool = DaemonThreadPool(4, thread_name_prefix="outboxer-key-fetch")
-        return _key_pool
 
 
 class Unreadable(Exception):

@@ -19,6 +19,16 @@ lock inbox rows in one order and cannot deadlock on them. On PostgreSQL one stat
 claims the whole batch (``inbox_claim_many``); elsewhere one per message. A handler's exception rolls the
 whole batch back (``BatchFailed`` names the culprit); the runner applies the others again
 at once, without counting an attempt for them.
+
+A database that stops answering. Each round trip of the runner's own (the connect and its
+backend-id read, BEGIN, the inbox claim, the dead-letter statements, COMMIT, ROLLBACK) gives
+up after ``Session.statement_timeout`` (``STATEMENT_TIMEOUT``, a minute, the relay's bound
+on MySQL): a watchdog on the event loop cuts the connection off from outside the call (its
+socket shut down, asyncpg's transport aborted, SQLite interrupted), so the blocked driver
+call fails at once and its thread is free again, and the call raises NoAnswerError: an
+outage (``Session.lost``), never the message's failure. The handler's own statements are not
+bounded by it (the round trip is disarmed while the handler runs): ``handler_timeout`` is
+their bound, and a long statement of the handler is no outage.
 """
 
 from __future__ import annotations
@@ -27,16 +37,21 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import errno
 import functools
 import inspect
 import json
 import logging
+import math
+import os
 import queue
+import socket
 import sqlite3
 import threading
+import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -50,6 +65,9 @@ from outboxer.inbox import Inbox
 from outboxer.message import MAX_KEY_LENGTH
 from outboxer.receivers.base import Delivery, decode_payload
 from outboxer.redact import redact_text
+
+# The relay's bound on a MySQL round trip and its error, for the consumer's own round trips.
+from outboxer.stores.mysql import STATEMENT_TIMEOUT, NoAnswerError
 from outboxer.stores.sqlfiles import queries, render, table_name
 
 logger = logging.getLogger("outboxer.consumer")
@@ -111,6 +129,8 @@ _COLUMN_LENGTH = 255
 #: PostgreSQL's SQLSTATEs for a server that is shutting down or not yet accepting connections
 #: (class 08, connection exceptions, is tested by its prefix).
 _PG_GONE = frozenset({"57P01", "57P02", "57P03"})
+#: MySQL's CR_SERVER_LOST: a connection lost while reading (the handshake's greeting too).
+_CR_SERVER_LOST = 2013
 #: MySQL/MariaDB error numbers of a connection that is gone: CR_CONN_HOST_ERROR,
 #: CR_SERVER_GONE_ERROR, CR_SERVER_LOST, CR_SERVER_LOST_EXTENDED, ER_SERVER_SHUTDOWN,
 #: ER_CONNECTION_KILLED (MariaDB), ER_CLIENT_INTERACTION_TIMEOUT (MySQL 8).
@@ -206,11 +226,46 @@ class HandlerReturnedAwaitable(TypeError):
         )
 
 
+class _RoundTrip:
+    """Where the runner's own work on a session's connection is: in a round trip since
+    ``started`` (None: between them, or in the handler), doing ``what`` (the MySQL store's
+    ``_RoundTrips``). A sync session arms it in its thread and the watchdog reads it on the
+    loop: under ``lock``, so that a connection is cut off only while its round trip still
+    runs, never after its thread went on (and perhaps closed it, its descriptor reused)."""
+
+    __slots__ = ("lock", "started", "what")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.started: float | None = None
+        self.what = ""
+
+    def arm(self, what: str) -> None:
+        with self.lock:
+            self.what = what
+            self.started = time.monotonic()
+
+    def disarm(self) -> None:
+        with self.lock:
+            self.started = None
+
+
 class Session(ABC):
     """One connection of the consumer's database, used by one worker at a time."""
 
     dialect: str
     is_async: bool
+    #: Seconds one round trip of the runner's own may take before its connection is cut off
+    #: and the call raises NoAnswerError (an outage): a connect, BEGIN, a statement, COMMIT,
+    #: ROLLBACK; not the handler's statements (``handler_timeout``). None: no bound. The
+    #: runner sets it from ``Consumer.statement_timeout``; tests lower it.
+    statement_timeout: float | None = STATEMENT_TIMEOUT
+    #: Whether ``_cut`` can cut this driver's connection off from outside its call; a
+    #: session of the caller's own kind (Django's connection) is not watched.
+    _cuttable = False
+    #: PostgreSQL: this connection's backend, pid and backend_start, read when it opened
+    #: (_PG_BACKEND); None elsewhere.
+    _backend: tuple[Any, Any] | None = None
 
     def __init__(self, url: str, schema: str) -> None:
         self.url = url
@@ -224,12 +279,118 @@ class Session(ABC):
         #: Called when a call of this session ends in a thread of its own (SyncSession),
         #: from that thread: the runner's shutdown waits for such calls (see ``busy``).
         self.on_return: Callable[[], None] | None = None
+        self._trip = _RoundTrip()
+        #: The round trip the bound cut this connection off in (None: not cut): every
+        #: failure on it since is an outage, until ``open`` makes a new one.
+        self._unanswered: str | None = None
+        #: A connection being opened (its backend id read), not yet ``conn``: cut off alike.
+        self._opening: Any = None
+        #: The server's side of the connection the bound cut off (PostgreSQL's ``_backend``),
+        #: which may go on there: a backend waiting for a lock (the inbox claim of a message
+        #: another consumer of the group holds) does not see its client gone until it gets
+        #: the lock. The next connection ``open`` makes ends it (_PG_TERMINATE), or each
+        #: retry after the outage left one more behind, a connection slot and its claims.
+        self._orphan: tuple[Any, Any] | None = None
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._watch_loop: asyncio.AbstractEventLoop | None = None
 
     def busy(self) -> bool:
         """Whether a call of this session still runs in a thread after its task ended (a
         cancelled ``run_in_executor`` does not stop the thread): it is inside the session's
         transaction, so the connection must be neither closed nor used meanwhile."""
         return False
+
+    # ----- the bound on the runner's own round trips ---------------------------------------
+
+    def _arm(self, what: str) -> None:
+        """A round trip of the runner's own begins (``_RoundTrip.arm``)."""
+        self._trip.arm(what)
+
+    def _cut(self, conn: Any) -> bool:
+        """Cut ``conn`` off from outside the call using it, so that the driver's blocked
+        round trip fails at once; whether it could. Drivers that can say how."""
+        return False
+
+    def _watching(self) -> bool:
+        """Whether the watchdog has a call to watch (drivers say)."""
+        return False
+
+    def _watch_interval(self) -> float:
+        assert self.statement_timeout is not None
+        return min(1.0, self.statement_timeout / 4)
+
+    def _ensure_watch(self) -> None:
+        """Have the watchdog run while ``_watching`` (on the loop): one timer a session,
+        again every ``_watch_interval``, where a timer a round trip cost each statement."""
+        if not self._cuttable or self.statement_timeout is None:
+            return
+        loop = asyncio.get_running_loop()
+        if self._watchdog is not None and self._watch_loop is loop:
+            return
+        self._watch_loop = loop
+        self._watchdog = loop.call_later(self._watch_interval(), self._watch)
+
+    def _watch(self) -> None:
+        self._watchdog = None
+        self._expire()
+        if self._watching():
+            self._ensure_watch()
+
+    def _expire(self) -> None:
+        """Cut the connection off if its round trip has run ``statement_timeout``."""
+        bound = self.statement_timeout
+        trip = self._trip
+        with trip.lock:
+            started = trip.started
+            if bound is None or started is None or time.monotonic() - started < bound:
+                return
+            trip.started = None  # once a round trip
+            conn = self.conn if self.conn is not None else self._opening
+            if conn is None or not self._cut(conn):
+                return
+            self._unanswered = trip.what
+            if conn is self.conn and self._backend is not None:
+                self._orphan = self._backend
+        logger.debug("no answer within %gs (%s): connection cut off", bound, trip.what)
+
+    def _orphan_left(self, exc: Exception) -> None:
+        """Ending ``_orphan`` failed for another reason than the new connection's loss
+        (which fails the open, to be tried again): not tried again, for a connection that
+        cannot open is worse than a backend left waiting."""
+        if self.disconnected(exc):
+            raise exc
+        logger.warning(
+            "ending the server's side of a consumer connection cut off after %gs failed (%s): "
+            "it stays until what it waits for ends",
+            self.statement_timeout,
+            describe(exc),
+        )
+
+    def _no_answer(self, exc: BaseException) -> BaseException:
+        """What a call whose connection the bound cut off raises instead of ``exc`` (the
+        driver's error of a closed connection): NoAnswerError, as a BatchFailed of the
+        consumer's own stage if ``exc`` is one (the handler's too: a handler whose statement
+        met the cut connection failed for the outage, not for itself)."""
+        what = self._unanswered
+        error = NoAnswerError(
+            f"the consumer's database did not answer within {self.statement_timeout:g}s "
+            f"({what}): given up, the connection closed"
+            + ("; the COMMIT may have been applied all the same" if what == "COMMIT" else "")
+        )
+        if isinstance(exc, BatchFailed):
+            return BatchFailed("commit" if what == "COMMIT" else "statement", error)
+        return error
+
+    @contextlib.contextmanager
+    def _answered(self) -> Iterator[None]:
+        """Around a call of the runner's: once the bound cut its connection off, its failure
+        is the NoAnswerError of ``_no_answer``."""
+        try:
+            yield
+        except Exception as exc:
+            if self._unanswered is None:
+                raise
+            raise self._no_answer(exc) from exc
 
     # ----- what each driver provides -----------------------------------------------------
 
@@ -252,12 +413,15 @@ class Session(ABC):
         would be retried at once and for ever. So for the handler's exceptions only the
         connection's state counts, read after the rollback (which a dead connection fails,
         and the driver then marks it closed). The consumer's own statements only talk to the
-        database: there the driver's errors of a lost connection count as well."""
+        database: there the driver's errors of a lost connection count as well. So does a
+        round trip of the runner's own that got no answer within ``statement_timeout``."""
+        if self._unanswered is not None:
+            return True  # cut off by the bound: whatever failed on it since, the outage's
         if isinstance(exc, BatchFailed):
             if exc.stage == "handler":
                 return self.broken()
             exc = exc.cause
-        return self.broken() or self.disconnected(exc)
+        return isinstance(exc, NoAnswerError) or self.broken() or self.disconnected(exc)
 
     def disconnected(self, exc: BaseException) -> bool:
         """Whether ``exc``, raised by one of the session's own database calls, is the
@@ -677,12 +841,26 @@ class SyncSession(Session):
         return future is not None and not future.done()
 
     async def _call(self, work: Callable[..., T], *args: Any) -> T:
-        future = self.executor.submit(work, *args)
+        future = self.executor.submit(self._disarmed_after, work, *args)
         self._future = future
         on_return = self.on_return
         if on_return is not None:
             future.add_done_callback(lambda _: on_return())
-        return await asyncio.wrap_future(future)
+        # Watched as long as the thread runs the call, not only while this task awaits it:
+        # a call abandoned (shutdown, handler_timeout) still rolls back on the connection.
+        self._ensure_watch()
+        with self._answered():
+            return await asyncio.wrap_future(future)
+
+    def _disarmed_after(self, work: Callable[..., T], *args: Any) -> T:
+        """``work(*args)`` in the session's thread; between calls the connection idles."""
+        try:
+            return work(*args)
+        finally:
+            self._trip.disarm()
+
+    def _watching(self) -> bool:
+        return self.busy()
 
     @abstractmethod
     def _connect(self) -> Any: ...
@@ -701,6 +879,7 @@ class SyncSession(Session):
         """The driver's form of ``:name`` parameters."""
 
     def _execute(self, name: str, params: Mapping[str, Any]) -> int:
+        self._arm(f"the {name} statement")
         cursor = self.conn.cursor()
         try:
             cursor.execute(self._cursor_sql(self.sql(name)), dict(params))
@@ -709,6 +888,7 @@ class SyncSession(Session):
             cursor.close()
 
     def _fetch(self, name: str, params: Mapping[str, Any]) -> list[dict[str, Any]]:
+        self._arm(f"the {name} statement")
         cursor = self.conn.cursor()
         try:
             cursor.execute(self._cursor_sql(self.sql(name)), dict(params))
@@ -775,6 +955,7 @@ class SyncSession(Session):
         sql = self._terminate_sql
 
         def terminate() -> None:
+            self._arm("ending an abandoned session")
             cursor = self.conn.cursor()
             try:
                 cursor.execute(sql, backend)
@@ -785,7 +966,11 @@ class SyncSession(Session):
         return True
 
     async def open(self) -> None:
-        self.conn = await self._call(self._connect)
+        self._unanswered = None
+        try:
+            self.conn = await self._call(self._connect)
+        finally:
+            self._opening = None
 
     async def close(self) -> None:
         conn, self.conn = self.conn, None
@@ -793,13 +978,16 @@ class SyncSession(Session):
             await self._call(_close_quietly, conn)
 
     def _transaction(self, work: Callable[[], T]) -> T:
+        self._arm("BEGIN")
         self._begin()
         try:
             result = work()
+            self._arm("COMMIT")
             self._commit()
             return result
         except BaseException:
             if not self.broken():
+                self._arm("ROLLBACK")
                 self._rollback()
             raise
 
@@ -816,7 +1004,12 @@ class SyncSession(Session):
 
     def _claim(self, group: str, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
         """The ids of ``ids`` claimed now (first deliveries); one statement a message here."""
-        return {i for i in ids if self.inbox.claim(self.conn, group, i)}
+        claimed = set()
+        for i in ids:
+            self._arm("the inbox claim")
+            if self.inbox.claim(self.conn, group, i):
+                claimed.add(i)
+        return claimed
 
     def _moved(self) -> bool:
         """Whether the transaction id differs from ``_xid``, the batch's at its claim."""
@@ -882,6 +1075,7 @@ class SyncSession(Session):
                 _refuse_abandoned(self)
                 kept = kept or message_id
                 ran.append(index)
+                self._trip.disarm()  # the handler's statements are handler_timeout's
                 try:
                     call_sync_handler(handler, deliveries[index], self.conn)
                 except Exception as exc:
@@ -977,6 +1171,148 @@ def _close_quietly(conn: Any) -> None:
         logger.debug("closing a consumer connection failed: %s", exc)
 
 
+#: PyMySQL's own connect_timeout (the TCP connect only), kept where it is below the bound.
+_PYMYSQL_CONNECT_TIMEOUT = 10.0
+
+
+def _shut(fd: int) -> bool:
+    """Shut the socket of descriptor ``fd`` down both ways, from any thread, without closing
+    the descriptor (its driver still owns it): a call blocked reading it returns at once
+    (end of stream), as when the server closes; the driver then sees its connection gone."""
+    if fd < 0:  # PyMySQL between closing its socket and dropping it
+        return False
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:  # closed already, or no socket
+        return False
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        return False
+    finally:
+        sock.detach()
+    return True
+
+
+def _shut_psycopg(conn: Any) -> bool:
+    """``_shut`` for a psycopg connection, sync or async. Not ``pgconn.finish()``: an async
+    connection's reader is registered with the loop on that descriptor."""
+    try:
+        fd = conn.pgconn.socket
+    except Exception:  # noqa: BLE001 -- psycopg's OperationalError: no socket left to cut
+        return False
+    return _shut(int(fd))
+
+
+def _libpq_bounds(conninfo: str, bound: float | None) -> dict[str, Any]:
+    """psycopg's connect arguments bounding a connection, where ``conninfo`` does not set
+    them (connect_timeout: PGCONNECT_TIMEOUT's value where it is set).
+
+    ``connect_timeout``: libpq's whole connect, the login included, in whole seconds (2 at
+    least, libpq's floor). TCP keepalives: the kernel gives up a connection whose peer
+    stopped answering its probes (a host gone, a black-holed network) within about the
+    bound, on every statement, the handler's too. They tell a dead peer, never a slow
+    statement: a probe goes only when nothing is in flight, and an alive server's kernel
+    answers it however long the statement runs. Not ``tcp_user_timeout``: it also gives up
+    data left unsent because the server's receive window stays closed, as it does while
+    the server waits (a handler's COPY whose row waits for another transaction's lock), so
+    it cut slow statements of a live server. A peer that keeps TCP alive and never answers
+    (a stalled proxy) the keepalives cannot tell: the watchdog bounds the runner's own round
+    trips, ``handler_timeout`` the handler."""
+    if bound is None:
+        return {}
+    from psycopg import conninfo as libpq_conninfo
+
+    given = libpq_conninfo.conninfo_to_dict(conninfo)
+    seconds = max(2, math.ceil(bound))
+    wanted: dict[str, Any] = {
+        "connect_timeout": seconds,
+        "keepalives": 1,
+        "keepalives_idle": max(1, seconds // 2),
+        "keepalives_interval": max(1, seconds // 6),
+        "keepalives_count": 3,
+    }
+    if environment := os.environ.get("PGCONNECT_TIMEOUT"):
+        # The user's, passed on rather than left out: psycopg drives libpq without blocking,
+        # where libpq enforces no connect timeout, and psycopg 3.1.0 enforces only the
+        # connect_timeout of the conninfo (its connect waited for ever with the variable
+        # set). The URL's own still wins, as in libpq.
+        wanted["connect_timeout"] = environment
+    return {name: value for name, value in wanted.items() if name not in given}
+
+
+def _no_answer_at_connect(session: Session, connect: Callable[[], T]) -> T:
+    """``connect()``; NoAnswerError where the driver gave the connect up for want of an
+    answer (its connect timeout, or the handshake's read timeout)."""
+    try:
+        return connect()
+    except Exception as exc:
+        if session.statement_timeout is None or not _timed_out(exc):
+            raise
+        raise _connect_unanswered(session) from exc
+
+
+async def _no_answer_at_connect_async(session: Session, connect: Awaitable[T]) -> T:
+    """``_no_answer_at_connect`` for an async driver's connect."""
+    try:
+        return await connect
+    except Exception as exc:
+        if session.statement_timeout is None or not _timed_out(exc):
+            raise
+        raise _connect_unanswered(session) from exc
+
+
+def _connect_unanswered(session: Session) -> NoAnswerError:
+    return NoAnswerError(
+        "cannot connect to the consumer's database: no answer within "
+        f"{session.statement_timeout:g}s (or the URL's connect_timeout, or PGCONNECT_TIMEOUT)"
+    )
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """Whether ``exc``, or what it was raised from, is a timeout (a socket's, asyncpg's,
+    psycopg's ConnectionTimeout, or a C driver's that says so in its text)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if (
+            isinstance(current, TimeoutError)
+            or type(current).__name__ == "ConnectionTimeout"
+            or _libpq_timed_out(current)
+            or _mysql_handshake_timed_out(current)
+        ):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _libpq_timed_out(exc: BaseException) -> bool:
+    """libpq's own connect_timeout, as psycopg2 raises it: a plain OperationalError with no
+    SQLSTATE whose text ends "timeout expired" (after "connection to server at … failed:"
+    in libpq 14 and later), with no Python exception under it to tell."""
+    return (
+        type(exc).__module__.split(".", 1)[0] == "psycopg2"
+        and type(exc).__name__ == "OperationalError"
+        and getattr(exc, "pgcode", None) is None
+        and str(exc).rstrip().endswith("timeout expired")
+    )
+
+
+def _mysql_handshake_timed_out(exc: BaseException) -> bool:
+    """mysqlclient's (libmysqlclient's) connect_timeout or read_timeout run out while it
+    waited for the server's greeting: error 2013 ("Lost connection to server at 'handshake:
+    reading initial communication packet', system error: 110", ETIMEDOUT), raised from C
+    with no TimeoutError under it. Not every 2013: a server that closes the connection at
+    once gives 2013 too, with another system error (or, from PyMySQL, no "timed out"),
+    and that is no silence. PyMySQL's own 2013 of a read timeout carries its TimeoutError
+    (``__context__``), seen by the caller's walk."""
+    if mysql_errno(exc) != _CR_SERVER_LOST:
+        return False
+    text = str(exc.args[1]).rstrip() if len(exc.args) > 1 else ""
+    return text.endswith(f"system error: {errno.ETIMEDOUT}") or "timed out" in text
+
+
 def _psycopg_disconnected(exc: BaseException) -> bool:
     """psycopg's errors of a lost connection: InterfaceError ("the connection is closed"), or
     an OperationalError from libpq itself (no SQLSTATE), of class 08, or of a server that is
@@ -1021,20 +1357,34 @@ _IDLE = 0
 
 class PsycopgSession(SyncSession):
     dialect = "postgres"
-    #: This connection's backend, pid and backend_start, read when it opened (_PG_BACKEND).
-    _backend: tuple[Any, Any] | None = None
+    _cuttable = True
 
     def _connect(self) -> Any:
         psycopg = _require("psycopg", "psycopg")
-        conn = psycopg.connect(_libpq_url(self.url))
+        url = _libpq_url(self.url)
+        conn = _no_answer_at_connect(
+            self, lambda: psycopg.connect(url, **_libpq_bounds(url, self.statement_timeout))
+        )
+        self._opening = conn
         try:
+            self._arm("reading the new connection's backend id")
             row = conn.execute(_PG_BACKEND).fetchone()
+            if (orphan := self._orphan) is not None:
+                self._arm("ending the connection cut off before")
+                try:
+                    conn.execute(_PG_TERMINATE, orphan)
+                except Exception as exc:  # noqa: BLE001 -- _orphan_left sorts it
+                    self._orphan_left(exc)
             conn.rollback()  # the runner's transactions begin on an idle connection
         except BaseException:
             _close_quietly(conn)
             raise
+        self._orphan = None
         self._backend = (row[0], row[1]) if row is not None else None
         return conn
+
+    def _cut(self, conn: Any) -> bool:
+        return _shut_psycopg(conn)
 
     def _transaction(self, work: Callable[[], T]) -> T:
         # In psycopg's transaction block, so that a handler's conn.commit() or rollback() is
@@ -1043,10 +1393,17 @@ class PsycopgSession(SyncSession):
         # their handlers do (a failed one then skipped as a duplicate for ever), a rollback
         # would undo earlier messages that are then acked as applied.
         if self.conn.info.transaction_status != _IDLE:
+            self._arm("ROLLBACK")
             self.conn.rollback()  # a block entered mid-transaction would be a mere savepoint
+        self._arm("BEGIN")
         with self.conn.transaction():
-            result = work()
-            _refuse_aborted(self.conn)
+            try:
+                result = work()
+                _refuse_aborted(self.conn)
+            except BaseException:
+                self._arm("ROLLBACK")  # the block's end, as it leaves
+                raise
+            self._arm("COMMIT")
             return result
 
     def _claim(self, group: str, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
@@ -1081,6 +1438,17 @@ class PsycopgSession(SyncSession):
 
 class SqliteSession(SyncSession):
     dialect = "sqlite"
+    _cuttable = True
+
+    def _cut(self, conn: Any) -> bool:
+        # No socket: a statement still running is interrupted (busy_timeout, 30 s, ends a
+        # lock wait first). A read blocked in the kernel (a hung network file system) is
+        # not: its thread stays until the read returns.
+        try:
+            conn.interrupt()
+        except sqlite3.ProgrammingError:  # closed already
+            return False
+        return True
 
     def _connect(self) -> Any:
         from outboxer.stores.sqlite import open_connection, sqlite_path
@@ -1150,13 +1518,31 @@ class SqliteSession(SyncSession):
 
 class PyMySQLSession(SyncSession):
     dialect = "mysql"
+    _cuttable = True
 
     def _connect(self) -> Any:
         _require("pymysql", "mysql")
         from outboxer.stores.mysql import mysql_connect_args
         from outboxer.stores.mysql_tls import connect_pymysql
 
-        return connect_pymysql(mysql_connect_args(self.url))
+        args = mysql_connect_args(self.url)
+        bound = self.statement_timeout
+        if bound is not None:
+            # connect_timeout covers the TCP connect only (PyMySQL's default, 10 s, unless
+            # the URL says); the handshake's reads and writes wait read_timeout and
+            # write_timeout, which the connection keeps for every read after: not the
+            # handler's statements, so they are unset once it is open (the watchdog bounds
+            # the runner's own).
+            args.setdefault("connect_timeout", min(_PYMYSQL_CONNECT_TIMEOUT, bound))
+            args["read_timeout"] = args["write_timeout"] = bound
+        conn = _no_answer_at_connect(self, lambda: connect_pymysql(args))
+        conn._read_timeout = conn._write_timeout = None
+        return conn
+
+    def _cut(self, conn: Any) -> bool:
+        sock = conn._sock  # None once PyMySQL closed it
+        # By its descriptor: an SSLSocket's own shutdown() unwraps it under the reading thread.
+        return sock is not None and _shut(sock.fileno())
 
     def _begin(self) -> None:
         self.conn.begin()
@@ -1215,12 +1601,28 @@ class AsyncSession(Session):
     #: that the runner watches (``handler_timeout``) and may abandon under a handler that
     #: ignores its cancellation, still running on this connection after the worker moved on.
     _applying: asyncio.Task[Any] | None = None
-    #: This connection's backend, pid and backend_start, read when it opened (_PG_BACKEND).
-    _backend: tuple[Any, Any] | None = None
 
     def busy(self) -> bool:
         task = self._applying
         return task is not None and not task.done()
+
+    def _arm(self, what: str) -> None:
+        # On the loop, as the watchdog: it runs while a round trip is armed.
+        self._trip.arm(what)
+        self._ensure_watch()
+
+    def _watching(self) -> bool:
+        return self._trip.started is not None
+
+    @contextlib.contextmanager
+    def _answered(self) -> Iterator[None]:
+        # Disarmed at the end, however the call ends (a cancellation too): between calls
+        # the connection idles, unbounded.
+        try:
+            with super()._answered():
+                yield
+        finally:
+            self._trip.disarm()
 
     def when_idle(self, callback: Callable[[], None]) -> None:
         task = self._applying
@@ -1252,7 +1654,8 @@ class AsyncSession(Session):
         backend = other._backend if other.conn is not None else None
         if backend is None:
             return False
-        await self._transaction(functools.partial(self._terminate, backend))
+        with self._answered():
+            await self._transaction(functools.partial(self._terminate, backend))
         return True
 
     async def _terminate(self, backend: tuple[Any, Any]) -> None:
@@ -1278,19 +1681,27 @@ class AsyncSession(Session):
         return True
 
     async def _transaction(self, work: Callable[[], Awaitable[T]]) -> T:
+        self._arm("BEGIN")
         transaction = await self._begin()
         try:
             result = await work()
+            self._arm("COMMIT")
             await transaction.commit()
             return result
         except BaseException:
             if not self.broken():
+                self._arm("ROLLBACK")
                 await transaction.rollback()
             raise
 
     async def _claim(self, group: str, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
         """The ids of ``ids`` claimed now (first deliveries)."""
-        return {i for i in ids if await self.inbox.claim_async(self.conn, group, i)}
+        claimed = set()
+        for i in ids:
+            self._arm("the inbox claim")
+            if await self.inbox.claim_async(self.conn, group, i):
+                claimed.add(i)
+        return claimed
 
     async def _claim_many(self, group: str, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
         """PostgreSQL's claim of the batch at once, which reads the transaction's id too."""
@@ -1342,6 +1753,7 @@ class AsyncSession(Session):
                     continue
                 _refuse_abandoned(self)  # an earlier handler ignored its cancellation
                 ran.append(index)
+                self._trip.disarm()  # the handler's statements are handler_timeout's
                 try:
                     await handler(deliveries[index], self.conn)
                 except Exception as exc:
@@ -1372,26 +1784,29 @@ class AsyncSession(Session):
         ran: list[int] = []  # the indexes of the messages whose handlers were called
         ended: list[int] = []  # SyncSession._apply's
         self._xid = None
-        try:
-            return await self._transaction(work)
-        except BatchFailed:
-            if not ended and ran and self._xid is not None and await self._committed_early():
-                release = self._stuck(claims, [deliveries[i].id for i in ran])
-                self.committed_early(group, release)
-            if release:
-                try:
-                    await self.run(*self.released(group, release))
-                except Exception as exc:  # noqa: BLE001 -- the batch's failure is what counts
-                    self.release_failed(group, release, exc)
-            raise
-        except Exception as exc:  # the commit (or the rollback) failed
-            raise BatchFailed("commit", exc) from exc
+        with self._answered():
+            try:
+                return await self._transaction(work)
+            except BatchFailed:
+                if not ended and ran and self._xid is not None and await self._committed_early():
+                    release = self._stuck(claims, [deliveries[i].id for i in ran])
+                    self.committed_early(group, release)
+                if release:
+                    try:
+                        await self.run(*self.released(group, release))
+                    except Exception as exc:  # noqa: BLE001 -- the batch's failure is what counts
+                        self.release_failed(group, release, exc)
+                raise
+            except Exception as exc:  # the commit (or the rollback) failed
+                raise BatchFailed("commit", exc) from exc
 
     async def run(self, name: str, params: Mapping[str, Any]) -> int:
-        return await self._transaction(functools.partial(self._execute, name, params))
+        with self._answered():
+            return await self._transaction(functools.partial(self._execute, name, params))
 
     async def fetch(self, name: str, params: Mapping[str, Any]) -> list[dict[str, Any]]:
-        return await self._transaction(functools.partial(self._fetch, name, params))
+        with self._answered():
+            return await self._transaction(functools.partial(self._fetch, name, params))
 
 
 def _refuse_abandoned(session: Session) -> None:
@@ -1466,19 +1881,46 @@ class _AsyncpgTransaction:
 class AsyncpgSession(AsyncSession):
     dialect = "postgres"
     _current: _AsyncpgTransaction
+    _cuttable = True
 
     async def open(self) -> None:
         asyncpg = _require("asyncpg", "postgres")
         from outboxer.stores.postgres import asyncpg_dsn
 
-        conn = await asyncpg.connect(asyncpg_dsn(self.url))
-        try:
-            row = await conn.fetchrow(_PG_BACKEND)
-        except BaseException:
-            conn.terminate()
-            raise
+        self._unanswered = None
+        bound = self.statement_timeout
+        dsn = asyncpg_dsn(self.url)
+        with self._answered():
+            try:
+                # asyncpg's timeout covers the whole connect, the login included (its
+                # default, 60 s, when there is no bound).
+                conn = await _no_answer_at_connect_async(
+                    self, asyncpg.connect(dsn, **({} if bound is None else {"timeout": bound}))
+                )
+                self._opening = conn
+                try:
+                    self._arm("reading the new connection's backend id")
+                    row = await conn.fetchrow(_PG_BACKEND)
+                    if (orphan := self._orphan) is not None:
+                        self._arm("ending the connection cut off before")
+                        try:
+                            await conn.fetch(_PG_TERMINATE_NUMBERED, *orphan)
+                        except Exception as exc:  # noqa: BLE001 -- _orphan_left sorts it
+                            self._orphan_left(exc)
+                except BaseException:
+                    conn.terminate()
+                    raise
+            finally:
+                self._opening = None
+        self._orphan = None
         self._backend = (row[0], row[1]) if row is not None else None
         self.conn = conn
+
+    def _cut(self, conn: Any) -> bool:
+        # On the loop, as asyncpg: the call awaiting an answer fails at once (connection
+        # closed), and asyncpg sends no cancel request that would wait on the same network.
+        conn.terminate()
+        return True
 
     async def close(self) -> None:
         conn, self.conn = self.conn, None
@@ -1516,6 +1958,7 @@ class AsyncpgSession(AsyncSession):
             conn.terminate()  # no await: the server rolls the open transaction back
 
     async def _terminate(self, backend: tuple[Any, Any]) -> None:
+        self._arm("ending an abandoned session")
         await self.conn.fetch(_PG_TERMINATE_NUMBERED, *backend)
 
     def _in_transaction(self) -> bool:
@@ -1542,11 +1985,13 @@ class AsyncpgSession(AsyncSession):
 
     async def _execute(self, name: str, params: Mapping[str, Any]) -> int:
         sql, names = _numbered(self.sql(name))
+        self._arm(f"the {name} statement")
         tag = await self.conn.execute(sql, *(params[n] for n in names))
         return int(str(tag).rsplit(" ", 1)[-1])
 
     async def _fetch(self, name: str, params: Mapping[str, Any]) -> list[dict[str, Any]]:
         sql, names = _numbered(self.sql(name))
+        self._arm(f"the {name} statement")
         return [dict(row) for row in await self.conn.fetch(sql, *(params[n] for n in names))]
 
     async def _claim(self, group: str, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
@@ -1569,18 +2014,40 @@ class _PsycopgTransaction:
 
 class PsycopgAsyncSession(AsyncSession):
     dialect = "postgres"
+    _cuttable = True
 
     async def open(self) -> None:
         psycopg = _require("psycopg", "psycopg")
-        conn = await psycopg.AsyncConnection.connect(_libpq_url(self.url))
-        try:
-            row = await (await conn.execute(_PG_BACKEND)).fetchone()
-            await conn.rollback()  # the runner's transactions begin on an idle connection
-        except BaseException:
-            conn.pgconn.finish()
-            raise
+        self._unanswered = None
+        url = _libpq_url(self.url)
+        bounds = _libpq_bounds(url, self.statement_timeout)
+        with self._answered():
+            try:
+                conn = await _no_answer_at_connect_async(
+                    self, psycopg.AsyncConnection.connect(url, **bounds)
+                )
+                self._opening = conn
+                try:
+                    self._arm("reading the new connection's backend id")
+                    row = await (await conn.execute(_PG_BACKEND)).fetchone()
+                    if (orphan := self._orphan) is not None:
+                        self._arm("ending the connection cut off before")
+                        try:
+                            await conn.execute(_PG_TERMINATE, orphan)
+                        except Exception as exc:  # noqa: BLE001 -- _orphan_left sorts it
+                            self._orphan_left(exc)
+                    await conn.rollback()  # the runner's transactions begin on an idle one
+                except BaseException:
+                    conn.pgconn.finish()
+                    raise
+            finally:
+                self._opening = None
+        self._orphan = None
         self._backend = (row[0], row[1]) if row is not None else None
         self.conn = conn
+
+    def _cut(self, conn: Any) -> bool:
+        return _shut_psycopg(conn)
 
     async def close(self) -> None:
         conn, self.conn = self.conn, None
@@ -1608,6 +2075,7 @@ class PsycopgAsyncSession(AsyncSession):
             conn.pgconn.finish()  # what AsyncConnection.close() does, without awaiting
 
     async def _terminate(self, backend: tuple[Any, Any]) -> None:
+        self._arm("ending an abandoned session")
         await self.conn.execute(_PG_TERMINATE, backend)
 
     async def _begin(self) -> Any:
@@ -1621,17 +2089,26 @@ class PsycopgAsyncSession(AsyncSession):
         # psycopg's transaction block: a handler's commit() or rollback() fails the handler
         # instead of ending the batch's transaction (PsycopgSession._transaction says why).
         if self.conn.info.transaction_status != _IDLE:
+            self._arm("ROLLBACK")
             await self.conn.rollback()  # a block entered mid-transaction would be a savepoint
+        self._arm("BEGIN")
         async with self.conn.transaction():
-            result = await work()
-            _refuse_aborted(self.conn)
+            try:
+                result = await work()
+                _refuse_aborted(self.conn)
+            except BaseException:
+                self._arm("ROLLBACK")  # the block's end, as it leaves
+                raise
+            self._arm("COMMIT")
             return result
 
     async def _execute(self, name: str, params: Mapping[str, Any]) -> int:
+        self._arm(f"the {name} statement")
         cursor = await self.conn.execute(_pyformat(self.sql(name)), dict(params))
         return int(cursor.rowcount)
 
     async def _fetch(self, name: str, params: Mapping[str, Any]) -> list[dict[str, Any]]:
+        self._arm(f"the {name} statement")
         cursor = await self.conn.execute(_pyformat(self.sql(name)), dict(params))
         names = [column.name for column in cursor.description]
         return [dict(zip(names, row, strict=True)) for row in await cursor.fetchall()]
@@ -1719,12 +2196,14 @@ def _libpq_url(url: str) -> str:
 
 
 __all__ = [
+    "STATEMENT_TIMEOUT",
     "AbortedTransaction",
     "AsyncSession",
     "BatchFailed",
     "DeadLetter",
     "HandlerEndedTransaction",
     "HandlerReturnedAwaitable",
+    "NoAnswerError",
     "Result",
     "Session",
     "SyncSession",

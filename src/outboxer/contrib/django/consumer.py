@@ -14,11 +14,24 @@ The handler is a plain function ``handler(message, connection)``: ``connection``
 (``connections[alias]``, for raw SQL through ``connection.cursor()``), and the ORM writes to
 the same one as long as the models it writes are routed to that alias. Django's ORM is
 synchronous: a coroutine handler is refused.
+
+A database that stops answering. The runner's own round trips on that connection (the
+connect, BEGIN, the inbox claim and the checks around the handlers, COMMIT, ROLLBACK, the
+dead-letter statements) give up after ``statement_timeout``, as on the runner's own
+connections (``consumer_db``): the watchdog cuts the driver's connection under Django's
+(``connections[alias].connection``) off from outside the call: psycopg 3's and psycopg2's,
+mysqlclient's and PyMySQL's socket shut down, SQLite interrupted. Django then drops a cut
+socket's connection (its rollback fails) and is kept from connecting again in the same
+call, so the thread is free at once and the batch is an outage, never acked; the runner's
+reopen gives the session a new thread and with it a new connection.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
+import sqlite3
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,10 +40,17 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from django.db import connections, transaction
 
 from outboxer.consumer_db import (
+    _PG_BACKEND,
+    _PG_TERMINATE,
+    _PYMYSQL_CONNECT_TIMEOUT,
     _SERVER_STATUS_IN_TRANS,
     AbortedTransaction,
     DaemonThreadPool,
+    NoAnswerError,
     SyncSession,
+    _no_answer_at_connect,
+    _shut,
+    _shut_psycopg,
     is_async_handler,
 )
 from outboxer.enqueue import _pyformat
@@ -65,6 +85,8 @@ class DjangoSession(SyncSession):
     session's connection" mean one connection: it is opened, checked and closed there.
     """
 
+    _cuttable = True
+
     def __init__(self, alias: str, schema: str, dialect: str) -> None:
         super().__init__(f"django:{alias}", schema, executor=None)  # type: ignore[arg-type]
         self.alias = alias
@@ -78,6 +100,10 @@ class DjangoSession(SyncSession):
         #: SQLite too: one statement a message either way. PostgreSQL claims the batch at
         #: once and releases what a handler's COMMIT took along (SyncSession._release).
         self.claims_each = dialect in ("mysql", "sqlite")
+        #: The driver's connection whose socket ``fileno()`` gives (psycopg2, mysqlclient),
+        #: and that descriptor, read in the session's thread: mysqlclient refuses the call
+        #: from another thread while one is in a query, which is when the watchdog needs it.
+        self._descriptor: tuple[Any, int] | None = None
 
     async def _call(self, work: Callable[..., T], *args: Any) -> T:
         if self.executor is None:
@@ -90,12 +116,107 @@ class DjangoSession(SyncSession):
             # program that runs the Consumer as a library from exiting after run() returned.
             self.executor = DaemonThreadPool(1, thread_name_prefix=f"outboxer-{self.alias}")
         self._lost = False
-        self.conn = await self._call(self._connect)
+        self._unanswered = None
+        try:
+            self.conn = await self._call(self._connect)
+        finally:
+            self._opening = None
 
     def _connect(self) -> Any:
         connection = connections[self.alias]
-        connection.ensure_connection()
+        added: dict[str, Any] = {}
+        if connection.connection is None and self.statement_timeout is not None:
+            added = _bound_connects(connection, self.statement_timeout)
+        self._refuse_reconnect_after_cut(connection)
+        # The driver's connection appears half-way (Django's session setup follows, SET and
+        # SELECT VERSION() on MySQL): from then on the watchdog can cut it off.
+        self._opening = connection
+        self._arm("the connect")
+        _no_answer_at_connect(self, connection.ensure_connection)
+        raw = connection.connection
+        self._remember(raw)
+        for name in ("read_timeout", "write_timeout"):
+            if name in added and hasattr(raw, f"_{name}"):
+                # PyMySQL keeps them for every read and write after: the handshake's bound
+                # only, not the handler's statements' (PyMySQLSession does the same).
+                setattr(raw, f"_{name}", None)
+        if self.dialect == "postgres":
+            self._end_orphan(connection)
         return connection
+
+    def _end_orphan(self, connection: Any) -> None:
+        """PostgreSQL, as PsycopgSession's connect: read the new connection's backend id,
+        and end the backend of the one the bound cut off before (``Session._orphan``: one
+        waiting for a row lock does not see its client gone). In autocommit, as Django
+        connects: no transaction left open."""
+        with connection.cursor() as cursor:
+            self._arm("reading the new connection's backend id")
+            cursor.execute(_PG_BACKEND)
+            row = cursor.fetchone()
+            if (orphan := self._orphan) is not None:
+                self._arm("ending the connection cut off before")
+                try:
+                    cursor.execute(_PG_TERMINATE, orphan)
+                except Exception as exc:
+                    # Django's errors are not the driver's: a lost new connection is told
+                    # by the connection itself (the open then fails, to be tried again).
+                    if self._unanswered is not None or _gone(connection.connection):
+                        raise
+                    self._orphan_left(exc)
+        self._orphan = None
+        self._backend = (row[0], row[1]) if row is not None else None
+
+    def _refuse_reconnect_after_cut(self, connection: Any) -> None:
+        """Have ``connection`` (this session's thread's) refuse to connect again once the
+        bound cut it off, until ``open`` makes a new one (in a new thread).
+
+        Django connects again by itself as ``atomic()`` ends: when its ROLLBACK (or the
+        ROLLBACK after a failed COMMIT) fails, it closes the connection, and restoring
+        autocommit then opens a new one, in the call the cut was to end. On a database that
+        does not answer that connect waits in its turn (libpq's connect_timeout, 2 s at
+        least), the outage reported only after it, and one that succeeds is of no use: the
+        batch failed. The check takes the watchdog's lock: ``_expire`` cuts and records the
+        cut under it, so the thread woken by the cut sees it recorded."""
+        if getattr(connection, "_outboxer_guarded", False):
+            return
+        connect = connection.connect
+
+        def connect_unless_cut() -> None:
+            with self._trip.lock:
+                cut = self._unanswered
+            if cut is not None:
+                raise NoAnswerError(
+                    f"not reconnecting in the call whose round trip ({cut}) got no answer"
+                )
+            connect()
+
+        connection.connect = connect_unless_cut
+        connection._outboxer_guarded = True
+
+    def _remember(self, raw: Any) -> None:
+        """Read the socket's descriptor of ``raw`` where only ``fileno()`` gives it (see
+        ``_descriptor``), in the session's thread, once a driver connection."""
+        known = self._descriptor
+        if raw is None or (known is not None and known[0] is raw):
+            return
+        descriptor = None
+        if not (
+            isinstance(raw, sqlite3.Connection) or hasattr(raw, "pgconn") or hasattr(raw, "_sock")
+        ):
+            try:
+                descriptor = (raw, int(raw.fileno()))
+            except Exception as exc:  # noqa: BLE001 -- a driver without one: not cut off
+                logger.debug("no socket to cut off on %s: %s", type(raw).__name__, exc)
+        self._descriptor = descriptor  # one assignment: the watchdog reads it from its thread
+
+    def _cut(self, conn: Any) -> bool:
+        # ``conn`` is Django's wrapper (``conn`` or ``_opening``); the driver's connection
+        # under it, read from the loop's thread: an attribute, no use of the connection.
+        raw = conn.connection
+        if raw is None:
+            return False
+        known = self._descriptor
+        return _cut_driver(raw, known[1] if known is not None and known[0] is raw else None)
 
     async def close(self) -> None:
         executor, self.conn = self.executor, None
@@ -128,21 +249,32 @@ class DjangoSession(SyncSession):
         def mark_committed() -> None:
             nonlocal committed
             committed = True
+            self._trip.disarm()  # the handler's on_commit callbacks are not the runner's
 
         try:
+            # atomic()'s entry: autocommit off (a round trip on MySQL), BEGIN on SQLite.
+            self._arm("BEGIN")
             # durable: the outermost block, whatever the handler opens inside it.
             with transaction.atomic(using=self.alias, durable=True):
                 raw = self.conn.connection  # the driver's connection the batch runs on
+                self._remember(raw)  # a new one if Django connected again meanwhile
                 # First of the on_commit callbacks: the handler's run after it, before the ack.
                 transaction.on_commit(mark_committed, using=self.alias)
                 try:
-                    if self.dialect == "sqlite":  # the write lock first: see consumer.sql
-                        self._execute("write_lock", {})
-                    result = work()
-                finally:
-                    # Read before the rollback, which clears it.
-                    database_error = bool(self.conn.errors_occurred)
-                self._refuse_aborted()
+                    try:
+                        if self.dialect == "sqlite":  # the write lock first: see consumer.sql
+                            self._execute("write_lock", {})
+                        result = work()
+                    finally:
+                        # Read before the rollback, which clears it.
+                        database_error = bool(self.conn.errors_occurred)
+                    self._refuse_aborted()
+                except BaseException:
+                    self._arm("ROLLBACK")  # atomic()'s, as it leaves
+                    raise
+                # atomic()'s exit: COMMIT (or ROLLBACK, marked for it), autocommit restored
+                # (a round trip on MySQL); mark_committed disarms it once they are done.
+                self._arm("ROLLBACK" if transaction.get_rollback(self.alias) else "COMMIT")
         except Exception:
             if not committed:
                 self._lost = self._lost_during(raw, database_error)
@@ -166,9 +298,12 @@ class DjangoSession(SyncSession):
         database, as Django does between requests (``is_usable``)."""
         if raw is None:
             return False  # the transaction did not begin: nothing of the batch ran
-        if _gone(raw) or raw is not self.conn.connection:
-            return True
-        return database_error and not self.conn.is_usable()
+        if self._unanswered is not None or _gone(raw) or raw is not self.conn.connection:
+            return True  # cut off by the bound, or gone
+        if not database_error:
+            return False
+        self._arm("the connection check")  # is_usable(): a SELECT 1, or MySQL's ping
+        return not self.conn.is_usable()
 
     def _refuse_aborted(self) -> None:
         """PostgreSQL answers COMMIT of an aborted transaction with a rollback, and neither
@@ -215,6 +350,74 @@ class DjangoSession(SyncSession):
         params = {"consumer": group, "message_ids": sorted(ids)}
         rows = self._fetch("inbox_claim_many", params)
         return {uuid.UUID(str(row["message_id"])) for row in rows}
+
+
+def _cut_driver(raw: Any, descriptor: int | None) -> bool:
+    """Cut a driver's connection off from another thread, so that the call blocked on it
+    returns at once with the driver's error of a lost connection; whether it could.
+
+    By the socket's descriptor, shut down both ways and left open (the driver owns it, and
+    closes it as it finds the connection gone): psycopg 3's (``pgconn.socket``), PyMySQL's
+    (``_sock``), psycopg2's and mysqlclient's ``descriptor``, their ``fileno()`` read
+    earlier in the session's thread (mysqlclient's the libmysqlclient connection's), used
+    only while the connection is open (its number may be another socket's once closed).
+    SQLite has no socket: its statement is interrupted."""
+    if isinstance(raw, sqlite3.Connection):
+        try:
+            raw.interrupt()
+        except sqlite3.ProgrammingError:  # closed already
+            return False
+        return True
+    if hasattr(raw, "pgconn"):
+        return _shut_psycopg(raw)
+    if hasattr(raw, "_sock"):  # PyMySQL: None once it closed the socket
+        sock = raw._sock
+        fd = sock.fileno() if sock is not None else -1
+    else:
+        fd = -1 if descriptor is None or _gone(raw) else descriptor
+    return fd >= 0 and _shut(fd)
+
+
+def _bound_connects(connection: Any, bound: float) -> dict[str, Any]:
+    """Bound the connects of ``connection`` (this thread's Django connection, not yet
+    open) to about ``bound`` with the driver's own options, where the database's OPTIONS do
+    not set them; the options added.
+
+    The driver's connection is out of the watchdog's reach until its connect returns, so
+    its own timeouts bound it: libpq's ``connect_timeout`` (psycopg 3 and psycopg2; the
+    whole connect, whole seconds, 2 at least; PGCONNECT_TIMEOUT's where it is set),
+    PyMySQL's ``connect_timeout`` (the TCP connect) with ``read_timeout`` and
+    ``write_timeout`` for the handshake (unset once connected, see ``_connect``),
+    mysqlclient's ``connect_timeout`` (the TCP connect and the server's greeting). Only this
+    thread's copy of the settings changes: the other threads' connections keep theirs. Not
+    with ``OPTIONS["pool"]``: that pool is shared by every thread."""
+    if connection.vendor == "postgresql":
+        # PGCONNECT_TIMEOUT's value where it is set, passed on (consumer_db._libpq_bounds:
+        # psycopg 3.1.0 enforces only the connect_timeout it is given).
+        seconds = os.environ.get("PGCONNECT_TIMEOUT") or max(2, math.ceil(bound))
+        wanted: dict[str, Any] = {"connect_timeout": seconds}
+    elif connection.vendor == "mysql":
+        if getattr(connection.Database, "__name__", "").startswith("pymysql"):
+            connect = min(_PYMYSQL_CONNECT_TIMEOUT, bound)
+            wanted = {"connect_timeout": connect, "read_timeout": bound, "write_timeout": bound}
+        else:
+            wanted = {"connect_timeout": max(1, math.ceil(bound))}
+    else:
+        return {}
+    options = connection.settings_dict.get("OPTIONS") or {}
+    if options.get("pool"):
+        # Django's psycopg pool is one for the process (``_connection_pools``), made with
+        # the connect arguments of the first thread to need it: the bound would become the
+        # request threads' too. Its connects are the pool's, ``getconn`` bounded by its own
+        # ``timeout``.
+        return {}
+    added = {name: value for name, value in wanted.items() if name not in options}
+    if added:
+        connection.settings_dict = {
+            **connection.settings_dict,
+            "OPTIONS": {**options, **added},
+        }
+    return added
 
 
 def _gone(raw: Any) -> bool:
