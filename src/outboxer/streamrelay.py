@@ -344,18 +344,18 @@ class StreamRelay:
                 # The round's checkpoint may not be stored: it is read and published again.
                 self.stats.outages += 1
                 outage = _next_backoff(outage, self.outage_backoff_max)
-                self._outage("database", exc)
+                self._outage("database", _outage_reason(exc))
                 logger.warning(
                     "%s: database unavailable (%s); reconnecting in %.1fs",
                     self.source.name,
-                    exc,
+                    _outage_reason(exc),
                     outage,
                 )
                 await _reconnect(
                     self.source,
                     stop,
                     outage,
-                    lambda exc: self._outage("database", exc),
+                    lambda exc: self._outage("database", _outage_reason(exc)),
                     self.outage_backoff_max,
                 )
                 continue
@@ -639,6 +639,15 @@ def is_database_outage(exc: BaseException) -> bool:
     )
 
 
+def _outage_reason(exc: BaseException) -> str:
+    """What the log and /health say of a database outage. A statement that got no answer
+    within its bound ends with asyncpg's TimeoutError, whose text is empty: "database
+    unavailable ()" told nobody that the database had stopped answering."""
+    if isinstance(exc, TimeoutError) and not str(exc):
+        return "the database did not answer in time (TimeoutError)"
+    return str(exc)
+
+
 async def _reconnect(
     source: StreamSource,
     stop: asyncio.Event,
@@ -657,7 +666,11 @@ async def _reconnect(
         except Exception as exc:
             if not is_database_outage(exc):
                 raise
-            logger.info("%s: closing the lost connection failed too: %s", source.name, exc)
+            logger.info(
+                "%s: closing the lost connection failed too: %s",
+                source.name,
+                _outage_reason(exc),
+            )
         await _sleep(stop, wait)
         if stop.is_set():
             return
@@ -670,7 +683,12 @@ async def _reconnect(
                 raise
             failed(exc)
             wait = _next_backoff(wait, limit)  # the relay's outage_backoff_max, not 30 s
-            logger.warning("%s: still no database (%s); next try in %.1fs", source.name, exc, wait)
+            logger.warning(
+                "%s: still no database (%s); next try in %.1fs",
+                source.name,
+                _outage_reason(exc),
+                wait,
+            )
 
 
 def _next_backoff(current: float, limit: float) -> float:

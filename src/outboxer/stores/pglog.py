@@ -13,7 +13,7 @@ import datetime as dt
 import math
 import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +22,9 @@ from outboxer.message import Message
 from outboxer.redact import get_logger
 from outboxer.stores.base import UNREADABLE_ROW, parse_headers
 from outboxer.stores.pgmodes import ModeSchema, ReaderLock
+from outboxer.stores.pgpartitions import ISOLATION
 from outboxer.stores.pgstream import Backlog, DeadLetter, StreamBook, StreamFailure
-from outboxer.stores.sqlfiles import quote_ident, to_numbered
+from outboxer.stores.sqlfiles import quote_ident, render, to_numbered
 from outboxer.streamrelay import Entry
 
 logger = get_logger("outboxer.pglog")
@@ -32,7 +33,59 @@ logger = get_logger("outboxer.pglog")
 #: new writers of the log wait behind it) before it keeps the partition for next time.
 DROP_LOCK_TIMEOUT = 5.0
 
+#: Seconds each step of ensure_partitions waits for its locks before it gives the round up
+#: for the next call: DDL waiting for a lock on the log (behind a long transaction) holds
+#: every later statement on the log, writers' too, behind it meanwhile. Above PostgreSQL's
+#: deadlock_timeout (1 s by default), after which a waiting step has an autovacuum of the
+#: default partition that is in its way cancelled.
+PARTITION_LOCK_TIMEOUT = 2.0
+#: Seconds ensure_partitions may scan the default partition (counting its rows by day;
+#: validating its helper constraint). No writer or reader waits for either, but the relay
+#: reads nothing meanwhile (the upkeep runs between its reads). Cut, the step waits for
+#: the next call. SCAN_GRACE: the client's own bound beyond the server's statement_timeout.
+SCAN_TIMEOUT = 600.0
+SCAN_GRACE = 30.0
+#: A day starting at least this long after the database's clock gets its partition through
+#: a CHECK on the default partition (queries.sql: add_helper), which no writer waits for.
+#: From its addition the constraint refuses the default partition's rows of those days,
+#: until the partitions are attached or it is dropped: far longer than SCAN_TIMEOUT, so
+#: that no writer writes a row of them meanwhile, and room for the next upkeep (the relay's
+#: retry after a step gave up: UPKEEP_RETRY_SECONDS) to drop one an upkeep cut short left.
+ATTACH_AHEAD = dt.timedelta(hours=2)
+#: A day starting sooner (today's, when the upkeep did not run for days_ahead days) is
+#: created with the log's writers held back while the default partition is scanned: only
+#: if it holds at most this many rows (milliseconds of scan).
+LOCKED_SCAN_ROWS = 10_000
+#: The helper constraint's name on the default partition (one upkeep at a time per log).
+HELPER = "outboxer_partition_upkeep"
+#: Seconds the default partition's rows counted by day are reused before a new count (a
+#: full scan): they only grow, by rows of the days that have no partition.
+STRANDED_RECOUNT_SECONDS = 6 * 3600.0
+#: Seconds after which an idle log reader runs the partition upkeep again when the last one
+#: gave up for locks (instead of maintenance_seconds).
+UPKEEP_RETRY_SECONDS = 300.0
+
 _PARTITION_DAY = re.compile(r"_p(\d{8})$")
+#: SQLSTATEs: lock_timeout ran out, or PostgreSQL broke a lock cycle by failing the step
+#: (rolled back whole, as one given up); a row of the range in the default partition; a
+#: relation that another session created first (duplicate_table, or unique_violation in
+#: the catalogs when both passed the name check); statement_timeout.
+_YIELDS = ("55P03", "40P01")
+_CHECK_VIOLATION = "23514"
+_EXISTS = ("42P07", "23505")
+_QUERY_CANCELED = "57014"
+
+
+class _TooManyRows(Exception):
+    """The default partition holds more than LOCKED_SCAN_ROWS rows to scan under its lock."""
+
+
+class _GaveUp(Exception):
+    """A step of the partition upkeep was not granted its locks in time."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
 
 
 @dataclass(frozen=True, order=True, slots=True)
@@ -55,6 +108,16 @@ class PgLog(ModeSchema):
     folder = "pglog"
     also = ("pgstream",)
 
+    def __init__(self, url: str, *, schema: str = "outboxer", table: str = "outbox") -> None:
+        super().__init__(url, schema=schema, table=table)
+        #: Whether the last ensure_partitions gave up for locks, or left its helper
+        #: constraint on the default partition: the idle reader retries sooner.
+        self.upkeep_busy = False
+        #: The default partition's rows by day, as last counted (monotonic time; None: to
+        #: count again).
+        self._stranded_days: dict[dt.date, int] = {}
+        self._stranded_at: float | None = None
+
     async def apply_schema(self, days_ahead: int = 7) -> list[str]:
         applied = await super().apply_schema()
         await self.ensure_partitions(days_ahead)
@@ -73,39 +136,391 @@ class PgLog(ModeSchema):
     def partition_name(self, day: dt.date) -> str:
         return f"{self.table}_log_p{day:%Y%m%d}"
 
+    def _ddl(self, name: str, **tokens: str) -> str:
+        return render(self.sql(name), {"helper": quote_ident(HELPER), **tokens})
+
+    def _day_tokens(self, lower: dt.date, upper: dt.date, name: str = "") -> dict[str, str]:
+        tokens = {"lower": _midnight_literal(lower), "upper": _midnight_literal(upper)}
+        if name:
+            tokens["partition"] = f"{quote_ident(self.schema)}.{quote_ident(name)}"
+        return tokens
+
+    def _transaction(self) -> Any:
+        # READ COMMITTED whatever the database's default: a step's checks must read the
+        # catalogs and rows as its locks find them, not as a snapshot taken before the wait.
+        return self.conn.transaction(isolation=ISOLATION)
+
+    async def _limit_waits(self, scan: bool = False) -> None:
+        """Bound the current transaction's lock waits (and, for a scan, its statements)."""
+        await self.conn.execute(
+            f"SET LOCAL lock_timeout = '{int(PARTITION_LOCK_TIMEOUT * 1000)}ms'"
+            + (f"; SET LOCAL statement_timeout = '{int(SCAN_TIMEOUT * 1000)}ms'" if scan else "")
+        )
+
     async def ensure_partitions(
         self, days_ahead: int = 7, *, today: dt.date | None = None
     ) -> list[str]:
-        """Create the daily partitions (UTC days) from today to ``days_ahead`` days on."""
-        start = today or dt.datetime.now(dt.UTC).date()
+        """Create the daily partitions (UTC days) from today to ``days_ahead`` days on;
+        return those created now.
+
+        No writer of the log ever waits for a scan of the default partition, nor for a lock
+        this upkeep waits for longer than PARTITION_LOCK_TIMEOUT: a step not granted its
+        locks by then gives the round up (``upkeep_busy``), for the next call. Days starting
+        ATTACH_AHEAD or more after the database's clock are attached through a CHECK on the
+        default partition, validated without blocking anyone (queries.sql: add_helper);
+        sooner days (today's, after an upkeep that did not run) are created with writers
+        held back, only while the default partition is small. A day whose rows already sit
+        in the default partition gets no partition (they cannot be moved without skipping
+        a reader: see docs/design/stream-relay.md); they are counted and logged."""
+        now: dt.datetime = await self.conn.fetchval("SELECT statement_timestamp()")
+        start = today or now.astimezone(dt.UTC).date()
+        days = [start + dt.timedelta(days=n) for n in range(days_ahead + 1)]
+        self.upkeep_busy = False
+        key = {"key": f"outboxer-log-partitions:{self.schema}.{self.table}"}
+        if not await self._fetchval("upkeep_lock", key):
+            logger.info("partition upkeep of %s skipped: another one runs", self.names["log"])
+            return []
+        created: list[str] = []
+        try:
+            await self._ensure(days, now, created)
+        except _GaveUp as gave_up:
+            self.upkeep_busy = True
+            logger.warning(
+                "partition upkeep of %s gave up until its next call: a lock on the log or its "
+                "default partition was not granted within %gs (a long-running transaction "
+                "holds one); %s waits (%s)",
+                self.names["log"],
+                PARTITION_LOCK_TIMEOUT,
+                gave_up.what,
+                gave_up.__cause__,
+            )
+        finally:
+            if not self.conn.is_closed():
+                await self._fetchval("upkeep_unlock", key)
+        return created
+
+    async def _fetchval(self, name: str, params: dict[str, Any]) -> Any:
+        sql, names = to_numbered(self.sql(name))
+        return await self.conn.fetchval(sql, *(params[n] for n in names))
+
+    async def _ensure(self, days: list[dt.date], now: dt.datetime, created: list[str]) -> None:
         existing = {
             row["name"] for row in await self._fetch("partitions", {"log": self.names["log"]})
         }
-        created = []
-        for offset in range(days_ahead + 1):
-            day = start + dt.timedelta(days=offset)
+        await self._drop_helper_left()
+        missing = [day for day in days if self.partition_name(day) not in existing]
+        if not missing:
+            return
+        stranded = await self._stranded(missing)
+        free = [day for day in missing if stranded is None or day not in stranded]
+        soon = [day for day in free if _midnight(day) < now + ATTACH_AHEAD]
+        for day in soon:
+            if stranded is None or sum(stranded.values()) > LOCKED_SCAN_ROWS:
+                logger.warning(
+                    "log partition %s not created: its day begins within %s, so it would be "
+                    "made with the log's writers held back while the default partition of %s "
+                    "is scanned, which holds too many rows for that (%s; at most %d): the "
+                    "day's rows go to the default partition",
+                    self.partition_name(day),
+                    ATTACH_AHEAD,
+                    self.names["log"],
+                    "uncounted" if stranded is None else sum(stranded.values()),
+                    LOCKED_SCAN_ROWS,
+                )
+                continue
+            await self._create_locked(day, created)
+        ahead = [day for day in free if day not in soon]
+        for run in _consecutive(ahead):
+            await self._attach_ahead(run, created)
+
+    async def _stranded(self, missing: list[dt.date]) -> dict[dt.date, int] | None:
+        """The default partition's rows by day (None: not counted within SCAN_TIMEOUT), each
+        a row of a day without a partition; logged. Counted again after
+        STRANDED_RECOUNT_SECONDS only: a full scan of a default partition that may be large."""
+        try:
+            async with self._transaction():
+                await self._limit_waits()
+                held = await self._fetchval("default_holds_rows", {})
+        except Exception as exc:  # waits only for DDL on the default partition (by hand)
+            if _sqlstate(exc) not in _YIELDS:
+                raise
+            raise _GaveUp("the default partition's check") from exc
+        if not held:
+            self._stranded_days, self._stranded_at = {}, None
+            return {}
+        if (
+            self._stranded_at is None
+            or time.monotonic() - self._stranded_at >= STRANDED_RECOUNT_SECONDS
+        ):
+            try:
+                async with self._transaction():
+                    await self._limit_waits(scan=True)
+                    rows = await self.conn.fetch(
+                        self.sql("default_days"), timeout=SCAN_TIMEOUT + SCAN_GRACE
+                    )
+            except Exception as exc:
+                if not _scan_cut(exc):
+                    if _sqlstate(exc) not in _YIELDS:
+                        raise
+                    raise _GaveUp("the count of the default partition") from exc
+                logger.warning(
+                    "the default partition of %s holds rows, too many to count within %gs: "
+                    "they are of days without a partition, and retention never drops them",
+                    self.names["log"],
+                    SCAN_TIMEOUT,
+                )
+                return None
+            self._stranded_days = {row["day"]: int(row["rows"]) for row in rows}
+            self._stranded_at = time.monotonic()
+        days = self._stranded_days
+        blocked = [day for day in missing if day in days]
+        logger.warning(
+            "%d row(s) of %s sit in its default partition, of day(s) without a partition "
+            "(%s): written while no partition covered their day (the partition upkeep did "
+            "not run for longer than the days it makes ahead). Readers read them as any "
+            "other row, but retention never drops the default partition: they stay until "
+            "removed by hand.%s",
+            sum(days.values()),
+            self.names["log"],
+            _days_listed(days),
+            f" Partition(s) {', '.join(self.partition_name(d) for d in blocked)} cannot be "
+            "made while their rows are there: the rest of those days goes there too."
+            if blocked
+            else "",
+        )
+        return days
+
+    async def _drop_helper_left(self) -> None:
+        """Drop the helper constraint an upkeep cut short left on the default partition:
+        left, it would refuse the default partition's rows of days still without one."""
+        params = {"default_partition": self.names["default_partition"], "helper": HELPER}
+        if not await self._fetchval("helper_left", params):
+            return
+        try:
+            async with self._transaction():
+                await self._limit_waits()
+                await self.conn.execute(self._ddl("drop_helper"))
+        except Exception as exc:
+            if _sqlstate(exc) not in _YIELDS:
+                raise
+            raise _GaveUp(f"the constraint {HELPER} left on the default partition") from exc
+        logger.warning(
+            "dropped constraint %s left on the default partition of %s by a partition upkeep "
+            "cut short",
+            HELPER,
+            self.names["log"],
+        )
+
+    async def _create_locked(self, day: dt.date, created: list[str]) -> None:
+        name = self.partition_name(day)
+        tokens = self._day_tokens(day, day + dt.timedelta(days=1), name)
+        try:
+            async with self._transaction():
+                await self._limit_waits()
+                await self.conn.execute(self._ddl("lock_log"))
+                count = await self.conn.fetchval(
+                    to_numbered(self.sql("count_default"))[0], LOCKED_SCAN_ROWS + 1
+                )
+                if count > LOCKED_SCAN_ROWS:
+                    logger.warning(
+                        "log partition %s not created: the default partition holds more than "
+                        "%d rows to scan with the log's writers held back",
+                        name,
+                        LOCKED_SCAN_ROWS,
+                    )
+                    return
+                await self.conn.execute(self._ddl("create_partition", **tokens))
+        except Exception as exc:
+            state = _sqlstate(exc)
+            if state in _EXISTS:
+                # Another reader's relay (or an older version's upkeep, without the upkeep
+                # lock) created it since the listing: it exists, which is all this wants.
+                return
+            if state == _CHECK_VIOLATION:
+                logger.warning(
+                    "log partition %s not created: rows of its day reached the default "
+                    "partition first; the rest of the day goes there too",
+                    name,
+                )
+                self._stranded_at = None  # counted (and logged) at the next upkeep
+                return
+            if _sqlstate(exc) not in _YIELDS:
+                raise
+            raise _GaveUp(f"partition {name}") from exc
+        created.append(name)
+
+    async def _attach_ahead(self, days: list[dt.date], created: list[str]) -> None:
+        """Attach the partitions of ``days`` (consecutive) without a scan of the default
+        partition under a lock anyone waits for long: in one transaction while the default
+        partition is small, else through the helper (queries.sql: add_helper)."""
+        if await self._attach_ahead_locked(days, created):
+            return
+        await self._attach_ahead_helped(days, created)
+
+    async def _attach_ahead_locked(self, days: list[dt.date], created: list[str]) -> bool:
+        """Attach ``days`` in one transaction, the ATTACH scanning the default partition
+        under its lock (queries.sql: lock_default), if it holds at most LOCKED_SCAN_ROWS
+        rows; False, with nothing done, if it holds more. Nothing is committed midway: the
+        helper's way leaves, lost between its transactions, a CHECK that fails the writers
+        of its days once they begin, until an upkeep drops it."""
+        names = ", ".join(self.partition_name(day) for day in days)
+        try:
+            async with self._transaction():
+                await self._limit_waits()
+                made = await self._create_and_attach(
+                    days, before_attach=self._default_small_or_rollback
+                )
+        except _TooManyRows:
+            return False
+        except Exception as exc:
+            if _sqlstate(exc) == _CHECK_VIOLATION:
+                self._ahead_rows_warning(days)
+                return True
+            if _sqlstate(exc) not in _YIELDS:
+                raise
+            raise _GaveUp(f"partition(s) {names}") from exc
+        created.extend(made)
+        return True
+
+    async def _default_small_or_rollback(self) -> None:
+        await self.conn.execute(self.sql("lock_default"))
+        count = await self.conn.fetchval(
+            to_numbered(self.sql("count_default"))[0], LOCKED_SCAN_ROWS + 1
+        )
+        if count > LOCKED_SCAN_ROWS:
+            raise _TooManyRows  # rolls the transaction back: the standalone tables too
+
+    def _ahead_rows_warning(self, days: list[dt.date]) -> None:
+        # Rows dated ahead, written by hand: no writer's are (created_at is its
+        # transaction's start).
+        logger.warning(
+            "log partition(s) %s not created: the default partition of %s holds rows dated "
+            "from %s to %s",
+            ", ".join(self.partition_name(day) for day in days),
+            self.names["log"],
+            days[0],
+            days[-1] + dt.timedelta(days=1),
+        )
+        self._stranded_at = None
+
+    async def _create_and_attach(
+        self, days: list[dt.date], before_attach: Callable[[], Awaitable[None]] | None = None
+    ) -> list[str]:
+        """In the caller's transaction: make the tables of ``days`` missing from the log
+        standalone and attach them; the names attached."""
+        await self.conn.execute(self._ddl("hold_attach"))
+        existing = {
+            row["name"] for row in await self._fetch("partitions", {"log": self.names["log"]})
+        }
+        made: list[str] = []
+        for day in days:
             name = self.partition_name(day)
             if name in existing:
-                continue
-            upper = day + dt.timedelta(days=1)
-            try:
-                await self.conn.execute(
-                    f"CREATE TABLE {quote_ident(self.schema)}.{quote_ident(name)} "
-                    f"PARTITION OF {self.names['log']} "
-                    f"FOR VALUES FROM ('{day.isoformat()} 00:00+00') TO ('{upper.isoformat()} 00:00+00')"
+                continue  # another relay's upkeep, or an older version's
+            if await self.conn.fetchval(
+                "SELECT to_regclass($1) IS NOT NULL",
+                f"{quote_ident(self.schema)}.{quote_ident(name)}",
+            ):
+                logger.warning(
+                    "log partition %s not created: a table of that name exists and is no "
+                    "partition of %s",
+                    name,
+                    self.names["log"],
                 )
-            except Exception as exc:  # asyncpg errors: the day's rows already sit in the default
-                if getattr(exc, "sqlstate", None) in ("42P07", "23505"):
-                    # Another reader's relay created it since the listing (duplicate_table;
-                    # unique_violation in the catalogs when both passed the name check):
-                    # it exists, which is all this wants. Raised, it stopped the relay.
-                    continue
-                if "default partition" not in str(exc):
-                    raise
-                logger.warning("log partition %s not created: %s", name, exc)
                 continue
-            created.append(name)
-        return created
+            tokens = self._day_tokens(day, day + dt.timedelta(days=1), name)
+            await self.conn.execute(self._ddl("create_standalone", **tokens))
+            made.append(name)
+        # Every table made before the first ATTACH locks the default partition: its writers
+        # (today's rows, after the upkeep did not run) wait for the ATTACHes only.
+        if before_attach is not None:
+            await before_attach()
+        for day in days:
+            name = self.partition_name(day)
+            if name in made:
+                tokens = self._day_tokens(day, day + dt.timedelta(days=1), name)
+                await self.conn.execute(self._ddl("attach_partition", **tokens))
+        return made
+
+    async def _attach_ahead_helped(self, days: list[dt.date], created: list[str]) -> None:
+        """Attach ``days`` through the helper CHECK (queries.sql: add_helper): the default
+        partition is too large to scan under its lock."""
+        lower, upper = days[0], days[-1] + dt.timedelta(days=1)
+        names = ", ".join(self.partition_name(day) for day in days)
+        try:
+            async with self._transaction():
+                await self._limit_waits()
+                await self.conn.execute(self._ddl("add_helper", **self._day_tokens(lower, upper)))
+        except Exception as exc:
+            if _sqlstate(exc) not in _YIELDS:
+                raise
+            raise _GaveUp(f"partition(s) {names}") from exc
+        attached = False
+        try:
+            try:
+                async with self._transaction():
+                    await self._limit_waits(scan=True)
+                    await self.conn.execute(
+                        self._ddl("validate_helper"), timeout=SCAN_TIMEOUT + SCAN_GRACE
+                    )
+            except Exception as exc:
+                if _sqlstate(exc) == _CHECK_VIOLATION:
+                    self._ahead_rows_warning(days)
+                    return
+                if _scan_cut(exc):
+                    logger.warning(
+                        "log partition(s) %s not created: the default partition of %s could "
+                        "not be scanned within %gs",
+                        names,
+                        self.names["log"],
+                        SCAN_TIMEOUT,
+                    )
+                    return
+                if _sqlstate(exc) not in _YIELDS:
+                    raise
+                raise _GaveUp(f"partition(s) {names}") from exc
+            try:
+                async with self._transaction():
+                    await self._limit_waits()
+                    now_attached = await self._create_and_attach(days)
+                    await self.conn.execute(self._ddl("drop_helper"))
+            except Exception as exc:
+                if _sqlstate(exc) not in _YIELDS:
+                    raise
+                raise _GaveUp(f"partition(s) {names}") from exc
+            created.extend(now_attached)
+            attached = True
+        finally:
+            if not attached:
+                await self._drop_helper_after(lower, upper)
+
+    async def _drop_helper_after(self, lower: dt.date, upper: dt.date) -> None:
+        """Drop the helper after a step gave up; failing that, say so loudly: left, it
+        refuses the default partition's rows of days from ``lower`` to ``upper`` (their
+        writers' transactions fail) once they begin, unless an upkeep drops it first (the
+        next one does: see _drop_helper_left)."""
+        try:
+            if not self.conn.is_closed():
+                async with self._transaction():
+                    await self._limit_waits()
+                    await self.conn.execute(self._ddl("drop_helper"))
+                return
+            failure = "the connection is closed"
+        except Exception as exc:  # noqa: BLE001 -- reported; the step's own failure is raised
+            failure = f"{type(exc).__name__}: {exc}"
+        self.upkeep_busy = True
+        logger.error(
+            "constraint %s stays on the default partition of %s (%s): it refuses rows dated "
+            "from %s to %s there until the next partition upkeep drops it, or it is dropped "
+            "by hand (ALTER TABLE %s DROP CONSTRAINT %s)",
+            HELPER,
+            self.names["log"],
+            failure,
+            lower,
+            upper,
+            self.names["default_partition"],
+            HELPER,
+        )
 
     async def partitions(self) -> list[tuple[str, dt.date]]:
         """The daily partitions, oldest first (the default partition is not listed)."""
@@ -379,8 +794,12 @@ class LogReader:
     async def idle(self) -> None:
         """Partition upkeep while there is nothing to read: without it, rows of days past
         the partitions made at schema apply would fill the default partition, which
-        retention never drops."""
-        if time.monotonic() - self._maintained_at < self.maintenance_seconds:
+        retention never drops. After an upkeep that gave up for locks, again within
+        UPKEEP_RETRY_SECONDS rather than maintenance_seconds."""
+        interval = self.maintenance_seconds
+        if self.log.upkeep_busy:
+            interval = min(interval, UPKEEP_RETRY_SECONDS)
+        if time.monotonic() - self._maintained_at < interval:
             return
         self._maintained_at = time.monotonic()
         await self.log.ensure_partitions()
@@ -396,3 +815,38 @@ def reader_lock_key(log: PgLog, reader: str) -> str:
 
 def _offset(row: Any) -> LogOffset:
     return LogOffset(int(row["order_xid"]), int(row["position"]))
+
+
+def _midnight(day: dt.date) -> dt.datetime:
+    return dt.datetime.combine(day, dt.time(0), tzinfo=dt.UTC)
+
+
+def _midnight_literal(day: dt.date) -> str:
+    """A day's start as a timestamptz literal for DDL (which takes no parameters)."""
+    return f"'{day.isoformat()} 00:00+00'"
+
+
+def _consecutive(days: Sequence[dt.date]) -> list[list[dt.date]]:
+    """``days`` (ascending) in runs of consecutive days."""
+    runs: list[list[dt.date]] = []
+    for day in days:
+        if runs and runs[-1][-1] + dt.timedelta(days=1) == day:
+            runs[-1].append(day)
+        else:
+            runs.append([day])
+    return runs
+
+
+def _days_listed(days: dict[dt.date, int], shown: int = 10) -> str:
+    listed = ", ".join(f"{day}: {rows}" for day, rows in sorted(days.items())[:shown])
+    return listed + (f" and {len(days) - shown} more day(s)" if len(days) > shown else "")
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    return getattr(exc, "sqlstate", None)
+
+
+def _scan_cut(exc: BaseException) -> bool:
+    """Whether a scan of the default partition was cut at SCAN_TIMEOUT (the server's
+    statement_timeout, or the client's bound past it)."""
+    return _sqlstate(exc) == _QUERY_CANCELED or isinstance(exc, TimeoutError)

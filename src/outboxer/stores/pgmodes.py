@@ -12,15 +12,17 @@ table's (an applied migration of one mode never touches another's).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from outboxer.errors import ConfigError, PayloadError, StoreError
 from outboxer.message import JSON, Message
-from outboxer.redact import register_url_secrets
+from outboxer.redact import get_logger, register_url_secrets
 from outboxer.stores.base import check_identifier
 from outboxer.stores.pgpartitions import ISOLATION
 from outboxer.stores.sqlfiles import migrations, queries, quote_ident, render
@@ -28,11 +30,27 @@ from outboxer.stores.sqlfiles import migrations, queries, quote_ident, render
 if TYPE_CHECKING:
     from outboxer.enqueue import _Driver
 
+logger = get_logger("outboxer.pgmodes")
+
 #: Outbox modes: the default table and the PostgreSQL-only modes.
 MODES = ("table", "log", "wal", "debezium")
 
 #: The prefix of the WAL outbox's logical decoding messages, followed by schema.table.
 WAL_PREFIX = "outboxer:"
+
+#: Seconds a statement of the stream relays' connections (and of the commands that share
+#: them) may go unanswered: then it fails with TimeoutError, an outage the relay backs off
+#: from and reconnects after, as the table mode's pool (``command_timeout=60``). Without
+#: it, a database that stopped answering (a proxy that accepts and forwards nothing, a
+#: partition) held the stream relay for ever while it looked alive. Logical decoding
+#: calls have their own bound (pgwal: DECODE_TIMEOUT, watched), schema changes none.
+COMMAND_TIMEOUT = 60.0
+#: Seconds a connect (TCP, TLS, authentication) may take: asyncpg's own default, named.
+CONNECT_TIMEOUT = 60.0
+#: Seconds ``close`` waits for the server's goodbye before it cuts the connection: a
+#: database that stopped answering never says it, and the relay's reconnect or shutdown
+#: waited for it (up to the command timeout, for ever without one).
+CLOSE_TIMEOUT = 1.0
 
 
 def check_mode(mode: object) -> str:
@@ -203,6 +221,10 @@ class ModeSchema:
         self.names = tokens(schema, table)
         self.names["migrations"] = self._migrations_table(self.folder)
         self._conn: Any = None
+        #: The server session of the connection (``connect``), and one given up without
+        #: the server taking its close (``close``), which ``connect`` ends.
+        self._session: Session | None = None
+        self._left: Session | None = None
 
     def _migrations_table(self, folder: str) -> str:
         return f"{quote_ident(self.schema)}.{quote_ident(f'{self.table}_{folder}_migrations')}"
@@ -211,13 +233,45 @@ class ModeSchema:
         return render(queries(self.folder)[name], self.names)
 
     async def connect(self) -> None:
+        """Connect; first end the session of the connection given up last (``close`` not
+        taken by the server) if the server still has it. Given up in a partition, the
+        server never heard of it: it lived on until TCP keepalive ended it (over two hours
+        with Linux's defaults), inside the transaction it was in ('idle in transaction': a
+        commit with dead letters whose COMMIT was lost), its row locks held. The
+        reconnected relay's statements on the same rows (registering its reader, moving its
+        offset) waited for them, were cut at COMMAND_TIMEOUT, and the relay reconnected,
+        for as long."""
         if self._conn is None:
-            self._conn = await open_connection(self.url)
+            conn = await open_connection(self.url)
+            try:
+                if self._left is not None:
+                    left, self._left = self._left, None
+                    await end_session(conn, left, type(self).__name__)
+                self._session = await session_of(conn)
+            except BaseException:
+                await close_connection(conn)
+                raise
+            self._conn = conn
 
     async def close(self) -> None:
         if self._conn is not None:
             conn, self._conn = self._conn, None
-            await conn.close()
+            session, self._session = self._session, None
+            if not await close_connection(conn):
+                self._left = session
+
+    @contextlib.asynccontextmanager
+    async def schema_connection(self) -> AsyncIterator[Any]:
+        """A connection of its own for a schema change, without the statement bound: an
+        index built over the retained log (pglog migration 0002), a wait for another
+        apply's schema lock or a slot's creation (it waits for the running transactions
+        to end) take minutes, and cut at COMMAND_TIMEOUT they could never complete. The
+        default table's schema changes run so too (PostgresStore._schema_connection)."""
+        conn = await open_connection(self.url, bounded=False)
+        try:
+            yield conn
+        finally:
+            await close_connection(conn)
 
     @property
     def conn(self) -> Any:
@@ -255,15 +309,14 @@ class ModeSchema:
         that folder's own); return those applied now."""
         from outboxer.stores.postgres import lock_schema
 
-        await self.connect()
+        await self.connect()  # the callers go on with self.conn
         applied: list[str] = []
-        conn = self.conn
         recorded = self._migrations_table(folder)
         # READ COMMITTED whatever the database's default: the versions recorded must be read
         # as the locks below find them. At REPEATABLE READ the lock's query took the snapshot
         # before its wait, and a second apply ran the first's migrations again (a table
         # "already exists").
-        async with conn.transaction(isolation=ISOLATION):
+        async with self.schema_connection() as conn, conn.transaction(isolation=ISOLATION):
             await conn.execute("SET LOCAL synchronous_commit = on")
             await lock_schema(conn, self.schema)  # the schema's shared objects (see there)
             await conn.execute(
@@ -293,17 +346,126 @@ class ModeSchema:
         return applied
 
 
-async def open_connection(url: str) -> Any:
-    """One asyncpg connection (StoreError if the database does not answer)."""
+async def open_connection(url: str, *, bounded: bool = True) -> Any:
+    """One asyncpg connection (StoreError if the database does not answer within
+    CONNECT_TIMEOUT). Its statements give up after COMMAND_TIMEOUT unless a call says
+    otherwise (``timeout=``); ``bounded=False``: no bound, for schema changes only."""
     from outboxer.stores.postgres import _asyncpg, asyncpg_dsn
 
     asyncpg = _asyncpg()
     try:
         return await asyncpg.connect(
-            asyncpg_dsn(url), server_settings={"application_name": "outboxer-relay"}
+            asyncpg_dsn(url),
+            # Read at each call, not bound at import: tests shorten them.
+            timeout=CONNECT_TIMEOUT,
+            command_timeout=COMMAND_TIMEOUT if bounded else None,
+            server_settings={"application_name": "outboxer-relay"},
         )
+    except TimeoutError as exc:  # asyncpg's says nothing: the server took the TCP connection
+        raise StoreError(
+            f"cannot connect to PostgreSQL: no answer within {CONNECT_TIMEOUT:g}s"
+        ) from exc
     except (OSError, asyncpg.PostgresError) as exc:
         raise StoreError(f"cannot connect to PostgreSQL: {exc}") from exc
+
+
+async def close_connection(conn: Any, timeout: float | None = None) -> bool:
+    """Close ``conn`` within ``timeout`` (CLOSE_TIMEOUT), else cut it: the server ends the
+    session (and rolls back what it had begun) once it notices, which after a partition
+    may be hours away. Whether the server took the close (False: cut, or lost before)."""
+    if conn.is_closed():  # lost: whether the server's side went too is unknown
+        return False
+    try:
+        await conn.close(timeout=CLOSE_TIMEOUT if timeout is None else timeout)
+    except Exception:  # noqa: BLE001 -- a timeout or a broken connection: cut it
+        conn.terminate()
+        return False
+    return True
+
+
+#: A server session: its process id and backend start, which no other session shares.
+Session = tuple[int, Any]
+
+
+async def session_of(conn: Any) -> Session:
+    """``conn``'s server session (``end_session`` ends it from another connection)."""
+    started = await conn.fetchval(
+        "SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+    )
+    return conn.get_server_pid(), started
+
+
+async def end_session(conn: Any, session: Session, name: str) -> bool:
+    """End ``session``, one this process gave up (see ModeSchema.connect, ReaderLock), if
+    the server still has it; whether it did. Matched by process id and backend start, so
+    never another session, another relay's, that took the process id since. A role not
+    allowed to end it is logged, and the caller goes on (it then waits for TCP keepalive,
+    as before)."""
+    from outboxer.stores.postgres import _asyncpg
+
+    pid, started = session
+    try:
+        ended = bool(
+            await conn.fetchval(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE pid = $1 AND backend_start = $2 AND pid <> pg_backend_pid()",
+                pid,
+                started,
+            )
+        )
+    except _asyncpg().PostgresError as exc:
+        logger.warning(
+            "%s: cannot end this relay's earlier session (process %d), given up but perhaps "
+            "still at the server: %s",
+            name,
+            pid,
+            exc,
+        )
+        return False
+    if ended:
+        logger.warning(
+            "%s: ended this relay's earlier session (process %d): given up (a partition, a "
+            "close cut short), it was still at the server, with what it held",
+            name,
+            pid,
+        )
+    return ended
+
+
+#: What pg_stat_activity says of a process's statement (``backend_activity``).
+#: Running it (or unknown: the server answered, and only 'idle…' says it is done).
+WORKING = "working"
+#: Done with it and blocked handing its answer over (wait_event ClientWrite): the
+#: connection is not taking the answer (a middlebox that stopped reading it, a NAT that
+#: forgot it), or takes it slowly. State 'active' still, it was taken for work going on.
+SENDING = "sending"
+#: Done with it ('idle…'), or the process is gone.
+DONE = "done"
+
+
+def _activity(row: Any) -> str:
+    """``backend_activity`` of a pg_stat_activity row (None: no such process). With
+    track_activities off the state is 'disabled': unknown, taken as working."""
+    if row is None:
+        return DONE
+    state = row["state"]
+    if state is not None and str(state).startswith("idle"):
+        return DONE
+    if row["wait_event"] == "ClientWrite":
+        return SENDING
+    return WORKING
+
+
+async def backend_activity(conn: Any, pid: int) -> str:
+    """WORKING, SENDING or DONE: what server process ``pid`` (another session of the same
+    role) does with its statement, asked on ``conn`` within LOCK_CHECK_SECONDS
+    (TimeoutError past it)."""
+    row = await conn.fetchrow(
+        "SELECT state, wait_event FROM pg_stat_activity WHERE pid = $1",
+        pid,
+        timeout=LOCK_CHECK_SECONDS,
+    )
+    return _activity(row)
 
 
 #: Seconds between checks that the session holding a reader lock is still there.
@@ -319,6 +481,14 @@ class ReaderLock:
     on, and a second relay was no longer refused (both published everything). ``check``
     (every read) says so, a ``StoreError``: the relay reconnects and takes it again, or
     is refused while another relay has it.
+
+    Idle, it also outlives a partition: the relay gives it up (its close cut after
+    CLOSE_TIMEOUT) and the server never hears of it, nor finds out before TCP keepalive
+    does (over two hours with Linux's defaults), while it holds the lock. So ``acquire``
+    first ends the session that ``release`` gave up without the server taking its close,
+    if the server still has it (the same process and backend start: never another
+    relay's), else every reconnect was refused "already being read by another relay" by
+    the relay's own abandoned session.
     """
 
     def __init__(self, url: str, key: str, name: str) -> None:
@@ -327,6 +497,15 @@ class ReaderLock:
         self.name = name
         self._conn: Any = None
         self._checked_at = 0.0
+        #: The server session holding the lock, and one given up without the server
+        #: taking its close (``release``), which ``acquire`` ends.
+        self._session: Session | None = None
+        self._last: Session | None = None
+
+    @property
+    def held(self) -> bool:
+        """Whether this lock's session is open (the lock taken, not known lost)."""
+        return self._conn is not None and not self._conn.is_closed()
 
     async def acquire(self) -> bool:
         """Take the lock (False: another session has it)."""
@@ -338,20 +517,42 @@ class ReaderLock:
                 "SELECT set_config('idle_session_timeout', '0', false) "
                 "WHERE current_setting('server_version_num')::int >= 140000"
             )
-            held = bool(
-                await conn.fetchval(
-                    "SELECT pg_try_advisory_lock(hashtextextended($1, 0))", self.key
-                )
-            )
+            ended = await self._end_last(conn)
+            held = await self._take(conn)
+            # An ended session lets its lock go once its process has exited: moments.
+            deadline = time.monotonic() + LOCK_CHECK_SECONDS
+            while ended and not held and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+                held = await self._take(conn)
         except BaseException:
-            await conn.close()
+            await close_connection(conn)
             raise
         if not held:
-            await conn.close()
+            await close_connection(conn)
             return False
         self._conn = conn
         self._checked_at = time.monotonic()
         return True
+
+    async def _take(self, conn: Any) -> bool:
+        """Try the lock on ``conn``; taken, remember the session (``release``)."""
+        row = await conn.fetchrow(
+            "SELECT pg_try_advisory_lock(hashtextextended($1, 0)) AS held, backend_start "
+            "FROM pg_stat_activity WHERE pid = pg_backend_pid()",
+            self.key,
+        )
+        if row is None or not row["held"]:
+            return False
+        self._session = (conn.get_server_pid(), row["backend_start"])
+        return True
+
+    async def _end_last(self, conn: Any) -> bool:
+        """End the session this lock gave up last if the server still has it (after a
+        partition: see the class); whether one was ended."""
+        if self._last is None:
+            return False
+        last, self._last = self._last, None
+        return await end_session(conn, last, self.name)
 
     async def check(self) -> None:
         """StoreError if the lock's session is gone: closed (seen at once), or not
@@ -368,12 +569,28 @@ class ReaderLock:
             ) from exc
         self._checked_at = time.monotonic()
 
+    async def activity(self, pid: int) -> str:
+        """What server process ``pid`` does with its statement (``backend_activity``),
+        asked on the lock's session; StoreError if that session is gone or does not answer
+        within LOCK_CHECK_SECONDS: the database is out for both."""
+        if not self.held:
+            raise StoreError(f"{self.name}: the session holding the reader lock was lost")
+        try:
+            activity = await backend_activity(self._conn, pid)
+        except Exception as exc:  # the driver's error or a timeout: the session is lost
+            raise StoreError(
+                f"{self.name}: the session holding the reader lock does not answer: "
+                f"{str(exc) or type(exc).__name__}"
+            ) from exc
+        self._checked_at = time.monotonic()
+        return activity
+
     async def release(self) -> None:
         if self._conn is not None:
             conn, self._conn = self._conn, None
-            try:
-                # Ends the session, and with it the lock; bounded: a cut connection's
-                # close would wait for an answer that never comes.
-                await conn.close(timeout=LOCK_CHECK_SECONDS)
-            except Exception:  # noqa: BLE001 -- already lost: the lock went with it
-                conn.terminate()
+            session, self._session = self._session, None
+            # Ends the session, and with it the lock; bounded: a cut connection's close
+            # would wait for an answer that never comes. Not taken by the server, the
+            # session may live on there, lock held: the next acquire ends it.
+            if not await close_connection(conn, LOCK_CHECK_SECONDS):
+                self._last = session

@@ -35,7 +35,17 @@ from typing import Any, TypeVar
 from outboxer.errors import ConfigError, SlotInvalidatedError, StoreError
 from outboxer.message import Message, check_text
 from outboxer.redact import get_logger
-from outboxer.stores.pgmodes import ModeSchema, ReaderLock, wal_prefix
+from outboxer.stores import pgmodes
+from outboxer.stores.pgmodes import (
+    SENDING,
+    WORKING,
+    ModeSchema,
+    ReaderLock,
+    backend_activity,
+    close_connection,
+    open_connection,
+    wal_prefix,
+)
 from outboxer.stores.pgoutput import Begin, Commit, LogicalMessage, decode
 from outboxer.stores.pgstream import Backlog, DeadLetter, StreamBook, StreamFailure
 from outboxer.stores.sqlfiles import queries, to_numbered
@@ -57,6 +67,18 @@ _NOT_IN_PREREQUISITE_STATE = "55000"
 #: Seconds a slot call waits for a slot another session holds for a moment (a status
 #: query peeking it) before it gives up.
 SLOT_BUSY_SECONDS = 10.0
+#: The last-resort bound of a call that decodes WAL (a peek, a slot's advance), far above
+#: COMMAND_TIMEOUT: decoding goes through all the WAL after the slot's position, the
+#: transactions without outbox messages included, and a relay that was down, or a
+#: transaction of millions of rows, makes that minutes of work. A fixed bound shorter
+#: than the work would cancel it at every try, re-decoding the same WAL for ever while the
+#: slot kept it. The real bound is the watch (WalReader._decoding): after each
+#: COMMAND_TIMEOUT without an answer the server is asked, on another session, whether the
+#: call's process is still at it; a server that does not answer within
+#: LOCK_CHECK_SECONDS, that is done with the call while its answer never came, or that
+#: cannot hand the answer over within COMMAND_TIMEOUT (blocked writing it), is an outage,
+#: as for any other statement.
+DECODE_TIMEOUT = 24 * 3600.0
 
 
 def lsn_text(lsn: int) -> str:
@@ -148,7 +170,9 @@ class PgWal(ModeSchema):
                     "slot prefix for this one"
                 )
             return False
-        await self.conn.execute("SELECT pg_create_logical_replication_slot($1, 'pgoutput')", name)
+        # Waits for the transactions running now to end (its snapshot): not bounded.
+        async with self.schema_connection() as conn:
+            await conn.execute("SELECT pg_create_logical_replication_slot($1, 'pgoutput')", name)
         return True
 
     async def drop_slot(self, destination: str) -> None:
@@ -240,15 +264,72 @@ class WalReader:
                     raise StoreError(f"{self.name} is in use by another session: {exc}") from exc
                 await asyncio.sleep(0.05)
 
+    async def _decoding(self, call: Awaitable[T]) -> T:
+        """``call``, a statement of ``self.wal.conn`` that decodes WAL (DECODE_TIMEOUT says
+        why no fixed bound fits it), watched instead: every COMMAND_TIMEOUT without its
+        answer, the server is asked what the call's process does. StoreError (an outage:
+        the relay reconnects, and reads again from the slot, which only a confirmed advance
+        moves) when the server does not answer that question, or when it is done with the
+        call and the answer still does not arrive."""
+        pid = self.wal.conn.get_server_pid()
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait((task,), timeout=pgmodes.COMMAND_TIMEOUT)
+                if done:
+                    return task.result()
+                activity = await self._activity(pid)
+                if activity == WORKING:
+                    continue
+                # Done on the server's side: an answer on its way has one more short wait,
+                # then it is lost. One the server is still handing over (blocked writing:
+                # the decoding ended, its function returned the slot) has a statement's
+                # bound to arrive, as in log mode: a connection that stopped taking it held
+                # the relay for DECODE_TIMEOUT, the watch seeing an 'active' process.
+                sending = activity == SENDING
+                grace = pgmodes.COMMAND_TIMEOUT if sending else pgmodes.LOCK_CHECK_SECONDS
+                done, _ = await asyncio.wait((task,), timeout=grace)
+                if done:
+                    return task.result()
+                raise StoreError(
+                    f"{self.name}: the server is done with a call that decodes the slot "
+                    f"(process {pid}), and its answer has not arrived"
+                    + (f": not taken from the server within {grace:g}s" if sending else "")
+                )
+        finally:
+            if not task.done():
+                task.cancel()  # asyncpg sends the server a cancel request (bounded)
+                await asyncio.wait((task,), timeout=pgmodes.CLOSE_TIMEOUT)
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved (it is raised above, or moot after an outage)
+
+    async def _activity(self, pid: int) -> str:
+        """What server process ``pid`` does with its statement: asked on the reader lock's
+        session, or without the lock (``stream status``) on a connection of its own."""
+        if self._lock.held:
+            return await self._lock.activity(pid)
+        conn = await open_connection(self.wal.url)
+        try:
+            return await backend_activity(conn, pid)
+        except Exception as exc:  # the driver's error or a timeout: the database is out
+            raise StoreError(
+                f"{self.name}: the database does not answer: {str(exc) or type(exc).__name__}"
+            ) from exc
+        finally:
+            await close_connection(conn)
+
     async def _peek(self, limit: int) -> list[Any]:
         async def peek() -> list[Any]:
             return list(
-                await self.wal.conn.fetch(
-                    "SELECT data FROM pg_logical_slot_peek_binary_changes($1, NULL, $2, "
-                    "'proto_version', '1', 'publication_names', $3, 'messages', 'true')",
-                    self.slot,
-                    limit,
-                    PUBLICATION,
+                await self._decoding(
+                    self.wal.conn.fetch(
+                        "SELECT data FROM pg_logical_slot_peek_binary_changes($1, NULL, $2, "
+                        "'proto_version', '1', 'publication_names', $3, 'messages', 'true')",
+                        self.slot,
+                        limit,
+                        PUBLICATION,
+                        timeout=DECODE_TIMEOUT,
+                    )
                 )
             )
 
@@ -389,7 +470,17 @@ class WalReader:
                 await self.book.mark_passing(conn, passing, checkpoint)
 
         async def advance() -> None:
-            await conn.execute("SELECT pg_replication_slot_advance($1, $2)", self.slot, checkpoint)
+            # Decodes the WAL up to the checkpoint again, as long as the peek did: watched,
+            # as the peek. One cut short leaves the slot's confirmed position where it was
+            # or at the checkpoint, never past it: never past what the broker confirmed.
+            await self._decoding(
+                conn.execute(
+                    "SELECT pg_replication_slot_advance($1, $2)",
+                    self.slot,
+                    checkpoint,
+                    timeout=DECODE_TIMEOUT,
+                )
+            )
 
         await self._slot_call(advance)
         if passing:
