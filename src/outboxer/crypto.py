@@ -39,9 +39,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import concurrent.futures
+import copy
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 import secrets
@@ -50,6 +53,7 @@ import threading
 import time
 import tomllib
 import uuid
+import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -836,6 +840,199 @@ def keys_in_use(messages: Iterable[Message]) -> set[str]:
     }
 
 
+#: Key fetches still running, per key ring, waited on or given up on (a KMS client with no
+#: timeout of its own keeps its thread): past this many, the ring's fetches fail at once
+#: instead of starting one more thread, so a KMS that never answers costs a bounded number
+#: of threads, not one per retry nor one per caller waiting at once. One that returns frees
+#: its place (with a KMS that answers, a fetch beyond this many at the same moment fails,
+#: retryable, and its retry finds the key the others fetched). Per ring, as the error says ("the
+#: keyring's source"): one count for the process made a silent KMS behind one ring fail
+#: every other ring's fetches (another destination's KMS that answers), and a ring holding
+#: its keys answer an unknown id "unavailable" (retried) instead of "not found". The relay
+#: and the consumer count together: one ring is one key source, whoever waits for it.
+MAX_ABANDONED_FETCHES = 4
+
+_abandoned_lock = threading.Lock()
+_abandoned: weakref.WeakKeyDictionary[KeyRing, int] = weakref.WeakKeyDictionary()
+#: The fetch of each (ring, key id) that a caller still waits for: a caller asking for the
+#: same key meanwhile waits for that call instead of starting one more. Without it, a KMS
+#: that answers failed every fetch beyond the cap that began at the same moment (the
+#: consumer's lanes meeting a new key together), each a failed attempt for nothing. A
+#: fetch given up on is no longer joined: a later one may reach a KMS that recovered.
+_joinable: weakref.WeakKeyDictionary[KeyRing, dict[str, concurrent.futures.Future[None]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+async def fetch_key_bounded(
+    keyring: KeyRing, key_id: str, timeout: float, *, waiter: str, log: logging.Logger
+) -> None:
+    """Load ``key_id`` into ``keyring`` (a KMS call, blocking) in a daemon thread, waiting at
+    most ``timeout`` seconds: then KeyRingUnavailableError, and the thread is left to end
+    on its own (how it ends is logged on ``log``, naming ``waiter``, "the relay" or "the
+    consumer": the KMS's own error is seen nowhere else). Not ``asyncio.to_thread`` nor a
+    fixed pool: asyncio.run (and the interpreter) join the default executor's threads at
+    exit, and a pool's threads, once all held by calls that never return, left every later
+    fetch queued behind them until it timed out, never reaching the KMS again."""
+    import asyncio
+
+    # The check and the count in one hold of the lock, the count taken when the thread is
+    # started, not when it is given up on: checked here and counted only at the timeout,
+    # every fetch that began while fewer than the cap were left (the consumer's lanes, up
+    # to ``concurrency`` of them, meeting the same new key at once) passed, and a KMS that
+    # never answered kept one thread per lane, past the cap. A thread counts until it ends.
+    outcome: concurrent.futures.Future[None] = concurrent.futures.Future()
+    # Only a text id is shared: a row's headers are JSON, and a hand-written list or object
+    # there is no key to look up (the ring answers it KeyNotFoundError, permanent).
+    shared = isinstance(key_id, str)
+    with _abandoned_lock:
+        joined = _joinable.get(keyring, {}).get(key_id) if shared else None
+        if joined is None:
+            stuck = _abandoned.get(keyring, 0)
+            if stuck >= MAX_ABANDONED_FETCHES:
+                raise KeyRingUnavailableError(
+                    f"key {key_id!r}: {stuck} earlier fetches from the keyring's source have "
+                    "not returned; it is not asked again until one does"
+                )
+            _abandoned[keyring] = stuck + 1
+            if shared:
+                _joinable.setdefault(keyring, {})[key_id] = outcome
+    if joined is not None:
+        await _join_fetch(joined, key_id, timeout)
+        return
+    given_up = False
+    started = time.monotonic()
+
+    def unjoinable() -> None:
+        """No later caller joins this fetch (under the lock)."""
+        calls = _joinable.get(keyring) if shared else None
+        if calls is not None and calls.get(key_id) is outcome:
+            del calls[key_id]
+
+    def work() -> None:
+        ran = outcome.set_running_or_notify_cancel()
+        error: BaseException | None = None
+        if ran:
+            try:
+                keyring.key(key_id)  # the ring keeps what it fetched, even given up on
+            except BaseException as exc:  # noqa: BLE001 -- the waiting task's to raise
+                error = exc
+                outcome.set_exception(exc)
+            else:
+                outcome.set_result(None)
+        with _abandoned_lock:
+            late = given_up
+            _abandoned[keyring] -= 1
+            unjoinable()
+        if late and ran:
+            _log_late_fetch(log, waiter, key_id, time.monotonic() - started, timeout, error)
+
+    def give_up() -> bool:
+        """Leave the thread to itself (its late outcome logged); False if it ended already."""
+        nonlocal given_up
+        with _abandoned_lock:
+            unjoinable()
+            if outcome.done():
+                return False
+            given_up = True
+            return True
+
+    # Cancelled once given up: the thread's late answer is then dropped, also after the
+    # event loop is closed (asyncio's future chaining checks for both).
+    waiting = asyncio.wrap_future(outcome)
+    waiting.add_done_callback(_retrieved)
+    try:
+        threading.Thread(target=work, name="outboxer-key-fetch", daemon=True).start()
+    except BaseException:
+        # No thread (none left to the process, or the interpreter shutting down): nothing
+        # will give the place back.
+        with _abandoned_lock:
+            _abandoned[keyring] -= 1
+            unjoinable()
+        outcome.cancel()  # a caller that joined it meanwhile gets CancelledError, not a hang
+        waiting.cancel()
+        raise
+    try:
+        await asyncio.wait((waiting,), timeout=timeout)
+    except BaseException:
+        give_up()
+        waiting.cancel()
+        raise
+    if give_up():
+        waiting.cancel()
+        raise KeyRingUnavailableError(
+            f"key {key_id!r}: the keyring's source did not answer within {timeout:g} s"
+        )
+    waiting.cancel()  # its state may still be on its way from the thread: read the source
+    outcome.result()
+
+
+def _retrieved(waiting: Any) -> None:
+    """Mark a wait's outcome seen: the fetch's error is read from the fetch itself, and one
+    never read was logged when the wait's future was collected ("Future exception was never
+    retrieved"), in the middle of whatever ran then."""
+    if not waiting.cancelled():
+        waiting.exception()
+
+
+async def _join_fetch(fetch: concurrent.futures.Future[None], key_id: str, timeout: float) -> None:
+    """Wait at most ``timeout`` seconds for another caller's fetch of ``key_id``; its error
+    is raised here too. The wait's own future is never cancelled: that would cancel the
+    shared fetch (asyncio chains a cancellation back to the future it wraps)."""
+    import asyncio
+
+    waiting = asyncio.wrap_future(fetch)
+    waiting.add_done_callback(_retrieved)
+    await asyncio.wait((waiting,), timeout=timeout)
+    if not fetch.done():
+        raise KeyRingUnavailableError(
+            f"key {key_id!r}: the keyring's source did not answer within {timeout:g} s"
+        )
+    if fetch.cancelled():
+        raise KeyRingUnavailableError(f"key {key_id!r}: the fetch this one waited for never ran")
+    error = fetch.exception()
+    if error is not None:
+        # A copy of the fetch's error, of its type (KeyNotFoundError stays permanent): one
+        # exception object raised by every waiter would gather all their tracebacks.
+        try:
+            own = copy.copy(error)
+        except Exception:  # noqa: BLE001 -- an error type that cannot be copied
+            own = KeyRingUnavailableError(f"key {key_id!r}: {error}")
+        raise own.with_traceback(None) from error
+
+
+def _log_late_fetch(
+    log: logging.Logger,
+    waiter: str,
+    key_id: str,
+    took: float,
+    timeout: float,
+    error: BaseException | None,
+) -> None:
+    """Say how a fetch given up on ended. Its message failed "did not answer within …": a
+    KMS client slower to fail than the bound (its own connect timeout, its retries) left
+    its real error (access denied, no such key) nowhere, and a key that did arrive unsaid."""
+    if error is None:
+        log.info(
+            "key %r: the keyring's source answered after %.1f s (%s waited %g s); "
+            "the key is kept for the message's next attempt",
+            key_id,
+            took,
+            waiter,
+            timeout,
+        )
+        return
+    text = redact_text(str(error) or type(error).__name__)
+    log.warning(
+        "key %r: the keyring's source failed after %.1f s (%s waited %g s): %s",
+        key_id,
+        took,
+        waiter,
+        timeout,
+        text[:500],
+    )
+
+
 __all__ = [
     "ALGORITHM",
     "DEFAULT_CURRENT_KEY_ENV",
@@ -847,6 +1044,7 @@ __all__ = [
     "HEADER_KEY_ID",
     "HEADER_SEALED_HEADERS",
     "HEADER_SUBJECT",
+    "MAX_ABANDONED_FETCHES",
     "DecryptionError",
     "EncryptionError",
     "FileSubjectKeys",
@@ -859,6 +1057,7 @@ __all__ = [
     "associated_data",
     "decrypt",
     "encrypt_message",
+    "fetch_key_bounded",
     "generate_key",
     "is_encrypted",
     "keys_in_use",

@@ -61,6 +61,13 @@ _DUPLICATES: ContextVar[list[tuple[Message, PubAck]] | None] = ContextVar(
 )
 #: Seconds a client whose connect failed gets to close its socket.
 _ABANDON_TIMEOUT = 2.0
+#: Seconds closing a client may take. nats-py's close writes what is still buffered and
+#: waits for the socket to take it and to close: a server that stopped reading (a stalled
+#: process, a partition once the socket's buffers are full) held the close, and with it
+#: the relay's reconnect and the consumer's, or their shutdown, for ever. Past it the
+#: socket is cut: what was unsent is lost (publishes whose wave failed already, acks the
+#: server redelivers).
+CLOSE_TIMEOUT = 5.0
 #: Refusals that the same publish will meet again (the message itself is at fault).
 _PERMANENT = (nats.errors.MaxPayloadError, nats.errors.BadSubjectError, nats.errors.BadHeaderError)
 #: JetStream refusals with a 4xx code that clear up by themselves: 10002, "resource limits
@@ -204,8 +211,43 @@ def api_error(error: object) -> nats.js.errors.APIError:
 async def abandon(nc: Client) -> None:
     """Close the socket of a client whose connect failed (nats-py leaves it open); bounded,
     since the server may be the one that never answered."""
-    with contextlib.suppress(nats.errors.Error, OSError, asyncio.TimeoutError):
-        await asyncio.wait_for(nc.close(), _ABANDON_TIMEOUT)
+    await close_client(nc, _ABANDON_TIMEOUT)
+
+
+async def close_client(nc: Client, timeout: float | None = None) -> None:
+    """Close ``nc`` within ``timeout`` seconds (CLOSE_TIMEOUT), else cut its socket, which
+    ends nats-py's close at once (its wait for the socket wakes). Never raises for a
+    connection that is broken or cut."""
+    limit = CLOSE_TIMEOUT if timeout is None else timeout
+    closing = asyncio.ensure_future(nc.close())
+    try:
+        done, _ = await asyncio.wait((closing,), timeout=limit)
+        if not done:
+            logger.warning(
+                "nats: the server did not take the connection's close within %gs: cut", limit
+            )
+            _cut(nc)
+            done, _ = await asyncio.wait((closing,), timeout=limit)
+    finally:
+        if not closing.done():  # cancelled, or a close that outlived the cut (not seen)
+            _cut(nc)
+            closing.cancel()
+    if done and not closing.cancelled():
+        error = closing.exception()
+        if error is not None and not isinstance(
+            error, nats.errors.Error | OSError | asyncio.TimeoutError
+        ):
+            raise error
+
+
+def _cut(nc: Client) -> None:
+    """Abort ``nc``'s socket, dropping what it still buffers. nats-py has no call for it:
+    its transport's stream writer is reached by name, and a transport without one (none
+    yet, a websocket) is left as it is."""
+    writer = getattr(getattr(nc, "_transport", None), "_io_writer", None)
+    transport = getattr(writer, "transport", None)
+    if isinstance(transport, asyncio.WriteTransport):
+        transport.abort()
 
 
 #: The consumer's own URL options (outboxer.receivers.nats), accepted on the relay's side
@@ -377,6 +419,11 @@ class NatsPublisher(AckedPublisher[Msg]):
                 connecting.append(error)
             else:
                 logger.warning("nats: %s: %s", type(error).__name__, error)
+                if isinstance(error, nats.errors.FlushTimeoutError):
+                    # More than nats-py's pending buffer (2 MB) waited flush_timeout for the
+                    # socket: the server is not reading. The connection is lost: the wave
+                    # stops sending into it and fails at once, and the relay reconnects.
+                    lost.set()
 
         try:
             nc = await self.open_client(lost, on_error)
@@ -408,6 +455,12 @@ class NatsPublisher(AckedPublisher[Msg]):
             "max_reconnect_attempts": 1,
             "reconnect_time_wait": 0.5,
             "connect_timeout": max(1, round(self.connect_timeout)),
+            # A publish that finds more than 2 MB unsent waits for the socket to take it
+            # (a "forced flush"), without a bound by default and swallowing the
+            # cancellation of the wave's own timeout: a server that stopped reading held
+            # the relay's publish for ever. Half the wave's bound leaves the wave time to
+            # end with each message's outcome.
+            "flush_timeout": self.publish_timeout / 2,
         }
         if self.tls:
             if self._tls_context is None:
@@ -446,9 +499,7 @@ class NatsPublisher(AckedPublisher[Msg]):
             future.cancel()
         self._replies.clear()
         if nc is not None and not nc.is_closed:
-            # A broken connection has nothing left to flush.
-            with contextlib.suppress(nats.errors.Error, OSError, asyncio.TimeoutError):
-                await nc.close()
+            await close_client(nc)  # bounded: a server that stopped reading
 
     def _check_size(self, message: Message, headers: Mapping[str, str]) -> None:
         """Refuse for good what the server would refuse by closing the connection."""
@@ -662,7 +713,7 @@ class NatsPublisher(AckedPublisher[Msg]):
 
     async def _send(self, message: Message) -> asyncio.Future[Msg]:
         nc = self._nc
-        if nc is None:
+        if nc is None or self._lost.is_set():  # lost: a forced flush gave up (on_error)
             raise nats.errors.ConnectionClosedError()
         subject = self.subject_for(message)
         if (problem := _publish_subject_problem(subject)) is not None:

@@ -31,7 +31,6 @@ The URL is the relay's: servers, TLS and credentials are read by :class:`NatsPub
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import itertools
 import json
@@ -54,6 +53,7 @@ from outboxer.brokers.nats import (
     CONSUMER_OPTIONS,
     NatsPublisher,
     check_subject,
+    close_client,
     received_headers,
 )
 from outboxer.config import duration_option
@@ -218,9 +218,9 @@ class NatsReceiver(Receiver):
         self._js = None
         self._subscriptions = []
         if nc is not None and not nc.is_closed:
-            # Closing flushes acks written and not yet sent; a broken connection has none.
-            with contextlib.suppress(nats.errors.Error, OSError, asyncio.TimeoutError):
-                await nc.close()
+            # Closing flushes acks written and not yet sent (a broken connection has none),
+            # within CLOSE_TIMEOUT: a server that stopped reading held the close for ever.
+            await close_client(nc)
 
     async def _receive(self, limit: int, timeout: float) -> list[Incoming]:
         if self._nc is None or self._nc.is_closed or self._lost.is_set():
