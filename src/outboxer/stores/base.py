@@ -273,6 +273,38 @@ def estimate_from_sample(
 SHARED_TABLES = frozenset({"inbox", "dead_letters", "inbox_suspects"})
 
 
+def copied_once(
+    copy: Callable[[Sequence[Message]], list[Message]],
+    originals: Sequence[Message],
+    made: dict[int, list[Message]],
+) -> list[Message]:
+    """A replay's copies of ``originals`` (MySQL and PostgreSQL stores: a replay tried again
+    after a deadlock), in their order, ``copy`` called with one original at a time, so
+    that one it leaves out (a shredded subject's) is known.
+
+    ``made`` keeps across a replay's tries, by the original's seq, what must not be done
+    twice: copies whose claim-check object was put (the next try inserts the same copy, its
+    object named after its id) and originals the copier left out (counted as shredded once,
+    not offered again). Any other copy leaves nothing behind to make again (at most the key
+    source is asked again), and is not kept: ``made`` holding every copy, payload and all, a
+    replay of a long history held all of it in memory until it committed, where a page's
+    copies are dropped once written (admin.REPLAY_PAGE). What it keeps is a reference's
+    headers (the payload is in the object) or nothing."""
+    from outboxer.claimcheck import HEADER_CLAIM_CHECK
+
+    copies: list[Message] = []
+    for original in originals:
+        seq = original.seq
+        assert seq is not None  # read from the table
+        kept = made.get(seq)
+        if kept is None:
+            kept = copy([original])
+            if not kept or any(HEADER_CLAIM_CHECK in made_copy.headers for made_copy in kept):
+                made[seq] = kept
+        copies.extend(kept)
+    return copies
+
+
 def adopted_by(pending: Iterable[Migration]) -> set[str]:
     """The tokens of the tables that ``pending`` migrations create only if missing (CREATE
     TABLE IF NOT EXISTS: the shared inbox and dead letters, MySQL's outbox tables)."""

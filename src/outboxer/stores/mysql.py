@@ -46,6 +46,7 @@ from outboxer.stores.base import (
     Store,
     StoreDataError,
     adopted_by,
+    copied_once,
     estimate_from_sample,
     fold_counts,
     parse_headers,
@@ -1133,7 +1134,7 @@ class MySQLStore(Store):
         order of the index it reads) or an operator's session locking them in another order
         meets it; the operator's `replay` failed with "Deadlock found". The whole
         transaction was rolled back, so it is tried again (``_deadlock_retried``). The
-        copier's work outside the database is not repeated (``made``, see _copied_once): a
+        copier's work outside the database is not repeated (``made``, see copied_once): a
         try inserts the claim-checked copies an earlier one made of the originals it reads
         again, so their objects are put once (none left behind for a rolled-back copy,
         unless its original is gone by the next try: the sweep takes it), and a shredded
@@ -1168,7 +1169,7 @@ class MySQLStore(Store):
                 await self._admin(cursor, "replay_page", where, seqs=page)
                 rows = await cursor.fetchall()
                 copies = await asyncio.to_thread(
-                    _copied_once, copy, [_original(row) for row in rows], made
+                    copied_once, copy, [_original(row) for row in rows], made
                 )
                 if copies:
                     # The write path's code, on the raw connection: bounded here, the page's
@@ -1184,37 +1185,6 @@ class MySQLStore(Store):
 #: Tries of a transaction InnoDB chose as a deadlock's victim (see
 #: MySQLStore._deadlock_retried).
 DEADLOCK_TRIES = 5
-
-
-def _copied_once(
-    copy: Callable[[Sequence[Message]], list[Message]],
-    originals: Sequence[Message],
-    made: dict[int, list[Message]],
-) -> list[Message]:
-    """The copies of ``originals``, in their order, ``copy`` called with one original at a
-    time, so that one it leaves out (a shredded subject's) is known.
-
-    ``made`` keeps across a replay's tries, by the original's seq, what must not be done
-    twice: copies whose claim-check object was put (the next try inserts the same copy, its
-    object named after its id) and originals the copier left out (counted as shredded once,
-    not offered again). Any other copy leaves nothing behind to make again (at most the key
-    source is asked again), and is not kept: ``made`` holding every copy, payload and all, a
-    replay of a long history held all of it in memory until it committed, where a page's
-    copies are dropped once written (admin.REPLAY_PAGE). What it keeps is a reference's
-    headers (the payload is in the object) or nothing."""
-    from outboxer.claimcheck import HEADER_CLAIM_CHECK
-
-    copies: list[Message] = []
-    for original in originals:
-        seq = original.seq
-        assert seq is not None  # read from the table
-        kept = made.get(seq)
-        if kept is None:
-            kept = copy([original])
-            if not kept or any(HEADER_CLAIM_CHECK in made_copy.headers for made_copy in kept):
-                made[seq] = kept
-        copies.extend(kept)
-    return copies
 
 
 def _deadlocked(exc: BaseException) -> bool:

@@ -32,6 +32,7 @@ from outboxer.stores.base import (
     Store,
     StoreDataError,
     adopted_by,
+    copied_once,
     fold_counts,
     parse_headers,
     read_rows,
@@ -79,8 +80,9 @@ RELEASE_TIMEOUT = 0.5
 #: the listeners' table, an idle connection a NAT forgot) held the listener's lock, and
 #: with it every idle loop of the relay, for ever: nothing was claimed until it answered.
 LISTENER_TIMEOUT = 5.0
-#: Tries of a claim, settle or renewal PostgreSQL chose as a deadlock's victim (see
-#: PostgresStore._deadlock_retried), as MySQLStore's DEADLOCK_TRIES.
+#: Tries of a claim, settle or renewal, or of an operator's purge, requeue or replay,
+#: PostgreSQL chose as a deadlock's victim (see PostgresStore._deadlock_retried), as
+#: MySQLStore's DEADLOCK_TRIES.
 DEADLOCK_TRIES = 5
 
 
@@ -869,18 +871,27 @@ class PostgresStore(Store):
         """``attempt()``, tried again when PostgreSQL chose its statement as a deadlock's
         victim (40P01), up to DEADLOCK_TRIES times after a short jittered pause.
 
-        Only for a claim, a settle or a renewal: each is one statement, its own transaction
-        (a function call in autocommit), and nothing outside the database happens inside it.
-        The server answered with the error, so it rolled that transaction back whole, and
-        trying it again is safe (its lease token too: nothing under it was written). The
-        relay's own statements form no lock cycle (migration 0014: a claim never waits for a
-        row, and takes the destination lock before any other); someone else's transaction
-        that locks outbox rows in another order can (an operator's, holding a row a settle
-        waits for and then asking for one the settle holds). Raised to the relay, the
-        deadlock was taken for an outage and backed off: a settle's rows stayed leased, and
-        once the back-off outlasted the lease they were recovered, published again and
-        charged an attempt. Not 40001: the pool pins READ COMMITTED, where no serialization
-        failure arises (the claim function and the settles rely on it, see connect)."""
+        ``attempt`` must be a whole transaction, begun and ended inside it: the server
+        answered with the error, so it rolled that transaction back whole, and trying it
+        again from its first statement is safe. A claim, a settle or a renewal is one
+        statement, its own transaction (a function call in autocommit; its lease token too:
+        nothing under it was written). The relay's own statements form no lock cycle
+        (migration 0014: a claim never waits for a row, and takes the destination lock
+        before any other); someone else's transaction that locks outbox rows in another
+        order can (an operator's, holding a row a settle waits for and then asking for one
+        the settle holds). Raised to the relay, the deadlock was taken for an outage and
+        backed off: a settle's rows stayed leased, and once the back-off outlasted the lease
+        they were recovered, published again and charged an attempt.
+
+        An operator's purge, requeue or replay is a transaction of several statements whose
+        row locks follow its plan's order (a requeue's the status index's, a purge's the
+        heap's, a replay's seq order): two of them over the same rows, or one beside a
+        transaction of someone else's, can wait for each other, and the command failed with
+        "deadlock detected" (exit 1; 503 from the HTTP API), having changed nothing. Each
+        is tried again whole here; what a try does outside the database is its caller's to
+        keep from happening twice (``replay``: ``made``). Not 40001: the pool pins READ
+        COMMITTED, where no serialization failure arises (the claim function and the settles
+        rely on it, see connect)."""
         asyncpg = _asyncpg()
         for tried in range(1, DEADLOCK_TRIES + 1):
             try:
@@ -986,14 +997,20 @@ class PostgresStore(Store):
             },
         )
         lock_sql, _ = self._sql["destination_lock"]
-        async with self._pool.acquire() as conn, conn.transaction():
-            await _durably(conn)
-            # In name order, as purge and requeue_matching take them (admin.sql: purge): two
-            # requeues naming them in opposite orders, with claims queued for the exclusive
-            # locks between them, could otherwise deadlock.
-            for destination in sorted(set(destinations)):
-                await conn.execute(lock_sql, self.lock_key(destination))
-            return _count(await conn.execute(sql, *args))
+
+        async def requeue_once() -> int:
+            async with self._pool.acquire() as conn, conn.transaction():
+                await _durably(conn)
+                # In name order, as purge and requeue_matching take them (admin.sql: purge):
+                # two requeues naming them in opposite orders, with claims queued for the
+                # exclusive locks between them, could otherwise deadlock.
+                for destination in sorted(set(destinations)):
+                    await conn.execute(lock_sql, self.lock_key(destination))
+                return _count(await conn.execute(sql, *args))
+
+        # Its rows are locked in its plan's order, which a purge's may cross (see
+        # _deadlock_retried).
+        return await self._deadlock_retried("a requeue", requeue_once)
 
     # ----- wake-ups ------------------------------------------------------------------------
 
@@ -1200,7 +1217,20 @@ class PostgresStore(Store):
     ) -> tuple[int, int]:
         """Run the admin statement ``name`` in one durable transaction, under the shared lock
         of every destination it may change (admin.sql: purge): the rows it changed, and the
-        value the read ``then`` finds after it, in the transaction (0 without one)."""
+        value the read ``then`` finds after it, in the transaction (0 without one).
+
+        Chosen as a deadlock's victim (a requeue and a purge over the same rows, each
+        locking them in its own plan's order; or someone else's transaction), the whole
+        transaction is tried again, the destinations read anew: an operator's `purge` or
+        `requeue` failed with "deadlock detected" and changed nothing."""
+        return await self._deadlock_retried(
+            _ADMIN_NAMES.get(name, name),
+            lambda: self._under_destination_locks_once(name, where, then),
+        )
+
+    async def _under_destination_locks_once(
+        self, name: str, where: MessageFilter, then: str | None
+    ) -> tuple[int, int]:
         await self.connect()
         lock_sql, _ = self._sql["destination_lock"]
         async with self._pool.acquire() as conn:
@@ -1245,6 +1275,30 @@ class PostgresStore(Store):
     async def replay(
         self, where: MessageFilter, copy: Callable[[Sequence[Message]], list[Message]]
     ) -> int:
+        """Copy the originals ``where`` matches, in one transaction (admin.sql:
+        replay_originals).
+
+        PostgreSQL may choose it as a deadlock's victim (40P01): it holds its originals FOR
+        SHARE as its cursor reads them, in seq order, and a purge deleting them in its
+        plan's order, or someone else's transaction locking them in another order, meets
+        it; the operator's `replay` failed with "deadlock detected". The whole transaction
+        was rolled back, so it is tried again (``_deadlock_retried``), as MySQL's is. The
+        copier's work outside the database is not repeated (``made``, see
+        base.copied_once): a try inserts the claim-checked copies an earlier one made of
+        the originals it reads again, so their objects are put once, and a shredded
+        original is counted once. The copies' ids were never committed, so inserting them
+        again is inserting them once."""
+        made: dict[int, list[Message]] = {}
+        return await self._deadlock_retried(
+            "a replay", lambda: self._replay_once(where, copy, made)
+        )
+
+    async def _replay_once(
+        self,
+        where: MessageFilter,
+        copy: Callable[[Sequence[Message]], list[Message]],
+        made: dict[int, list[Message]],
+    ) -> int:
         from outboxer.admin import REPLAY_PAGE
         from outboxer.enqueue import Outbox, detect
 
@@ -1262,7 +1316,9 @@ class PostgresStore(Store):
                 await conn.execute(outbox._sql("postgres", "table_lock"))
             originals = await conn.cursor(*self._admin("replay_originals", where))
             while rows := await originals.fetch(REPLAY_PAGE):
-                copies = await asyncio.to_thread(copy, [_original(row) for row in rows])
+                copies = await asyncio.to_thread(
+                    copied_once, copy, [_original(row) for row in rows], made
+                )
                 if copies:
                     await detect(conn).write_async(outbox, conn, copies, key_locks=key_locks)
                     inserted += len(copies)
@@ -1295,6 +1351,9 @@ async def _durably(conn: Any) -> None:
     """This transaction's commit waits for the WAL flush (the pool's default does not)."""
     await conn.execute("SET LOCAL synchronous_commit = on")
 
+
+#: The admin statements of _under_destination_locks as its deadlock retry's log names them.
+_ADMIN_NAMES = {"purge": "a purge", "requeue_matching": "a requeue"}
 
 #: A wait for wake-ups this long that nobody cut short gives the kept connections back.
 QUIET_WAIT = 0.5
