@@ -44,12 +44,14 @@ from outboxer.config import (
     declared_values,
     file_table,
     flags_from_args,
+    format_duration,
     load_settings,
     read_config_file,
     setting,
 )
 from outboxer.errors import ConfigError, ConsumerShutdownError
 from outboxer.redact import get_logger, printable
+from outboxer.stores.mysql import STATEMENT_TIMEOUT
 
 if TYPE_CHECKING:
     from outboxer.consumer import Consumer, ConsumerStats
@@ -125,6 +127,17 @@ class ConsumerSettings:
         commands=CONSUME,
         env="OUTBOXER_CONSUMER_HANDLER_TIMEOUT",
         default_text="none (no bound)",
+    )
+    # None when not given: Consumer's (and Session's) own default then applies, one constant.
+    statement_timeout: float | None = setting(
+        kind=Duration(LONGEST_INTERVAL, positive=True, low=SHORTEST_INTERVAL),
+        help="how long each round trip of the consumer's own on its database may take "
+        "(connect, BEGIN, the inbox claim, COMMIT, ROLLBACK, dead letters; not the handler's "
+        "statements): past it the connection is cut off and the batch is an outage, not "
+        "acked, applied again on a new connection; `dead-letters` exits 1",
+        commands=GROUPS,
+        env="OUTBOXER_CONSUMER_STATEMENT_TIMEOUT",
+        default_text=format_duration(STATEMENT_TIMEOUT),
     )
     name: str | None = setting(
         kind=Text(100),
@@ -312,6 +325,8 @@ def build_consumer(settings: Settings, own: ConsumerSettings, **overrides: Any) 
         "object_store": payload_admin.object_store(settings),
         "object_store_timeout": settings.claim_check_read_timeout,
     }
+    if own.statement_timeout is not None:
+        arguments["statement_timeout"] = own.statement_timeout
     arguments.update(overrides)
     if arguments["broker"] is None and "broker" not in overrides:
         raise ConfigError("no broker: pass --broker URL or set OUTBOXER_BROKER")
@@ -398,7 +413,7 @@ async def _list(args: argparse.Namespace) -> int:
         # Past a bigint (or SQLite's INTEGER) the database refuses it with its own error.
         raise ConfigError(f"--limit must be between 1 and {DEAD_LETTERS_LIMIT}, not {args.limit}")
     try:
-        async with _session(settings) as session:
+        async with _session(settings, own) as session:
             letters = await session.dead_letters(own.group, args.limit)
     except NoAnswerError as exc:
         raise NoAnswerError(f"dead-letters list: {exc}") from exc
@@ -423,7 +438,7 @@ async def _purge(args: argparse.Namespace) -> int:
     deleted = 0
     try:
         try:
-            async with _session(settings) as session:
+            async with _session(settings, own) as session:
                 if args.all:
                     if store is not None:  # read first: one added meanwhile keeps its hold
                         held = await _held_objects(session, group)
@@ -530,12 +545,13 @@ def release_holds(
 class _session:
     """A sync connection of the consumer's database, for ``list`` and ``purge``.
 
-    Its connect and each statement give up after ``Session.statement_timeout`` (a minute):
-    NoAnswerError, the command exits 1 saying so, where a database that stopped answering
-    held it for ever. In a daemon thread (DaemonThreadPool): one the bound cannot free (a
-    hung file system under SQLite) does not hold the process's exit as well."""
+    Its connect and each statement give up after ``statement_timeout`` (the consumer's
+    setting; unset, ``Session.statement_timeout``, a minute): NoAnswerError, the command
+    exits 1 saying so, where a database that stopped answering held it for ever. In a
+    daemon thread (DaemonThreadPool): one the bound cannot free (a hung file system under
+    SQLite) does not hold the process's exit as well."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, own: ConsumerSettings) -> None:
         from outboxer.consumer_db import DaemonThreadPool, session_factory
 
         self._executor = DaemonThreadPool(1, thread_name_prefix="outboxer-dead-letters")
@@ -543,6 +559,8 @@ class _session:
             settings.require_db(), settings.schema, is_async=False, async_driver=None
         )
         self.session = make(self._executor)
+        if own.statement_timeout is not None:
+            self.session.statement_timeout = own.statement_timeout
 
     async def __aenter__(self) -> Any:
         try:

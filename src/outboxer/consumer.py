@@ -88,6 +88,7 @@ import dataclasses
 import importlib
 import inspect
 import logging
+import math
 import signal
 import socket
 import threading
@@ -349,6 +350,7 @@ class Consumer:
         object_store_timeout: float = 30.0,
         sessions: SessionFactory | None = None,
         handler_timeout: float | None = None,
+        statement_timeout: float | None = STATEMENT_TIMEOUT,
     ) -> None:
         if not 1 <= concurrency <= 256:
             raise ConfigError("concurrency must be between 1 and 256")
@@ -360,8 +362,8 @@ class Consumer:
             raise ConfigError("shutdown_timeout must be positive")
         if not object_store_timeout > 0:  # NaN too
             raise ConfigError("object_store_timeout must be positive")
-        if handler_timeout is not None and not 0 < handler_timeout < float("inf"):
-            raise ConfigError("handler_timeout must be a positive number of seconds, or None")
+        handler_timeout = _checked_seconds("handler_timeout", handler_timeout)
+        statement_timeout = _checked_seconds("statement_timeout", statement_timeout)
         self.handler: Handler = load_handler(handler) if isinstance(handler, str) else handler
         if not callable(self.handler):
             raise ConfigError("handler must be a function taking (message, connection)")
@@ -452,8 +454,9 @@ class Consumer:
         #: the inbox claim, COMMIT, a dead letter's record; not the handler's statements,
         #: which ``handler_timeout`` bounds): past it the connection is cut off and the
         #: batch is an outage, not acked, applied again on a new connection with no attempt
-        #: counted. The relay's bound on MySQL; set before ``run_async`` (tests lower it).
-        self.statement_timeout: float | None = STATEMENT_TIMEOUT
+        #: counted. The relay's bound on MySQL by default; None: no bound. Also settable
+        #: before ``run_async`` (checked again then, when each session is made).
+        self.statement_timeout: float | None = statement_timeout
         self.stats = ConsumerStats()
         #: Seconds from each applied message's creation (its enqueue transaction, by the
         #: ``created_at`` it carries) to the commit that applied it: the whole pipeline's
@@ -737,12 +740,8 @@ class Consumer:
 
     def _new_session(self, executor: ThreadPoolExecutor) -> Session:
         """A session of ``_make_session``, bounded by ``statement_timeout``."""
-        bound = self.statement_timeout
-        # 0 or less fired the watchdog every loop turn; NaN cut every round trip at once.
-        if bound is not None and not 0 < bound < float("inf"):
-            raise ConfigError(
-                f"statement_timeout must be a positive number of seconds or None, not {bound!r}"
-            )
+        # Again here: the attribute may have been set after the constructor checked it.
+        bound = _checked_seconds("statement_timeout", self.statement_timeout)
         session = self._make_session(executor)
         session.statement_timeout = bound
         return session
@@ -2033,6 +2032,19 @@ class HoldFailed(Exception):
 
 class Unreadable(Exception):
     """A payload no retry will make readable: the message is dead-lettered at once."""
+
+
+def _checked_seconds(name: str, bound: object) -> float | None:
+    """``bound`` as ``Consumer``'s ``name`` (a bound in seconds, None: none) takes it, or a
+    ConfigError naming it."""
+    # 0 or less fired the watchdog every loop turn; NaN cut every round trip at once; inf
+    # (None says "no bound") overflows the connect timeout's rounding (math.ceil); True (a
+    # switch's value passed on by mistake) would be a one-second bound nobody chose.
+    if bound is None:
+        return None
+    if isinstance(bound, bool) or not isinstance(bound, int | float) or not 0 < bound < math.inf:
+        raise ConfigError(f"{name} must be a positive number of seconds or None, not {bound!r}")
+    return float(bound)
 
 
 def _wraps_a_coroutine_function(handler: Handler) -> bool:
