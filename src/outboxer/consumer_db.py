@@ -1204,6 +1204,79 @@ def _shut_psycopg(conn: Any) -> bool:
     return _shut(int(fd))
 
 
+#: Probes unanswered before the kernel gives the peer up (libpq's ``keepalives_count``).
+_KEEPALIVE_PROBES = 3
+
+
+def _keepalive_timing(bound: float) -> tuple[int, int, int]:
+    """The TCP keepalives of a consumer connection bounded by ``bound`` seconds: idle time
+    before the first probe, time between probes, probes unanswered before the kernel gives
+    the connection up, in whole seconds (the kernel's unit), about ``bound`` in all. The
+    same for every driver: libpq's options (``_libpq_bounds``), the socket's for the
+    others (``_set_keepalives``)."""
+    seconds = max(2, math.ceil(bound))
+    return max(1, seconds // 2), max(1, seconds // 6), _KEEPALIVE_PROBES
+
+
+def _libpq_keepalives(bound: float) -> dict[str, int]:
+    """``_keepalive_timing`` as libpq's connect options."""
+    idle, interval, count = _keepalive_timing(bound)
+    return {
+        "keepalives": 1,
+        "keepalives_idle": idle,
+        "keepalives_interval": interval,
+        "keepalives_count": count,
+    }
+
+
+#: The socket options of ``_keepalive_timing``'s three numbers, by their names on Linux; on
+#: macOS the idle time's is TCP_KEEPALIVE. One the platform lacks is left as it is.
+_KEEPALIVE_OPTIONS = (("TCP_KEEPIDLE", "TCP_KEEPALIVE"), ("TCP_KEEPINTVL",), ("TCP_KEEPCNT",))
+
+
+def _set_keepalives(sock: Any, bound: float | None) -> None:
+    """Set ``_keepalive_timing(bound)`` on the connected socket ``sock`` of a driver that
+    has no option for them (asyncpg sets none, PyMySQL and mysqlclient SO_KEEPALIVE alone:
+    the kernel's defaults, a first probe after two hours), as libpq's options do on
+    psycopg's: without them a statement whose request reached the server before its host
+    vanished waits for its answer for ever (nothing unacknowledged, so no retransmission
+    gives up either). The handler's statements are not the watchdog's.
+
+    ``sock``: a socket or asyncio's TransportSocket; for TLS the one under it (asyncpg's
+    transport gives that one; PyMySQL's SSLSocket is it, by its descriptor). None, or a
+    Unix-domain socket: nothing (no peer host to vanish), nor with no bound (as psycopg).
+    A platform refusing an option leaves the connection as the driver made it (logged):
+    no keepalives is what it had before, not a reason to refuse the database."""
+    if bound is None or sock is None:
+        return
+    try:
+        if sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for names, value in zip(_KEEPALIVE_OPTIONS, _keepalive_timing(bound), strict=True):
+            option = next((getattr(socket, n) for n in names if hasattr(socket, n)), None)
+            if option is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, option, value)
+    except OSError as exc:
+        logger.warning("cannot set TCP keepalives on a consumer connection: %s", exc)
+
+
+def _set_keepalives_fd(fd: int, bound: float | None) -> None:
+    """``_set_keepalives`` on the socket of descriptor ``fd``, which its driver keeps (a C
+    driver's: mysqlclient gives only ``fileno()``)."""
+    if bound is None or fd < 0:
+        return
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as exc:  # closed already, or no socket
+        logger.debug("no socket to set TCP keepalives on: %s", exc)
+        return
+    try:
+        _set_keepalives(sock, bound)
+    finally:
+        sock.detach()
+
+
 def _libpq_bounds(conninfo: str, bound: float | None) -> dict[str, Any]:
     """psycopg's connect arguments bounding a connection, where ``conninfo`` does not set
     them (connect_timeout: PGCONNECT_TIMEOUT's value where it is set).
@@ -1224,13 +1297,9 @@ def _libpq_bounds(conninfo: str, bound: float | None) -> dict[str, Any]:
     from psycopg import conninfo as libpq_conninfo
 
     given = libpq_conninfo.conninfo_to_dict(conninfo)
-    seconds = max(2, math.ceil(bound))
     wanted: dict[str, Any] = {
-        "connect_timeout": seconds,
-        "keepalives": 1,
-        "keepalives_idle": max(1, seconds // 2),
-        "keepalives_interval": max(1, seconds // 6),
-        "keepalives_count": 3,
+        "connect_timeout": max(2, math.ceil(bound)),
+        **_libpq_keepalives(bound),
     }
     if environment := os.environ.get("PGCONNECT_TIMEOUT"):
         # The user's, passed on rather than left out: psycopg drives libpq without blocking,
@@ -1537,6 +1606,7 @@ class PyMySQLSession(SyncSession):
             args["read_timeout"] = args["write_timeout"] = bound
         conn = _no_answer_at_connect(self, lambda: connect_pymysql(args))
         conn._read_timeout = conn._write_timeout = None
+        _set_keepalives(conn._sock, bound)
         return conn
 
     def _cut(self, conn: Any) -> bool:
@@ -1899,6 +1969,7 @@ class AsyncpgSession(AsyncSession):
                 )
                 self._opening = conn
                 try:
+                    _set_keepalives(conn._transport.get_extra_info("socket"), bound)
                     self._arm("reading the new connection's backend id")
                     row = await conn.fetchrow(_PG_BACKEND)
                     if (orphan := self._orphan) is not None:

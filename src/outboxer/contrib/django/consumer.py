@@ -48,7 +48,10 @@ from outboxer.consumer_db import (
     DaemonThreadPool,
     NoAnswerError,
     SyncSession,
+    _libpq_keepalives,
     _no_answer_at_connect,
+    _set_keepalives,
+    _set_keepalives_fd,
     _shut,
     _shut_psycopg,
     is_async_handler,
@@ -127,6 +130,7 @@ class DjangoSession(SyncSession):
         added: dict[str, Any] = {}
         if connection.connection is None and self.statement_timeout is not None:
             added = _bound_connects(connection, self.statement_timeout)
+            _keep_alive(connection, self.statement_timeout)
         self._refuse_reconnect_after_cut(connection)
         # The driver's connection appears half-way (Django's session setup follows, SET and
         # SELECT VERSION() on MySQL): from then on the watchdog can cut it off.
@@ -135,6 +139,13 @@ class DjangoSession(SyncSession):
         _no_answer_at_connect(self, connection.ensure_connection)
         raw = connection.connection
         self._remember(raw)
+        if self.dialect == "mysql":
+            # No keepalive options in PyMySQL or mysqlclient: set on the socket, as
+            # PyMySQLSession's (libpq's options do it on PostgreSQL: _keep_alive).
+            if hasattr(raw, "_sock"):
+                _set_keepalives(raw._sock, self.statement_timeout)
+            elif (known := self._descriptor) is not None and known[0] is raw:
+                _set_keepalives_fd(known[1], self.statement_timeout)
         for name in ("read_timeout", "write_timeout"):
             if name in added and hasattr(raw, f"_{name}"):
                 # PyMySQL keeps them for every read and write after: the handshake's bound
@@ -404,6 +415,23 @@ def _bound_connects(connection: Any, bound: float) -> dict[str, Any]:
             wanted = {"connect_timeout": max(1, math.ceil(bound))}
     else:
         return {}
+    return _add_options(connection, wanted)
+
+
+def _keep_alive(connection: Any, bound: float) -> dict[str, Any]:
+    """libpq's TCP keepalives on the connections of ``connection`` (this thread's Django
+    connection, not yet open) where the database's OPTIONS do not set them, as on
+    PsycopgSession's (``consumer_db._libpq_keepalives``): the handler's statements are
+    not the watchdog's, and one whose server's host vanished waited for ever. The options
+    added; PyMySQL and mysqlclient have none (``_connect`` sets them on the socket)."""
+    if connection.vendor != "postgresql":
+        return {}
+    return _add_options(connection, _libpq_keepalives(bound))
+
+
+def _add_options(connection: Any, wanted: dict[str, Any]) -> dict[str, Any]:
+    """Those of ``wanted`` the OPTIONS of ``connection`` do not set, added to this thread's
+    copy of its settings; the options added."""
     options = connection.settings_dict.get("OPTIONS") or {}
     if options.get("pool"):
         # Django's psycopg pool is one for the process (``_connection_pools``), made with
