@@ -282,6 +282,21 @@ class TestWebhook(PublisherContract):
             outcomes = await publisher.publish_batch([spaced, good])
         assert outcomes[0].published and outcomes[1].published, outcomes
 
+    async def test_a_header_name_ending_in_a_newline_travels_encoded(self) -> None:
+        """``re.match`` with ``$`` took "x-evil\\n" for a token (``$`` matches before a final
+        newline): sent as is, the HTTP client refused the request ("Illegal header name"), a
+        permanent failure: the message was abandoned, never delivered."""
+        topic = self.fresh_topic()
+        evil = make_message(topic, {"a": 1}, key="k", headers={"x-evil\n": "v"})
+        async with self.make_publisher() as publisher:
+            assert publisher.request_headers(evil).get("Outboxer-Header-x-evil%0A") == "v"
+            [outcome] = await publisher.publish_batch([evil])
+        assert outcome.published, outcome
+        [request] = self.server.requests
+        assert request.headers["outboxer-header-x-evil%0a"] == "v"
+        with pytest.raises(ConfigError, match="not a valid HTTP header name"):
+            WebhookPublisher(self.server.url, headers={"X-Static\n": "1"})
+
     @pytest.mark.parametrize(
         ("status", "retryable"),
         [

@@ -89,7 +89,9 @@ EXCERPT_CHARS = 200
 #: Control characters (but whitespace, which is collapsed) cannot go into stored error text.
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
-_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+_TOKEN = re.compile(
+    r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+)  # fullmatch: "$" also matches before a final newline
 #: Header values keep printable ASCII but ``%`` and space; the rest is percent-encoded UTF-8.
 _SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%")
 #: A header name sent under RESERVED_PREFIX keeps its token characters but ``%``.
@@ -280,7 +282,7 @@ class WebhookPublisher(Publisher):
         )
         self.headers = dict(headers or {})
         for name in self.headers:
-            if not _TOKEN.match(name):
+            if not _TOKEN.fullmatch(name):
                 raise ConfigError(
                     f"webhook option headers: {name!r} is not a valid HTTP header name"
                 )
@@ -376,7 +378,7 @@ class WebhookPublisher(Publisher):
         for name, value in message.headers.items():
             given, folded = name, name.lower()
             if (
-                not _TOKEN.match(name)  # a space, a colon, non-ASCII: enqueue took it
+                not _TOKEN.fullmatch(name)  # a space, a colon, a newline, non-ASCII
                 or folded in self._reserved
                 or folded.startswith("outboxer-")
             ):
