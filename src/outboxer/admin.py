@@ -65,9 +65,11 @@ from outboxer.crypto import (
     HEADER_SUBJECT,
     EncryptionError,
     KeyRing,
+    KeyRingUnavailableError,
     SubjectKeyDeletedError,
     decrypt,
     encrypt_message,
+    fetch_message_keys_sync,
     is_encrypted,
 )
 from outboxer.errors import AdminRequestError, ConfigError, PayloadError, ReplayError
@@ -632,6 +634,8 @@ class ReplayCopier:
         self.object_store = object_store
         #: Bounds on the object store's calls (None: none), inside the replay's transaction:
         #: a store that hangs (a dead NFS mount) held its locks and the command for ever.
+        #: ``read_timeout`` bounds a callable key ring's fetches too (a KMS that stops
+        #: answering), as the consumer's ``object_store_timeout`` does.
         self.read_timeout = read_timeout
         self.put_timeout = put_timeout
         #: The destination of every copy (None: each original's own); set by ``replay``.
@@ -645,6 +649,9 @@ class ReplayCopier:
         #: copier then deletes and closes nothing, each would wait as long again and leave
         #: one more thread.
         self.unanswered: str | None = None
+        #: Why the key ring's source (a KMS) failed a fetch, or did not answer within
+        #: ``read_timeout``: a copy refused for now, not for good (the HTTP API's 503).
+        self.keys_unavailable: str | None = None
 
     def __call__(self, originals: Sequence[Message]) -> list[Message]:
         copies = []
@@ -713,10 +720,17 @@ class ReplayCopier:
                 "configure the encryption keys (OUTBOXER_ENCRYPTION_KEYS) to replay it"
             )
         try:
+            # A ring that fetches from a KMS: the keys first, bounded like the store's reads
+            # (this runs inside the replay's transaction, holding its locks).
+            fetch_message_keys_sync(
+                stored, self.keyring, self.read_timeout, waiter="a replay", log=logger
+            )
             plain = decrypt(stored, self.keyring, destination=stored.destination)
         except SubjectKeyDeletedError:
             raise
         except EncryptionError as exc:
+            if isinstance(exc, KeyRingUnavailableError):
+                self.keys_unavailable = str(exc)
             raise ReplayError(f"message {stored.id} cannot be replayed: {exc}") from exc
         sealed = {name for name in plain.headers if name not in stored.headers}
         headers = {name: value for name, value in plain.headers.items() if name != HEADER_REPLAY_OF}

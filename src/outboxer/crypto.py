@@ -56,7 +56,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 from outboxer.durable import sync_directory, write_new_file
 from outboxer.errors import ConfigError, MissingDependencyError, OutboxerError, PayloadError
@@ -97,7 +97,11 @@ _SEALED_LENGTH = struct.Struct(">I")
 DEFAULT_KEYS_ENV = "OUTBOXER_ENCRYPTION_KEYS"
 DEFAULT_CURRENT_KEY_ENV = "OUTBOXER_ENCRYPTION_CURRENT_KEY"
 
-_KEY_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$")
+#: The longest key id: longer ones are refused, also when read from a message's header.
+MAX_KEY_ID_LENGTH = 64
+# \Z, not $: "$" also matched before a final newline, so "k1\n" (from a row's header, or a
+# key file) passed, and was handed to the KMS and made a key id of the ring.
+_KEY_ID = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:-]{{0,{MAX_KEY_ID_LENGTH - 1}}}\Z")
 MAX_SUBJECT_LENGTH = 255
 
 
@@ -165,8 +169,14 @@ def _register_key(material: bytes) -> None:
         register_secret(text)
 
 
+def is_key_id(value: object) -> TypeGuard[str]:
+    """Whether ``value`` is a valid key id (the ring refuses any other, before a KMS sees
+    it, KeyNotFoundError)."""
+    return isinstance(value, str) and _KEY_ID.match(value) is not None
+
+
 def check_key_id(key_id: object) -> str:
-    if not isinstance(key_id, str) or not _KEY_ID.match(key_id):
+    if not is_key_id(key_id):
         raise ConfigError(
             f"key id {key_id!r} must be 1 to 64 letters, digits, '.', '_', ':' or '-', "
             "starting with a letter or digit"
@@ -536,6 +546,23 @@ class KeyRing:
         """Ids of the keys loaded so far (for a callable ring, those fetched so far)."""
         return list(self._keys)
 
+    @property
+    def fetches(self) -> bool:
+        """Whether a key the ring lacks is fetched from a source (``from_callable``: a KMS
+        call, which may block) rather than refused at once."""
+        return self._resolve is not None
+
+    def same_source(self, other: KeyRing) -> bool:
+        """Whether ``other`` fetches from the same source (an equal callable) with the same
+        current key and subject store: this ring may stand in for it, keeping the keys it
+        fetched and its calls still running (the places the cap counts are per ring)."""
+        return (
+            self._resolve is not None
+            and self._resolve == other._resolve
+            and self.current_key_id == other.current_key_id
+            and self.subjects is other.subjects
+        )
+
     def has_key(self, key_id: str) -> bool:
         """Whether the key of this id is loaded (a callable ring fetches it at first use)."""
         return isinstance(key_id, str) and key_id in self._keys
@@ -545,7 +572,7 @@ class KeyRing:
         known = self._keys.get(key_id) if isinstance(key_id, str) else None
         if known is not None:
             return known
-        if not isinstance(key_id, str) or not _KEY_ID.match(key_id):
+        if not is_key_id(key_id):
             # Read from a message header, that is, from whoever wrote the message: never
             # handed to a KMS (a path, a query), never quoted whole into an error text.
             raise KeyNotFoundError(f"key id {_shown(key_id)} is not a valid key id")
@@ -864,6 +891,115 @@ _joinable: weakref.WeakKeyDictionary[KeyRing, dict[str, concurrent.futures.Futur
 )
 
 
+class _KeyFetch:
+    """One call of a ring's source for one key, in a daemon thread of its own: what
+    :func:`fetch_key_bounded` and :func:`fetch_key_bounded_sync` share (the ring's place it
+    holds until the call returns, its sharing with callers of the same key, how it is given
+    up on, its late outcome's log); only the wait differs, awaited or blocking."""
+
+    def __init__(
+        self, keyring: KeyRing, key_id: str, timeout: float, waiter: str, log: logging.Logger
+    ) -> None:
+        self.keyring = keyring
+        self.key_id = key_id
+        self.timeout = timeout
+        self.waiter = waiter
+        self.log = log
+        self.outcome: concurrent.futures.Future[None] = concurrent.futures.Future()
+        # Only a text id is shared: a row's headers are JSON, and a hand-written list or
+        # object there is no key to look up (the ring answers it KeyNotFoundError, permanent).
+        self.shared = isinstance(key_id, str)
+        self.given_up = False
+        self.started = 0.0
+
+    @classmethod
+    def admit(
+        cls, keyring: KeyRing, key_id: str, timeout: float, waiter: str, log: logging.Logger
+    ) -> _KeyFetch | concurrent.futures.Future[None]:
+        """A new fetch holding one of the ring's places, or the outcome of the fetch of the
+        same key another caller still waits for (to wait for instead); past the ring's
+        places, KeyRingUnavailableError."""
+        # The check and the count in one hold of the lock, the count taken when the thread is
+        # started, not when it is given up on: checked here and counted only at the timeout,
+        # every fetch that began while fewer than the cap were left (the consumer's lanes, up
+        # to ``concurrency`` of them, meeting the same new key at once) passed, and a KMS that
+        # never answered kept one thread per lane, past the cap. A thread counts until it ends.
+        fetch = cls(keyring, key_id, timeout, waiter, log)
+        with _abandoned_lock:
+            joined = _joinable.get(keyring, {}).get(key_id) if fetch.shared else None
+            if joined is not None:
+                return joined
+            stuck = _abandoned.get(keyring, 0)
+            if stuck >= MAX_ABANDONED_FETCHES:
+                raise KeyRingUnavailableError(
+                    f"key {key_id!r}: {stuck} earlier fetches from the keyring's source have "
+                    "not returned; it is not asked again until one does"
+                )
+            _abandoned[keyring] = stuck + 1
+            if fetch.shared:
+                _joinable.setdefault(keyring, {})[key_id] = fetch.outcome
+        fetch.started = time.monotonic()
+        return fetch
+
+    def _unjoinable(self) -> None:
+        """No later caller joins this fetch (under the lock)."""
+        calls = _joinable.get(self.keyring) if self.shared else None
+        if calls is not None and calls.get(self.key_id) is self.outcome:
+            del calls[self.key_id]
+
+    def _work(self) -> None:
+        ran = self.outcome.set_running_or_notify_cancel()
+        error: BaseException | None = None
+        if ran:
+            try:
+                self.keyring.key(self.key_id)  # the ring keeps what it fetched, even given up on
+            except BaseException as exc:  # noqa: BLE001 -- the waiting caller's to raise
+                error = exc
+                self.outcome.set_exception(exc)
+            else:
+                self.outcome.set_result(None)
+        with _abandoned_lock:
+            late = self.given_up
+            _abandoned[self.keyring] -= 1
+            self._unjoinable()
+        if late and ran:
+            _log_late_fetch(
+                self.log,
+                self.waiter,
+                self.key_id,
+                time.monotonic() - self.started,
+                self.timeout,
+                error,
+            )
+
+    def start(self) -> None:
+        try:
+            threading.Thread(target=self._work, name="outboxer-key-fetch", daemon=True).start()
+        except BaseException:
+            # No thread (none left to the process, or the interpreter shutting down): nothing
+            # will give the place back.
+            with _abandoned_lock:
+                _abandoned[self.keyring] -= 1
+                self._unjoinable()
+            # A caller that joined it meanwhile gets CancelledError, not a hang.
+            self.outcome.cancel()
+            raise
+
+    def give_up(self) -> bool:
+        """Leave the thread to itself (its late outcome logged); False if it ended already."""
+        with _abandoned_lock:
+            self._unjoinable()
+            if self.outcome.done():
+                return False
+            self.given_up = True
+            return True
+
+    def timed_out(self) -> KeyRingUnavailableError:
+        return KeyRingUnavailableError(
+            f"key {self.key_id!r}: the keyring's source did not answer within {self.timeout:g} s"
+        )
+
+
 async def fetch_key_bounded(
     keyring: KeyRing, key_id: str, timeout: float, *, waiter: str, log: logging.Logger
 ) -> None:
@@ -876,95 +1012,86 @@ async def fetch_key_bounded(
     fetch queued behind them until it timed out, never reaching the KMS again."""
     import asyncio
 
-    # The check and the count in one hold of the lock, the count taken when the thread is
-    # started, not when it is given up on: checked here and counted only at the timeout,
-    # every fetch that began while fewer than the cap were left (the consumer's lanes, up
-    # to ``concurrency`` of them, meeting the same new key at once) passed, and a KMS that
-    # never answered kept one thread per lane, past the cap. A thread counts until it ends.
-    outcome: concurrent.futures.Future[None] = concurrent.futures.Future()
-    # Only a text id is shared: a row's headers are JSON, and a hand-written list or object
-    # there is no key to look up (the ring answers it KeyNotFoundError, permanent).
-    shared = isinstance(key_id, str)
-    with _abandoned_lock:
-        joined = _joinable.get(keyring, {}).get(key_id) if shared else None
-        if joined is None:
-            stuck = _abandoned.get(keyring, 0)
-            if stuck >= MAX_ABANDONED_FETCHES:
-                raise KeyRingUnavailableError(
-                    f"key {key_id!r}: {stuck} earlier fetches from the keyring's source have "
-                    "not returned; it is not asked again until one does"
-                )
-            _abandoned[keyring] = stuck + 1
-            if shared:
-                _joinable.setdefault(keyring, {})[key_id] = outcome
-    if joined is not None:
-        await _join_fetch(joined, key_id, timeout)
+    fetch = _KeyFetch.admit(keyring, key_id, timeout, waiter, log)
+    if not isinstance(fetch, _KeyFetch):
+        await _join_fetch(fetch, key_id, timeout)
         return
-    given_up = False
-    started = time.monotonic()
-
-    def unjoinable() -> None:
-        """No later caller joins this fetch (under the lock)."""
-        calls = _joinable.get(keyring) if shared else None
-        if calls is not None and calls.get(key_id) is outcome:
-            del calls[key_id]
-
-    def work() -> None:
-        ran = outcome.set_running_or_notify_cancel()
-        error: BaseException | None = None
-        if ran:
-            try:
-                keyring.key(key_id)  # the ring keeps what it fetched, even given up on
-            except BaseException as exc:  # noqa: BLE001 -- the waiting task's to raise
-                error = exc
-                outcome.set_exception(exc)
-            else:
-                outcome.set_result(None)
-        with _abandoned_lock:
-            late = given_up
-            _abandoned[keyring] -= 1
-            unjoinable()
-        if late and ran:
-            _log_late_fetch(log, waiter, key_id, time.monotonic() - started, timeout, error)
-
-    def give_up() -> bool:
-        """Leave the thread to itself (its late outcome logged); False if it ended already."""
-        nonlocal given_up
-        with _abandoned_lock:
-            unjoinable()
-            if outcome.done():
-                return False
-            given_up = True
-            return True
-
     # Cancelled once given up: the thread's late answer is then dropped, also after the
     # event loop is closed (asyncio's future chaining checks for both).
-    waiting = asyncio.wrap_future(outcome)
+    waiting = asyncio.wrap_future(fetch.outcome)
     waiting.add_done_callback(_retrieved)
     try:
-        threading.Thread(target=work, name="outboxer-key-fetch", daemon=True).start()
+        fetch.start()
     except BaseException:
-        # No thread (none left to the process, or the interpreter shutting down): nothing
-        # will give the place back.
-        with _abandoned_lock:
-            _abandoned[keyring] -= 1
-            unjoinable()
-        outcome.cancel()  # a caller that joined it meanwhile gets CancelledError, not a hang
         waiting.cancel()
         raise
     try:
         await asyncio.wait((waiting,), timeout=timeout)
     except BaseException:
-        give_up()
+        fetch.give_up()
         waiting.cancel()
         raise
-    if give_up():
+    if fetch.give_up():
         waiting.cancel()
-        raise KeyRingUnavailableError(
-            f"key {key_id!r}: the keyring's source did not answer within {timeout:g} s"
-        )
+        raise fetch.timed_out()
     waiting.cancel()  # its state may still be on its way from the thread: read the source
-    outcome.result()
+    fetch.outcome.result()
+
+
+def fetch_key_bounded_sync(
+    keyring: KeyRing, key_id: str, timeout: float | None, *, waiter: str, log: logging.Logger
+) -> None:
+    """:func:`fetch_key_bounded` for a synchronous caller (an operator's replay or key
+    rotation, in a worker thread of their own): the same daemon thread, places per ring,
+    sharing of a key's fetch (with the relay's and the consumer's too) and late outcome's
+    log, the wait blocking. A ring holding the key, or one with no source to fetch from
+    (a static ring: a lookup, which may raise KeyNotFoundError), is answered here without a
+    thread; ``timeout`` None calls the source here, unbounded (the caller chose no bound).
+    An id that is no valid key id (:func:`is_key_id`) is refused at once, KeyNotFoundError,
+    without a thread nor one of the ring's places."""
+    if keyring.has_key(key_id):
+        return
+    if not keyring.fetches or timeout is None or not is_key_id(key_id):
+        # An id the ring refuses before any source sees it (a row's hand-written header) is
+        # refused here at once too: through a thread, each such row of a rotation cost one
+        # (50,000 rows: 15 s, from 0.5 s), and with the ring's places held by a silent KMS
+        # it was "unavailable" (a replay's 503, retried) quoting the whole header, where
+        # the ring answers "not a valid key id" (for good, shortened).
+        keyring.key(key_id)
+        return
+    fetch = _KeyFetch.admit(keyring, key_id, timeout, waiter, log)
+    if not isinstance(fetch, _KeyFetch):
+        concurrent.futures.wait((fetch,), timeout=timeout)
+        _joined_outcome(fetch, key_id, timeout)
+        return
+    fetch.start()
+    try:
+        concurrent.futures.wait((fetch.outcome,), timeout=timeout)
+    except BaseException:  # KeyboardInterrupt: the command stops, the thread is left
+        fetch.give_up()
+        raise
+    if fetch.give_up():
+        raise fetch.timed_out()
+    fetch.outcome.result()
+
+
+def fetch_message_keys_sync(
+    message: Message,
+    keyring: KeyRing,
+    timeout: float | None,
+    *,
+    waiter: str,
+    log: logging.Logger,
+) -> None:
+    """Before ``message`` is decrypted and encrypted again under the ring's current key (a
+    replay's copy, a rotation): both keys fetched by :func:`fetch_key_bounded_sync` when the
+    ring fetches from a source. A static ring is left alone: its lookups cannot block, and
+    its errors stay those of the decryption itself."""
+    if not keyring.fetches or not is_encrypted(message):
+        return
+    for key_id in (keyring.current_key_id, message.headers.get(HEADER_KEY_ID)):
+        if key_id and not keyring.has_key(key_id):
+            fetch_key_bounded_sync(keyring, key_id, timeout, waiter=waiter, log=log)
 
 
 def _retrieved(waiting: Any) -> None:
@@ -984,6 +1111,12 @@ async def _join_fetch(fetch: concurrent.futures.Future[None], key_id: str, timeo
     waiting = asyncio.wrap_future(fetch)
     waiting.add_done_callback(_retrieved)
     await asyncio.wait((waiting,), timeout=timeout)
+    _joined_outcome(fetch, key_id, timeout)
+
+
+def _joined_outcome(fetch: concurrent.futures.Future[None], key_id: str, timeout: float) -> None:
+    """After a wait of ``timeout`` seconds for another caller's fetch of ``key_id``: its
+    outcome, or KeyRingUnavailableError if it is still running."""
     if not fetch.done():
         raise KeyRingUnavailableError(
             f"key {key_id!r}: the keyring's source did not answer within {timeout:g} s"
@@ -1045,6 +1178,7 @@ __all__ = [
     "HEADER_SEALED_HEADERS",
     "HEADER_SUBJECT",
     "MAX_ABANDONED_FETCHES",
+    "MAX_KEY_ID_LENGTH",
     "DecryptionError",
     "EncryptionError",
     "FileSubjectKeys",
@@ -1058,8 +1192,11 @@ __all__ = [
     "decrypt",
     "encrypt_message",
     "fetch_key_bounded",
+    "fetch_key_bounded_sync",
+    "fetch_message_keys_sync",
     "generate_key",
     "is_encrypted",
+    "is_key_id",
     "keys_in_use",
     "reencrypt",
 ]

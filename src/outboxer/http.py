@@ -54,6 +54,7 @@ from outboxer.stores import DestinationStatus, Store, create_store
 if TYPE_CHECKING:
     import uvicorn
 
+    from outboxer.crypto import KeyRing
     from outboxer.metrics import Metrics
 
 logger = get_logger("outboxer.http")
@@ -500,6 +501,8 @@ class HttpApi:
         #: The first database's store (the only one, unless ``sectioned``).
         self.store = next(iter(self.stores.values()))
         self.settings = settings
+        #: The replays' key ring when it fetches from a source (``_lasting_keyring``).
+        self._fetching_keyring: KeyRing | None = None
         self.relay = relay
         self.relays: dict[str, Relay] = (
             {}
@@ -794,6 +797,7 @@ class HttpApi:
         to = body.get("to")
         where = admin.filter_from_json(body)
         copier = admin.copier_from_settings(self.settings)
+        copier.keyring = self._lasting_keyring(copier.keyring)
 
         async def replay(name: str, store: Store) -> admin.AdminResult:
             try:
@@ -807,10 +811,11 @@ class HttpApi:
                     dry_run=dry_run,
                 )
             except ReplayError as exc:
-                if copier.unanswered is None:
+                if copier.unanswered is None and copier.keys_unavailable is None:
                     raise  # a row that cannot be copied: 409, retrying would not help
-                # The claim-check store did not answer (rolled back, nothing written): the
-                # server's trouble, which passes, as a database that does not answer.
+                # The claim-check store or the key ring's source (a KMS) did not answer, or
+                # failed for now (rolled back, nothing written): the server's trouble, which
+                # passes, as a database that does not answer.
                 raise ServiceUnavailable(redact_text(str(exc))) from exc
 
         def check(name: str) -> None:
@@ -821,6 +826,20 @@ class HttpApi:
             return await self._each_database(body, replay, check)
         finally:
             await asyncio.to_thread(copier.close)
+
+    def _lasting_keyring(self, ring: KeyRing | None) -> KeyRing | None:
+        """The ring a replay uses: a ring that fetches (a KMS) is kept from one request to
+        the next while its source and current key stay the same. Its cap of calls left
+        running is per ring: a new ring per request let each request against a KMS that
+        does not answer leave one more thread waiting on it for ever, and asked the KMS
+        again for every key. A ring holding its keys is the request's own, as before."""
+        if ring is None or not ring.fetches:
+            return ring
+        kept = self._fetching_keyring
+        if kept is not None and kept.same_source(ring):
+            return kept
+        self._fetching_keyring = ring
+        return ring
 
     async def _each_database(
         self,

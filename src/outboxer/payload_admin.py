@@ -48,10 +48,15 @@ from outboxer.claimcheck import (
 )
 from outboxer.crypto import (
     HEADER_KEY_ID,
+    MAX_KEY_ID_LENGTH,
     FileSubjectKeys,
+    KeyNotFoundError,
     KeyRing,
     KeyRingUnavailableError,
     SubjectKeyDeletedError,
+    fetch_key_bounded_sync,
+    fetch_message_keys_sync,
+    is_key_id,
     reencrypt,
 )
 from outboxer.enqueue import Outbox
@@ -119,7 +124,8 @@ def keyring(settings: Settings) -> KeyRing | None:
         ring = KeyRing.from_file(key_file, subjects=subject_keys(settings))
         if current is None:
             return ring
-        # The setting names the current key over the file's own choice.
+        # The setting names the current key over the file's own choice. A file's ring holds
+        # its keys: ``ring.key`` is a lookup here, no source to wait for.
         return KeyRing(
             {key_id: ring.key(key_id) for key_id in ring.key_ids}, current, subjects=ring.subjects
         )
@@ -225,7 +231,8 @@ class PayloadTable:
         self.conn = conn
         self.dialect = dialect
         self._schema, self._table = schema, table
-        tokens = {"outbox": table_name(dialect, schema, table)}
+        self._outbox = table_name(dialect, schema, table)
+        tokens = {"outbox": self._outbox}
         self._sql = {
             name: render(sql, tokens) for name, sql in queries(dialect, "payload.sql").items()
         }
@@ -387,8 +394,17 @@ class PayloadTable:
         after one timed out, the run deletes nothing more (each would wait as long, on a
         store that is not answering). On PostgreSQL, the log mode's rows still under other
         keys are counted last (``log_unrelayed``, ``log_relayed``), not rewritten.
+
+        A ring that fetches its keys (``KeyRing.from_callable``, a KMS) is asked for every
+        key the run needs before its first batch, each fetch given up after
+        ``call_timeout`` seconds (``crypto.fetch_key_bounded_sync``): a KMS that does not
+        answer stops the run with KeyRingUnavailableError before any row changed, rather
+        than hold a batch's transaction (and the command) for ever. A key first used by a
+        row enqueued after that is fetched for its row, bounded alike.
         """
         result = RotationResult()
+        if keyring.fetches:
+            self._fetch_rotation_keys(keyring, call_timeout)
         store = None if claim_check is None else _RunStore(claim_check, call_timeout, result)
         after = 0
         while True:
@@ -400,7 +416,7 @@ class PayloadTable:
                 if not rows:
                     break
                 after = int(rows[-1][0])
-                replaced = self._rotate_rows(rows, keyring, store, result)
+                replaced = self._rotate_rows(rows, keyring, store, result, call_timeout)
             # Committed: the rows refer to the new objects only.
             if store is not None and replaced:
                 store.delete(replaced, "old object(s) of re-encrypted rows")
@@ -409,6 +425,38 @@ class PayloadTable:
         if self._log_table is not None and self._has_log_table():
             self._count_log_keys(keyring.current_key_id, result)
         return result
+
+    def _fetch_rotation_keys(self, keyring: KeyRing, timeout: float | None) -> None:
+        """Fetch the current key and those of the rows to re-encrypt (rotation_batch's
+        rows, all of them) into ``keyring``; a key the source does not have is left to its
+        rows, each reported as failed as before."""
+        key_id = _KEY_ID_SQL[self.dialect]
+        mark = "?" if self.dialect == "sqlite" else "%s"
+        # Only a JSON string short enough to be a key id: the ring refuses any other header
+        # before a KMS sees it (the row fails, as it did), where its text was asked for (a
+        # number 5 as "5", MariaDB's null as "null": a KMS refusing an unknown id stopped the
+        # whole run) and every value was read into memory, however long.
+        rows = _read(
+            self.conn,
+            self.dialect,
+            f"SELECT DISTINCT {key_id} FROM {self._outbox} "
+            f"WHERE status IN ('PENDING', 'FAILED') AND {_KEY_ID_IS_TEXT[self.dialect]} "
+            f"AND {_LENGTH[self.dialect]}({key_id}) <= {MAX_KEY_ID_LENGTH} "
+            f"AND {key_id} <> {mark}",
+            (keyring.current_key_id,),
+        )
+        found = sorted({row[0] for row in rows if is_key_id(row[0])})
+        for wanted in [keyring.current_key_id, *found]:
+            try:
+                fetch_key_bounded_sync(
+                    keyring, wanted, timeout, waiter="a key rotation", log=logger
+                )
+            except KeyNotFoundError:
+                continue
+            except KeyRingUnavailableError as exc:
+                raise KeyRingUnavailableError(
+                    f"{exc}: the rotation stopped before re-encrypting any message"
+                ) from exc
 
     def _count_log_keys(self, current: str, result: RotationResult) -> None:
         """Fill ``result.log_unrelayed`` and ``log_relayed``: one statement, one snapshot.
@@ -441,6 +489,7 @@ class PayloadTable:
         keyring: KeyRing,
         store: _RunStore | None,
         result: RotationResult,
+        key_timeout: float | None,
     ) -> list[str]:
         """Update the batch's rows; return the objects they no longer refer to."""
         put: list[str] = []
@@ -449,7 +498,7 @@ class PayloadTable:
             for row in rows:
                 message = _message(row)
                 try:
-                    rotated = self._reencrypt(message, keyring, store)
+                    rotated = self._reencrypt(message, keyring, store, key_timeout)
                 except SubjectKeyDeletedError:
                     result.shredded += 1
                     continue
@@ -493,7 +542,12 @@ class PayloadTable:
         return replaced
 
     @staticmethod
-    def _reencrypt(message: Message, keyring: KeyRing, store: _RunStore | None) -> Message | None:
+    def _reencrypt(
+        message: Message, keyring: KeyRing, store: _RunStore | None, key_timeout: float | None
+    ) -> Message | None:
+        # Fetched before the run began, unless a row enqueued since uses a new key; before
+        # the row's object is read (its headers name the key).
+        fetch_message_keys_sync(message, keyring, key_timeout, waiter="a key rotation", log=logger)
         if not is_claim_checked(message):
             return reencrypt(message, keyring)
         if store is None:
@@ -565,6 +619,24 @@ class _RunStore:
 
 
 # ----- which keys stored messages are under ----------------------------------------------------
+
+
+#: A row's key id (its ``outboxer-key-id`` header) as each dialect's SQL reads it.
+_KEY_ID_SQL = {
+    "postgres": "headers->>'outboxer-key-id'",
+    "mysql": "JSON_UNQUOTE(JSON_EXTRACT(headers, '$.\"outboxer-key-id\"'))",
+    "sqlite": "json_extract(headers, '$.\"outboxer-key-id\"')",
+}
+
+#: Whether a row's key id header is a JSON string (not a number, a boolean, null, a list).
+_KEY_ID_IS_TEXT = {
+    "postgres": "jsonb_typeof(headers->'outboxer-key-id') = 'string'",
+    "mysql": "JSON_TYPE(JSON_EXTRACT(headers, '$.\"outboxer-key-id\"')) = 'STRING'",
+    "sqlite": "json_type(headers, '$.\"outboxer-key-id\"') = 'text'",
+}
+
+#: Each dialect's length of a text in characters.
+_LENGTH = {"postgres": "length", "mysql": "CHAR_LENGTH", "sqlite": "length"}
 
 
 @dataclass
@@ -649,11 +721,7 @@ def key_usage(url: str, *, schema: str = "outboxer", table: str = "outbox") -> l
 
 
 def _key_usage(conn: Any, dialect: str, schema: str, table: str) -> list[KeyUsage]:
-    key_id = {
-        "postgres": "headers->>'outboxer-key-id'",
-        "mysql": "JSON_UNQUOTE(JSON_EXTRACT(headers, '$.\"outboxer-key-id\"'))",
-        "sqlite": "json_extract(headers, '$.\"outboxer-key-id\"')",
-    }[dialect]
+    key_id = _KEY_ID_SQL[dialect]
     unfinished = "status IN ('PENDING', 'PROCESSING', 'FAILED')"
     where = {"outbox": unfinished, "outbox finished": f"NOT ({unfinished})"}
     usage = []
