@@ -62,6 +62,12 @@ from outboxer.brokers.base import describe
 from outboxer.enqueue import _numbered, _pyformat, mysql_errno  # the same conversions, cached once
 from outboxer.errors import ConfigError, MissingDependencyError
 from outboxer.inbox import Inbox
+from outboxer.keepalive import (
+    libpq_keepalives,
+    server_keepalives_sql,
+    set_asyncpg_keepalives,
+    set_keepalives,
+)
 from outboxer.message import MAX_KEY_LENGTH
 from outboxer.receivers.base import Delivery, decode_payload
 from outboxer.redact import redact_text
@@ -142,6 +148,22 @@ _PG_LOCK_WAITS = frozenset({"55P03", "40P01"})
 _MYSQL_LOCK_WAITS = frozenset({1205, 1213})
 #: A PostgreSQL connection's backend as its session opened it: its pid and when it began.
 _PG_BACKEND = "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+
+
+def _pg_backend(bound: float | None) -> str:
+    """``_PG_BACKEND``, which a new connection sends anyway, also giving its backend TCP
+    keepalives of about ``bound`` (``server_keepalives_sql``; none without a bound): a
+    consumer whose host vanished (powered off, partitioned away) mid-batch kept its inbox
+    claims in its open transaction for as long as the server took to notice, over two hours
+    with the kernel's defaults, and the broker's redelivery of those messages to the
+    group's other consumers waited on them (cut at their bound, tried again, for ever), the
+    messages of the same keys behind them. Its caller commits (not a rollback: that undoes
+    the setting)."""
+    if bound is None:
+        return _PG_BACKEND
+    return _PG_BACKEND.replace(" FROM ", f", {server_keepalives_sql(bound)} AS keepalives FROM ", 1)
+
+
 #: Ends an abandoned session's backend (``end_abandoned``), in psycopg's parameters. A pid
 #: alone may name another backend by now (the abandoned one gone, its pid reused): only the
 #: backend that also began when the abandoned session opened it is terminated.
@@ -1204,79 +1226,6 @@ def _shut_psycopg(conn: Any) -> bool:
     return _shut(int(fd))
 
 
-#: Probes unanswered before the kernel gives the peer up (libpq's ``keepalives_count``).
-_KEEPALIVE_PROBES = 3
-
-
-def _keepalive_timing(bound: float) -> tuple[int, int, int]:
-    """The TCP keepalives of a consumer connection bounded by ``bound`` seconds: idle time
-    before the first probe, time between probes, probes unanswered before the kernel gives
-    the connection up, in whole seconds (the kernel's unit), about ``bound`` in all. The
-    same for every driver: libpq's options (``_libpq_bounds``), the socket's for the
-    others (``_set_keepalives``)."""
-    seconds = max(2, math.ceil(bound))
-    return max(1, seconds // 2), max(1, seconds // 6), _KEEPALIVE_PROBES
-
-
-def _libpq_keepalives(bound: float) -> dict[str, int]:
-    """``_keepalive_timing`` as libpq's connect options."""
-    idle, interval, count = _keepalive_timing(bound)
-    return {
-        "keepalives": 1,
-        "keepalives_idle": idle,
-        "keepalives_interval": interval,
-        "keepalives_count": count,
-    }
-
-
-#: The socket options of ``_keepalive_timing``'s three numbers, by their names on Linux; on
-#: macOS the idle time's is TCP_KEEPALIVE. One the platform lacks is left as it is.
-_KEEPALIVE_OPTIONS = (("TCP_KEEPIDLE", "TCP_KEEPALIVE"), ("TCP_KEEPINTVL",), ("TCP_KEEPCNT",))
-
-
-def _set_keepalives(sock: Any, bound: float | None) -> None:
-    """Set ``_keepalive_timing(bound)`` on the connected socket ``sock`` of a driver that
-    has no option for them (asyncpg sets none, PyMySQL and mysqlclient SO_KEEPALIVE alone:
-    the kernel's defaults, a first probe after two hours), as libpq's options do on
-    psycopg's: without them a statement whose request reached the server before its host
-    vanished waits for its answer for ever (nothing unacknowledged, so no retransmission
-    gives up either). The handler's statements are not the watchdog's.
-
-    ``sock``: a socket or asyncio's TransportSocket; for TLS the one under it (asyncpg's
-    transport gives that one; PyMySQL's SSLSocket is it, by its descriptor). None, or a
-    Unix-domain socket: nothing (no peer host to vanish), nor with no bound (as psycopg).
-    A platform refusing an option leaves the connection as the driver made it (logged):
-    no keepalives is what it had before, not a reason to refuse the database."""
-    if bound is None or sock is None:
-        return
-    try:
-        if sock.family not in (socket.AF_INET, socket.AF_INET6):
-            return
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        for names, value in zip(_KEEPALIVE_OPTIONS, _keepalive_timing(bound), strict=True):
-            option = next((getattr(socket, n) for n in names if hasattr(socket, n)), None)
-            if option is not None:
-                sock.setsockopt(socket.IPPROTO_TCP, option, value)
-    except OSError as exc:
-        logger.warning("cannot set TCP keepalives on a consumer connection: %s", exc)
-
-
-def _set_keepalives_fd(fd: int, bound: float | None) -> None:
-    """``_set_keepalives`` on the socket of descriptor ``fd``, which its driver keeps (a C
-    driver's: mysqlclient gives only ``fileno()``)."""
-    if bound is None or fd < 0:
-        return
-    try:
-        sock = socket.socket(fileno=fd)
-    except OSError as exc:  # closed already, or no socket
-        logger.debug("no socket to set TCP keepalives on: %s", exc)
-        return
-    try:
-        _set_keepalives(sock, bound)
-    finally:
-        sock.detach()
-
-
 def _libpq_bounds(conninfo: str, bound: float | None) -> dict[str, Any]:
     """psycopg's connect arguments bounding a connection, where ``conninfo`` does not set
     them (connect_timeout: PGCONNECT_TIMEOUT's value where it is set).
@@ -1299,7 +1248,7 @@ def _libpq_bounds(conninfo: str, bound: float | None) -> dict[str, Any]:
     given = libpq_conninfo.conninfo_to_dict(conninfo)
     wanted: dict[str, Any] = {
         "connect_timeout": max(2, math.ceil(bound)),
-        **_libpq_keepalives(bound),
+        **libpq_keepalives(bound),
     }
     if environment := os.environ.get("PGCONNECT_TIMEOUT"):
         # The user's, passed on rather than left out: psycopg drives libpq without blocking,
@@ -1437,14 +1386,17 @@ class PsycopgSession(SyncSession):
         self._opening = conn
         try:
             self._arm("reading the new connection's backend id")
-            row = conn.execute(_PG_BACKEND).fetchone()
+            row = conn.execute(_pg_backend(self.statement_timeout)).fetchone()
             if (orphan := self._orphan) is not None:
                 self._arm("ending the connection cut off before")
                 try:
                     conn.execute(_PG_TERMINATE, orphan)
                 except Exception as exc:  # noqa: BLE001 -- _orphan_left sorts it
                     self._orphan_left(exc)
-            conn.rollback()  # the runner's transactions begin on an idle connection
+            # The runner's transactions begin on an idle connection. A commit, not a
+            # rollback: that would undo the backend's keepalives (_pg_backend).
+            self._arm("COMMIT")
+            conn.commit()
         except BaseException:
             _close_quietly(conn)
             raise
@@ -1606,7 +1558,7 @@ class PyMySQLSession(SyncSession):
             args["read_timeout"] = args["write_timeout"] = bound
         conn = _no_answer_at_connect(self, lambda: connect_pymysql(args))
         conn._read_timeout = conn._write_timeout = None
-        _set_keepalives(conn._sock, bound)
+        set_keepalives(conn._sock, bound)
         return conn
 
     def _cut(self, conn: Any) -> bool:
@@ -1969,9 +1921,10 @@ class AsyncpgSession(AsyncSession):
                 )
                 self._opening = conn
                 try:
-                    _set_keepalives(conn._transport.get_extra_info("socket"), bound)
+                    set_asyncpg_keepalives(conn, bound)
                     self._arm("reading the new connection's backend id")
-                    row = await conn.fetchrow(_PG_BACKEND)
+                    # In autocommit: the backend's keepalives stay (_pg_backend).
+                    row = await conn.fetchrow(_pg_backend(bound))
                     if (orphan := self._orphan) is not None:
                         self._arm("ending the connection cut off before")
                         try:
@@ -2100,14 +2053,17 @@ class PsycopgAsyncSession(AsyncSession):
                 self._opening = conn
                 try:
                     self._arm("reading the new connection's backend id")
-                    row = await (await conn.execute(_PG_BACKEND)).fetchone()
+                    row = await (await conn.execute(_pg_backend(self.statement_timeout))).fetchone()
                     if (orphan := self._orphan) is not None:
                         self._arm("ending the connection cut off before")
                         try:
                             await conn.execute(_PG_TERMINATE, orphan)
                         except Exception as exc:  # noqa: BLE001 -- _orphan_left sorts it
                             self._orphan_left(exc)
-                    await conn.rollback()  # the runner's transactions begin on an idle one
+                    # The runner's transactions begin on an idle connection. A commit,
+                    # not a rollback: that would undo the backend's keepalives.
+                    self._arm("COMMIT")
+                    await conn.commit()
                 except BaseException:
                     conn.pgconn.finish()
                     raise

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from outboxer.errors import ConfigError, PayloadError, StoreError
+from outboxer.keepalive import keep_asyncpg_alive, server_keepalives_sql, set_asyncpg_keepalives
 from outboxer.message import JSON, Message
 from outboxer.redact import get_logger, register_url_secrets
 from outboxer.stores.base import check_identifier
@@ -240,14 +241,15 @@ class ModeSchema:
         commit with dead letters whose COMMIT was lost), its row locks held. The
         reconnected relay's statements on the same rows (registering its reader, moving its
         offset) waited for them, were cut at COMMAND_TIMEOUT, and the relay reconnected,
-        for as long."""
+        for as long. The new session gets server-side TCP keepalives (``session_of``), so
+        the server also ends it soon after this relay's host vanishes, instead of hours."""
         if self._conn is None:
             conn = await open_connection(self.url)
             try:
                 if self._left is not None:
                     left, self._left = self._left, None
                     await end_session(conn, left, type(self).__name__)
-                self._session = await session_of(conn)
+                self._session = await session_of(conn, keepalive=True)
             except BaseException:
                 await close_connection(conn)
                 raise
@@ -266,9 +268,12 @@ class ModeSchema:
         index built over the retained log (pglog migration 0002), a wait for another
         apply's schema lock or a slot's creation (it waits for the running transactions
         to end) take minutes, and cut at COMMAND_TIMEOUT they could never complete. The
-        default table's schema changes run so too (PostgresStore._schema_connection)."""
+        default table's schema changes run so too (PostgresStore._schema_connection).
+        Keepalives on both ends (a round trip: once a migration): its locks (the schema's,
+        a table's ACCESS EXCLUSIVE) must not outlive a vanished relay host by hours."""
         conn = await open_connection(self.url, bounded=False)
         try:
+            await keep_asyncpg_alive(conn, COMMAND_TIMEOUT)
             yield conn
         finally:
             await close_connection(conn)
@@ -349,12 +354,18 @@ class ModeSchema:
 async def open_connection(url: str, *, bounded: bool = True) -> Any:
     """One asyncpg connection (StoreError if the database does not answer within
     CONNECT_TIMEOUT). Its statements give up after COMMAND_TIMEOUT unless a call says
-    otherwise (``timeout=``); ``bounded=False``: no bound, for schema changes only."""
+    otherwise (``timeout=``); ``bounded=False``: no bound, for schema changes only.
+
+    Its socket has TCP keepalives of about COMMAND_TIMEOUT, bounded or not (asyncpg sets
+    none): a call without a bound (a schema change) whose database host vanished waited for
+    ever, nothing left unacknowledged for a retransmission to give up on. They never cut a
+    slow statement of a live server, whose kernel answers the probes. The server's end is
+    the caller's (``server_keepalives_sql``), in a query it sends anyway."""
     from outboxer.stores.postgres import _asyncpg, asyncpg_dsn
 
     asyncpg = _asyncpg()
     try:
-        return await asyncpg.connect(
+        conn = await asyncpg.connect(
             asyncpg_dsn(url),
             # Read at each call, not bound at import: tests shorten them.
             timeout=CONNECT_TIMEOUT,
@@ -367,6 +378,8 @@ async def open_connection(url: str, *, bounded: bool = True) -> Any:
         ) from exc
     except (OSError, asyncpg.PostgresError) as exc:
         raise StoreError(f"cannot connect to PostgreSQL: {exc}") from exc
+    set_asyncpg_keepalives(conn, COMMAND_TIMEOUT)
+    return conn
 
 
 async def close_connection(conn: Any, timeout: float | None = None) -> bool:
@@ -387,10 +400,14 @@ async def close_connection(conn: Any, timeout: float | None = None) -> bool:
 Session = tuple[int, Any]
 
 
-async def session_of(conn: Any) -> Session:
-    """``conn``'s server session (``end_session`` ends it from another connection)."""
+async def session_of(conn: Any, *, keepalive: bool = False) -> Session:
+    """``conn``'s server session (``end_session`` ends it from another connection). With
+    ``keepalive``, the same query gives its backend TCP keepalives of about COMMAND_TIMEOUT
+    (``server_keepalives_sql``; in autocommit, so they stay): the server ends a session
+    whose relay's host vanished within about that, and the locks it held with it."""
+    extra = f", {server_keepalives_sql(COMMAND_TIMEOUT)}" if keepalive else ""
     started = await conn.fetchval(
-        "SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+        f"SELECT backend_start{extra} FROM pg_stat_activity WHERE pid = pg_backend_pid()"
     )
     return conn.get_server_pid(), started
 
@@ -484,11 +501,13 @@ class ReaderLock:
 
     Idle, it also outlives a partition: the relay gives it up (its close cut after
     CLOSE_TIMEOUT) and the server never hears of it, nor finds out before TCP keepalive
-    does (over two hours with Linux's defaults), while it holds the lock. So ``acquire``
-    first ends the session that ``release`` gave up without the server taking its close,
-    if the server still has it (the same process and backend start: never another
-    relay's), else every reconnect was refused "already being read by another relay" by
-    the relay's own abandoned session.
+    does, while it holds the lock. So ``acquire`` first ends the session that ``release``
+    gave up without the server taking its close, if the server still has it (the same
+    process and backend start: never another relay's), else every reconnect was refused
+    "already being read by another relay" by the relay's own abandoned session. And the
+    session's backend has TCP keepalives of about COMMAND_TIMEOUT (``acquire``): with the
+    kernel's defaults a relay whose host vanished (powered off, partitioned away) kept the
+    lock for over two hours, a standby relay on another host refused all that time.
     """
 
     def __init__(self, url: str, key: str, name: str) -> None:
@@ -512,10 +531,12 @@ class ReaderLock:
         await self.release()
         conn = await open_connection(self.url)
         try:
-            # Idle by design: a server-wide idle_session_timeout must not end it (14+).
+            # Idle by design: a server-wide idle_session_timeout must not end it (14+). Its
+            # backend's keepalives in the same round trip (see the class).
             await conn.execute(
-                "SELECT set_config('idle_session_timeout', '0', false) "
-                "WHERE current_setting('server_version_num')::int >= 140000"
+                f"SELECT {server_keepalives_sql(COMMAND_TIMEOUT)}, "
+                "(SELECT set_config('idle_session_timeout', '0', false) "
+                "WHERE current_setting('server_version_num')::int >= 140000)"
             )
             ended = await self._end_last(conn)
             held = await self._take(conn)

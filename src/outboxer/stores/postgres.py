@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from outboxer.config import DAY, Settings
 from outboxer.errors import MissingDependencyError, SchemaError, StoreError
+from outboxer.keepalive import keep_asyncpg_alive
 from outboxer.message import Message
 from outboxer.redact import get_logger
 from outboxer.stores.base import (
@@ -80,6 +81,11 @@ RELEASE_TIMEOUT = 0.5
 #: the listeners' table, an idle connection a NAT forgot) held the listener's lock, and
 #: with it every idle loop of the relay, for ever: nothing was claimed until it answered.
 LISTENER_TIMEOUT = 5.0
+#: Seconds the pool's statements may take (asyncpg's command_timeout), and about how long
+#: a vanished peer goes unnoticed by the keepalives of the relay's connections
+#: (``outboxer.keepalive``): the server's end of the pool's and schema connections, the
+#: client's end of the schema connections (their statements have no bound).
+COMMAND_TIMEOUT = 60.0
 #: Tries of a claim, settle or renewal, or of an operator's purge, requeue or replay,
 #: PostgreSQL chose as a deadlock's victim (see PostgresStore._deadlock_retried), as
 #: MySQLStore's DEADLOCK_TRIES.
@@ -169,6 +175,15 @@ def _connection_class() -> Any:
     return RelayConnection
 
 
+async def _keep_alive(conn: Any) -> None:
+    """TCP keepalives of about COMMAND_TIMEOUT on both ends of a relay's connection
+    (``keepalive.keep_asyncpg_alive``). The schema connections' statements have no bound:
+    one whose database host vanished waited for ever, and the server held a vanished
+    relay's schema locks (an outbox table's ACCESS EXCLUSIVE, every writer behind it) for
+    as long as the kernel's defaults take to notice, over two hours."""
+    await keep_asyncpg_alive(conn, COMMAND_TIMEOUT)
+
+
 def asyncpg_dsn(url: str) -> str:
     """asyncpg accepts postgresql:// and postgres:// only."""
     for prefix in ("postgresql+asyncpg://", "postgresql+psycopg://", "postgresql+psycopg2://"):
@@ -235,7 +250,11 @@ class PostgresStore(Store):
                 min_size=1,
                 max_size=self.pool_size,
                 connection_class=_connection_class(),
-                command_timeout=60,
+                command_timeout=COMMAND_TIMEOUT,
+                # A round trip per new connection (not per statement): the server ends a
+                # session whose relay's host vanished within about a minute, and with it
+                # the row locks of a transaction it had open, instead of hours.
+                init=_keep_alive,
                 # The relay's own commits (claim, settle, cleanup) need not wait for the WAL
                 # flush: one lost in a crash only makes its rows publish again, in order,
                 # which at-least-once allows. The writers' commits, which make the rows exist,
@@ -404,6 +423,7 @@ class PostgresStore(Store):
         except (OSError, asyncpg.PostgresError) as exc:
             raise StoreError(f"cannot connect to PostgreSQL: {exc}") from exc
         try:
+            await _keep_alive(conn)
             yield conn
         finally:
             await conn.close()
@@ -534,6 +554,7 @@ class PostgresStore(Store):
                 )
 
         try:
+            await _keep_alive(conn)
             # READ COMMITTED whatever the database's default: move_unfinished must read the
             # old table as the lock (lock_plain) finds it, rows of the writers it waited for
             # included; a snapshot taken before the lock (REPEATABLE READ) left them behind.
@@ -903,6 +924,24 @@ class PostgresStore(Store):
                 await asyncio.sleep(random.uniform(0.01, 0.05) * tried)
         raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
+    async def _operators_deadlock_retried(
+        self, name: str, attempt: Callable[[], Awaitable[T]]
+    ) -> T:
+        """``_deadlock_retried`` for an operator's purge, requeue or replay; a deadlock that
+        outlasts every try is a StoreError saying so. Raised as asyncpg's error it was an
+        unexpected failure everywhere but the HTTP API: the CLI pointed at a traceback
+        ("run with --log-level DEBUG"), Django admin's requeue action, which reports
+        outboxer's errors as a message, answered with a server error (500). MySQL's is a
+        StoreError already. The relay's claims and settles keep asyncpg's (an outage)."""
+        asyncpg = _asyncpg()
+        try:
+            return await self._deadlock_retried(name, attempt)
+        except asyncpg.DeadlockDetectedError as exc:
+            raise StoreError(
+                f"PostgreSQL chose {name} as a deadlock's victim on each of its "
+                f"{DEADLOCK_TRIES} tries ({exc}), each rolled back whole: run it again"
+            ) from exc
+
     async def cleanup(self, status: str, retention: float, limit: int) -> int:
         sql, args = self._args(
             "cleanup", {"status": status, "retention": float(retention), "limit": limit}
@@ -1010,7 +1049,7 @@ class PostgresStore(Store):
 
         # Its rows are locked in its plan's order, which a purge's may cross (see
         # _deadlock_retried).
-        return await self._deadlock_retried("a requeue", requeue_once)
+        return await self._operators_deadlock_retried("a requeue", requeue_once)
 
     # ----- wake-ups ------------------------------------------------------------------------
 
@@ -1223,7 +1262,7 @@ class PostgresStore(Store):
         locking them in its own plan's order; or someone else's transaction), the whole
         transaction is tried again, the destinations read anew: an operator's `purge` or
         `requeue` failed with "deadlock detected" and changed nothing."""
-        return await self._deadlock_retried(
+        return await self._operators_deadlock_retried(
             _ADMIN_NAMES.get(name, name),
             lambda: self._under_destination_locks_once(name, where, then),
         )
@@ -1289,7 +1328,7 @@ class PostgresStore(Store):
         original is counted once. The copies' ids were never committed, so inserting them
         again is inserting them once."""
         made: dict[int, list[Message]] = {}
-        return await self._deadlock_retried(
+        return await self._operators_deadlock_retried(
             "a replay", lambda: self._replay_once(where, copy, made)
         )
 

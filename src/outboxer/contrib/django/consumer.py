@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from django.db import connections, transaction
 
 from outboxer.consumer_db import (
-    _PG_BACKEND,
     _PG_TERMINATE,
     _PYMYSQL_CONNECT_TIMEOUT,
     _SERVER_STATUS_IN_TRANS,
@@ -48,16 +47,15 @@ from outboxer.consumer_db import (
     DaemonThreadPool,
     NoAnswerError,
     SyncSession,
-    _libpq_keepalives,
     _no_answer_at_connect,
-    _set_keepalives,
-    _set_keepalives_fd,
+    _pg_backend,
     _shut,
     _shut_psycopg,
     is_async_handler,
 )
 from outboxer.enqueue import _pyformat
 from outboxer.errors import ConfigError
+from outboxer.keepalive import libpq_keepalives, set_keepalives, set_keepalives_fd
 
 if TYPE_CHECKING:
     from outboxer.config import Settings
@@ -143,9 +141,9 @@ class DjangoSession(SyncSession):
             # No keepalive options in PyMySQL or mysqlclient: set on the socket, as
             # PyMySQLSession's (libpq's options do it on PostgreSQL: _keep_alive).
             if hasattr(raw, "_sock"):
-                _set_keepalives(raw._sock, self.statement_timeout)
+                set_keepalives(raw._sock, self.statement_timeout)
             elif (known := self._descriptor) is not None and known[0] is raw:
-                _set_keepalives_fd(known[1], self.statement_timeout)
+                set_keepalives_fd(known[1], self.statement_timeout)
         for name in ("read_timeout", "write_timeout"):
             if name in added and hasattr(raw, f"_{name}"):
                 # PyMySQL keeps them for every read and write after: the handshake's bound
@@ -158,11 +156,13 @@ class DjangoSession(SyncSession):
     def _end_orphan(self, connection: Any) -> None:
         """PostgreSQL, as PsycopgSession's connect: read the new connection's backend id,
         and end the backend of the one the bound cut off before (``Session._orphan``: one
-        waiting for a row lock does not see its client gone). In autocommit, as Django
-        connects: no transaction left open."""
+        waiting for a row lock does not see its client gone); the read gives the backend
+        TCP keepalives too (``consumer_db._pg_backend``), on a connection of Django's psycopg
+        pool as well (the server's end of it: no other thread's connect changes). In
+        autocommit, as Django connects: no transaction left open, nor rolled back."""
         with connection.cursor() as cursor:
             self._arm("reading the new connection's backend id")
-            cursor.execute(_PG_BACKEND)
+            cursor.execute(_pg_backend(self.statement_timeout))
             row = cursor.fetchone()
             if (orphan := self._orphan) is not None:
                 self._arm("ending the connection cut off before")
@@ -421,12 +421,12 @@ def _bound_connects(connection: Any, bound: float) -> dict[str, Any]:
 def _keep_alive(connection: Any, bound: float) -> dict[str, Any]:
     """libpq's TCP keepalives on the connections of ``connection`` (this thread's Django
     connection, not yet open) where the database's OPTIONS do not set them, as on
-    PsycopgSession's (``consumer_db._libpq_keepalives``): the handler's statements are
+    PsycopgSession's (``keepalive.libpq_keepalives``): the handler's statements are
     not the watchdog's, and one whose server's host vanished waited for ever. The options
     added; PyMySQL and mysqlclient have none (``_connect`` sets them on the socket)."""
     if connection.vendor != "postgresql":
         return {}
-    return _add_options(connection, _libpq_keepalives(bound))
+    return _add_options(connection, libpq_keepalives(bound))
 
 
 def _add_options(connection: Any, wanted: dict[str, Any]) -> dict[str, Any]:
