@@ -89,9 +89,9 @@ EXCERPT_CHARS = 200
 #: Control characters (but whitespace, which is collapsed) cannot go into stored error text.
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
-_TOKEN = re.compile(
-    r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
-)  # fullmatch: "$" also matches before a final newline
+#: An HTTP header name (RFC 9110's token). Used with fullmatch: an anchored "$" also
+#: matches before a final newline, and "x-evil\n" was taken for a name.
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 #: Header values keep printable ASCII but ``%`` and space; the rest is percent-encoded UTF-8.
 _SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%")
 #: A header name sent under RESERVED_PREFIX keeps its token characters but ``%``.
