@@ -157,8 +157,14 @@ def _pg_backend(bound: float | None) -> str:
     claims in its open transaction for as long as the server took to notice, over two hours
     with the kernel's defaults, and the broker's redelivery of those messages to the
     group's other consumers waited on them (cut at their bound, tried again, for ever), the
-    messages of the same keys behind them. Its caller commits (not a rollback: that undoes
-    the setting)."""
+    messages of the same keys behind them.
+
+    Its caller runs it in autocommit, the orphan's end after it too, psycopg's sessions
+    leaving autocommit only for the runner's first transaction: a rollback undoes the
+    setting, and in one transaction committed at the end an orphan's end that failed
+    (``_orphan_left``: logged, the open goes on) aborted it, so the COMMIT was a silent
+    ROLLBACK and the server back at two hours. No BEGIN or COMMIT either: two round trips
+    fewer per psycopg connect."""
     if bound is None:
         return _PG_BACKEND
     return _PG_BACKEND.replace(" FROM ", f", {server_keepalives_sql(bound)} AS keepalives FROM ", 1)
@@ -1380,8 +1386,12 @@ class PsycopgSession(SyncSession):
     def _connect(self) -> Any:
         psycopg = _require("psycopg", "psycopg")
         url = _libpq_url(self.url)
+        # In autocommit until the runner's first transaction (see _pg_backend).
         conn = _no_answer_at_connect(
-            self, lambda: psycopg.connect(url, **_libpq_bounds(url, self.statement_timeout))
+            self,
+            lambda: psycopg.connect(
+                url, autocommit=True, **_libpq_bounds(url, self.statement_timeout)
+            ),
         )
         self._opening = conn
         try:
@@ -1393,10 +1403,7 @@ class PsycopgSession(SyncSession):
                     conn.execute(_PG_TERMINATE, orphan)
                 except Exception as exc:  # noqa: BLE001 -- _orphan_left sorts it
                     self._orphan_left(exc)
-            # The runner's transactions begin on an idle connection. A commit, not a
-            # rollback: that would undo the backend's keepalives (_pg_backend).
-            self._arm("COMMIT")
-            conn.commit()
+            conn.autocommit = False  # no round trip: the runner's transactions BEGIN
         except BaseException:
             _close_quietly(conn)
             raise
@@ -2047,8 +2054,9 @@ class PsycopgAsyncSession(AsyncSession):
         bounds = _libpq_bounds(url, self.statement_timeout)
         with self._answered():
             try:
+                # In autocommit until the runner's first transaction (see _pg_backend).
                 conn = await _no_answer_at_connect_async(
-                    self, psycopg.AsyncConnection.connect(url, **bounds)
+                    self, psycopg.AsyncConnection.connect(url, autocommit=True, **bounds)
                 )
                 self._opening = conn
                 try:
@@ -2060,10 +2068,7 @@ class PsycopgAsyncSession(AsyncSession):
                             await conn.execute(_PG_TERMINATE, orphan)
                         except Exception as exc:  # noqa: BLE001 -- _orphan_left sorts it
                             self._orphan_left(exc)
-                    # The runner's transactions begin on an idle connection. A commit,
-                    # not a rollback: that would undo the backend's keepalives.
-                    self._arm("COMMIT")
-                    await conn.commit()
+                    await conn.set_autocommit(False)  # no round trip, as PsycopgSession's
                 except BaseException:
                     conn.pgconn.finish()
                     raise

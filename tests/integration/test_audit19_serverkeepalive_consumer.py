@@ -71,7 +71,12 @@ def vanished(client_port: int, server_port: int) -> Iterator[None]:
     """While the block runs, the kernel drops every packet the loopback client at
     ``client_port`` sends the server at ``server_port``: the server hears nothing more from
     it, as if its host were gone. The rule carries a name of its own and only it is removed,
-    by its exact spec, whatever the block does."""
+    by its exact spec, whatever the block does.
+
+    Removed even when the insert itself was interrupted (Ctrl-C while iptables ran: the rule
+    may be in), and a failed removal does not hide the block's own failure: it is checked
+    afterwards (``-C``), and only a rule still there is an error. A rule left behind drops
+    the packets of whatever connection reuses that client port next: a test that hangs."""
     iptables = require_iptables()
     rule = [
         "INPUT",
@@ -90,11 +95,16 @@ def vanished(client_port: int, server_port: int) -> Iterator[None]:
         "-j",
         "DROP",
     ]
-    subprocess.run([iptables, "-w", "5", "-I", *rule], check=True, capture_output=True)
     try:
+        subprocess.run([iptables, "-w", "5", "-I", *rule], check=True, capture_output=True)
         yield
     finally:
-        subprocess.run([iptables, "-w", "5", "-D", *rule], check=True, capture_output=True)
+        subprocess.run([iptables, "-w", "5", "-D", *rule], check=False, capture_output=True)
+        left = subprocess.run(
+            [iptables, "-w", "5", "-C", *rule], check=False, capture_output=True, text=True
+        )
+        if left.returncode == 0:
+            raise RuntimeError(f"iptables rule left in place: {' '.join(rule)}")
 
 
 def unacknowledged(server_port: int, client_port: int) -> int | None:

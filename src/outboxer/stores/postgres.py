@@ -1086,6 +1086,11 @@ class PostgresStore(Store):
             timeout=self.listener_timeout,
             command_timeout=self.listener_timeout,
         )
+        # Its backend counts among the relay's sessions (relays_connected: `schema
+        # migrate-partitioned` refuses to run) and holds a connection slot: without
+        # keepalives one whose relay host vanished stayed over two hours, as the pool's did.
+        # A round trip per listener connect (the relay's life, or after a lost one).
+        await _keep_alive(self._listener)
         await self._listener.add_listener(self.channel, self._on_notify)
         # Cut by the server (pg_terminate_backend, a restart), it hears no more NOTIFYs and
         # the loops waiting on it slept their whole wait while rows came: wake them, the
