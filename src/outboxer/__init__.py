@@ -24,6 +24,7 @@ from outboxer.config import DestinationSettings, Settings, load_settings
 from outboxer.crypto import (
     DecryptionError,
     EncryptionError,
+    EnqueueKeyUnavailableError,
     FileSubjectKeys,
     KeyNotFoundError,
     KeyRing,
@@ -88,6 +89,7 @@ __all__ = [
     "DestinationSettings",
     "DuplicateMessageError",
     "EncryptionError",
+    "EnqueueKeyUnavailableError",
     "FileObjectStore",
     "FileSubjectKeys",
     "Inbox",

@@ -128,6 +128,23 @@ class KeyRingUnavailableError(EncryptionError):
     """The key source (a KMS behind a callable) failed to answer; trying again may help."""
 
 
+class EnqueueKeyUnavailableError(KeyRingUnavailableError):
+    """``enqueue`` could not get the ring's current key from its source (a KMS): no answer
+    within ``Outbox.key_fetch_timeout``, the source failed, or the ring's fetches are all
+    still running. Raised before any SQL of outboxer's: nothing was written, and the
+    caller's transaction is as it was (roll it back, or try the enqueue again).
+
+    ``key_id`` and ``timeout`` (seconds) name the key and the bound; the message never
+    holds key material (the source's own error is masked as in log lines).
+    """
+
+    def __init__(self, message: str, key_id: str = "", timeout: float = 0.0) -> None:
+        # Defaults: an exception is copied and pickled through its message alone.
+        super().__init__(message)
+        self.key_id = key_id
+        self.timeout = timeout
+
+
 @functools.cache
 def _aesgcm_class() -> type[AESGCM]:
     try:
@@ -221,7 +238,7 @@ def _shown(value: object, limit: int = 80) -> str:
 KMS_ERROR_CHARS = 300
 
 
-def _kms_error(exc: Exception) -> str:
+def _kms_error(exc: BaseException) -> str:
     """A key source's exception as error text: URLs and registered secrets masked (as in log
     lines), cut to about ``KMS_ERROR_CHARS``. A KMS quotes what it likes (a whole response
     body, a signed URL); the text goes into logs, dead letters and rows' last_error."""
@@ -953,9 +970,20 @@ class _KeyFetch:
         if ran:
             try:
                 self.keyring.key(self.key_id)  # the ring keeps what it fetched, even given up on
-            except BaseException as exc:  # noqa: BLE001 -- the waiting caller's to raise
+            except Exception as exc:  # noqa: BLE001 -- the waiting caller's to raise
                 error = exc
                 self.outcome.set_exception(exc)
+            except BaseException as exc:  # noqa: BLE001 -- the source's, in this thread
+                # Raised in this thread, not the waiter's: re-raised there, a KMS client's
+                # CancelledError read as the waiter's own cancellation (an enqueue_async's
+                # task "cancelled" that nobody cancelled) and its SystemExit or
+                # KeyboardInterrupt as the waiter's exit, past every `except Exception`.
+                error = exc
+                failed = KeyRingUnavailableError(
+                    f"fetching key {self.key_id!r} failed: {_kms_error(exc)}"
+                )
+                failed.__cause__ = exc
+                self.outcome.set_exception(failed)
             else:
                 self.outcome.set_result(None)
         with _abandoned_lock:
@@ -1181,6 +1209,7 @@ __all__ = [
     "MAX_KEY_ID_LENGTH",
     "DecryptionError",
     "EncryptionError",
+    "EnqueueKeyUnavailableError",
     "FileSubjectKeys",
     "KeyNotFoundError",
     "KeyRing",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from outboxer.message import (
     encode_payload,
     validate_envelope,
 )
+from outboxer.redact import get_logger
 from outboxer.stores import pgmodes
 from outboxer.stores.base import check_identifier
 from outboxer.stores.pgmodes import check_mode
@@ -39,7 +41,14 @@ from outboxer.tracing import inject_trace_context
 
 if TYPE_CHECKING:
     from outboxer.claimcheck import ClaimCheck
-    from outboxer.crypto import KeyRing
+    from outboxer.crypto import EnqueueKeyUnavailableError, KeyRing, KeyRingUnavailableError
+
+logger = get_logger("outboxer.enqueue")
+
+#: Seconds an enqueue waits for the current key of a ring that fetches it (a KMS) at its
+#: first use: the relay's bound for the same fetch (payload_relay.KEY_FETCH_TIMEOUT), not
+#: imported from there, which would load the relay's brokers into every writer.
+KEY_FETCH_TIMEOUT = 30.0
 
 SUPPORTED = (
     "sync: psycopg.Connection, psycopg2 connection, sqlite3.Connection, pymysql.Connection, "
@@ -107,6 +116,11 @@ class Outbox:
     #: each key lock is an entry of the cluster's shared lock table, which a few thousand
     #: fill, and then every session's next lock fails.
     max_key_locks: int = 1000
+    #: With an ``encryption`` ring that fetches its keys (``KeyRing.from_callable``, a KMS):
+    #: seconds an enqueue waits for the current key at its first use, before any SQL; past
+    #: it (or when the source fails), EnqueueKeyUnavailableError and nothing is written.
+    #: The relay's ``PayloadHandling.key_fetch_timeout``, with its default.
+    key_fetch_timeout: float = KEY_FETCH_TIMEOUT
     _cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -125,6 +139,16 @@ class Outbox:
         limit = self.max_key_locks
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ConfigError(f"max_key_locks must be a whole number >= 1; got {limit!r}")
+        bound = self.key_fetch_timeout
+        # NaN fails the comparison; past TIMEOUT_MAX (infinity too) a thread's wait overflows.
+        if (
+            isinstance(bound, bool)
+            or not isinstance(bound, int | float)
+            or not 0 < bound <= threading.TIMEOUT_MAX
+        ):
+            raise ConfigError(
+                f"key_fetch_timeout must be a positive number of seconds; got {bound!r:.100}"
+            )
         self._check_protection()
 
     def _check_protection(self) -> None:
@@ -221,10 +245,83 @@ class Outbox:
             for m in copies
         ]
 
-    def _stored(self, item: Mapping[str, Any]) -> tuple[Message, list[Message]]:
-        """One message's plaintext (returned to the caller) and its copies as stored."""
-        copies = self.build(**item)
-        return copies[0], self.protect(copies, item.get("subject"))
+    def _built(self, items: Iterable[Mapping[str, Any]]) -> list[tuple[list[Message], Any]]:
+        """Each message's plaintext copies (the first returned to the caller) and subject."""
+        built = []
+        for item in items:
+            fields = dict(item)
+            built.append((self.build(**fields), fields.get("subject")))
+        return built
+
+    def _protected(self, built: Sequence[tuple[list[Message], Any]]) -> list[Message]:
+        """The copies as stored, once the current key is held (``_fetch_current_key``)."""
+        return [m for copies, subject in built for m in self.protect(copies, subject)]
+
+    # ----- the key ring's current key -----------------------------------------------------
+
+    def _ring_to_fetch(self) -> KeyRing | None:
+        """The ring whose current key an enqueue must fetch before it encrypts: one with a
+        source (a KMS) that does not hold the key yet. None for a static ring, or a key
+        fetched before: two attribute reads and a dict lookup, no thread nor lock."""
+        ring = self.encryption
+        if ring is None or not ring.fetches or ring.has_key(ring.current_key_id):
+            return None
+        return ring
+
+    def _fetch_current_key(self) -> None:
+        """Fetch the current key (``crypto.fetch_key_bounded_sync``) before any SQL: within
+        ``key_fetch_timeout``, or EnqueueKeyUnavailableError. Encrypting fetched it on the
+        caller's thread unbounded, inside its open transaction: a silent KMS held the
+        request, and the transaction's row locks, for ever."""
+        ring = self._ring_to_fetch()
+        if ring is None:
+            return
+        from outboxer.crypto import KeyRingUnavailableError, fetch_key_bounded_sync
+
+        try:
+            fetch_key_bounded_sync(
+                ring,
+                ring.current_key_id,
+                self.key_fetch_timeout,
+                waiter="the enqueue",
+                log=logger,
+            )
+        except KeyRingUnavailableError as exc:
+            raise self._key_unavailable(ring, exc) from exc
+
+    async def _fetch_current_key_async(self) -> None:
+        """``_fetch_current_key`` awaited (``crypto.fetch_key_bounded``): the call runs in a
+        daemon thread of its own, never on the event loop."""
+        ring = self._ring_to_fetch()
+        if ring is None:
+            return
+        from outboxer.crypto import KeyRingUnavailableError, fetch_key_bounded
+
+        try:
+            await fetch_key_bounded(
+                ring,
+                ring.current_key_id,
+                self.key_fetch_timeout,
+                waiter="the enqueue",
+                log=logger,
+            )
+        except KeyRingUnavailableError as exc:
+            raise self._key_unavailable(ring, exc) from exc
+
+    def _key_unavailable(
+        self, ring: KeyRing, exc: KeyRingUnavailableError
+    ) -> EnqueueKeyUnavailableError:
+        from outboxer.crypto import EnqueueKeyUnavailableError
+
+        key_id, bound = ring.current_key_id, self.key_fetch_timeout
+        # The cause's text is the ring's own: the source's error masked (crypto._kms_error).
+        return EnqueueKeyUnavailableError(
+            f"enqueue: no encryption key {key_id!r} from the key ring's source within "
+            f"key_fetch_timeout={bound:g} s ({exc}); nothing was written: outboxer sent no "
+            "SQL, the transaction is the caller's to roll back",
+            key_id,
+            bound,
+        )
 
     # ----- SQL per dialect and driver -----------------------------------------------------
 
@@ -263,27 +360,32 @@ class Outbox:
         ``outboxer keys shred SUBJECT`` deletes. Claim-checked payloads are put in the
         object store before the INSERT: if the transaction rolls back, the object is an
         orphan that ``outboxer claim-check sweep`` deletes.
+
+        A ring that fetches its keys (a KMS) gets the current key at its first use before
+        any SQL, within ``key_fetch_timeout``: else EnqueueKeyUnavailableError, nothing
+        written.
         """
-        plain, stored = self._stored(
-            {
-                "topic": topic,
-                "payload": payload,
-                "key": key,
-                "headers": headers,
-                "message_id": message_id,
-                "content_type": content_type,
-                "destinations": destinations,
-                "subject": subject,
-            }
+        copies = self.build(
+            topic,
+            payload,
+            key=key,
+            headers=headers,
+            message_id=message_id,
+            content_type=content_type,
+            destinations=destinations,
+            subject=subject,
         )
-        self._write(conn, stored)
-        return plain
+        self._fetch_current_key()
+        self._write(conn, self.protect(copies, subject))
+        return copies[0]
 
     def enqueue_many(self, conn: Any, items: Iterable[Mapping[str, Any]]) -> list[Message]:
         """Add several messages (each a mapping of ``enqueue``'s arguments) in one round trip."""
-        built = [self._stored(dict(item)) for item in items]
-        self._write(conn, [m for _, stored in built for m in stored])
-        return [plain for plain, _ in built]
+        built = self._built(items)
+        if built:
+            self._fetch_current_key()
+        self._write(conn, self._protected(built))
+        return [copies[0] for copies, _ in built]
 
     def _write(self, conn: Any, messages: Sequence[Message]) -> None:
         driver = detect(conn)
@@ -318,27 +420,29 @@ class Outbox:
         destinations: Sequence[str] | None = None,
         subject: str | None = None,
     ) -> Message:
-        plain, stored = self._stored(
-            {
-                "topic": topic,
-                "payload": payload,
-                "key": key,
-                "headers": headers,
-                "message_id": message_id,
-                "content_type": content_type,
-                "destinations": destinations,
-                "subject": subject,
-            }
+        """:meth:`enqueue` awaited; a key fetch from a KMS never blocks the event loop."""
+        copies = self.build(
+            topic,
+            payload,
+            key=key,
+            headers=headers,
+            message_id=message_id,
+            content_type=content_type,
+            destinations=destinations,
+            subject=subject,
         )
-        await self._write_async(conn, stored)
-        return plain
+        await self._fetch_current_key_async()
+        await self._write_async(conn, self.protect(copies, subject))
+        return copies[0]
 
     async def enqueue_many_async(
         self, conn: Any, items: Iterable[Mapping[str, Any]]
     ) -> list[Message]:
-        built = [self._stored(dict(item)) for item in items]
-        await self._write_async(conn, [m for _, stored in built for m in stored])
-        return [plain for plain, _ in built]
+        built = self._built(items)
+        if built:
+            await self._fetch_current_key_async()
+        await self._write_async(conn, self._protected(built))
+        return [copies[0] for copies, _ in built]
 
     async def _write_async(self, conn: Any, messages: Sequence[Message]) -> None:
         driver = detect(conn)
@@ -977,9 +1081,10 @@ def configure(
     seal_headers: bool | tuple[str, ...] = False,
     claim_check: ClaimCheck | None = None,
     max_key_locks: int = 1000,
+    key_fetch_timeout: float = KEY_FETCH_TIMEOUT,
 ) -> Outbox:
-    """Set the names, destinations, payload limit, payload protection and key-lock limit
-    that the module-level ``enqueue`` functions use."""
+    """Set the names, destinations, payload limit, payload protection, key-lock limit and
+    key fetch bound that the module-level ``enqueue`` functions use."""
     global DEFAULT_OUTBOX
     DEFAULT_OUTBOX = Outbox(
         schema=schema,
@@ -991,6 +1096,7 @@ def configure(
         seal_headers=seal_headers,
         claim_check=claim_check,
         max_key_locks=max_key_locks,
+        key_fetch_timeout=key_fetch_timeout,
     )
     return DEFAULT_OUTBOX
 
