@@ -33,7 +33,10 @@ def spawn_relay(db: str, broker: str, relay_id: str, log: Path) -> subprocess.Po
         [
             *(sys.executable, "-m", "outboxer.cli", "relay"),
             *("--db", db, "--broker", broker, "--relay-id", relay_id),
-            *("--lock-timeout", "1", "--max-attempts", str(MAX_ATTEMPTS)),
+            # A lease of 3 s, not 1: with 1 s a relay starved of CPU on a loaded box lost
+            # its lease before a renewal got through, and the row it held was charged a
+            # second attempt ("stalled"), which this test then took for the poison's.
+            *("--lock-timeout", "3", "--max-attempts", str(MAX_ATTEMPTS)),
             *("--batch-size", "100", "--concurrency", "2", "--poll-interval", "0.1"),
         ],
         stdout=log.open("ab"),
