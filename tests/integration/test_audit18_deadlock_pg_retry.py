@@ -46,7 +46,11 @@ async def _deadlock(
     once the store's statement waits for it, let the operator run ``then`` (waiting for what
     the store's statement holds): a deadlock. The store's answer, once the operator's
     transaction, granted its lock (the store's statement was the victim), rolled back."""
-    operator = await asyncpg.connect(url)
+    # The operator's deadlock check runs deadlock_timeout after its wait began: a long one
+    # leaves the check to the store's statement, whatever the box's load (with both at 1 s
+    # a store statement descheduled for a second had the operator's check find the cycle
+    # first: CI, once, 4 workers).
+    operator = await asyncpg.connect(url, server_settings={"deadlock_timeout": "60s"})
     watcher = await asyncpg.connect(url)
     store = outboxer.create_store(url)
     assert isinstance(store, PostgresStore)

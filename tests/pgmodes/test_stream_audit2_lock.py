@@ -39,14 +39,24 @@ async def harness(mode_url: tuple[str, str]) -> StreamHarness:
     return wal_harness
 
 
-def _lock_holders(url: str) -> list[int]:
-    """The sessions holding an advisory lock in this (test-private) database."""
+def _lock_holders(url: str, key: str) -> list[int]:
+    """The sessions holding the advisory lock of ``key`` in this (test-private) database.
+
+    By its key: the relay takes other advisory locks for moments (the log's partition
+    upkeep, its transaction's lock), and one of them beside the reader lock made a list
+    of all of them two long (CI, once)."""
     with psycopg.connect(url, autocommit=True) as conn:
         rows = conn.execute(
-            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
-            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1 "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+            "AND (classid::bigint << 32 | objid::bigint) = hashtextextended(%s, 0)",
+            (key,),
         ).fetchall()
     return [int(row[0]) for row in rows]
+
+
+def _reader_lock_key(harness: StreamHarness) -> str:
+    return str(harness.source("default")._lock.key)  # type: ignore[attr-defined]
 
 
 def _enqueue(harness: StreamHarness, n: int) -> None:
@@ -63,10 +73,13 @@ async def test_reader_lock_lost_is_taken_again(harness: StreamHarness) -> None:
     _enqueue(harness, 1)
     async with running_stream_relay(harness, "default") as (broker, relay):
         assert await wait_until(lambda: numbers(broker.messages) == [1], VISIBLE)
-        [holder] = _lock_holders(harness.url)
+        key = _reader_lock_key(harness)
+        [holder] = _lock_holders(harness.url, key)
         with psycopg.connect(harness.url, autocommit=True) as admin:
             assert admin.execute("SELECT pg_terminate_backend(%s)", (holder,)).fetchone() == (True,)
-        assert await wait_until(lambda: _lock_holders(harness.url) not in ([], [holder]), VISIBLE)
+        assert await wait_until(
+            lambda: _lock_holders(harness.url, key) not in ([], [holder]), VISIBLE
+        )
         second = harness.source("default")
         with pytest.raises(StoreError, match="already being read"):
             await second.connect()
