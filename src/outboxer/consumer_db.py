@@ -73,7 +73,7 @@ from outboxer.receivers.base import Delivery, decode_payload
 from outboxer.redact import redact_text
 
 # The relay's bound on a MySQL round trip and its error, for the consumer's own round trips.
-from outboxer.stores.mysql import STATEMENT_TIMEOUT, NoAnswerError
+from outboxer.stores.mysql import ER_READ_ONLY, STATEMENT_TIMEOUT, NoAnswerError
 from outboxer.stores.sqlfiles import queries, render, table_name
 
 logger = logging.getLogger("outboxer.consumer")
@@ -146,8 +146,28 @@ _MYSQL_GONE = frozenset({2003, 2006, 2013, 2055, 1053, 1927, 4031})
 _PG_LOCK_WAITS = frozenset({"55P03", "40P01"})
 #: MySQL/MariaDB: ER_LOCK_WAIT_TIMEOUT (innodb_lock_wait_timeout), ER_LOCK_DEADLOCK.
 _MYSQL_LOCK_WAITS = frozenset({1205, 1213})
-#: A PostgreSQL connection's backend as its session opened it: its pid and when it began.
-_PG_BACKEND = "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+
+
+def _read_only_answer(exc: BaseException) -> BaseException | None:
+    """MySQL's read-only refusal (``ER_READ_ONLY``) that ``exc`` is, or that it was raised
+    from (a handler's wrapper: its own, SQLAlchemy's, Django's); None if neither."""
+    seen: BaseException | None = exc
+    for _ in range(5):
+        if seen is None:
+            return None
+        if mysql_errno(seen) in ER_READ_ONLY:
+            return seen
+        seen = seen.__cause__
+    return None
+
+
+#: A PostgreSQL connection's backend as its session opened it: its pid and when it began;
+#: and whether its server refuses writes (``transaction_read_only``: a hot standby, or a
+#: default of read-only, the fence of a demoted primary), for ``Session._refuse_read_only``.
+_PG_BACKEND = (
+    "SELECT pid, backend_start, current_setting('transaction_read_only') = 'on' AS read_only "
+    "FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+)
 
 
 def _pg_backend(bound: float | None) -> str:
@@ -294,6 +314,9 @@ class Session(ABC):
     #: PostgreSQL: this connection's backend, pid and backend_start, read when it opened
     #: (_PG_BACKEND); None elsewhere.
     _backend: tuple[Any, Any] | None = None
+    #: The last connection was given up for a read-only answer (``lost``): the next one
+    #: must reach a server that takes writes (``_refuse_read_only``).
+    _read_only_lost = False
 
     def __init__(self, url: str, schema: str) -> None:
         self.url = url
@@ -449,7 +472,36 @@ class Session(ABC):
             if exc.stage == "handler":
                 return self.broken()
             exc = exc.cause
+        if self.read_only_answer(exc):
+            self._read_only_lost = True
+            return True
         return isinstance(exc, NoAnswerError) or self.broken() or self.disconnected(exc)
+
+    def read_only_answer(self, exc: BaseException) -> bool:
+        """Whether ``exc``, raised by one of the session's own database calls, is the
+        server refusing a write because it is read-only (drivers say): the connection
+        reached a server that is no longer the writable one (a failover that left the old
+        primary up, fenced read-only), lost as a connection is (``lost``): the runner
+        connects anew, where the URL's hosts or a DNS name lead to the new primary."""
+        return False
+
+    def _refuse_read_only(self, read_only: bool) -> None:
+        """At a connect after a read-only answer (``_read_only_lost``): ReadOnlyDatabase if
+        the new connection's server refuses writes too (``read_only``), so that the
+        runner's reopen fails and backs off, as for a database it cannot reach. Handed
+        out, the connection failed each lane's next apply, and each reconnected at once, on
+        a server left read-only (a replica's URL, a fence before the promotion): a
+        connect and a warning per message every few tenths of a second, 170 a second with
+        200 keys in flight. Checked only then: a read-only command (``dead-letters list``
+        on a replica) meets no read-only answer."""
+        if not self._read_only_lost:
+            return
+        if read_only:
+            raise ReadOnlyDatabase(
+                "the database still refuses writes (read-only): no writable primary reached "
+                "yet (a failover under way, or a URL naming a replica?)"
+            )
+        self._read_only_lost = False
 
     def disconnected(self, exc: BaseException) -> bool:
         """Whether ``exc``, raised by one of the session's own database calls, is the
@@ -552,6 +604,28 @@ class Session(ABC):
     #: The id of the batch's transaction, as its inbox claim read it (PostgreSQL, whose
     #: claim of the batch at once returns it); None where it is not tracked.
     _xid: Any = None
+
+    def _made_read_only(self, exc: BaseException) -> bool:
+        """Whether ``exc``, raised by one of the consumer's own statements after the
+        handlers, is the database refusing a write because the batch's transaction is
+        read-only now, which on this database only a handler can have done (drivers say)."""
+        return False
+
+    def _after_handlers(self, exc: Exception, ran: Sequence[int]) -> BatchFailed:
+        """The batch's failure when one of the consumer's own statements after the handlers
+        ``ran`` (indexes) failed with ``exc``: the replay's dead-letter deletion, the
+        suspect's row. A statement's failure (``statement``: a lost connection is an outage,
+        anything else the message's), unless a handler made the transaction read-only
+        (``_made_read_only``): that is the handler's failure, charged to it as
+        HandlerMadeReadOnly (PostgreSQL's read-only answer alone is taken for a failover,
+        no attempt counted, for ever: see _pg_read_only)."""
+        if not ran or not self._made_read_only(exc):
+            return BatchFailed("statement", exc)
+        cause = HandlerMadeReadOnly(describe(exc))
+        cause.__cause__ = exc
+        if len(ran) == 1:
+            return BatchFailed("handler", cause, ran[0])
+        return BatchFailed("commit", cause)  # which of them is not known: each alone
 
     def _ended(self, ran: Sequence[int]) -> BatchFailed:
         """The batch's failure when its transaction id changed under the handlers that ran
@@ -1128,7 +1202,7 @@ class SyncSession(Session):
                 rolled_back = kept is not None and self._rolled_back(group, kept)
                 moved = bool(ran) and self._xid is not None and self._moved()
             except Exception as exc:
-                raise BatchFailed("statement", exc) from exc
+                raise self._after_handlers(exc, ran) from exc
             if rolled_back:
                 raise BatchFailed("commit", AbortedTransaction(_ROLLED_BACK_UNDER_HANDLERS))
             if moved:
@@ -1351,6 +1425,32 @@ def _psycopg_disconnected(exc: BaseException) -> bool:
     return state is None or state.startswith("08") or state in _PG_GONE
 
 
+#: SQLSTATE read_only_sql_transaction (``_pg_read_only``).
+_PG_READ_ONLY = "25006"
+
+
+def _pg_read_only(exc: BaseException) -> bool:
+    """Whether PostgreSQL refused one of the consumer's own statements as read-only (SQLSTATE
+    25006, either driver): a hot standby, or a primary demoted by a failover that stays up
+    (fenced with default_transaction_read_only by Patroni or pg_auto_failover; Aurora's old
+    writer turned reader), keeping the sessions it had. The consumer never makes its
+    transactions read-only: the connection reached a server that is no longer the writable
+    one, and counts as lost (``Session.lost``): the batch not acked, no attempt charged, the
+    connection replaced (a URL naming every host with target_session_attrs=read-write, or a
+    DNS name once moved, reaches the new primary). Before, the inbox claim's refusal was
+    charged to each message of the batch as its failure, and its dead letter, refused by the
+    same server, was tried again on the same connection for ever: nothing applied again.
+
+    Not looked for in a handler's failure: the batch's inbox claim (a write, before any
+    handler) meets it first, and a transaction that began writable stays so whatever the
+    server's fence. Hence one of the consumer's statements after the handlers (a replayed
+    dead letter's removal, a suspect's row) refused so met a handler's ``SET TRANSACTION
+    READ ONLY``: the handler's failure (``Session._after_handlers``), where taken for a
+    lost connection the message was applied again with no attempt counted, for ever,
+    never dead-lettered, its key held back."""
+    return getattr(exc, "sqlstate", None) == _PG_READ_ONLY
+
+
 def _psycopg_in_transaction(conn: Any) -> bool:
     """libpq's transaction status of the last answer, no round trip: IDLE after a handler
     means it ran COMMIT or ROLLBACK itself (psycopg's transaction block refuses only its own
@@ -1403,6 +1503,7 @@ class PsycopgSession(SyncSession):
                     conn.execute(_PG_TERMINATE, orphan)
                 except Exception as exc:  # noqa: BLE001 -- _orphan_left sorts it
                     self._orphan_left(exc)
+            self._refuse_read_only(row is not None and bool(row[2]))
             conn.autocommit = False  # no round trip: the runner's transactions BEGIN
         except BaseException:
             _close_quietly(conn)
@@ -1452,6 +1553,12 @@ class PsycopgSession(SyncSession):
 
     def disconnected(self, exc: BaseException) -> bool:
         return super().disconnected(exc) or _psycopg_disconnected(exc)
+
+    def read_only_answer(self, exc: BaseException) -> bool:
+        return _pg_read_only(exc)
+
+    def _made_read_only(self, exc: BaseException) -> bool:
+        return _pg_read_only(exc)
 
     def lock_timeout(self, exc: BaseException) -> bool:
         return getattr(exc, "sqlstate", None) in _PG_LOCK_WAITS
@@ -1566,6 +1673,18 @@ class PyMySQLSession(SyncSession):
         conn = _no_answer_at_connect(self, lambda: connect_pymysql(args))
         conn._read_timeout = conn._write_timeout = None
         set_keepalives(conn._sock, bound)
+        if self._read_only_lost:  # a round trip only then (Session._refuse_read_only)
+            self._opening = conn
+            try:
+                self._arm("the read-only check")
+                with conn.cursor() as cursor:
+                    cursor.execute("SELECT @@global.read_only")
+                    (value,) = cursor.fetchone()
+                conn.rollback()
+                self._refuse_read_only(bool(int(value)))
+            except BaseException:
+                _close_quietly(conn)
+                raise
         return conn
 
     def _cut(self, conn: Any) -> bool:
@@ -1575,6 +1694,40 @@ class PyMySQLSession(SyncSession):
 
     def _begin(self) -> None:
         self.conn.begin()
+
+    def _transaction(self, work: Callable[[], T]) -> T:
+        try:
+            return super()._transaction(work)
+        except BatchFailed as failure:
+            # MariaDB and MySQL fence the transactions already open too: SET GLOBAL
+            # read_only between a message's inbox claim and its handler's write fails that
+            # write (and would fail the COMMIT). Not the handler's failure, no attempt: the
+            # database's, if this connection's server is read-only now (a handler's own
+            # read-only database elsewhere leaves it the handler's).
+            # The driver's refusal itself as the cause, not the handler's error it may lie
+            # under: the runner judges a commit's failure by its cause (``lost``), and a
+            # handler's own error from it (``raise ... from exc``) was no lost connection,
+            # so it was charged to the message all the same.
+            answer = _read_only_answer(failure.cause) if failure.stage == "handler" else None
+            if answer is not None and self._server_read_only():
+                raise BatchFailed("commit", answer) from failure
+            raise
+
+    def _server_read_only(self) -> bool:
+        """Whether this connection's server refuses writes now; False if that cannot be
+        read (a broken connection is an outage of its own)."""
+        if self.broken():
+            return False
+        self._arm("the read-only check")
+        try:
+            with self.conn.cursor() as cursor:
+                cursor.execute("SELECT @@global.read_only")
+                (value,) = cursor.fetchone()
+            self.conn.rollback()
+        except Exception as exc:  # noqa: BLE001 -- the handler's failure stands
+            logger.debug("reading whether the server is read-only failed: %s", exc)
+            return False
+        return bool(int(value))
 
     claims_each = True
 
@@ -1607,6 +1760,14 @@ class PyMySQLSession(SyncSession):
             or isinstance(exc, pymysql.err.InterfaceError)
             or (isinstance(exc, pymysql.err.OperationalError) and mysql_errno(exc) in _MYSQL_GONE)
         )
+
+    def read_only_answer(self, exc: BaseException) -> bool:
+        # ER_READ_ONLY: this server is no primary (a failover left it up, fenced read-only).
+        # Gone as well: the runner reconnects, where a proxy or DNS now leads to the
+        # primary, and counts no attempt. Taken for the message's failure, each message was
+        # charged its attempts on the old server and then dead-lettered (or the dead
+        # letter, refused too, retried there for ever) with its handler never run.
+        return mysql_errno(exc) in ER_READ_ONLY
 
     def lock_timeout(self, exc: BaseException) -> bool:
         import pymysql
@@ -1802,7 +1963,7 @@ class AsyncSession(Session):
                     await self._execute("suspect_delete", self.id_params(group, delivery.id))
                 moved = bool(ran) and self._xid is not None and await self._moved()
             except Exception as exc:
-                raise BatchFailed("statement", exc) from exc
+                raise self._after_handlers(exc, ran) from exc
             if moved:
                 raise self._ended(ran)
             _refuse_abandoned(self)
@@ -1858,6 +2019,24 @@ class HandlerEndedTransaction(RuntimeError):
             "the handler ended the consumer's transaction (commit(), rollback(), a COMMIT or "
             "ROLLBACK statement, autocommit): a handler must not end it, the consumer commits "
             "once per batch after every handler returned; rolled back and retried"
+        )
+
+
+class ReadOnlyDatabase(ConnectionError):
+    """A connection made after a read-only answer reached a server that refuses writes too
+    (``Session._refuse_read_only``): no writable primary yet, an outage."""
+
+
+class HandlerMadeReadOnly(RuntimeError):
+    """A handler made the consumer's transaction read-only (``SET TRANSACTION READ ONLY``,
+    ``SET transaction_read_only``): the consumer's own writes after it (a replayed dead
+    letter's removal, a suspect's row) were refused. A failure of the message."""
+
+    def __init__(self, refusal: str) -> None:
+        super().__init__(
+            "the handler made the consumer's transaction read-only (SET TRANSACTION READ "
+            f"ONLY): the consumer's own writes after it were refused ({refusal}); a handler "
+            "must leave the transaction writable; rolled back and retried"
         )
 
 
@@ -1938,6 +2117,7 @@ class AsyncpgSession(AsyncSession):
                             await conn.fetch(_PG_TERMINATE_NUMBERED, *orphan)
                         except Exception as exc:  # noqa: BLE001 -- _orphan_left sorts it
                             self._orphan_left(exc)
+                    self._refuse_read_only(row is not None and bool(row[2]))
                 except BaseException:
                     conn.terminate()
                     raise
@@ -1979,6 +2159,12 @@ class AsyncpgSession(AsyncSession):
             pg.CannotConnectNowError,
         )
         return super().disconnected(exc) or isinstance(exc, gone)
+
+    def read_only_answer(self, exc: BaseException) -> bool:
+        return _pg_read_only(exc)
+
+    def _made_read_only(self, exc: BaseException) -> bool:
+        return _pg_read_only(exc)
 
     def lock_timeout(self, exc: BaseException) -> bool:
         return getattr(exc, "sqlstate", None) in _PG_LOCK_WAITS
@@ -2068,6 +2254,7 @@ class PsycopgAsyncSession(AsyncSession):
                             await conn.execute(_PG_TERMINATE, orphan)
                         except Exception as exc:  # noqa: BLE001 -- _orphan_left sorts it
                             self._orphan_left(exc)
+                    self._refuse_read_only(row is not None and bool(row[2]))
                     await conn.set_autocommit(False)  # no round trip, as PsycopgSession's
                 except BaseException:
                     conn.pgconn.finish()
@@ -2091,6 +2278,12 @@ class PsycopgAsyncSession(AsyncSession):
 
     def disconnected(self, exc: BaseException) -> bool:
         return super().disconnected(exc) or _psycopg_disconnected(exc)
+
+    def read_only_answer(self, exc: BaseException) -> bool:
+        return _pg_read_only(exc)
+
+    def _made_read_only(self, exc: BaseException) -> bool:
+        return _pg_read_only(exc)
 
     def lock_timeout(self, exc: BaseException) -> bool:
         return getattr(exc, "sqlstate", None) in _PG_LOCK_WAITS
@@ -2234,8 +2427,10 @@ __all__ = [
     "BatchFailed",
     "DeadLetter",
     "HandlerEndedTransaction",
+    "HandlerMadeReadOnly",
     "HandlerReturnedAwaitable",
     "NoAnswerError",
+    "ReadOnlyDatabase",
     "Result",
     "Session",
     "SyncSession",

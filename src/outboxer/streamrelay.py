@@ -50,6 +50,9 @@ logger = get_logger("outboxer.streamrelay")
 
 #: The backoff between tries to reach a database or broker that is down.
 OUTAGE_BACKOFF_MAX = 30.0
+#: Seconds between an idle relay's checks that its database still takes writes
+#: (``StreamRelay._still_writable``): a round trip at most this often while nothing comes.
+WRITABLE_CHECK_INTERVAL = 1.0
 #: Held keys remembered past this many, and past twice as many as the table had when they
 #: were last read, are read again from the table: the keys of dead letters replayed or
 #: purged elsewhere (the CLI) go, instead of staying for the life of the process.
@@ -232,6 +235,8 @@ class StreamRelay:
         #: it is not); warned once when it starts, /health reports it without failing.
         self._slot_at_risk: str | None = None
         self._running = False
+        #: When ``_still_writable`` last asked (time.monotonic()).
+        self._writable_checked = -float("inf")
 
     @property
     def destination(self) -> str:
@@ -336,6 +341,8 @@ class StreamRelay:
             try:
                 await self._probe()
                 entries = await self.source.read(self.batch_size)
+                if not any(entry.message is not None for entry in entries):
+                    await self._still_writable()
                 done = await self._settle(entries) if entries else _Round()
                 self._outages.pop("database", None)
             except Exception as exc:
@@ -378,6 +385,26 @@ class StreamRelay:
                 if self.exit_when_idle:
                     return
                 await _sleep(stop, self.poll_interval)
+
+    async def _still_writable(self) -> None:
+        """While the stream is idle, at most every WRITABLE_CHECK_INTERVAL: StoreError (an
+        outage: the relay reconnects) if the source's server refuses writes now. A
+        failover that leaves the old primary up, fenced read-only, keeps this connection's
+        session there, where reads succeed: an idle relay never wrote (its offset moves
+        only with something read), so it read the old primary's rows, nothing new, for
+        ever (the log reader until its partition upkeep, hourly), while the writers' rows
+        went to the new primary unpublished. Reconnected, a URL naming every host with
+        target_session_attrs=read-write (or a DNS name the failover moved) reaches the new
+        one; a WAL outbox's slot does not follow a failover, which /health then says."""
+        now = time.monotonic()
+        if now - self._writable_checked < WRITABLE_CHECK_INTERVAL:
+            return
+        self._writable_checked = now
+        if await self.source.conn.fetchval("SHOW transaction_read_only") == "on":
+            raise StoreError(
+                "the database refuses writes now (read-only: a failover that left the old "
+                "primary up?); reconnecting to find the writable one"
+            )
 
     async def _probe(self) -> None:
         """Measure the backlog (for /metrics) when it is due; on the source's connection,
@@ -631,6 +658,14 @@ def is_database_outage(exc: BaseException) -> bool:
         return False
     sqlstate = str(getattr(exc, "sqlstate", "") or "")
     name = type(exc).__name__
+    # 25006 (read_only_sql_transaction): the server this connection reached is no longer
+    # the writable one (a failover that left the old primary up, fenced read-only, or a
+    # hot standby): the relay never makes a transaction of its own read-only. The offset's
+    # commit (or the partition upkeep) failed there, and the relay stopped with the error;
+    # reconnected, a URL naming every host with target_session_attrs=read-write (or a DNS
+    # name the failover moved) reaches the new primary, where the offset was replicated.
+    if sqlstate == "25006":
+        return True
     # 08: connection exceptions; 57P: the server shutting down or not accepting yet.
     return sqlstate.startswith(("08", "57P")) or name in (
         "ConnectionDoesNotExistError",

@@ -27,6 +27,7 @@ import functools
 import random
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -117,6 +118,13 @@ ER_ACCESS_DENIED = (1227, 1142)
 #: A CHECK constraint refused a row: MySQL's number and MariaDB's (PyMySQL knows neither,
 #: so it raises them as OperationalError, its class for every number it does not map).
 ER_CHECK_CONSTRAINT = (3819, 4025)
+#: The server refuses writes: it is no primary (a failover demoted it and fenced it with
+#: ``read_only``, or the URL names a replica or a reader endpoint). ER_OPTION_PREVENTS_STATEMENT
+#: (``--read-only``, MySQL's ``--super-read-only``; the relay's statements meet no other
+#: option that refuses them), ER_CANT_EXECUTE_IN_READ_ONLY_TRANSACTION (a session that
+#: inherited ``transaction_read_only``), ER_READ_ONLY_MODE, ER_INNODB_READ_ONLY. The same
+#: numbers in MySQL and MariaDB.
+ER_READ_ONLY = (1290, 1792, 1836, 1874)
 
 _SCHEMES = (
     "mysql",
@@ -268,6 +276,11 @@ class MySQLStore(Store):
         #: row. The COMMIT may have reached the server: the rows then wait in flight for
         #: nobody (see _release_unanswered).
         self._unanswered: dict[str, list[tuple[Lease, list[int], bool]]] = {}
+        #: Read-only answers so far, and per pool connection how many there had been when
+        #: it was first handed out (see _acquire): one made before the latest reaches the
+        #: server that gave it, or the address that led there.
+        self._read_only_answers = 0
+        self._made_after: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         tokens = self.tokens()
         self._sql = {
             name: to_pyformat(strip_comments(render(sql, tokens)))
@@ -372,7 +385,7 @@ class MySQLStore(Store):
                 # (wait_timeout, a restart) is replaced inside acquire(), a handshake under
                 # the pool's lock, which every other caller waits for.
                 trips.arm("waiting for a connection")
-                conn = await pool.acquire()
+                conn = await self._acquire(pool)
                 trips.disarm()
                 try:
                     # Each time, as the pool opens connections on its own when it runs short.
@@ -384,9 +397,12 @@ class MySQLStore(Store):
                             trips.arm("COMMIT")
                         await conn.commit()
                         trips.disarm()
-                    except (aiomysql.Error, UnicodeError):
+                    except (aiomysql.Error, UnicodeError) as exc:
                         trips.disarm()  # the server answered: its error, no timeout
-                        await _rollback_or_close(conn)
+                        if _read_only(exc):
+                            self._no_primary(conn)
+                        else:
+                            await _rollback_or_close(conn)
                         raise
                     except BaseException:
                         conn.close()
@@ -396,6 +412,11 @@ class MySQLStore(Store):
             except (aiomysql.Error, OSError, UnicodeError) as exc:
                 if _refused_values(exc):
                     raise StoreDataError(f"MySQL refused the values: {exc}") from exc
+                if _read_only(exc):
+                    raise StoreError(
+                        f"MySQL: the server is read-only, no primary (a failover?); its "
+                        f"connections closed, new ones made for the next try: {exc}"
+                    ) from exc
                 raise StoreError(f"MySQL: {exc}") from exc
         except asyncio.CancelledError:
             # The watchdog's cancellation (and no other, as asyncio.timeout tells them apart).
@@ -407,6 +428,33 @@ class MySQLStore(Store):
             raise
         finally:
             self._in_transaction.discard(trips)
+
+    async def _acquire(self, pool: Any) -> Any:
+        """A pool connection handed out since the latest read-only answer, or made since.
+
+        Older ones are closed as they come out of the pool, and the pool makes others: after
+        a failover that leaves the old primary up and read-only, every pooled connection
+        reached it, and kept (the pool hands its free connections out in turn), each failed
+        every claim and settle for ever while a proxy or DNS led new connections to the new
+        primary. Reads succeed there, so a connection used for the wake-up probe alone
+        would never have answered read-only itself, and read the old server's rows."""
+        while True:
+            conn = await pool.acquire()
+            if (
+                self._made_after.setdefault(conn, self._read_only_answers)
+                == self._read_only_answers
+            ):
+                return conn
+            conn.close()
+            await pool.release(conn)  # closed: the pool forgets it
+
+    def _no_primary(self, conn: Any) -> None:
+        """``conn``'s server answered read-only: it is no primary. ``conn`` is closed (the
+        server rolls its transaction back) and every pool connection handed out before it
+        with it (``_acquire``), so that the next try connects anew, where a proxy or DNS
+        now leads to the primary."""
+        conn.close()
+        self._read_only_answers += 1
 
     def _watched(self) -> _RoundTrips:
         """The round trips of a transaction starting now, watched by ``_watchdog``.
@@ -1192,6 +1240,13 @@ def _deadlocked(exc: BaseException) -> bool:
     was rolled back whole."""
     args: tuple[Any, ...] = getattr(exc.__cause__, "args", ())
     return bool(args) and args[0] == 1213
+
+
+def _read_only(exc: BaseException) -> bool:
+    """Whether the driver error ``exc`` is the server refusing a write because it is
+    read-only (``ER_READ_ONLY``): this server is no primary."""
+    args: tuple[Any, ...] = getattr(exc, "args", ())
+    return isinstance(exc, _aiomysql().Error) and bool(args) and args[0] in ER_READ_ONLY
 
 
 def _refused_values(exc: BaseException) -> bool:

@@ -112,6 +112,17 @@ def _ended_before_sent(exc: BaseException) -> bool:
     )
 
 
+def _read_only(exc: BaseException) -> bool:
+    """Whether the server refused a write because it is read-only now (SQLSTATE 25006,
+    read_only_sql_transaction): a hot standby ("cannot execute UPDATE in a read-only
+    transaction", "cannot execute LISTEN during recovery"), or a primary demoted by a
+    failover that stays up: fenced with default_transaction_read_only (Patroni,
+    pg_auto_failover), Aurora's old writer turned reader, each keeping the sessions it had.
+    The relay never makes a transaction of its own read-only: the server this connection
+    reached is no longer the writable one, and neither are the pool's other connections to it."""
+    return isinstance(exc, _asyncpg().ReadOnlySQLTransactionError)
+
+
 async def _give_back(pool: Any, conn: Any) -> None:
     """Give back ``conn``, whose statement failed or was cut short, within RELEASE_TIMEOUT
     (else asyncpg closes it, and the pool opens a new one when asked)."""
@@ -208,6 +219,9 @@ class PostgresStore(Store):
         self._kept: list[Any] = []
         #: Statements waiting for the pool: while one waits, a statement that ends releases.
         self._acquiring = 0
+        #: Times a connection answered read-only (``_server_read_only``): a statement that
+        #: took its connection before the count moved holds one of the old server's.
+        self._read_only_answers = 0
         self._closing = False
         self._listener: Any = None
         #: When the relay's waiting loops wake (nudges, the chase, the registration's timing).
@@ -329,6 +343,7 @@ class PostgresStore(Store):
         # Each connection the server ended fails at most once this way (it is closed then).
         tries = len(self._kept) + pool.get_max_size()
         while True:
+            answers = self._read_only_answers
             conn = await self._take(pool)
             try:
                 result = await run(conn)
@@ -338,9 +353,17 @@ class PostgresStore(Store):
                 if tries > 0 and _ended_before_sent(exc):
                     conn.terminate()  # its session is gone; the pool connects anew
                     continue
-                await _give_back(pool, conn)
+                if _read_only(exc):
+                    await self._server_read_only(pool, conn, answers, exc)
+                else:
+                    await _give_back(pool, conn)
                 raise
-        if self._closing or pool is not self._pool or self._starving(pool):
+        if answers != self._read_only_answers:
+            # Another connection answered read-only meanwhile: this one may be to the same
+            # server (a read, due_destinations, succeeds there). Kept, the next claim would
+            # meet that server again; the pool closes it (an expired one), within bounds.
+            await _give_back(pool, conn)
+        elif self._closing or pool is not self._pool or self._starving(pool):
             # close() began while this statement ran (a lease renewal finishing late): kept,
             # the connection would never go back, and the pool's close would wait for it.
             # Or a statement waits for the pool, every connection being kept or in use: kept
@@ -367,6 +390,42 @@ class PostgresStore(Store):
         finally:
             self._acquiring -= 1
 
+    async def _server_read_only(
+        self, pool: Any, conn: Any, answers: int, exc: BaseException
+    ) -> None:
+        """``conn``, taken when ``answers`` connections had answered read-only, has just
+        answered so too (``_read_only``): its server is no longer the writable one (a
+        failover). Before, the relay gave it back to the pool and kept its other
+        connections to that server: every claim and settle failed there, backed off and
+        tried again on the same connections for ever, the new primary never reached.
+
+        Closed, with every other connection of the pool (asyncpg replaces each on its next
+        acquire, the ones in use as they come back) and the wake-up listener: the next
+        statement connects anew, to the host the URL gives now (a URL naming every host with
+        ``target_session_attrs=read-write`` finds the promoted one; a DNS name, once moved,
+        the new writer). Meanwhile the caller's failure is the relay's database outage
+        (logged, /health, backed off); the statement was refused whole, so a claim took
+        nothing and a settle or renewal is tried again, on the new primary."""
+        conn.terminate()  # no goodbye: the server may be on its way down too
+        if answers != self._read_only_answers:
+            return  # a connection of the same server, which another answer closed already
+        self._read_only_answers += 1
+        kept, self._kept = self._kept, []
+        for other in kept:
+            other.terminate()
+        await pool.expire_connections()
+        listener, self._listener = self._listener, None
+        if listener is not None and not listener.is_closed():
+            listener.terminate()  # it waits on the old server for NOTIFYs no writer sends there
+        self._wakeups.withdraw()  # registered again, on the new server, at the next wait
+        self._wakeups.nudge_all()
+        logger.warning(
+            "PostgreSQL refused a write as read-only (%s): that server is no longer the "
+            "writable one (a failover?); the relay's connections to it are closed and the "
+            "next statements connect anew",
+            exc,
+        )
+
     def _starving(self, pool: Any) -> bool:
         """A statement waits for the pool and the pool has nothing to give it: no idle
         connection, no room for a new one. (A waiter the pool can serve is no reason to
@@ -382,11 +441,15 @@ class PostgresStore(Store):
         """A pool connection for one request; after a failure (a timeout's cancellation
         too), given back as ``_give_back`` does."""
         pool = self._pool
+        answers = self._read_only_answers
         conn = await pool.acquire()
         try:
             yield conn
-        except BaseException:
-            await _give_back(pool, conn)
+        except BaseException as exc:
+            if _read_only(exc):
+                await self._server_read_only(pool, conn, answers, exc)
+            else:
+                await _give_back(pool, conn)
             raise
         await pool.release(conn)
 

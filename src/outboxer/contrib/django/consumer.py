@@ -40,22 +40,26 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from django.db import connections, transaction
 
 from outboxer.consumer_db import (
+    _PG_READ_ONLY,
     _PG_TERMINATE,
     _PYMYSQL_CONNECT_TIMEOUT,
     _SERVER_STATUS_IN_TRANS,
     AbortedTransaction,
+    BatchFailed,
     DaemonThreadPool,
     NoAnswerError,
     SyncSession,
     _no_answer_at_connect,
     _pg_backend,
+    _read_only_answer,
     _shut,
     _shut_psycopg,
     is_async_handler,
 )
-from outboxer.enqueue import _pyformat
+from outboxer.enqueue import _pyformat, mysql_errno
 from outboxer.errors import ConfigError
 from outboxer.keepalive import libpq_keepalives, set_keepalives, set_keepalives_fd
+from outboxer.stores.mysql import ER_READ_ONLY
 
 if TYPE_CHECKING:
     from outboxer.config import Settings
@@ -151,6 +155,14 @@ class DjangoSession(SyncSession):
                 setattr(raw, f"_{name}", None)
         if self.dialect == "postgres":
             self._end_orphan(connection)
+        elif self.dialect == "mysql" and self._read_only_lost:
+            # A round trip only then (Session._refuse_read_only); in autocommit, as Django
+            # connects.
+            self._arm("the read-only check")
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT @@global.read_only")
+                row = cursor.fetchone()
+            self._refuse_read_only(row is not None and bool(int(row[0])))
         return connection
 
     def _end_orphan(self, connection: Any) -> None:
@@ -176,6 +188,7 @@ class DjangoSession(SyncSession):
                     self._orphan_left(exc)
         self._orphan = None
         self._backend = (row[0], row[1]) if row is not None else None
+        self._refuse_read_only(row is not None and bool(row[2]))
 
     def _refuse_reconnect_after_cut(self, connection: Any) -> None:
         """Have ``connection`` (this session's thread's) refuse to connect again once the
@@ -250,6 +263,39 @@ class DjangoSession(SyncSession):
         # the connection outside its thread, which Django refuses).
         return self._lost or _gone(self.conn.connection if self.conn is not None else None)
 
+    def read_only_answer(self, exc: BaseException) -> bool:
+        # As on the runner's own connections (consumer_db's _pg_read_only, PyMySQLSession):
+        # lost, the batch applied again on a new connection (a new thread's), no attempt
+        # counted. Before, Django's connection answered is_usable() there (reads succeed),
+        # so each message was charged its attempts on the old server, then its dead letter
+        # was refused by it too.
+        return _refused_read_only(exc, self.dialect)
+
+    def _made_read_only(self, exc: BaseException) -> bool:
+        # PostgreSQL: a transaction that began writable stays so (consumer_db._pg_read_only).
+        return self.dialect == "postgres" and _refused_read_only(exc, self.dialect)
+
+    def _fenced(self, failure: BatchFailed) -> BaseException | None:
+        """MySQL and MariaDB fence the transactions already open too (PyMySQLSession's
+        _transaction): a handler's write that met ``SET GLOBAL read_only`` after its
+        message's inbox claim is the database's failure, not the handler's, if this
+        connection's server refuses writes now. The driver's refusal then, else None (also
+        when that cannot be read: the handler's failure stands)."""
+        if self.dialect != "mysql" or failure.stage != "handler" or self.broken():
+            return None
+        answer = _read_only_answer(failure.cause)
+        if answer is None:
+            return None
+        self._arm("the read-only check")
+        try:
+            with self.conn.cursor() as cursor:
+                cursor.execute("SELECT @@global.read_only")
+                row = cursor.fetchone()
+        except Exception as exc:  # noqa: BLE001 -- the handler's failure stands
+            logger.debug("reading whether the server is read-only failed: %s", exc)
+            return None
+        return answer if row is not None and int(row[0]) else None
+
     def _cursor_sql(self, sql: str) -> str:
         return _pyformat(sql)  # Django's cursors take %(name)s, SQLite's included
 
@@ -286,9 +332,14 @@ class DjangoSession(SyncSession):
                 # atomic()'s exit: COMMIT (or ROLLBACK, marked for it), autocommit restored
                 # (a round trip on MySQL); mark_committed disarms it once they are done.
                 self._arm("ROLLBACK" if transaction.get_rollback(self.alias) else "COMMIT")
-        except Exception:
+        except Exception as exc:
             if not committed:
                 self._lost = self._lost_during(raw, database_error)
+                fenced = self._fenced(exc) if isinstance(exc, BatchFailed) else None
+                if fenced is not None:
+                    # The driver's refusal as the cause, which ``lost`` reads (a handler's
+                    # or Django's error over it is no lost connection).
+                    raise BatchFailed("commit", fenced) from exc
                 raise
             # The commit happened; an on_commit callback of the handler raised after it.
             # Failing the batch now would only bring a redelivery the inbox skips.
@@ -446,6 +497,21 @@ def _add_options(connection: Any, wanted: dict[str, Any]) -> dict[str, Any]:
             "OPTIONS": {**options, **added},
         }
     return added
+
+
+def _refused_read_only(exc: BaseException, dialect: str) -> bool:
+    """Whether ``exc``, Django's error (or the driver's under it), is the server refusing a
+    write as read-only: PostgreSQL's SQLSTATE 25006 (psycopg 3's ``sqlstate``, psycopg2's
+    ``pgcode``), MySQL's and MariaDB's ER_READ_ONLY (PyMySQL, mysqlclient)."""
+    from django.db import Error
+
+    driver = exc.__cause__ if isinstance(exc, Error) and exc.__cause__ is not None else exc
+    if dialect == "postgres":
+        code = getattr(driver, "sqlstate", None) or getattr(driver, "pgcode", None)
+        return code == _PG_READ_ONLY
+    if dialect == "mysql":
+        return mysql_errno(driver) in ER_READ_ONLY
+    return False
 
 
 def _gone(raw: Any) -> bool:
