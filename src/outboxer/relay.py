@@ -907,7 +907,9 @@ class Relay:
         )
         while not publisher.connected:
             try:
-                connected = await publisher.connect()
+                connected = await self._connect_unless_stopped(publisher)
+                if connected is None:
+                    return False
                 if not publisher.connected:
                     # Lost again before its first use (a broker that closes each new
                     # connection): a failed connect, backed off, not tried again at once.
@@ -933,14 +935,37 @@ class Relay:
                     return False
         return True
 
+    async def _connect_unless_stopped(self, publisher: Publisher) -> bool | None:
+        """``publisher.connect()``, abandoned once the relay stops (None), as a timeout
+        abandons it: the loop asking holds no batch, so it has nothing to finish.
+
+        A connect to a broker that accepts and never answers, or whose name the resolver
+        holds, lasts ``publish_timeout``; each loop sharing the publisher (``concurrency``)
+        then tried one more after the stop, one after another under the publisher's lock,
+        and the relay exited only when ``shutdown_timeout`` forced it, cutting the other
+        destinations' batches in flight short too."""
+        if self.stopping:
+            return None
+        attempt = asyncio.ensure_future(publisher.connect())
+        stopped = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({attempt, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await _cancel(stopped, attempt)  # the attempt only if it is still under way
+        if attempt.cancelled():
+            return None
+        return attempt.result()
+
     async def _connect_once(self, destination: str) -> bool:
-        """One connect of the destination's publisher, no back-off: False only if the broker
-        refuses the configuration (the relay stops, as ``_ensure_publisher`` would)."""
+        """One connect of the destination's publisher, no back-off: False if the broker
+        refuses the configuration (the relay stops, as ``_ensure_publisher`` would) or the
+        relay stopped meanwhile."""
         publisher = self.publishers[destination]
         if publisher.connected:
             return True
         try:
-            await publisher.connect()
+            if await self._connect_unless_stopped(publisher) is None:
+                return False
         except PublishError as exc:
             if not exc.retryable:
                 return await self._ensure_publisher(destination)  # records it, stops the relay

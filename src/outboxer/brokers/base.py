@@ -28,6 +28,7 @@ from enum import StrEnum
 from typing import Any, ClassVar, Generic, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
+from outboxer.brokers import resolve
 from outboxer.errors import BrokerUnavailableError, ConfigError, PublishError
 from outboxer.message import Message
 from outboxer.options import parse_bool
@@ -298,6 +299,9 @@ class Publisher(ABC):
             if self.connected:
                 return False
             self._connected = False  # the transport is gone: a publish must not use it
+            # The broker's name is looked up on threads of its own, not on the default
+            # executor, which a DNS outage's lookups filled (resolve).
+            resolve.install(asyncio.get_running_loop(), self.host_names())
             try:
                 # A broker that accepts the TCP connection but never answers must not hang the relay.
                 await asyncio.wait_for(self._connect(), self.publish_timeout)
@@ -310,6 +314,10 @@ class Publisher(ABC):
             self._connected = True
             self.stats.connects += 1
             return True
+
+    def host_names(self) -> list[str]:
+        """The host names this publisher's connections look up (its URL's)."""
+        return resolve.hosts_of(self.url)
 
     async def close(self) -> None:
         self._connected = False

@@ -30,6 +30,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
+from outboxer.brokers import resolve
 from outboxer.brokers.base import AckedPublisher, option_bool, parse_options
 from outboxer.brokers.tlsfiles import TLS_FILE_OPTIONS, client_context, tls_files
 from outboxer.config import int_option, whole_seconds_option
@@ -345,6 +346,12 @@ class MqttPublisher(AckedPublisher[ReasonCode]):
 
     async def _connect(self) -> None:
         await self._close()
+        timeout = min(self.publish_timeout, 10.0)
+        # paho looks the name up inside the blocking connect that aiomqtt runs on asyncio's
+        # default executor, where a lookup a DNS outage holds outlives the connect's
+        # timeout: a thread per attempt, and the relay's exit (asyncio.run joins that
+        # executor) waited for them. A name that hangs fails the attempt here first.
+        await resolve.looked_up(self.hostname, self.port, timeout)
         client = _Client(
             self.hostname,
             self.port,
@@ -353,7 +360,7 @@ class MqttPublisher(AckedPublisher[ReasonCode]):
             identifier=self.client_id,
             protocol=aiomqtt.ProtocolVersion.V5,
             keepalive=self.keepalive,
-            timeout=min(self.publish_timeout, 10.0),
+            timeout=timeout,
             max_inflight=self.max_inflight,
             tls_context=self.tls_context(),
         )

@@ -22,6 +22,7 @@ import os
 import re
 import ssl
 import time
+import urllib.request
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
@@ -30,6 +31,7 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import httpx
 
+from outboxer.brokers import resolve
 from outboxer.brokers.base import NotSent, Publisher, parse_options
 from outboxer.config import duration_option, int_option
 from outboxer.errors import BrokerUnavailableError, ConfigError, PublishError
@@ -210,6 +212,18 @@ class _Lanes:
         await _close_clients(clients)
 
 
+def _environment_proxies() -> list[str]:
+    """The proxy URLs httpx's clients take from the environment (``HTTP_PROXY``,
+    ``HTTPS_PROXY``, ``ALL_PROXY``; httpx's ``get_environment_proxies``), a scheme added
+    where one is missing as httpx adds it."""
+    proxies = urllib.request.getproxies()
+    return [
+        url if "://" in url else f"http://{url}"
+        for scheme in ("http", "https", "all")
+        if (url := proxies.get(scheme))
+    ]
+
+
 async def _close_clients(clients: Sequence[httpx.AsyncClient]) -> None:
     """Close ``clients``; one whose connection broke has nothing left to release."""
     results = await asyncio.gather(*(client.aclose() for client in clients), return_exceptions=True)
@@ -325,6 +339,14 @@ class WebhookPublisher(Publisher):
         return urlunsplit(parts._replace(path=path))
 
     # ----- connection ------------------------------------------------------------------------
+
+    def host_names(self) -> list[str]:
+        # A route may name another receiver (an absolute URL): its lookups too. So does the
+        # proxy the environment names, which httpx connects to instead (trust_env): its name
+        # is the one looked up here, once per request, the receiver's by the proxy.
+        urls = [self.endpoint, *(route for route in self.routes.values() if "://" in route)]
+        urls += _environment_proxies()
+        return [host for url in urls for host in resolve.hosts_of(url)]
 
     async def _connect(self) -> None:
         await self._close()  # pooled connections to a restarted receiver are stale

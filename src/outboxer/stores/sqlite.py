@@ -1,20 +1,23 @@
 """SQLite store: the embedded default, for the demo and for single-process applications.
 
 SQLite has one writer at a time, so seq order is commit order. The relay runs
-each statement on its own connection in a worker thread; wake-ups come from
-``PRAGMA data_version``, which changes when another connection commits.
+each statement on its own connection in the store's own worker thread; wake-ups come
+from ``PRAGMA data_version``, which changes when another connection commits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import json
+import os
 import sqlite3
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -126,6 +129,9 @@ WAKE_PROBE_INTERVAL = 0.02
 #: The time columns of a listed row (list in queries.sql), stored as Unix seconds.
 _LISTED_TIMES = ("created_at", "updated_at", "next_attempt_at", "published_at")
 
+#: The name of a store's statement thread (SqliteStore._in_thread), for thread dumps.
+THREAD_NAME = "outboxer-sqlite"
+
 
 class SqliteStore(Store):
     dialect = "sqlite"
@@ -136,6 +142,12 @@ class SqliteStore(Store):
         self.path = sqlite_path(url)
         self._conn: sqlite3.Connection | None = None
         self._lock = threading.Lock()
+        #: The one thread that runs this store's statements (see _in_thread); made on first
+        #: use, retired by close (a later statement makes another).
+        self._executor: ThreadPoolExecutor | None = None
+        #: The process that made the last ``_executor`` (0: none yet): a forked child has
+        #: none of that process's threads.
+        self._executor_pid = 0
         #: Per destination, the last data_version one of its waiting loops saw.
         self._data_versions: dict[str, int] = {}
         #: The latest data_version reading, shared by the waiting loops (see _probe): the
@@ -169,7 +181,7 @@ class SqliteStore(Store):
         database, and its directories, wherever a mistyped path pointed, for the next
         command or relay to find empty; their first statement raises SchemaError instead.
         """
-        if self._conn is None and await asyncio.to_thread(self._exists):
+        if self._conn is None and await self._in_thread(self._exists):
             await self._open(create=False)
 
     def _exists(self) -> bool:
@@ -177,7 +189,7 @@ class SqliteStore(Store):
 
     async def _open(self, *, create: bool) -> sqlite3.Connection:
         if self._conn is None:
-            self._conn = await asyncio.to_thread(self._open_file, create)
+            self._conn = await self._in_thread(functools.partial(self._open_file, create))
         return self._conn
 
     def _open_file(self, create: bool) -> sqlite3.Connection:
@@ -191,16 +203,57 @@ class SqliteStore(Store):
         return open_connection(self.path)
 
     async def close(self) -> None:
-        if self._conn is not None:
-            conn, self._conn = self._conn, None
+        try:
+            if self._conn is not None:
+                conn, self._conn = self._conn, None
 
-            def close_when_idle() -> None:
-                # A cancelled caller's statement may still run in its worker thread: closing
-                # the connection under it crashes the sqlite3 module, so wait for it.
-                with self._lock:
-                    conn.close()
+                def close_when_idle() -> None:
+                    # A cancelled caller's statement may still run in the store's thread:
+                    # closing the connection under it crashes the sqlite3 module, so wait.
+                    with self._lock:
+                        conn.close()
 
-            await asyncio.to_thread(close_when_idle)
+                await self._in_thread(close_when_idle)
+        finally:
+            # What was queued before runs first (a cancelled caller's statement under way);
+            # then the thread ends, not joined here. A store used again makes a new one.
+            executor, self._executor = self._executor, None
+            if executor is not None:
+                executor.shutdown(wait=False)
+
+    def _in_thread(self, call: Callable[[], T]) -> asyncio.Future[T]:
+        """``call()`` on the store's own thread, as ``asyncio.to_thread`` would run it on the
+        event loop's default executor, which this store does not use.
+
+        That executor's few threads (min(32, CPUs + 4)) are shared with whatever else
+        blocks in the process, and a caller's timeout does not free one: name lookups
+        (``loop.getaddrinfo``, each connect to a broker named by host), MQTT connects
+        (paho's, lookup included). In a DNS outage those held every thread for the
+        resolver's timeout, and every claim, settle and lease renewal of the relay, for
+        all destinations, and /health's ping, queued behind them: a healthy destination
+        published nothing for 20 to 45 s, and batches in flight lost their leases.
+
+        One thread is all the store can use: its statements take ``_lock`` one at a time
+        (one connection), so more threads would only wait on it; here they queue in the
+        order the callers asked. A ThreadPoolExecutor's thread, as the default executor's:
+        the interpreter's exit waits for a statement under way (a cancelled caller's, a
+        COMMIT), and ``close`` does too (close_when_idle), as before.
+        """
+        executor = self._executor
+        if self._executor_pid != os.getpid():
+            if self._executor_pid:
+                # Forked since (a worker process of a prefork server, multiprocessing): the
+                # executor's thread stayed in the parent, and the executor, counting it,
+                # made no other one, so every statement waited for ever. A statement under
+                # way in the parent at the fork left ``_lock`` held in this copy of it.
+                self._lock = threading.Lock()
+            executor = None
+        if executor is None:
+            executor = self._executor = ThreadPoolExecutor(1, thread_name_prefix=THREAD_NAME)
+            self._executor_pid = os.getpid()
+        # The caller's context, as asyncio.to_thread gives it (logging's, tracing's).
+        run = contextvars.copy_context().run
+        return asyncio.get_running_loop().run_in_executor(executor, run, call)
 
     async def _run(self, work: Callable[[sqlite3.Connection], T]) -> T:
         conn = await self._open(create=False)
@@ -218,7 +271,7 @@ class SqliteStore(Store):
                         raise StoreDataError(f"SQLite refused the values: {exc}") from exc
                     raise StoreError(f"SQLite: {exc}") from exc
 
-        return await asyncio.to_thread(locked)
+        return await self._in_thread(locked)
 
     # ----- schema --------------------------------------------------------------------------
 
