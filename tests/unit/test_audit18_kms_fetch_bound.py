@@ -66,8 +66,11 @@ async def test_a_kms_that_never_answers_fails_the_message_retryably_and_a_later_
             "db": sqlite_url,
             "broker": f"memory://{broker.name}",
             "poll_interval": 0.05,
-            "backoff_base": 0.05,
-            "backoff_max": 0.1,
+            # The retry due 1.5-2 s after the failure: the first drain must return (at
+            # idle) before it. With 0.05 s, a loaded box's drain was still running when the
+            # retry came due, and published all three within the first drain.
+            "backoff_base": 2.0,
+            "backoff_max": 2.0,
         },
         environ={},
     )
@@ -94,8 +97,9 @@ async def test_a_kms_that_never_answers_fails_the_message_retryably_and_a_later_
         assert len(calls) == 1, "the batch's other messages waited out the bound again"
         assert broker.messages == []
 
-        for _ in range(40):  # each drain returns at idle; the retry is due after its backoff
-            await asyncio.sleep(0.05)
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:  # each drain returns at idle; the retry is due
+            await asyncio.sleep(0.05)  # after its backoff
             await asyncio.wait_for(relay().drain(), 5)
             if [status for status, _, _ in rows(sqlite_url)] == ["PUBLISHED"] * 3:
                 break
