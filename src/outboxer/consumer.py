@@ -40,7 +40,10 @@ its failure. So is a failure of the consumer's own statements for a message appl
 (the inbox claim, the dead-letter check, the held record), which retrying at once would
 repeat for ever; but not a lock wait that ran out in them (another consumer of the group
 holds the message: ``Session.lock_waited``), tried again after the outage backoff with no
-attempt counted, its claim then a duplicate once the holder commits. A handler that returns
+attempt counted, its claim then a duplicate once the holder commits. Nor a database whose
+disk is full (``Session.database_full``: PostgreSQL's disk_full, SQLITE_FULL, MySQL's disk
+or table full), whichever statement met it, a handler's write on it included: the batch
+rolled back, not acked, each head tried again after the outage backoff, no attempt counted. A handler that returns
 a coroutine without being a coroutine function (a plain decorator around one) fails the same
 way: nothing awaited it, nothing is applied.
 
@@ -185,6 +188,9 @@ class ConsumerStats:
     transactions: int = 0
     handler_seconds: float = 0.0
     database_errors: int = 0
+    #: Database errors that were the database's disk being full (also in database_errors):
+    #: no attempt counted, the messages retried after the outage backoff.
+    database_full: int = 0
     broker_errors: int = 0
     #: Claim-checked payloads the object store did not return within object_store_timeout
     #: (each also a failed attempt: retried after its backoff, then dead-lettered).
@@ -279,6 +285,8 @@ class _Lane:
     losses: int = 0
     #: Lock waits that ran out in a row applying the head (no attempt counted).
     waits: int = 0
+    #: Answers of a full database in a row applying the head (no attempt counted).
+    fulls: int = 0
     #: The head is a suspect whose attempt this process recorded (Session.suspect_attempt)
     #: and has not ended yet: tried again after a lost connection or a lock wait, it is
     #: not recorded a second time (that would count a death that did not happen); still
@@ -1149,6 +1157,16 @@ class Consumer:
                         return
                     self._lost_again(todo[0])
                     return
+                if session.database_full(failure):  # an outage, wherever it struck: no attempt
+                    self.stats.database_errors += 1
+                    self.stats.database_full += 1
+                    if failure.index is not None and len(todo) > 1:
+                        # A handler's write met it: the others again at once (on a full
+                        # database their claims meet it too, and then they wait as well).
+                        self._database_full([todo.pop(failure.index)], failure)
+                        continue
+                    self._database_full(todo, failure)
+                    return
                 if failure.index is not None:  # its handler raised
                     await self._failed(session, todo.pop(failure.index), failure.cause)
                     continue  # the others again at once: not their fault
@@ -1566,6 +1584,11 @@ class Consumer:
                 if await self._open(session):
                     self._lost_again(lane)
                 return False
+            if session.database_full(exc):  # as for a batch: no attempt counted
+                self.stats.database_errors += 1
+                self.stats.database_full += 1
+                self._database_full([lane], BatchFailed("statement", exc))
+                return False
             logger.warning(
                 "consumer %s: message %s: recording its attempt as a suspect failed: %s",
                 self.group,
@@ -1682,6 +1705,31 @@ class Consumer:
             )
             lane.retry = loop.call_later(delay, self._retry_due, lane)
 
+    def _database_full(self, lanes: Sequence[_Lane], failure: BatchFailed) -> None:
+        """The batch of ``lanes`` failed because the consumer's database is full
+        (``Session.database_full``): rolled back, not acked, no attempt counted, never
+        dead-lettered for it; each head tried again after the outage backoff (its own count
+        in a row, so that an hour of it is a try every OUTAGE_BACKOFF's cap, no hot loop)."""
+        loop = asyncio.get_running_loop()
+        for lane in lanes:
+            lane.fulls += 1
+            delay = OUTAGE_BACKOFF.delay(lane.fulls)
+            delivery = lane.head.delivery
+            logger.warning(
+                "consumer %s: message %s (topic %s, key %s): the consumer's database is full "
+                "(its %s failed: %s); not acked, no attempt counted (%d in a row), retrying "
+                "in %.1fs",
+                self.group,
+                delivery.id,
+                delivery.topic,
+                delivery.key,
+                failure.stage,
+                describe(failure.cause),
+                lane.fulls,
+                delay,
+            )
+            lane.retry = loop.call_later(delay, self._retry_due, lane)
+
     def _retry_due(self, lane: _Lane) -> None:
         lane.retry = None
         if not self.stopping:
@@ -1723,13 +1771,15 @@ class Consumer:
                 failures += 1
                 self.stats.database_errors += 1
                 lost = session.lost(exc)
+                full = session.database_full(exc)
+                self.stats.database_full += full
                 if lost and not await self._open(session):
                     return  # stopping: not acked, delivered again later
                 delay = OUTAGE_BACKOFF.delay(failures)
-                # Not lost: even the bare record (record_dead_letter's fallback) was refused,
-                # so the table, not the message, is at fault; an operator has to act.
+                # Not lost nor full: even the bare record (record_dead_letter's fallback) was
+                # refused, so the table, not the message, is at fault; an operator has to act.
                 logger.log(
-                    logging.WARNING if lost else logging.ERROR,
+                    logging.WARNING if lost or full else logging.ERROR,
                     "consumer %s: recording message %s as a dead letter failed (%s); retrying "
                     "in %.1fs",
                     self.group,
@@ -1760,7 +1810,7 @@ class Consumer:
         await self.receiver.ack([lane.head for lane in lanes])
         for lane in lanes:
             lane.queue.popleft()
-            lane.failures = lane.losses = lane.waits = 0
+            lane.failures = lane.losses = lane.waits = lane.fulls = 0
             lane.suspect_recorded = False  # its row went with the commit (suspect=True)
             self._held -= 1
             if lane.queue:
@@ -1880,7 +1930,7 @@ class Consumer:
             await self.release_hold(delivery)
             return "replayed" if result is Result.APPLIED else "duplicates"
         except BatchFailed as failure:
-            if session.lost(failure):
+            if session.lost(failure) or session.database_full(failure):  # outages: the replay ends
                 raise failure.cause from failure
             if session.lock_waited(failure):
                 # Another transaction holds the message (a consumer applying its redelivery)
@@ -2114,6 +2164,12 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
         "outboxer_consumer_database_errors_total",
         "database_errors",
         "Database connections or statements that failed outside the handler.",
+    ),
+    (
+        "outboxer_consumer_database_full_total",
+        "database_full",
+        "Database errors that said its disk is full (also in database_errors): not acked, "
+        "no attempt counted, retried after the outage backoff.",
     ),
     (
         "outboxer_consumer_broker_errors_total",

@@ -146,6 +146,37 @@ _MYSQL_GONE = frozenset({2003, 2006, 2013, 2055, 1053, 1927, 4031})
 _PG_LOCK_WAITS = frozenset({"55P03", "40P01"})
 #: MySQL/MariaDB: ER_LOCK_WAIT_TIMEOUT (innodb_lock_wait_timeout), ER_LOCK_DEADLOCK.
 _MYSQL_LOCK_WAITS = frozenset({1205, 1213})
+#: PostgreSQL's SQLSTATE disk_full ("could not extend file ...: No space left on device").
+_PG_DISK_FULL = "53100"
+#: MySQL/MariaDB: ER_DISK_FULL, ER_RECORD_FILE_FULL ("The table ... is full": InnoDB's
+#: tablespace that cannot grow), and the storage engine's or a write's errno 28 (ENOSPC):
+#: ER_GET_ERRNO, ER_ERROR_ON_WRITE.
+_MYSQL_FULL = frozenset({1021, 1114})
+_MYSQL_ERRNO = frozenset({1030, 1026})
+_SQLITE_FULL = sqlite3.SQLITE_FULL
+
+
+def _disk_full_answer(exc: BaseException) -> BaseException | None:
+    """The database's answer that it has no space left that ``exc`` is, or that it was
+    raised from (a handler's wrapper: its own, SQLAlchemy's, Django's): PostgreSQL's
+    disk_full (either driver, psycopg2's pgcode too), SQLite's SQLITE_FULL ("database or
+    disk is full"), MySQL's disk or table full; None if neither (``Session.database_full``)."""
+    seen: BaseException | None = exc
+    for _ in range(5):
+        if seen is None:
+            return None
+        if _PG_DISK_FULL in (getattr(seen, "sqlstate", None), getattr(seen, "pgcode", None)):
+            return seen
+        code = getattr(seen, "sqlite_errorcode", None)
+        if isinstance(seen, sqlite3.Error) and code is not None and code & 0xFF == _SQLITE_FULL:
+            return seen
+        number = mysql_errno(seen)
+        if number in _MYSQL_FULL or (
+            number in _MYSQL_ERRNO and bool(seen.args) and f"{errno.ENOSPC}" in str(seen.args[-1])
+        ):
+            return seen
+        seen = seen.__cause__
+    return None
 
 
 def _read_only_answer(exc: BaseException) -> BaseException | None:
@@ -521,6 +552,19 @@ class Session(ABC):
         whose victim waited too); drivers say."""
         return False
 
+    def database_full(self, exc: BaseException) -> bool:
+        """Whether ``exc`` (a BatchFailed, or what one of the session's own calls raised)
+        is the database's answer that its disk is full (``_disk_full_answer``), wherever it
+        struck: the inbox claim, the commit, a dead letter, or a handler's own write, which
+        on a full database fails whatever its message holds (as the failover's read-only
+        answer, a state of the database, not of the message). An outage, no attempt
+        counted, never dead-lettered for it: before, each message of an hour of a full disk
+        was charged its attempts (the inbox claim's refusal taken for its own failure),
+        then dead-lettered once space came back, never applied. A message that alone needs
+        more space than there is waits, its key with it, until an operator makes room; a
+        handler's write to another database that is full waits likewise."""
+        return _disk_full_answer(exc.cause if isinstance(exc, BatchFailed) else exc) is not None
+
     def close_after(self, task: asyncio.Task[Any]) -> None:
         """Close the connection of a session the runner abandoned at shutdown (its handler
         or its thread still ran) once ``task``, the worker running its batch, has ended:
@@ -723,12 +767,12 @@ class Session(ABC):
         value it cannot store that :meth:`dead_letter_params` did not foresee), write it
         without its key, headers and creation time, the refusal in its error: a dead
         letter that can never be written would stop its worker for good. A lost connection,
-        or a second refusal (the table itself is at fault then), is raised."""
+        a full disk, or a second refusal (the table itself is at fault then), is raised."""
         try:
             await self.run("insert", self.dead_letter_params(group, delivery, error, attempts))
             return
         except Exception as exc:
-            if self.lost(exc):
+            if self.lost(exc) or self.database_full(exc):  # an outage: the runner waits
                 raise
             refusal = describe(exc)
         logger.error(
