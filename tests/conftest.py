@@ -62,8 +62,9 @@ SERIAL = (
 #: them as any test does).
 SERIAL_TESTS = ("test_reconnects_after_server_restart",)
 _ROOT = Path(__file__).resolve().parent.parent
-#: Ends a worker whose test outlived its timeout by far (tests/watchdog.py).
-pytest_plugins = ["tests.watchdog"]
+#: Ends a worker whose test outlived its timeout by far (tests/watchdog.py); records each
+#: test's timings when OUTBOXER_TEST_TIMINGS names a directory (tests/timings.py).
+pytest_plugins = ["tests.watchdog", "tests.timings"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,0 +1,59 @@
+"""Per-test wall-clock timings for keeping the suite under its time budget, loaded by
+tests/conftest.py (``pytest_plugins``). Off unless ``OUTBOXER_TEST_TIMINGS`` names a
+directory: each pytest process (an xdist worker, the serial phase) then appends one JSON
+line per test phase to ``<dir>/<worker>-<pid>.jsonl``; ``scripts/test-timings <dir>`` sums
+them per file and per worker and shows how much of the parallel phase was waiting on its
+last files; ``--write tests/durations.json`` keeps the per-file sums.
+
+With ``tests/durations.json``, xdist workers collect the longest files first (longest
+processing time first): ``--dist loadfile`` hands files out in collection order, and its
+default order (most tests first) left a long file of one test, such as the bench's smoke
+run, to start last and hold the phase's end."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+import pytest
+
+_DIRECTORY = os.environ.get("OUTBOXER_TEST_TIMINGS")
+#: Seconds per test file, from a timed run (``scripts/test-timings DIR --write``).
+_DURATIONS = Path(__file__).with_name("durations.json")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not hasattr(config, "workerinput"):  # only xdist's workers: the serial phase keeps
+        return  # its order
+    try:
+        recorded: dict[str, float] = json.loads(_DURATIONS.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    unknown = statistics.median(recorded.values()) if recorded else 0.0  # a new file
+
+    def cost(item: pytest.Item) -> float:
+        return recorded.get(item.nodeid.split("::", 1)[0], unknown)
+
+    # Stable: a file's tests keep their order and stay together.
+    items.sort(key=lambda item: -cost(item))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # xdist's controller hears every worker's reports again (``report.node`` set): skipped.
+    if not _DIRECTORY or getattr(report, "node", None) is not None:
+        return
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    path = Path(_DIRECTORY) / f"{worker}-{os.getpid()}.jsonl"
+    line = {
+        "worker": worker,
+        "test": report.nodeid,
+        "when": report.when,
+        "start": report.start,
+        "stop": report.stop,
+        "outcome": report.outcome,
+    }
+    with path.open("a", encoding="utf-8") as out:
+        out.write(json.dumps(line) + "\n")
