@@ -24,6 +24,7 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -151,3 +152,166 @@ def pg_database_on_tmpfs(
                 _admin(server, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
             with contextlib.suppress(psycopg.Error):
                 _admin(server, f"DROP TABLESPACE IF EXISTS {name}")
+
+
+MARIADBD = "/usr/sbin/mariadbd"
+#: The private MariaDB's account for the tests (every privilege, no password, from
+#: 127.0.0.1: a fresh data directory's root is unix_socket only).
+_MARIADB_INIT = (
+    "CREATE USER 'root'@'127.0.0.1';\nGRANT ALL ON *.* TO 'root'@'127.0.0.1' WITH GRANT OPTION;\n"
+)
+
+
+class PrivateMariaDB:
+    """A ``mariadbd`` of a test module's own: a data directory under /tmp, a free port, a
+    temporary directory of its own (as tests/integration/test_audit20_myreadonly_failover.py).
+    Never the shared server: a database of it on a full tmpfs must not touch anyone else."""
+
+    def __init__(self) -> None:
+        self.home = Path(tempfile.mkdtemp(prefix="outboxer-diskfull-maria-"))
+        self.data = self.home / "data"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.port = 0
+
+    def start(self) -> None:
+        import time
+
+        from tests.services import free_port, port_open
+
+        install = shutil.which("mariadb-install-db") or "/usr/bin/mariadb-install-db"
+        if not (os.path.exists(MARIADBD) and os.path.exists(install)):
+            pytest.skip("mariadbd / mariadb-install-db not installed")
+        tmp = self.home / "tmp"
+        tmp.mkdir()
+        env = {**os.environ, "TMPDIR": str(tmp)}
+        user = ["--user=root"] if os.geteuid() == 0 else []
+        done = subprocess.run(
+            [install, "--no-defaults", *user, f"--datadir={self.data}", "--skip-test-db"],
+            check=False,
+            capture_output=True,
+            timeout=60,
+            env=env,
+        )
+        if done.returncode != 0:
+            pytest.fail(f"mariadb-install-db failed: {done.stdout!r} {done.stderr!r}")
+        (self.home / "init.sql").write_text(_MARIADB_INIT)
+        self.port = free_port()
+        log = self.home / "error.log"
+        with open(log, "wb") as stderr:
+            self.process = subprocess.Popen(
+                [
+                    MARIADBD,
+                    "--no-defaults",
+                    *user,
+                    f"--datadir={self.data}",
+                    f"--port={self.port}",
+                    "--bind-address=127.0.0.1",
+                    f"--socket={self.home / 'mysqld.sock'}",
+                    f"--pid-file={self.home / 'mysqld.pid'}",
+                    "--skip-name-resolve",
+                    "--skip-log-bin",
+                    "--innodb-buffer-pool-size=16M",
+                    f"--init-file={self.home / 'init.sql'}",
+                    f"--tmpdir={tmp}",
+                ],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+            )
+        deadline = time.monotonic() + 30
+        while True:
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the private MariaDB did not start: {log.read_text()[-2000:]}")
+            if port_open(self.port):
+                try:
+                    self.admin("SELECT 1")
+                    return
+                except Exception:
+                    pass
+            time.sleep(0.05)
+
+    def url(self, database: str) -> str:
+        return f"mysql://root@127.0.0.1:{self.port}/{database}"
+
+    def admin(self, statement: str, database: str | None = None) -> list[tuple[Any, ...]]:
+        import pymysql
+
+        conn = pymysql.connect(
+            host="127.0.0.1",
+            port=self.port,
+            user="root",
+            database=database,
+            autocommit=True,
+            connect_timeout=5,
+        )
+        try:
+            with conn.cursor() as cursor:
+                cursor.execute(statement)
+                return list(cursor.fetchall())
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        import signal
+
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        shutil.rmtree(self.home, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def diskfull_mariadb() -> Iterator[PrivateMariaDB]:
+    """A private MariaDB for one test module (``mariadb_database_on_tmpfs``)."""
+    server = PrivateMariaDB()
+    try:
+        server.start()
+        yield server
+    finally:
+        server.close()
+
+
+@contextlib.contextmanager
+def mariadb_database_on_tmpfs(
+    server: PrivateMariaDB, size_mb: int = 16
+) -> Iterator[tuple[str, Ballast]]:
+    """A database of ``server`` whose directory (its InnoDB tables, one file each) is a
+    tmpfs of its own, with the outbox schema; its URL and the tmpfs's ballast. The redo log
+    and the system tablespace stay on the server's own disk: once full, a statement that
+    must extend a table fails with 1114 (ER_RECORD_FILE_FULL, "The table ... is full").
+    Dropped and unmounted at the end, the ballast freed first, even on failure."""
+    import asyncio
+    import concurrent.futures
+
+    from outboxer.stores import create_store
+
+    name = f"diskfull_{uuid.uuid4().hex[:10]}"
+    directory = server.data / name
+    directory.mkdir()
+    try:
+        with tmpfs(size_mb) as mount:
+            subprocess.run(["mount", "--bind", str(mount), str(directory)], check=True)
+            ballast = Ballast(directory)
+            try:
+
+                async def apply() -> None:
+                    async with create_store(server.url(name)) as store:
+                        await store.apply_schema()
+
+                # A thread of its own: the test's event loop may be running.
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    pool.submit(asyncio.run, apply()).result()
+                yield server.url(name), ballast
+            finally:
+                ballast.free()
+                with contextlib.suppress(Exception):
+                    server.admin(f"DROP DATABASE IF EXISTS {name}")
+                if subprocess.run(["umount", str(directory)], check=False).returncode:
+                    subprocess.run(["umount", "-l", str(directory)], check=False)
+    finally:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(directory)

@@ -45,6 +45,7 @@ import logging
 import math
 import os
 import queue
+import re
 import socket
 import sqlite3
 import threading
@@ -153,29 +154,48 @@ _PG_DISK_FULL = "53100"
 #: ER_GET_ERRNO, ER_ERROR_ON_WRITE.
 _MYSQL_FULL = frozenset({1021, 1114})
 _MYSQL_ERRNO = frozenset({1030, 1026})
+#: The errno of those two as their text gives it: MariaDB's ``Got error 28 "No space left
+#: on device" from storage engine`` and ``Error writing file '...' (errno: 28 "No space
+#: left ...")``, MySQL 8's ``Got error 28 - '...'`` and ``(errno: 28 - ...)``. Not any 28 in
+#: the text: ``Got error 128 "Out of memory in engine"``, a file name with 28 in it.
+_MYSQL_ENOSPC = re.compile(rf"(?:\berror|\berrno:) {errno.ENOSPC}\b", re.IGNORECASE)
 _SQLITE_FULL = sqlite3.SQLITE_FULL
+#: Exceptions looked at in a chain (``__cause__`` and ``__context__``, breadth first).
+_CHAIN = 8
 
 
 def _disk_full_answer(exc: BaseException) -> BaseException | None:
     """The database's answer that it has no space left that ``exc`` is, or that it was
-    raised from (a handler's wrapper: its own, SQLAlchemy's, Django's): PostgreSQL's
-    disk_full (either driver, psycopg2's pgcode too), SQLite's SQLITE_FULL ("database or
-    disk is full"), MySQL's disk or table full; None if neither (``Session.database_full``)."""
-    seen: BaseException | None = exc
-    for _ in range(5):
-        if seen is None:
-            return None
-        if _PG_DISK_FULL in (getattr(seen, "sqlstate", None), getattr(seen, "pgcode", None)):
-            return seen
-        code = getattr(seen, "sqlite_errorcode", None)
-        if isinstance(seen, sqlite3.Error) and code is not None and code & 0xFF == _SQLITE_FULL:
-            return seen
-        number = mysql_errno(seen)
-        if number in _MYSQL_FULL or (
-            number in _MYSQL_ERRNO and bool(seen.args) and f"{errno.ENOSPC}" in str(seen.args[-1])
+    raised from or while handling (a handler's wrapper: its own, SQLAlchemy's, Django's;
+    ``raise X from None`` and a ``raise`` in an ``except`` block without ``from`` alike:
+    the attempt met a full database, which fails it whatever its message holds):
+    PostgreSQL's disk_full (either driver, psycopg2's pgcode too), SQLite's SQLITE_FULL
+    ("database or disk is full"), MySQL's disk or table full;
+    None if neither (``Session.database_full``)."""
+    todo: list[BaseException] = [exc]
+    seen: set[int] = set()
+    while todo and len(seen) < _CHAIN:
+        found = todo.pop(0)
+        if id(found) in seen:
+            continue
+        seen.add(id(found))
+        if _PG_DISK_FULL in (getattr(found, "sqlstate", None), getattr(found, "pgcode", None)):
+            return found
+        code = getattr(found, "sqlite_errorcode", None)
+        if (
+            isinstance(found, sqlite3.Error)
+            and isinstance(code, int)
+            and code & 0xFF == _SQLITE_FULL
         ):
-            return seen
-        seen = seen.__cause__
+            return found
+        number = mysql_errno(found)
+        if number in _MYSQL_FULL or (
+            number in _MYSQL_ERRNO
+            and bool(found.args)
+            and _MYSQL_ENOSPC.search(str(found.args[-1])) is not None
+        ):
+            return found
+        todo.extend(e for e in (found.__cause__, found.__context__) if e is not None)
     return None
 
 
