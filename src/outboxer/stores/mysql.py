@@ -90,6 +90,16 @@ WAKE_PROBE_INTERVAL = 0.05
 #: Every relay session: each statement reads what was committed when it started.
 _SESSION_SETUP = "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"
 
+#: Every pool session, once, after ``_SESSION_SETUP`` (a statement of its own: SET TRANSACTION
+#: takes no other assignment, and the isolation variable's name differs between MySQL 8 and
+#: MariaDB before 11.1): no row limit on a SELECT without LIMIT, whatever the server's or
+#: the user's sql_select_limit (a DBA's guard against huge result sets). With one of 5 the
+#: schema's applied versions read back five of six: ``schema apply`` ran the sixth again
+#: and failed on its own record (duplicate entry), the relay refused to start (the schema
+#: "lacks" it), and the admin's listings came back cut short. Its default, the largest
+#: value, on both servers (``DEFAULT`` would be the server's global value).
+_SESSION_PINS = "SET SESSION sql_select_limit = 18446744073709551615"
+
 #: Seconds ``apply_schema`` waits for another process applying the schema.
 _SCHEMA_LOCK_WAIT = 60
 
@@ -440,10 +450,17 @@ class MySQLStore(Store):
         would never have answered read-only itself, and read the old server's rows."""
         while True:
             conn = await pool.acquire()
-            if (
-                self._made_after.setdefault(conn, self._read_only_answers)
-                == self._read_only_answers
-            ):
+            made = self._made_after.get(conn)
+            if made is None:  # new: the pool made it (a round trip, once per connection)
+                try:
+                    async with conn.cursor() as cursor:
+                        await cursor.execute(_SESSION_PINS)
+                except BaseException:
+                    conn.close()
+                    await pool.release(conn)  # closed: the pool forgets it
+                    raise
+                made = self._made_after[conn] = self._read_only_answers
+            if made == self._read_only_answers:
                 return conn
             conn.close()
             await pool.release(conn)  # closed: the pool forgets it
@@ -518,7 +535,13 @@ class MySQLStore(Store):
                     f"another process has been applying the schema for {_SCHEMA_LOCK_WAIT}s"
                 )
             # No "already exists" notes for IF NOT EXISTS (aiomysql turns notes into warnings).
-            await cursor.execute("SET SESSION sql_notes = 0")
+            # Unbounded on MariaDB's side too: a server's or user's max_statement_time (a
+            # DBA's guard for the application's queries) cut a migration's DDL, and the
+            # upgrade stopped half-way, every try (MySQL's max_execution_time bounds SELECTs
+            # only; the /*M! ... */ part is MariaDB's alone).
+            await cursor.execute(
+                "SET /*M! SESSION max_statement_time = 0, */ SESSION sql_notes = 0"
+            )
             try:
                 done: set[int] = set()
                 if await self._columns(cursor, self.table + "_migrations"):
@@ -548,7 +571,9 @@ class MySQLStore(Store):
                     await cursor.connection.commit()
                     applied.append(migration.name)
             finally:
-                await cursor.execute("SET SESSION sql_notes = 1")
+                await cursor.execute(
+                    "SET /*M! SESSION max_statement_time = DEFAULT, */ SESSION sql_notes = 1"
+                )
                 await cursor.execute("SELECT RELEASE_LOCK(%s)", (lock_name,))
         return applied
 

@@ -370,7 +370,9 @@ async def open_connection(url: str, *, bounded: bool = True) -> Any:
             # Read at each call, not bound at import: tests shorten them.
             timeout=CONNECT_TIMEOUT,
             command_timeout=COMMAND_TIMEOUT if bounded else None,
-            server_settings={"application_name": "outboxer-relay"},
+            # No JIT, as the relay's pool (postgres.py): a low jit_above_cost compiled each
+            # of its short statements, ~100 ms apiece.
+            server_settings={"application_name": "outboxer-relay", "jit": "off"},
         )
     except TimeoutError as exc:  # asyncpg's says nothing: the server took the TCP connection
         raise StoreError(
