@@ -283,10 +283,9 @@ class _Lane:
     retry: asyncio.TimerHandle | None = None
     #: Database connections lost in a row applying the head alone (no attempt counted).
     losses: int = 0
-    #: Lock waits that ran out in a row applying the head (no attempt counted).
+    #: Lock waits that ran out, or answers of a full database, in a row applying the head
+    #: (no attempt counted).
     waits: int = 0
-    #: Answers of a full database in a row applying the head (no attempt counted).
-    fulls: int = 0
     #: The head is a suspect whose attempt this process recorded (Session.suspect_attempt)
     #: and has not ended yet: tried again after a lost connection or a lock wait, it is
     #: not recorded a second time (that would count a death that did not happen); still
@@ -1685,48 +1684,41 @@ class Consumer:
         """The batch of ``lanes`` waited for a lock in the consumer's own statements until the
         database gave up (``Session.lock_waited``): rolled back, not acked, no attempt
         counted; each head tried again after the outage backoff."""
+        self._wait_without_attempt(
+            lanes,
+            failure,
+            f"the consumer's {failure.stage} waited for a lock in vain (another consumer "
+            "applying it?)",
+        )
+
+    def _database_full(self, lanes: Sequence[_Lane], failure: BatchFailed) -> None:
+        """The batch of ``lanes`` failed because the consumer's database is full
+        (``Session.database_full``): rolled back, not acked, no attempt counted, never
+        dead-lettered for it; each head tried again after the outage backoff (so that an
+        hour of it is a try every OUTAGE_BACKOFF's cap, no hot loop)."""
+        self._wait_without_attempt(
+            lanes, failure, f"the consumer's database is full (its {failure.stage} failed)"
+        )
+
+    def _wait_without_attempt(self, lanes: Sequence[_Lane], failure: BatchFailed, why: str) -> None:
+        """Each head of ``lanes`` tried again after the outage backoff, by its count of such
+        waits in a row (``_Lane.waits``), not acked, no attempt counted."""
         loop = asyncio.get_running_loop()
         for lane in lanes:
             lane.waits += 1
             delay = OUTAGE_BACKOFF.delay(lane.waits)
             delivery = lane.head.delivery
             logger.warning(
-                "consumer %s: message %s (topic %s, key %s): the consumer's %s waited for a "
-                "lock in vain (%d in a row; another consumer applying it?), no attempt "
-                "counted; retrying in %.1fs: %s",
+                "consumer %s: message %s (topic %s, key %s): %s, no attempt counted (%d in a "
+                "row); retrying in %.1fs: %s",
                 self.group,
                 delivery.id,
                 delivery.topic,
                 delivery.key,
-                failure.stage,
+                why,
                 lane.waits,
                 delay,
                 describe(failure.cause),
-            )
-            lane.retry = loop.call_later(delay, self._retry_due, lane)
-
-    def _database_full(self, lanes: Sequence[_Lane], failure: BatchFailed) -> None:
-        """The batch of ``lanes`` failed because the consumer's database is full
-        (``Session.database_full``): rolled back, not acked, no attempt counted, never
-        dead-lettered for it; each head tried again after the outage backoff (its own count
-        in a row, so that an hour of it is a try every OUTAGE_BACKOFF's cap, no hot loop)."""
-        loop = asyncio.get_running_loop()
-        for lane in lanes:
-            lane.fulls += 1
-            delay = OUTAGE_BACKOFF.delay(lane.fulls)
-            delivery = lane.head.delivery
-            logger.warning(
-                "consumer %s: message %s (topic %s, key %s): the consumer's database is full "
-                "(its %s failed: %s); not acked, no attempt counted (%d in a row), retrying "
-                "in %.1fs",
-                self.group,
-                delivery.id,
-                delivery.topic,
-                delivery.key,
-                failure.stage,
-                describe(failure.cause),
-                lane.fulls,
-                delay,
             )
             lane.retry = loop.call_later(delay, self._retry_due, lane)
 
@@ -1810,7 +1802,7 @@ class Consumer:
         await self.receiver.ack([lane.head for lane in lanes])
         for lane in lanes:
             lane.queue.popleft()
-            lane.failures = lane.losses = lane.waits = lane.fulls = 0
+            lane.failures = lane.losses = lane.waits = 0
             lane.suspect_recorded = False  # its row went with the commit (suspect=True)
             self._held -= 1
             if lane.queue:
