@@ -56,9 +56,14 @@ def port_open(port: int, host: str = HOST, timeout: float = 0.5) -> bool:
 
 
 def require(name: str) -> None:
-    """Fail (CI) or skip (locally) the calling test unless service ``name`` answers."""
-    if port_open(PORTS[name]):
-        return
+    """Fail (CI) or skip (locally) the calling test unless service ``name`` answers.
+
+    Asked three times, a second each: on a loaded box a service's accept queue can be full
+    for a moment (the kernel then drops the SYN and resends it a second later), and a lone
+    half-second try failed a CI run's test on a RabbitMQ that was up all along."""
+    for _ in range(3):
+        if port_open(PORTS[name], timeout=1.0):
+            return
     message = f"{name} is not reachable on {HOST}:{PORTS[name]} (run scripts/services.sh)"
     if IN_CI:
         pytest.fail(message)
