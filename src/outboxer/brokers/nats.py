@@ -37,9 +37,9 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import Header, PubAck
+from nats.js.api import DiscardPolicy, Header, PubAck, StorageType, StreamConfig
 
-from outboxer.brokers.base import AckedPublisher, option_bool, parse_options
+from outboxer.brokers.base import AckedPublisher, NotSent, option_bool, parse_options
 from outboxer.brokers.tlsfiles import TLS_FILE_OPTIONS, client_context, tls_files
 from outboxer.config import LONGEST_INTERVAL, duration_option
 from outboxer.errors import ConfigError, PublishError
@@ -255,6 +255,34 @@ def _cut(nc: Client) -> None:
 CONSUMER_OPTIONS = ("ack_wait", "durable")
 
 
+def stream_warnings(config: StreamConfig) -> list[str]:
+    """What in a stream's configuration drops or loses messages JetStream confirmed."""
+    said = []
+    limits = [
+        f"{name} {value}"
+        for name, value in (
+            ("max_msgs", config.max_msgs),
+            ("max_bytes", config.max_bytes),
+            ("max_age", config.max_age),
+            ("max_msgs_per_subject", config.max_msgs_per_subject),
+        )
+        if value is not None and value > 0
+    ]
+    if limits and config.discard != DiscardPolicy.NEW:
+        # max_msgs_per_subject counts per topic (the subject), not per message key.
+        said.append(
+            f"discard old with {', '.join(limits)}: JetStream removes the oldest messages "
+            "past them, read by a consumer or not; messages a consumer group has not "
+            "applied yet are then lost"
+        )
+    if config.storage == StorageType.MEMORY:
+        said.append(
+            "memory storage: the messages a consumer has not applied yet are lost when the "
+            "server restarts"
+        )
+    return said
+
+
 class NatsPublisher(AckedPublisher[Msg]):
     """Publishes each message to the subject ``subject_prefix + destination`` on JetStream."""
 
@@ -375,6 +403,9 @@ class NatsPublisher(AckedPublisher[Msg]):
         self._tokens = itertools.count()
         #: A PubAck said no stream listens on a subject (see ``_recreate_stream``).
         self._stream_missing = False
+        #: A stream that can never confirm a publish (``_check_stream``): every connect
+        #: raises it, so the relay stops with it.
+        self._stream_refused: PublishError | None = None
 
     def subject_for(self, message: Message) -> str:
         return self.subject_prefix + self.destination_for(message)
@@ -406,6 +437,8 @@ class NatsPublisher(AckedPublisher[Msg]):
 
     async def _connect(self) -> None:
         await self._close()
+        if self._stream_refused is not None:
+            raise self._stream_refused
         lost = self._lost = asyncio.Event()
 
         # nats-py reports each failed try of a connect here (twice for one refused server)
@@ -444,6 +477,36 @@ class NatsPublisher(AckedPublisher[Msg]):
             except BaseException:
                 await self._close()
                 raise
+
+        if self.stream:
+            try:
+                await self._check_stream(self._js, self.stream)
+            except BaseException:
+                await self._close()
+                raise
+
+    async def _check_stream(self, js: JetStreamContext, stream: str, *, warn: bool = True) -> None:
+        """Refuse a stream that never confirms a publish (``no_ack``); warn of settings that
+        drop confirmed messages. A stream that cannot be read (missing, not allowed) is
+        left to the publishes to report, as before."""
+        try:
+            config = (await js.stream_info(stream)).config
+        except (nats.errors.Error, TimeoutError) as exc:
+            logger.debug("no configuration of stream %r: %s", stream, exc)
+            return
+        if config.no_ack:
+            # Its publishes get no PubAck: each wave waited publish_timeout, failed as a
+            # timeout, an attempt charged, published again (stored again after the
+            # duplicate window), until every message was abandoned, all of them stored.
+            self._stream_refused = PublishError(
+                f"JetStream stream {stream!r} is configured with no_ack: it stores messages "
+                "without acknowledging them, so no publish can ever be confirmed (turn "
+                "no_ack off, or publish to another stream)",
+                retryable=False,
+            )
+            raise self._stream_refused
+        for warning in stream_warnings(config) if warn else ():
+            logger.warning("JetStream stream %r: %s", stream, warning)
 
     def connection_options(self) -> dict[str, Any]:
         """``nats.connect`` arguments from the URL (servers, TLS, credentials, timeouts);
@@ -571,6 +634,14 @@ class NatsPublisher(AckedPublisher[Msg]):
         finally:
             _DUPLICATES.reset(token)
         recreate = asyncio.ensure_future(self._recreate_stream()) if self._stream_missing else None
+        unanswered = [
+            index for index, error in enumerate(results) if isinstance(error, TimeoutError)
+        ]
+        no_ack = (
+            asyncio.ensure_future(self._unacknowledging(messages[unanswered[0]]))
+            if unanswered and not self.stream and self._stream_refused is None
+            else None
+        )
         checks = [asyncio.ensure_future(self._duplicate_error(m, ack)) for m, ack in found]
         full = [
             (index, asyncio.ensure_future(self._never_fits(messages[index], error)))
@@ -581,6 +652,7 @@ class NatsPublisher(AckedPublisher[Msg]):
             *checks,
             *(check for _, check in full),
             *([recreate] if recreate else []),
+            *([no_ack] if no_ack else []),
         ]
         if not work:
             return results
@@ -596,6 +668,11 @@ class NatsPublisher(AckedPublisher[Msg]):
                 "cannot create JetStream stream %s again: no answer before publish_timeout",
                 self.stream,
             )
+        if self._stream_refused is not None:
+            # A no_ack stream: not the messages' fault, given back uncharged; the relay
+            # reconnects, which raises the refusal and stops it.
+            for index in unanswered:
+                results[index] = NotSent(self._stream_refused)
         position = {id(message): index for index, message in enumerate(messages)}
         for (message, _), check in zip(found, checks, strict=True):
             error = self._unchecked(message) if check.cancelled() else check.exception()
@@ -607,6 +684,20 @@ class NatsPublisher(AckedPublisher[Msg]):
             if not check.cancelled() and check.exception() is None and check.result() is not None:
                 results[index] = check.result()
         return results
+
+    async def _unacknowledging(self, message: Message) -> None:
+        """Check the stream of a message whose PubAck never came for ``no_ack`` (sets the
+        refusal): without the ``stream`` option it was not checked at connect."""
+        js = self._js
+        if js is None:
+            return
+        try:
+            stream = await js.find_stream_name_by_subject(self.subject_for(message))
+            await self._check_stream(js, stream, warn=False)
+        except (nats.errors.Error, TimeoutError) as exc:
+            logger.debug("no stream for %r: %s", self.subject_for(message), exc)
+        except PublishError:
+            pass  # the refusal, kept in self._stream_refused
 
     async def _never_fits(self, message: Message, error: _StreamFull) -> PublishError | None:
         """For a publish the stream refused as full (``discard: new`` at ``max_bytes``):
@@ -709,7 +800,7 @@ class NatsPublisher(AckedPublisher[Msg]):
 
     def _transport_lost(self) -> bool:
         nc = self._nc
-        return nc is None or nc.is_closed or self._lost.is_set()
+        return nc is None or nc.is_closed or self._lost.is_set() or self._stream_refused is not None
 
     async def _send(self, message: Message) -> asyncio.Future[Msg]:
         nc = self._nc
@@ -760,4 +851,5 @@ __all__ = [
     "encoded_size",
     "publish_headers",
     "received_headers",
+    "stream_warnings",
 ]

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import inspect
 import json
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import cast
 from urllib.parse import urlencode
@@ -50,7 +51,9 @@ from outboxer.brokers.tlsfiles import TLS_FILE_OPTIONS, client_context
 from outboxer.config import int_option
 from outboxer.errors import ConfigError, PublishError
 from outboxer.message import Message
-from outboxer.redact import redact_url
+from outboxer.redact import get_logger, redact_url
+
+logger = get_logger("outboxer.publisher.redis")
 
 #: Our own URL options; the rest of the query string goes to redis-py.
 _OPTIONS = ("stream_prefix", "maxlen")
@@ -115,6 +118,20 @@ def entry_fields(message: Message) -> dict[str, str | bytes]:
     return fields
 
 
+#: Error replies of a server that takes no writes now, whatever the command: out of memory
+#: under ``noeviction``, a replica (a failover demoted the node this connection reached), a
+#: failed RDB save with ``stop-writes-on-bgsave-error``, too few replicas for
+#: ``min-replicas-to-write``, a replica whose primary is down, a script running too long.
+_WRITES_REFUSED = ("OOM", "READONLY", "MISCONF", "NOREPLICAS", "MASTERDOWN", "BUSY")
+
+
+def refuses_writes(error: rexc.ResponseError) -> bool:
+    """Whether ``error`` says the server takes no write at all now (not this entry's fault)."""
+    if isinstance(error, rexc.OutOfMemoryError | rexc.ReadOnlyError | rexc.MasterDownError):
+        return True
+    return str(error).split(" ", 1)[0].upper() in _WRITES_REFUSED
+
+
 def reply_is_retryable(error: rexc.ResponseError) -> bool:
     """Whether Redis may accept the same XADD later (WRONGTYPE, NOPERM, ERR … never will)."""
     if isinstance(
@@ -155,6 +172,50 @@ async def _bulk_limit(connection: Connection) -> int:
         with contextlib.suppress(TypeError, ValueError):
             return max(1, int(reply[1]))
     return DEFAULT_BULK_LIMIT
+
+
+async def _memory_settings(connection: Connection) -> dict[str, str]:
+    """The server's ``maxmemory*`` settings by name ({} when CONFIG is refused)."""
+    await connection.send_command("CONFIG", "GET", "maxmemory*")
+    try:
+        reply = await connection.read_response()
+    except rexc.ResponseError:
+        return {}
+    if isinstance(reply, dict):  # RESP3
+        reply = [item for pair in reply.items() for item in pair]
+    if not isinstance(reply, list):
+        return {}
+    texts = [
+        item.decode("utf-8", "replace") if isinstance(item, bytes) else str(item) for item in reply
+    ]
+    return dict(zip(texts[::2], texts[1::2], strict=False))
+
+
+def eviction_risk(settings: Mapping[str, str]) -> str | None:
+    """Why the server may evict stream keys (None: it never does, or CONFIG said nothing).
+
+    Only an ``allkeys-*`` policy evicts keys without a TTL, as streams are: the whole
+    stream goes, entries no consumer group read yet and the groups with it, silently."""
+    policy = settings.get("maxmemory-policy", "").lower()
+    limit = settings.get("maxmemory", "0")
+    if not policy.startswith("allkeys-") or limit in ("", "0"):
+        return None
+    return f"maxmemory {limit} with maxmemory-policy {policy}"
+
+
+async def _write_refusal(connection: Connection, prefix: str) -> rexc.ResponseError | None:
+    """The error reply with which the server refuses every write now (see
+    ``refuses_writes``), or None. Probed with ``XGROUP CREATE`` on a key that does not
+    exist: Redis checks memory, persistence, replicas and the replica role before it runs
+    a write command, and this one then fails on its own ("requires the key to exist")
+    without writing anything. A user not allowed it (NOPERM) is not probed."""
+    probe = f"{prefix}outboxer:write-probe:{uuid.uuid4().hex}"
+    await connection.send_command("XGROUP", "CREATE", probe, "outboxer-write-probe", "$")
+    try:
+        await connection.read_response()
+    except rexc.ResponseError as reply:
+        return reply if refuses_writes(reply) else None
+    return None
 
 
 def _closed_by_server(connection: Connection) -> bool:
@@ -233,12 +294,15 @@ class RedisPublisher(Publisher):
         self._heads: dict[str, tuple[int, bytes]] = {}
         #: The server's ``proto-max-bulk-len``, read at connect.
         self.bulk_limit = DEFAULT_BULK_LIMIT
+        #: A wave met a reply refusing every write (``refuses_writes``): reconnect first.
+        self._writes_refused = False
 
     def stream_for(self, message: Message) -> str:
         return self.stream_prefix + self.destination_for(message)
 
     async def _connect(self) -> None:
         await self._close()
+        self._writes_refused = False
         # No hidden resends in the driver: the relay retries, and a failed wave is reported as such.
         client = aioredis.Redis.from_url(
             self._driver_url, retry=Retry(NoBackoff(), 0), socket_connect_timeout=10
@@ -251,6 +315,19 @@ class RedisPublisher(Publisher):
             await connection.send_command("PING")
             await connection.read_response()
             self.bulk_limit = await _bulk_limit(connection)
+            if (risk := eviction_risk(await _memory_settings(connection))) is not None:
+                logger.warning(
+                    "%s: Redis may evict whole streams (%s): entries published and not yet "
+                    "read by every consumer group are then lost, and the groups with them; "
+                    "use noeviction or a volatile-* policy",
+                    self.safe_url,
+                    risk,
+                )
+            refusal = await _write_refusal(connection, self.stream_prefix)
+            if refusal is not None:
+                # Backed off as an outage by the relay, rather than connected, claimed and
+                # failed (see _publish_wave).
+                raise PublishError(f"redis takes no writes now: {refusal}")
         except BaseException:
             with contextlib.suppress(rexc.RedisError, OSError):
                 await connection.disconnect(nowait=True)
@@ -270,7 +347,11 @@ class RedisPublisher(Publisher):
                 await client.aclose()
 
     def _transport_lost(self) -> bool:
-        return self._client is None or any(_closed_by_server(c) for c in self._idle)
+        return (
+            self._client is None
+            or self._writes_refused
+            or any(_closed_by_server(c) for c in self._idle)
+        )
 
     def _head(self, stream: str) -> tuple[int, bytes]:
         head = self._heads.get(stream)
@@ -341,6 +422,16 @@ class RedisPublisher(Publisher):
                             retryable=reply_is_retryable(reply),
                         )
                         error.__cause__ = reply
+                        if refuses_writes(reply):
+                            # The server's state, not the message: an attempt charged for it
+                            # abandoned every message of an outage of some minutes (OOM under
+                            # noeviction, a failover that made this node a replica, which
+                            # this connection stayed on for ever). Given back unsent, and
+                            # the relay reconnects, backing off while _connect's probe
+                            # meets the same refusal.
+                            self._writes_refused = True
+                            results[index] = NotSent(error)
+                            continue
                         results[index] = error
             reusable = True
         except TimeoutError:

@@ -55,6 +55,7 @@ from outboxer.brokers.nats import (
     check_subject,
     close_client,
     received_headers,
+    stream_warnings,
 )
 from outboxer.config import duration_option
 from outboxer.errors import ConfigError
@@ -151,6 +152,8 @@ class NatsReceiver(Receiver):
         #: from here in stream order.
         self._recovering = False
         self._sorted: deque[Incoming] = deque()
+        #: Streams whose configuration was looked at (``_warn_of``).
+        self._warned: set[str] = set()
 
     @property
     def _nats(self) -> NatsPublisher:
@@ -176,6 +179,7 @@ class NatsReceiver(Receiver):
         for topic, durable in self.durables.items():
             subject = self._nats.subject_prefix + topic
             stream = self._nats.stream or await js.find_stream_name_by_subject(subject)
+            await self._warn_of(js, stream)
             config = ConsumerConfig(
                 durable_name=durable,
                 ack_policy=AckPolicy.EXPLICIT,
@@ -209,6 +213,21 @@ class NatsReceiver(Receiver):
         self._recovering = bool(busy)
         self._sorted = deque()
         self._next_check = 0.0
+
+    async def _warn_of(self, js: JetStreamContext, stream: str) -> None:
+        """Say once per stream what in its configuration drops messages before this group
+        applied them (``discard: old`` with limits, memory storage): JetStream says nothing
+        when it does, and the consumer sees no gap."""
+        if stream in self._warned:
+            return
+        self._warned.add(stream)
+        try:
+            config = (await js.stream_info(stream)).config
+        except (nats.errors.Error, TimeoutError) as exc:
+            logger.debug("%s: no configuration of stream %r: %s", self.safe_url, stream, exc)
+            return
+        for warning in stream_warnings(config):
+            logger.warning("%s: JetStream stream %r: %s", self.safe_url, stream, warning)
 
     def idle(self) -> bool:
         return self._pulled_nothing

@@ -133,17 +133,79 @@ class RedisReceiver(Receiver):
             try:
                 await client.xgroup_create(stream, self.group, id="0", mkstream=True)
             except rexc.ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):  # it exists: fine
+                # BUSYGROUP: it exists, fine. A server out of memory (noeviction) refuses
+                # XGROUP CREATE before looking, even for a group that exists, while it still
+                # serves XREADGROUP and XACK: a consumer reconnecting then stayed down as
+                # long as Redis was full, with the stream's entries there to apply.
+                if "BUSYGROUP" not in str(exc) and not await self._group_exists(client, stream):
                     raise
             else:
                 await self._created(client, stream)
             self._had_group.add(stream)
+        await self._check_permissions(client)
         self._backlog = dict.fromkeys(self.streams, "0")
         # Still in our pending list: the backlog read from "0" above reads them again.
         self._overflow.clear()
         self._next_claim = 0.0
         self._claim_pass = {}
         self._others_pending = 0
+
+    async def _check_permissions(self, client: Any) -> None:
+        """ConfigError if an ACL denies a command the consumer runs later: each was denied
+        at its turn (XAUTOCLAIM at the first receive), which read as a lost connection,
+        and the reconnect met it again, for ever, with the entries never applied. Each is
+        run with nothing to do: from the last possible entry id (past every entry, so
+        that XAUTOCLAIM drops no deleted entry from the pending list unreported), on id
+        0-0 (no entry has it), taking over only entries idle longer than a century.
+        XREADGROUP is not probed (no form of it is sure to read nothing: from that last id
+        Redis 7.0 hands out new entries); the first receive meets its refusal."""
+        century = 100 * 365 * 86_400_000
+        last = f"{2**64 - 1}-{2**64 - 1}"
+        probes = []
+        async with client.pipeline(transaction=False) as pipe:
+            for stream in self.streams:
+                for command, args in (
+                    ("XAUTOCLAIM", (stream, self.group, self.consumer, century, last)),
+                    ("XCLAIM", (stream, self.group, self.consumer, century, "0-0", "JUSTID")),
+                    ("XACK", (stream, self.group, "0-0")),
+                    ("XPENDING", (stream, self.group)),
+                ):
+                    pipe.execute_command(command, *args)
+                    probes.append((command, stream))
+            replies = await pipe.execute(raise_on_error=False)
+        denied = [
+            f"{command} on {stream!r}"
+            for (command, stream), reply in zip(probes, replies, strict=True)
+            if isinstance(reply, rexc.NoPermissionError)
+        ]
+        if denied:
+            raise ConfigError(
+                f"redis consumer {self.safe_url}: the user may not run {', '.join(denied)} "
+                "(NOPERM); a consumer runs XGROUP CREATE, XREADGROUP, XACK, XAUTOCLAIM, "
+                "XCLAIM, XPENDING and XLEN on its streams"
+            )
+
+    async def _group_exists(self, client: Any, stream: str) -> bool:
+        """Whether the group exists on ``stream`` (XINFO GROUPS, which a full server serves)."""
+        try:
+            groups = await client.xinfo_groups(stream)
+        except rexc.ResponseError:  # no such key, or XINFO not allowed: as if it did not
+            return False
+        names = (self.group, self.group.encode())  # bytes unless decode_responses
+        return any(group.get("name") in names for group in groups)
+
+    async def _eviction(self, client: Any) -> str:
+        """What the server says of key eviction, for the group-gone warning ("" if nothing)."""
+        try:
+            policy = await client.config_get("maxmemory-policy")
+            stats = await client.info("stats")
+        except rexc.ResponseError:  # CONFIG or INFO not allowed: say nothing
+            return ""
+        evicted = int(stats.get("evicted_keys", 0) or 0)
+        name = str(policy.get("maxmemory-policy", "") or "")
+        if not evicted:
+            return ""
+        return f"; Redis has evicted {evicted} key(s) so far (maxmemory-policy {name})"
 
     async def _created(self, client: Any, stream: str) -> None:
         """Say that the group was just created on ``stream``, from its first entry.
@@ -168,12 +230,14 @@ class RedisReceiver(Receiver):
             return
         logger.warning(
             "%s: consumer group %r was gone from stream %r (XGROUP DESTROY, or the stream "
-            "deleted and written again): created again from the stream's first entry, so "
-            "its %d entr%s are read again; the inbox skips those it still remembers, older "
-            "ones are applied a second time",
+            "deleted, or evicted by maxmemory, and written again; entries added before "
+            "that and never read are lost%s): created again from the stream's first entry, "
+            "so its %d entr%s are read again; the inbox skips those it still remembers, "
+            "older ones are applied a second time",
             self.safe_url,
             self.group,
             stream,
+            await self._eviction(client),
             entries,
             "y" if entries == 1 else "ies",
         )
