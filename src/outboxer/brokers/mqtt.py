@@ -85,6 +85,8 @@ class _Client(aiomqtt.Client):
         self.disconnect_reason: ReasonCode | None = None
         self.receive_maximum: int | None = None
         self.maximum_packet_size: int | None = None
+        #: The CONNACK's Session Present flag: the broker resumed a session it kept.
+        self.session_present = False
 
     def _on_connect(
         self,
@@ -94,6 +96,7 @@ class _Client(aiomqtt.Client):
         reason_code: ReasonCode,
         properties: Properties | None = None,
     ) -> None:
+        self.session_present = bool(getattr(flags, "session_present", False))
         if properties is not None:
             self.receive_maximum = getattr(properties, "ReceiveMaximum", None)
             self.maximum_packet_size = getattr(properties, "MaximumPacketSize", None)

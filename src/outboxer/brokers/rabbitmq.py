@@ -67,6 +67,7 @@ import contextlib
 import functools
 import importlib.metadata
 import inspect
+import re
 import struct
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
@@ -531,6 +532,17 @@ class RabbitMQPublisher(Publisher):
         self._closing: set[asyncio.Task[None]] = set()
         #: Whether waves go out in one write (``_write_wave``); decided on the first wave.
         self._whole_waves: bool | None = None
+        #: An exchange declare was refused and the exchange used as it is: logged once.
+        self._refusal_logged = False
+        #: Lanes taken by waves and not given back yet.
+        self._busy_lanes = 0
+        #: The most channels RabbitMQ let this publisher open (learned from its 530
+        #: NOT_ALLOWED close: a user's ``max-channels`` limit, the server's ``channel_max``);
+        #: None until then. Waves beyond it wait for a lane instead of opening one.
+        self._lane_cap: int | None = None
+        self._cap_generation = 0  # the connection on which it was learned
+        #: Set whenever a lane is given back (a wave waiting at the cap takes it).
+        self._lane_returned = asyncio.Event()
 
     # ----- where a message goes -----------------------------------------------------------
 
@@ -608,11 +620,49 @@ class RabbitMQPublisher(Publisher):
                         "exchange_type to match it or declare_exchange=false",
                         retryable=False,
                     ) from exc
+                except aiormq.exceptions.ChannelAccessRefused as exc:
+                    # The refusal closed the channel; the connection is fine.
+                    await self._quietly(channel.close())
+                    await self.exchange_exists(connection, self.exchange, exc)
+                    channel = await self._open_channel(connection)
         except BaseException:
             await self._quietly(connection.close())
             raise
         self._connection, self._idle_lanes = connection, [channel]
         self._generation += 1
+
+    async def exchange_exists(
+        self, connection: AbstractConnection, name: str, refusal: BaseException
+    ) -> None:
+        """After RabbitMQ refused to declare exchange ``name`` (403: the user lacks the
+        ``configure`` permission, as an operations team that provisions exchanges itself
+        grants): go on if it exists, else a non-retryable PublishError.
+
+        Read as an outage, the refusal was retried at every connect for ever ("broker
+        unreachable"), though the user could publish to the exchange. A passive declare
+        needs no permission; it cannot check the exchange's type, which is the operator's.
+        (The consumer side, outboxer.receivers.rabbitmq, calls this too.)"""
+        reason = refusal.args[0] if refusal.args else refusal
+        channel = await asyncio.wait_for(connection.channel(), self.connect_timeout)
+        try:
+            await channel.get_exchange(name, ensure=True)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            raise PublishError(
+                f"RabbitMQ refused to declare exchange {name!r} ({reason}) and it does not "
+                "exist: have it declared, or grant the user the configure permission on it",
+                retryable=False,
+            ) from refusal
+        finally:
+            await self._quietly(channel.close())
+        if not self._refusal_logged:
+            self._refusal_logged = True
+            logger.warning(
+                "%s: RabbitMQ refused to declare exchange %r (%s); it exists, so it is used "
+                "as it is (declare_exchange=false says so and skips the declare)",
+                self.safe_url,
+                name,
+                reason,
+            )
 
     async def _open_channel(self, connection: AbstractConnection) -> AbstractChannel:
         return await asyncio.wait_for(
@@ -657,21 +707,77 @@ class RabbitMQPublisher(Publisher):
             return None
         return "blocked by the broker (resource alarm)"
 
-    async def _take_lane(self) -> _Lane:
+    async def _take_lane(self, deadline: float | None = None) -> _Lane:
         """An open channel of the current connection for one wave: an idle one if there is
-        one, else a new one."""
-        if self._connection is None or self._connection_lost():
-            raise BrokerUnavailableError(f"connection to {self.safe_url} is closed")
-        while self._idle_lanes:
-            channel = self._idle_lanes.pop()
-            if not channel.is_closed:
-                return _Lane(channel, self._generation)
-            await self._quietly(channel.close())
-        return _Lane(await self._open_channel(self._connection), self._generation)
+        one, else a new one; at the channel limit RabbitMQ set (``_lane_cap``), the next one
+        given back, or NotSent if none is by ``deadline`` (a loop time; default: in
+        ``publish_timeout``)."""
+        loop = asyncio.get_running_loop()
+        if deadline is None:
+            deadline = loop.time() + self.publish_timeout
+        while True:
+            if self._connection is None or self._connection_lost():
+                raise BrokerUnavailableError(f"connection to {self.safe_url} is closed")
+            while self._idle_lanes:
+                channel = self._idle_lanes.pop()
+                if not channel.is_closed:
+                    self._busy_lanes += 1
+                    return _Lane(channel, self._generation)
+                await self._quietly(channel.close())
+            open_now = self._busy_lanes + len(self._closing)
+            if self._lane_cap is None or open_now < self._lane_cap:
+                break
+            if loop.time() >= deadline:
+                raise NotSent(
+                    PublishError(
+                        f"no channel came free in time: RabbitMQ allows this publisher "
+                        f"{self._lane_cap} channel(s); not attempted"
+                    )
+                )
+            self._lane_returned.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(deadline - loop.time()):
+                    await self._lane_returned.wait()
+        self._busy_lanes += 1  # taken now: waves opening channels at once count each other
+        try:
+            channel = await self._open_channel(self._connection)
+        except BaseException as exc:
+            self._busy_lanes -= 1
+            self._lane_returned.set()
+            # RabbitMQ closes the whole connection (530) for a channel over a user's
+            # max-channels or its channel_max, every lane's waves with it: it did so again
+            # after each reconnect, as long as the relay's loops had more waves in flight.
+            if isinstance(exc, aiormq.exceptions.ConnectionNotAllowed) and "channel" in str(exc):
+                # The limit RabbitMQ names ("... limit of (2)", "... channel_max (16)"); a
+                # refusal within a cap already learned (other connections of the user hold
+                # channels too) lowers it to what this one had.
+                named = [int(n) for n in re.findall(r"\((\d+)\)", str(exc))]
+                if self._lane_cap is not None and self._cap_generation == self._generation:
+                    cap = self._lane_cap  # the same close, failing opens under way with it
+                elif self._lane_cap is not None:
+                    cap = max(1, min(self._lane_cap, open_now))
+                else:
+                    cap = max(1, named[-1] if named else open_now)
+                self._cap_generation = self._generation
+                if cap != self._lane_cap:
+                    self._lane_cap = cap
+                    logger.warning(
+                        "%s: RabbitMQ closed the connection for a channel beyond %d (%s); "
+                        "this publisher keeps to %d channel(s) from now on, its waves "
+                        "waiting for one",
+                        self.safe_url,
+                        cap,
+                        exc.args[0] if exc.args else exc,
+                        cap,
+                    )
+            raise
+        return _Lane(channel, self._generation)
 
     def _return_lane(self, lane: _Lane, *, reusable: bool) -> None:
         """Give a lane back after its wave: idle again if it is sound and of the current
         connection, else closed (a wave cut short may have left confirms pending on it)."""
+        self._busy_lanes -= 1
+        self._lane_returned.set()
         channel = lane.channel
         if (
             reusable
@@ -986,7 +1092,9 @@ class RabbitMQPublisher(Publisher):
             # its answer): frames on a blocked connection wait unread in its buffers.
             return self._fail(results, list(prepared), NotSent(self._blocked_error()))
         try:
-            lane = await self._take_lane()
+            lane = await self._take_lane(deadline)
+        except NotSent as exc:  # at the channel limit, and no lane came free in time
+            return self._fail(results, list(prepared), exc)
         except Exception as exc:  # noqa: BLE001 - reported on each message
             if self._connection_lost():
                 # Nothing of the wave was written: the connection went before it had a

@@ -161,6 +161,10 @@ class MqttReceiver(Receiver):
         self._unconfirmed_acks = False
         #: QoS 0 messages dropped because too many were waiting (see ``_ReceivingClient``).
         self.qos0_dropped = 0
+        #: A connect of this receiver got a session before (Clean Start off keeps it).
+        self._had_session = False
+        #: Reconnects that found no session: what the broker held for it was dropped.
+        self.sessions_lost = 0
 
     @property
     def _mqtt(self) -> MqttPublisher:
@@ -203,6 +207,9 @@ class MqttReceiver(Receiver):
             abandon(client)
             raise
         self._client = client
+        if self._had_session and not client.session_present:
+            self._session_lost()
+        self._had_session = True
         for topic in self.topics:
             await client.subscribe(f"$share/{self.group}/{mqtt.topic_prefix}{topic}", qos=QOS)
 
@@ -242,6 +249,23 @@ class MqttReceiver(Receiver):
         # Only QoS 1 messages get a PUBACK, so only they keep their place in the PUBACK order.
         self._unacked.extend(i.token for i in received if i.token.qos > 0)
         return received
+
+    def _session_lost(self) -> None:
+        """The broker kept no session for a client id that had one (CONNACK Session Present
+        0 on a reconnect): the messages it held for this consumer, unacknowledged or queued
+        while the connection was down, are gone, without a word from the broker. The
+        session expired (``session_expiry``), the broker restarted without persistence
+        (Mosquitto: ``persistence false``, its default), or an administrator removed it.
+        The subscriptions are made again below; the loss can only be reported."""
+        self.sessions_lost += 1
+        logger.warning(
+            "%s: the broker kept no session for client id %r (Session Present 0 on a "
+            "reconnect): the messages it held for this consumer are lost (the session "
+            "expired after %ds, or the broker restarted without persistence)",
+            self.safe_url,
+            self.client_id,
+            self.session_expiry,
+        )
 
     def _dropped(self) -> None:
         self.qos0_dropped += 1

@@ -32,11 +32,11 @@ from typing import Any
 
 import aiormq
 import pamqp.decode
-from aio_pika.abc import AbstractConnection, AbstractIncomingMessage
+from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
 
 from outboxer.brokers.base import describe, option_bool
 from outboxer.brokers.rabbitmq import CONSUMER_OPTIONS, RabbitMQPublisher, connect_amqp
-from outboxer.errors import ConfigError
+from outboxer.errors import ConfigError, PublishError
 from outboxer.receivers.base import Incoming, Receiver, decode, take
 from outboxer.redact import get_logger
 
@@ -153,6 +153,8 @@ class RabbitMQReceiver(Receiver):
         self._connection: AbstractConnection | None = None
         self._arrived: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
         self._lost = asyncio.Event()
+        #: A declare or bind was refused and the operator's setup used as it is: logged once.
+        self._refusal_logged = False
         #: The passive declare ``lag`` waits for (it may outlive a call that gave up on it).
         self._lag_query: asyncio.Future[int] | None = None
 
@@ -173,29 +175,11 @@ class RabbitMQReceiver(Receiver):
         connection = await connect_amqp(publisher._driver_url, publisher.connect_timeout)
         self._connection = connection
         connection.close_callbacks.add(self._on_close)
+        await self._declare(connection)
         channel = await connection.channel()
         channel.close_callbacks.add(self._on_close)
         await channel.set_qos(prefetch_count=self.prefetch)
-        exchange: Any = publisher.exchange
-        if publisher.declare_exchange and exchange and not exchange.startswith("amq."):
-            exchange = await channel.declare_exchange(
-                exchange, publisher.exchange_type, durable=True
-            )
-        arguments: dict[str, Any] = {}
-        if self.queue_type == "quorum":
-            arguments["x-queue-type"] = "quorum"
-        if self.single_active_consumer:
-            arguments["x-single-active-consumer"] = True
-        try:
-            queue = await channel.declare_queue(self.queue, durable=True, arguments=arguments)
-        except aiormq.exceptions.ChannelPreconditionFailed as exc:
-            raise ConfigError(
-                f"queue {self.queue!r} exists with other settings ({exc.args[0] if exc.args else exc}); "
-                "set queue_type and single_active_consumer to match it, or name another queue"
-            ) from exc
-        if exchange:  # the default exchange routes by queue name: nothing to bind
-            for pattern in self.topics:
-                await queue.bind(exchange, routing_key=pattern)
+        queue = await channel.get_queue(self.queue, ensure=False)
         # RabbitMQ cancels the consumer, leaving channel and connection open, when the queue
         # is deleted: nothing would ever arrive again. Taken as a lost connection: the reconnect declares the
         # queue anew and consumes it. (aiormq releases without these callbacks only log it.)
@@ -204,6 +188,85 @@ class RabbitMQReceiver(Receiver):
         if cancelled is not None:
             cancelled.add(self._on_close)
         await queue.consume(self._arrived.put, no_ack=False)
+
+    async def _declare(self, connection: AbstractConnection) -> None:
+        """Declare the exchange and the queue and bind them, on a channel of their own.
+
+        A step RabbitMQ refuses with 403 ACCESS_REFUSED (the user lacks the ``configure``
+        permission on the exchange or queue, or ``write`` on the queue for a bind: an
+        operations team that provisions them itself grants only ``read``) closes that
+        channel; it used to fail the connect, read as an outage, for ever. What exists is
+        now used as it is (a passive declare needs no permission), with one warning; a
+        refused exchange or queue that does not exist is a ConfigError."""
+        publisher = self._rabbit
+        refused: list[str] = []
+        channel = await connection.channel()
+        try:
+            exchange = publisher.exchange
+            if publisher.declare_exchange and exchange and not exchange.startswith("amq."):
+                try:
+                    await channel.declare_exchange(exchange, publisher.exchange_type, durable=True)
+                except aiormq.exceptions.ChannelPreconditionFailed as exc:
+                    # As the relay refuses it: retried, it read as an outage for ever.
+                    raise ConfigError(
+                        f"exchange {exchange!r} exists with other settings than a durable "
+                        f"{publisher.exchange_type} exchange ({exc.args[0] if exc.args else exc}); "
+                        "set exchange_type to match it or declare_exchange=false"
+                    ) from exc
+                except aiormq.exceptions.ChannelAccessRefused as exc:
+                    try:
+                        await publisher.exchange_exists(connection, exchange, exc)
+                    except PublishError as missing:
+                        raise ConfigError(str(missing)) from exc
+                    refused.append(f"declare exchange {exchange!r}")
+                    channel = await _reopened(connection, channel)
+            arguments: dict[str, Any] = {}
+            if self.queue_type == "quorum":
+                arguments["x-queue-type"] = "quorum"
+            if self.single_active_consumer:
+                arguments["x-single-active-consumer"] = True
+            try:
+                await channel.declare_queue(self.queue, durable=True, arguments=arguments)
+            except aiormq.exceptions.ChannelPreconditionFailed as exc:
+                raise ConfigError(
+                    f"queue {self.queue!r} exists with other settings "
+                    f"({exc.args[0] if exc.args else exc}); set queue_type and "
+                    "single_active_consumer to match it, or name another queue"
+                ) from exc
+            except aiormq.exceptions.ChannelAccessRefused as exc:
+                channel = await _reopened(connection, channel)
+                try:
+                    await channel.declare_queue(self.queue, passive=True)
+                except aiormq.exceptions.ChannelNotFoundEntity:
+                    raise ConfigError(
+                        f"RabbitMQ refused to declare queue {self.queue!r} "
+                        f"({exc.args[0] if exc.args else exc}) and it does not exist: have it "
+                        "declared, or grant the user the configure permission on it"
+                    ) from exc
+                refused.append(
+                    f"declare queue {self.queue!r} (its queue_type and "
+                    "single_active_consumer are not checked)"
+                )
+            if exchange:  # the default exchange routes by queue name: nothing to bind
+                for pattern in self.topics:
+                    queue = await channel.get_queue(self.queue, ensure=False)
+                    try:
+                        await queue.bind(exchange, routing_key=pattern)
+                    except aiormq.exceptions.ChannelAccessRefused:
+                        # Bindings cannot be looked up over AMQP: the operator's to make.
+                        refused.append(f"bind it to {exchange!r} for {pattern!r}")
+                        channel = await _reopened(connection, channel)
+        finally:
+            await RabbitMQPublisher._quietly(channel.close())
+        if refused and not self._refusal_logged:
+            self._refusal_logged = True
+            logger.warning(
+                "%s: RabbitMQ refused to %s (403 ACCESS_REFUSED: the user lacks the "
+                "configure or write permission); consuming queue %r as the operator set it up",
+                self.safe_url,
+                "; to ".join(refused),
+                self.queue,
+            )
 
     def _on_close(self, *_: object) -> None:
         self._lost.set()
@@ -279,6 +342,12 @@ class RabbitMQReceiver(Receiver):
         finally:
             with contextlib.suppress(Exception):  # closed by the 404, or with the connection
                 await channel.close()
+
+
+async def _reopened(connection: AbstractConnection, channel: AbstractChannel) -> AbstractChannel:
+    """A new channel in place of one RabbitMQ closed for a refusal (the connection lives on)."""
+    await RabbitMQPublisher._quietly(channel.close())
+    return await connection.channel()
 
 
 def _retrieved(query: asyncio.Future[int]) -> None:
