@@ -37,7 +37,14 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import DiscardPolicy, Header, PubAck, StorageType, StreamConfig
+from nats.js.api import (
+    DiscardPolicy,
+    Header,
+    PubAck,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
 
 from outboxer.brokers.base import AckedPublisher, NotSent, option_bool, parse_options
 from outboxer.brokers.tlsfiles import TLS_FILE_OPTIONS, client_context, tls_files
@@ -256,24 +263,50 @@ CONSUMER_OPTIONS = ("ack_wait", "durable")
 
 
 def stream_warnings(config: StreamConfig) -> list[str]:
-    """What in a stream's configuration drops or loses messages JetStream confirmed."""
-    said = []
-    limits = [
+    """What in a stream's configuration drops or loses messages JetStream confirmed.
+
+    ``discard: new`` keeps messages from being dropped at ``max_msgs`` and ``max_bytes``
+    only (JetStream refuses the publish instead), and at ``max_msgs_per_subject`` only with
+    ``discard_new_per_subject``: without it a subject's oldest message goes, as it does past
+    ``max_age`` whatever the discard policy (a stream with ``discard: new``, ``max_age`` and
+    ``max_msgs_per_subject: 1`` confirmed two messages of a topic and kept one, then none,
+    and said nothing)."""
+
+    def given(value: float | None) -> bool:
+        return value is not None and value > 0
+
+    discard_new = config.discard == DiscardPolicy.NEW
+    dropped = [
         f"{name} {value}"
-        for name, value in (
-            ("max_msgs", config.max_msgs),
-            ("max_bytes", config.max_bytes),
-            ("max_age", config.max_age),
-            ("max_msgs_per_subject", config.max_msgs_per_subject),
+        for name, value, refused in (
+            ("max_msgs", config.max_msgs, discard_new),
+            ("max_bytes", config.max_bytes, discard_new),
+            # Counts per topic (the subject), not per message key.
+            (
+                "max_msgs_per_subject",
+                config.max_msgs_per_subject,
+                discard_new and bool(config.discard_new_per_subject),
+            ),
         )
-        if value is not None and value > 0
+        if given(value) and not refused
     ]
-    if limits and config.discard != DiscardPolicy.NEW:
-        # max_msgs_per_subject counts per topic (the subject), not per message key.
+    said = []
+    if dropped:
         said.append(
-            f"discard old with {', '.join(limits)}: JetStream removes the oldest messages "
-            "past them, read by a consumer or not; messages a consumer group has not "
-            "applied yet are then lost"
+            f"discard {'new' if discard_new else 'old'} with {', '.join(dropped)}: JetStream "
+            "removes the oldest messages past them, read by a consumer or not; messages a "
+            "consumer group has not applied yet are then lost"
+        )
+    if given(config.max_age):
+        said.append(
+            f"max_age {config.max_age}s: JetStream removes messages older than that, read by "
+            "a consumer or not (whatever the discard policy); messages a consumer group has "
+            "not applied by then are lost"
+        )
+    if config.retention == RetentionPolicy.INTEREST:
+        said.append(
+            "interest retention: a message published while no consumer's filter takes its "
+            "subject is removed at once (before a consumer group's first connect, say)"
         )
     if config.storage == StorageType.MEMORY:
         said.append(

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import inspect
 import json
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import cast
@@ -52,6 +53,7 @@ from outboxer.config import int_option
 from outboxer.errors import ConfigError, PublishError
 from outboxer.message import Message
 from outboxer.redact import get_logger, redact_url
+from outboxer.retry import Backoff
 
 logger = get_logger("outboxer.publisher.redis")
 
@@ -123,6 +125,15 @@ def entry_fields(message: Message) -> dict[str, str | bytes]:
 #: failed RDB save with ``stop-writes-on-bgsave-error``, too few replicas for
 #: ``min-replicas-to-write``, a replica whose primary is down, a script running too long.
 _WRITES_REFUSED = ("OOM", "READONLY", "MISCONF", "NOREPLICAS", "MASTERDOWN", "BUSY")
+
+#: How long a publisher whose XADDs met such a refusal again right after a connect whose
+#: probe passed waits before it connects again, by the refused waves in a row with no XADD
+#: taken (the relay's outage back-off). The connect probe cannot see every refusal: a user whose ACL does not cover the probe (NOPERM) is not
+#: probed, and under ``noeviction`` a Redis a few kilobytes short of full takes the probe
+#: and refuses each XADD of a larger message (its own arguments count as used memory).
+#: Reconnected at once, the relay claimed, sent and gave back the same batch in a hot loop:
+#: 224 connects and claims a second, for as long as it lasted, no attempt counted.
+_REFUSAL_HOLD = Backoff(base=0.2, multiplier=2.0, cap=15.0, jitter=0.25)
 
 
 def refuses_writes(error: rexc.ResponseError) -> bool:
@@ -203,18 +214,30 @@ def eviction_risk(settings: Mapping[str, str]) -> str | None:
     return f"maxmemory {limit} with maxmemory-policy {policy}"
 
 
-async def _write_refusal(connection: Connection, prefix: str) -> rexc.ResponseError | None:
+async def _write_refusal(
+    connection: Connection, prefix: str, refused_stream: str | None = None
+) -> rexc.ResponseError | None:
     """The error reply with which the server refuses every write now (see
     ``refuses_writes``), or None. Probed with ``XGROUP CREATE`` on a key that does not
     exist: Redis checks memory, persistence, replicas and the replica role before it runs
     a write command, and this one then fails on its own ("requires the key to exist")
-    without writing anything. A user not allowed it (NOPERM) is not probed."""
+    without writing anything. A user not allowed it (NOPERM: an ACL whose key patterns
+    cover the streams only, or without XGROUP) is probed with ``XADD`` on the stream whose
+    XADD was refused last, if any (``refused_stream``), with the id 0-0, which Redis 6.2
+    and later refuse before they look the key up: its ACL allowed that XADD."""
     probe = f"{prefix}outboxer:write-probe:{uuid.uuid4().hex}"
-    await connection.send_command("XGROUP", "CREATE", probe, "outboxer-write-probe", "$")
-    try:
-        await connection.read_response()
-    except rexc.ResponseError as reply:
-        return reply if refuses_writes(reply) else None
+    commands: list[tuple[str, ...]] = [("XGROUP", "CREATE", probe, "outboxer-write-probe", "$")]
+    if refused_stream is not None:
+        commands.append(("XADD", refused_stream, "0-0", "id", "write-probe"))
+    for command in commands:
+        await connection.send_command(*command)
+        try:
+            await connection.read_response()
+        except rexc.NoPermissionError:
+            continue
+        except rexc.ResponseError as reply:
+            return reply if refuses_writes(reply) else None
+        return None
     return None
 
 
@@ -296,6 +319,12 @@ class RedisPublisher(Publisher):
         self.bulk_limit = DEFAULT_BULK_LIMIT
         #: A wave met a reply refusing every write (``refuses_writes``): reconnect first.
         self._writes_refused = False
+        #: Waves in a row that met such a refusal with no XADD taken (``_REFUSAL_HOLD``),
+        #: the last refusal, its stream, and the time.monotonic() before which no connect.
+        self._refused_waves = 0
+        self._refusal: PublishError | None = None
+        self._refused_stream: str | None = None
+        self._refused_until = 0.0
 
     def stream_for(self, message: Message) -> str:
         return self.stream_prefix + self.destination_for(message)
@@ -303,6 +332,14 @@ class RedisPublisher(Publisher):
     async def _connect(self) -> None:
         await self._close()
         self._writes_refused = False
+        wait = self._refused_until - time.monotonic()
+        if self._refused_waves > 1 and wait > 0 and self._refusal is not None:
+            # No I/O: the relay backs off as in an outage, /health naming the reply.
+            raise PublishError(
+                f"redis takes no writes now: {self._refusal.__cause__ or self._refusal} "
+                f"(refused {self._refused_waves} wave(s) in a row; connecting again in "
+                f"{wait:.1f}s)"
+            )
         # No hidden resends in the driver: the relay retries, and a failed wave is reported as such.
         client = aioredis.Redis.from_url(
             self._driver_url, retry=Retry(NoBackoff(), 0), socket_connect_timeout=10
@@ -323,7 +360,7 @@ class RedisPublisher(Publisher):
                     self.safe_url,
                     risk,
                 )
-            refusal = await _write_refusal(connection, self.stream_prefix)
+            refusal = await _write_refusal(connection, self.stream_prefix, self._refused_stream)
             if refusal is not None:
                 # Backed off as an outage by the relay, rather than connected, claimed and
                 # failed (see _publish_wave).
@@ -402,6 +439,7 @@ class RedisPublisher(Publisher):
         client = self._client
         connection = self._idle.pop() if self._idle else self._new_connection(client)
         reusable = written = False
+        taken = refused = False  # an XADD of this wave got an entry id; one met a refusal
         deadline = self._wave_deadline()
         unread = 0  # the position in sent of the next reply
         try:
@@ -415,6 +453,7 @@ class RedisPublisher(Publisher):
                 for unread, index in enumerate(sent):  # noqa: B007 - read after a timeout
                     try:
                         await connection.read_response()
+                        taken = True
                     except rexc.ResponseError as reply:  # read whole: the next reply follows
                         message = messages[index]
                         error = PublishError(
@@ -429,7 +468,8 @@ class RedisPublisher(Publisher):
                             # this connection stayed on for ever). Given back unsent, and
                             # the relay reconnects, backing off while _connect's probe
                             # meets the same refusal.
-                            self._writes_refused = True
+                            self._writes_refused = refused = True
+                            self._refusal, self._refused_stream = error, self.stream_for(message)
                             results[index] = NotSent(error)
                             continue
                         results[index] = error
@@ -449,7 +489,22 @@ class RedisPublisher(Publisher):
             else:  # broken, replies left unread by a cancelled wave, or closed: not reused
                 with contextlib.suppress(rexc.RedisError, OSError):
                     await connection.disconnect(nowait=True)
+            self._count_refusal(taken=taken, refused=refused)
         return results
+
+    def _count_refusal(self, *, taken: bool, refused: bool) -> None:
+        """After a wave: a refusal leaves the next connect to the probe; a second one in a
+        row with no XADD taken between holds it off (``_REFUSAL_HOLD``), longer each time:
+        the probe passed and did not tell. An XADD taken ends the run."""
+        if refused:
+            self._refused_waves = 1 if taken else self._refused_waves + 1
+            if self._refused_waves > 1:
+                hold = _REFUSAL_HOLD.delay(self._refused_waves - 1)
+                self._refused_until = time.monotonic() + hold
+        elif taken:
+            self._refused_waves = 0
+            self._refusal = self._refused_stream = None
+            self._refused_until = 0.0
 
     def is_connection_error(self, exc: BaseException) -> bool:
         return isinstance(
