@@ -477,6 +477,11 @@ class RabbitMQPublisher(Publisher):
     url_options = frozenset((*_OPTIONS, *_DRIVER_OPTIONS, *CONSUMER_OPTIONS))
     #: Write each wave in one go (see ``_write_wave``); False: a ``basic_publish`` each.
     _wave_writes = True
+    #: Seconds after which a channel limit learned from a 530 is tried again: one wave at
+    #: the cap opens a channel beyond it, and if RabbitMQ allows it the limit is forgotten
+    #: (an operator raised it, or other connections of the user gave channels back). Kept
+    #: for ever, it throttled the relay until a restart.
+    lane_cap_retry = 300.0
 
     def __init__(
         self,
@@ -534,6 +539,9 @@ class RabbitMQPublisher(Publisher):
         self._whole_waves: bool | None = None
         #: An exchange declare was refused and the exchange used as it is: logged once.
         self._refusal_logged = False
+        #: RabbitMQ's refusal of the exchange declare (403), once it came: later connects
+        #: check the exchange passively instead of being refused again.
+        self._refused: BaseException | None = None
         #: Lanes taken by waves and not given back yet.
         self._busy_lanes = 0
         #: The most channels RabbitMQ let this publisher open (learned from its 530
@@ -541,6 +549,10 @@ class RabbitMQPublisher(Publisher):
         #: None until then. Waves beyond it wait for a lane instead of opening one.
         self._lane_cap: int | None = None
         self._cap_generation = 0  # the connection on which it was learned
+        #: When (loop time) the cap was learned or last met again: once ``lane_cap_retry``
+        #: has passed, one wave at the cap tries a channel beyond it (``_take_lane``).
+        self._cap_since = 0.0
+        self._probing = False  # a wave is trying a channel beyond the cap
         #: Set whenever a lane is given back (a wave waiting at the cap takes it).
         self._lane_returned = asyncio.Event()
 
@@ -601,11 +613,30 @@ class RabbitMQPublisher(Publisher):
             await self._reconnect()
 
     async def _reconnect(self) -> None:
+        try:
+            await self._reconnect_once()
+        except aiormq.exceptions.ConnectionNotAllowed as exc:
+            # RabbitMQ still counted the channel its refusal closed when the passive check
+            # opened the next (a user's max-channels 1: it untracks channels a moment
+            # later): the connection is gone; the next connect checks passively at once.
+            if self._refused is None or "channel" not in str(exc):
+                raise
+            await self._close()
+            await self._reconnect_once()
+
+    async def _reconnect_once(self) -> None:
         await self._close()
         connection = await connect_amqp(self._driver_url, self.connect_timeout)
         try:
             channel = await self._open_channel(connection)
             if self.declare_exchange and self.exchange and not self.exchange.startswith("amq."):
+                if self._refused is not None:
+                    # Refused before: a passive declare on the lane's channel, no refusal
+                    # closing a channel at every connect.
+                    await self._check_exists(channel, self.exchange, self._refused)
+                    self._connection, self._idle_lanes = connection, [channel]
+                    self._generation += 1
+                    return
                 try:
                     await channel.declare_exchange(
                         self.exchange,
@@ -622,6 +653,7 @@ class RabbitMQPublisher(Publisher):
                     ) from exc
                 except aiormq.exceptions.ChannelAccessRefused as exc:
                     # The refusal closed the channel; the connection is fine.
+                    self._refused = exc
                     await self._quietly(channel.close())
                     await self.exchange_exists(connection, self.exchange, exc)
                     channel = await self._open_channel(connection)
@@ -645,13 +677,7 @@ class RabbitMQPublisher(Publisher):
         reason = refusal.args[0] if refusal.args else refusal
         channel = await asyncio.wait_for(connection.channel(), self.connect_timeout)
         try:
-            await channel.get_exchange(name, ensure=True)
-        except aiormq.exceptions.ChannelNotFoundEntity:
-            raise PublishError(
-                f"RabbitMQ refused to declare exchange {name!r} ({reason}) and it does not "
-                "exist: have it declared, or grant the user the configure permission on it",
-                retryable=False,
-            ) from refusal
+            await self._check_exists(channel, name, refusal)
         finally:
             await self._quietly(channel.close())
         if not self._refusal_logged:
@@ -663,6 +689,20 @@ class RabbitMQPublisher(Publisher):
                 name,
                 reason,
             )
+
+    @staticmethod
+    async def _check_exists(channel: AbstractChannel, name: str, refusal: BaseException) -> None:
+        """A passive declare of exchange ``name`` on ``channel``; a non-retryable
+        PublishError if it does not exist (its 404 closed the channel)."""
+        try:
+            await channel.get_exchange(name, ensure=True)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            reason = refusal.args[0] if refusal.args else refusal
+            raise PublishError(
+                f"RabbitMQ refused to declare exchange {name!r} ({reason}) and it does not "
+                "exist: have it declared, or grant the user the configure permission on it",
+                retryable=False,
+            ) from refusal
 
     async def _open_channel(self, connection: AbstractConnection) -> AbstractChannel:
         return await asyncio.wait_for(
@@ -715,6 +755,7 @@ class RabbitMQPublisher(Publisher):
         loop = asyncio.get_running_loop()
         if deadline is None:
             deadline = loop.time() + self.publish_timeout
+        probe = False
         while True:
             if self._connection is None or self._connection_lost():
                 raise BrokerUnavailableError(f"connection to {self.safe_url} is closed")
@@ -725,13 +766,21 @@ class RabbitMQPublisher(Publisher):
                     return _Lane(channel, self._generation)
                 await self._quietly(channel.close())
             open_now = self._busy_lanes + len(self._closing)
-            if self._lane_cap is None or open_now < self._lane_cap:
-                break
+            # The server's channel_max (Connection.Tune) is known from the connect: kept to
+            # from the start, instead of learned from a 530 that drops every lane's waves.
+            channel_max = self._channel_max()
+            if channel_max is None or open_now < channel_max:
+                if self._lane_cap is None or open_now < self._lane_cap:
+                    break
+                if not self._probing and loop.time() >= self._cap_since + self.lane_cap_retry:
+                    probe = self._probing = True
+                    break
+            limit = min(n for n in (self._lane_cap, channel_max) if n is not None)
             if loop.time() >= deadline:
                 raise NotSent(
                     PublishError(
                         f"no channel came free in time: RabbitMQ allows this publisher "
-                        f"{self._lane_cap} channel(s); not attempted"
+                        f"{limit} channel(s); not attempted"
                     )
                 )
             self._lane_returned.clear()
@@ -744,6 +793,8 @@ class RabbitMQPublisher(Publisher):
         except BaseException as exc:
             self._busy_lanes -= 1
             self._lane_returned.set()
+            if probe:
+                self._probing = False
             # RabbitMQ closes the whole connection (530) for a channel over a user's
             # max-channels or its channel_max, every lane's waves with it: it did so again
             # after each reconnect, as long as the relay's loops had more waves in flight.
@@ -759,6 +810,7 @@ class RabbitMQPublisher(Publisher):
                 else:
                     cap = max(1, named[-1] if named else open_now)
                 self._cap_generation = self._generation
+                self._cap_since = loop.time()
                 if cap != self._lane_cap:
                     self._lane_cap = cap
                     logger.warning(
@@ -771,7 +823,26 @@ class RabbitMQPublisher(Publisher):
                         cap,
                     )
             raise
+        if probe:
+            self._probing = False
+            if self._lane_cap is not None:
+                logger.warning(
+                    "%s: RabbitMQ allowed a channel beyond the %d this publisher kept to; "
+                    "the limit is forgotten (learned again from the next 530)",
+                    self.safe_url,
+                    self._lane_cap,
+                )
+                self._lane_cap = None
+                self._lane_returned.set()  # the waves waiting at the cap go on
         return _Lane(channel, self._generation)
+
+    def _channel_max(self) -> int | None:
+        """The ``channel_max`` RabbitMQ set at the connect (Connection.Tune), None for none
+        (0) or where aiormq does not tell."""
+        transport = getattr(self._connection, "transport", None)
+        tune = getattr(getattr(transport, "connection", None), "connection_tune", None)
+        channel_max = getattr(tune, "channel_max", None)
+        return channel_max if isinstance(channel_max, int) and channel_max > 0 else None
 
     def _return_lane(self, lane: _Lane, *, reusable: bool) -> None:
         """Give a lane back after its wave: idle again if it is sound and of the current

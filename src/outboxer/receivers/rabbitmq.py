@@ -25,7 +25,6 @@ rest of the envelope (``outboxer-topic``, ``outboxer-key``, ``outboxer-created-a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import struct
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -155,8 +154,16 @@ class RabbitMQReceiver(Receiver):
         self._lost = asyncio.Event()
         #: A declare or bind was refused and the operator's setup used as it is: logged once.
         self._refusal_logged = False
+        #: The steps RabbitMQ refused (403), with the refusal: "exchange", "queue", and a
+        #: bind's pattern. Later connects check those passively or skip them instead of
+        #: being refused again, each refusal closing a channel.
+        self._refused_steps: dict[str, BaseException] = {}
         #: The passive declare ``lag`` waits for (it may outlive a call that gave up on it).
         self._lag_query: asyncio.Future[int] | None = None
+        #: The channel ``lag`` declares the queue passively on (see ``_open_lag_channel``).
+        self._lag_channel: aiormq.abc.AbstractChannel | None = None
+        #: RabbitMQ refused a second channel (the user's ``max-channels``): no lag channel.
+        self._lag_refused = False
 
     @property
     def _rabbit(self) -> RabbitMQPublisher:
@@ -167,6 +174,22 @@ class RabbitMQReceiver(Receiver):
         return RabbitMQPublisher(url, **options)
 
     async def _connect(self) -> None:
+        for pause in (0.1, 0.3, 0.6):
+            try:
+                await self._connect_once()
+                return
+            except aiormq.exceptions.ConnectionNotAllowed as exc:
+                # A connect after one RabbitMQ closed for a channel of ours over the user's
+                # max-channels (see _open_lag_channel, _declare): RabbitMQ untracks the old
+                # connection's channels a moment after its close, and until then the new
+                # connection's first channel is over the limit too.
+                if "channel" not in str(exc) or not (self._lag_refused or self._refused_steps):
+                    raise
+                await self._close()
+                await asyncio.sleep(pause)
+        await self._connect_once()
+
+    async def _connect_once(self) -> None:
         await self._close()
         self._lost = asyncio.Event()
         self._arrived = asyncio.Queue()
@@ -175,8 +198,25 @@ class RabbitMQReceiver(Receiver):
         connection = await connect_amqp(publisher._driver_url, publisher.connect_timeout)
         self._connection = connection
         connection.close_callbacks.add(self._on_close)
-        await self._declare(connection)
+        known = len(self._refused_steps)
+        try:
+            await self._declare(connection)
+        except aiormq.exceptions.ConnectionNotAllowed as exc:
+            # RabbitMQ still counted a channel its refusal closed when the next one opened
+            # (a user's max-channels 1: it untracks channels a moment later). The refusals
+            # are remembered: connected again, the steps refused go passively, no channel
+            # closed by a refusal (again while this connect learned one: a step each).
+            if len(self._refused_steps) == known or "channel" not in str(exc):
+                raise
+            connection.close_callbacks.discard(self._on_close)
+            await self._connect_once()
+            return
         channel = await connection.channel()
+        if not await self._open_lag_channel(connection):
+            # The refusal closed the connection: again, without a lag channel.
+            connection.close_callbacks.discard(self._on_close)
+            await self._connect_once()
+            return
         channel.close_callbacks.add(self._on_close)
         await channel.set_qos(prefetch_count=self.prefetch)
         queue = await channel.get_queue(self.queue, ensure=False)
@@ -203,7 +243,14 @@ class RabbitMQReceiver(Receiver):
         channel = await connection.channel()
         try:
             exchange = publisher.exchange
-            if publisher.declare_exchange and exchange and not exchange.startswith("amq."):
+            if "exchange" in self._refused_steps:
+                try:
+                    await publisher._check_exists(
+                        channel, exchange, self._refused_steps["exchange"]
+                    )
+                except PublishError as missing:
+                    raise ConfigError(str(missing)) from missing
+            elif publisher.declare_exchange and exchange and not exchange.startswith("amq."):
                 try:
                     await channel.declare_exchange(exchange, publisher.exchange_type, durable=True)
                 except aiormq.exceptions.ChannelPreconditionFailed as exc:
@@ -214,6 +261,7 @@ class RabbitMQReceiver(Receiver):
                         "set exchange_type to match it or declare_exchange=false"
                     ) from exc
                 except aiormq.exceptions.ChannelAccessRefused as exc:
+                    self._refused_steps["exchange"] = exc
                     try:
                         await publisher.exchange_exists(connection, exchange, exc)
                     except PublishError as missing:
@@ -225,8 +273,10 @@ class RabbitMQReceiver(Receiver):
                 arguments["x-queue-type"] = "quorum"
             if self.single_active_consumer:
                 arguments["x-single-active-consumer"] = True
+            refusal = self._refused_steps.get("queue")
             try:
-                await channel.declare_queue(self.queue, durable=True, arguments=arguments)
+                if refusal is None:  # else straight to the passive declare
+                    await channel.declare_queue(self.queue, durable=True, arguments=arguments)
             except aiormq.exceptions.ChannelPreconditionFailed as exc:
                 raise ConfigError(
                     f"queue {self.queue!r} exists with other settings "
@@ -234,26 +284,32 @@ class RabbitMQReceiver(Receiver):
                     "single_active_consumer to match it, or name another queue"
                 ) from exc
             except aiormq.exceptions.ChannelAccessRefused as exc:
+                refusal = self._refused_steps["queue"] = exc
                 channel = await _reopened(connection, channel)
+            if refusal is not None:
                 try:
                     await channel.declare_queue(self.queue, passive=True)
                 except aiormq.exceptions.ChannelNotFoundEntity:
                     raise ConfigError(
                         f"RabbitMQ refused to declare queue {self.queue!r} "
-                        f"({exc.args[0] if exc.args else exc}) and it does not exist: have it "
-                        "declared, or grant the user the configure permission on it"
-                    ) from exc
+                        f"({refusal.args[0] if refusal.args else refusal}) and it does not "
+                        "exist: have it declared, or grant the user the configure permission "
+                        "on it"
+                    ) from refusal
                 refused.append(
                     f"declare queue {self.queue!r} (its queue_type and "
                     "single_active_consumer are not checked)"
                 )
             if exchange:  # the default exchange routes by queue name: nothing to bind
                 for pattern in self.topics:
+                    if f"bind {pattern}" in self._refused_steps:
+                        continue  # refused at an earlier connect: the operator's binding
                     queue = await channel.get_queue(self.queue, ensure=False)
                     try:
                         await queue.bind(exchange, routing_key=pattern)
-                    except aiormq.exceptions.ChannelAccessRefused:
+                    except aiormq.exceptions.ChannelAccessRefused as exc:
                         # Bindings cannot be looked up over AMQP: the operator's to make.
+                        self._refused_steps[f"bind {pattern}"] = exc
                         refused.append(f"bind it to {exchange!r} for {pattern!r}")
                         channel = await _reopened(connection, channel)
         finally:
@@ -267,6 +323,36 @@ class RabbitMQReceiver(Receiver):
                 "; to ".join(refused),
                 self.queue,
             )
+
+    async def _open_lag_channel(self, connection: AbstractConnection) -> bool:
+        """Open the channel ``lag`` reads the queue's depth on, kept for the connection's
+        life; False if RabbitMQ closed the connection for it (530 NOT_ALLOWED: the user's
+        ``max-channels`` leaves room for the consuming channel only), which is remembered.
+
+        Opened at each ``lag`` call instead, it was a channel over such a limit every
+        metrics tick (5 s): RabbitMQ closed the consumer's connection each time, every
+        prefetched message going back to the queue (delivered again, counted against a
+        quorum queue's ``delivery-limit``). Opened here, nothing is held yet, and a later
+        channel opened by another connection of the user cannot make this one a refusal."""
+        self._lag_channel = None
+        transport = connection.transport
+        if self._lag_refused or transport is None:
+            return True
+        try:
+            # aiormq's own channel: none of the receiver's close callbacks hears of its end.
+            self._lag_channel = await transport.connection.channel(publisher_confirms=False)
+        except aiormq.exceptions.ConnectionNotAllowed as exc:
+            if "channel" not in str(exc):
+                raise
+            self._lag_refused = True
+            logger.warning(
+                "%s: RabbitMQ allows this consumer's user one channel (%s); the queue depth "
+                "(lag) is not measured, as a second channel would close the connection",
+                self.safe_url,
+                exc.args[0] if exc.args else exc,
+            )
+            return False
+        return True
 
     def _on_close(self, *_: object) -> None:
         self._lost.set()
@@ -308,9 +394,11 @@ class RabbitMQReceiver(Receiver):
         connection = self._connection
         if not self._connected or connection is None or connection.is_closed:
             return None
+        if self._lag_refused:
+            return None  # no second channel (see _open_lag_channel)
         query = self._lag_query
         if query is None or query.done():
-            query = self._lag_query = asyncio.ensure_future(self._ready(connection))
+            query = self._lag_query = asyncio.ensure_future(self._ready())
             query.add_done_callback(_retrieved)
         # Waited for, never cancelled: aiormq closes a channel whose request is cancelled,
         # with a warning each time. One query at a time: a broker slow to answer gets no
@@ -327,21 +415,21 @@ class RabbitMQReceiver(Receiver):
             return None
         return query.result()
 
-    async def _ready(self, connection: AbstractConnection) -> int:
-        transport = connection.transport
-        if transport is None:
-            raise ConnectionError("the connection to RabbitMQ is closed")
+    async def _ready(self) -> int:
         # A channel of its own: a passive declare of a queue that is gone (deleted by an
         # operator) closes its channel with a 404, and on the consuming channel that would
-        # drop the messages held and read as a lost connection. aiormq's own channel: none
-        # of the receiver's close callbacks hears of its end.
-        channel = await transport.connection.channel(publisher_confirms=False)
-        try:
-            declared = await channel.queue_declare(self.queue, passive=True)
-            return int(declared.message_count or 0)
-        finally:
-            with contextlib.suppress(Exception):  # closed by the 404, or with the connection
-                await channel.close()
+        # drop the messages held and read as a lost connection. Closed so, another is
+        # opened in its place (a second channel was allowed at the connect).
+        channel = self._lag_channel
+        if channel is None or channel.is_closed:
+            connection = self._connection
+            if connection is not None:
+                await self._open_lag_channel(connection)
+            channel = self._lag_channel
+            if channel is None:
+                raise ConnectionError("no channel to read the queue's depth on")
+        declared = await channel.queue_declare(self.queue, passive=True)
+        return int(declared.message_count or 0)
 
 
 async def _reopened(connection: AbstractConnection, channel: AbstractChannel) -> AbstractChannel:
