@@ -27,7 +27,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, M
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import cast
-from urllib.parse import quote, unquote, urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urljoin, urlsplit, urlunsplit
 
 import httpx
 
@@ -436,6 +436,14 @@ class WebhookPublisher(Publisher):
             raise ConnectionError("webhook publisher is not connected")
         url = self.destination_for(message)
         headers = self.request_headers(message)
+        #: The receiver broke the connection while the body was still being sent (httpcore
+        #: then reads for an answer, which such a close usually loses: see below).
+        body_cut: list[BaseException] = []
+
+        async def trace(event: str, info: Mapping[str, object]) -> None:
+            if event == "http11.send_request_body.failed":
+                body_cut.append(cast(BaseException, info.get("exception")))
+
         async with lanes.borrow() as client:
             try:
                 # httpx's timeout bounds each read and write, not the request: a receiver
@@ -447,7 +455,11 @@ class WebhookPublisher(Publisher):
                 async with (
                     asyncio.timeout(self.timeout + HEAD_DEADLINE_MARGIN) as deadline,
                     client.stream(
-                        "POST", url, content=message.payload, headers=headers
+                        "POST",
+                        url,
+                        content=message.payload,
+                        headers=headers,
+                        extensions={"trace": trace},
                     ) as response,
                 ):
                     deadline.reschedule(None)  # the status is here; _read_head has its own
@@ -476,10 +488,26 @@ class WebhookPublisher(Publisher):
                     f"cannot send to {_safe(url)}: {_describe(exc)}", retryable=False
                 ) from exc
             except httpx.HTTPError as exc:  # timeouts, dropped connections: try again later
+                if body_cut:
+                    # A receiver refusing a body over its size limit (413) before reading it
+                    # and closing: the unread bytes make its kernel reset the connection, which
+                    # discards the answer on the relay's side. The error said "ReadError" only,
+                    # for every attempt. Still retryable: a receiver going down mid-body (or
+                    # shutting down with a 503) looks the same.
+                    raise PublishError(
+                        f"request to {_safe(url)} failed: the receiver closed the connection "
+                        f"while the {len(message.payload):,}-byte body was being sent, and "
+                        f"no answer arrived ({_describe(exc)}); a receiver refusing bodies over "
+                        "a size limit before reading them (413) looks like this"
+                    ) from exc
                 raise PublishError(f"request to {_safe(url)} failed: {_describe(exc)}") from exc
         if 200 <= response.status_code < 300:
             return
         excerpt = _excerpt(head, response.headers.get("content-encoding", ""), cut_short)
+        if 300 <= response.status_code < 400 and "location" in response.headers:
+            # Not followed (the signed request, and its configured credentials, would go
+            # wherever the receiver points): the error named no place, only "HTTP 301".
+            excerpt = f"{_redirect(url, response.headers['location'])} {excerpt}".strip()
         retryable = response.status_code in self.retry_statuses
         raise WebhookStatusError(
             response.status_code,
@@ -528,6 +556,16 @@ def _storable(text: str) -> str:
     """``text`` without control characters (NUL cannot be stored), whitespace collapsed,
     at most EXCERPT_CHARS."""
     return " ".join(_CONTROL.sub("\ufffd", text).split())[:EXCERPT_CHARS]
+
+
+def _redirect(url: str, location: str) -> str:
+    """Where a 3xx answer points, for the error text: absolute, without credentials or query
+    (as the URLs outboxer shows), control characters replaced, at most EXCERPT_CHARS."""
+    try:
+        target = _safe(urljoin(url, location.strip()))
+    except ValueError:  # an unparsable Location (a bad IPv6 literal): shown as sent
+        target = location
+    return f"(redirects to {_storable(target)}, not followed)"
 
 
 def _ssl_context(verify: ssl.SSLContext | str | bool) -> ssl.SSLContext:
