@@ -48,8 +48,11 @@ async def test_sigterm_with_one_database_stalled_ends_within_the_shutdown_timeou
         if not done:
             await asyncio.wait_for(running, 120)
     assert done, f"the relay process took {took:.1f}s to stop (shutdown_timeout 0.5s)"
-    # The loops cut short at once, then the goodbyes the stalled database never answers.
-    assert took < 0.5 + CLOSE_TIMEOUT + 1, took
+    # The loops cut short at shutdown_timeout (0.5 s), then one after another: the claims
+    # under way get 0.25 s to answer, the connections they held 0.5 s to reset, the pool
+    # CLOSE_TIMEOUT to close (2.26 s in all on an idle box; 2.7 s on a loaded one failed a
+    # bound of 2.5 s). A second of slack over those.
+    assert took < 0.5 + 0.25 + 0.5 + CLOSE_TIMEOUT + 1, took
     running.result()
 
 
