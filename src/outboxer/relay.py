@@ -16,9 +16,9 @@ import json
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from outboxer import logjson, payload_admin, tracing
 from outboxer.brokers import Publisher, create_publisher
@@ -45,6 +45,7 @@ from outboxer.stores import (
 from outboxer.stores.pgpartitions import PartitionPolicy
 
 logger = get_logger("outboxer.relay")
+_T = TypeVar("_T")
 
 
 class DatabaseLog(logging.LoggerAdapter[logging.Logger]):
@@ -845,12 +846,7 @@ class Relay:
             self, "database", "unreachable", log_as="database unreachable", counts=[self.stats]
         )
         while True:
-            attempt = asyncio.ensure_future(self._connect_checked())
-            stopped = asyncio.ensure_future(self._stopping.wait())
-            try:
-                await asyncio.wait({attempt, stopped}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                await _cancel(stopped, attempt)  # the attempt only if it is still under way
+            attempt = await self._unless_stopped(self._connect_checked())
             if attempt.cancelled():
                 await self.store.close()  # what the attempt opened (bounded)
                 return False
@@ -946,15 +942,21 @@ class Relay:
         destinations' batches in flight short too."""
         if self.stopping:
             return None
-        attempt = asyncio.ensure_future(publisher.connect())
+        attempt = await self._unless_stopped(publisher.connect())
+        if attempt.cancelled():
+            return None
+        return attempt.result()
+
+    async def _unless_stopped(self, call: Coroutine[Any, Any, _T]) -> asyncio.Future[_T]:
+        """``call`` run until it ends or the relay stops, whichever comes first: its future,
+        cancelled (and ended) if the stop came first."""
+        attempt = asyncio.ensure_future(call)
         stopped = asyncio.ensure_future(self._stopping.wait())
         try:
             await asyncio.wait({attempt, stopped}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             await _cancel(stopped, attempt)  # the attempt only if it is still under way
-        if attempt.cancelled():
-            return None
-        return attempt.result()
+        return attempt
 
     async def _connect_once(self, destination: str) -> bool:
         """One connect of the destination's publisher, no back-off: False if the broker
