@@ -25,7 +25,10 @@ in order. A database that does not answer is a 503 too, with no attempt counted.
 
 The body is read whole before a session is taken (slow clients hold none), within
 ``body_timeout`` (408 past it) and ``max_body`` (413); both answers close the connection,
-and ``close()`` answers the bodies still arriving with 503 at once.
+and ``close()`` answers the bodies still arriving with 503 at once. A body over ``max_body``
+is read to its end and thrown away before the 413 (within ``body_timeout``, while its bytes
+keep coming, up to 64 MiB or four times ``max_body``): a connection closed with bytes unread
+is reset, which made the sender lose the 413 (the relay retried what is never taken).
 
 Request layout (see ``docs/brokers/webhook.md``): the body is the payload; ``Outboxer-Id``,
 ``Outboxer-Topic``, ``Outboxer-Key`` (percent-encoded), ``Outboxer-Created-At`` and
@@ -109,6 +112,11 @@ _ENVELOPE = frozenset(
 ) | {HEADER_SIGNATURE.lower(), HEADER_SIGNED_HEADERS.lower()}
 #: Messages whose failures are remembered (oldest forgotten first).
 _REMEMBERED = 10_000
+#: The bytes of a body over ``max_body`` read and thrown away before the 413, at least (four
+#: times ``max_body`` if that is more); past them its connection closes unread.
+_MAX_DRAIN = 64 * 1024 * 1024
+#: Seconds without a byte of such a body after which the 413 is sent without the rest.
+_DRAIN_IDLE = 1.0
 
 
 class WebhookReceiver:
@@ -166,6 +174,11 @@ class WebhookReceiver:
         #: and user headers nobody vouches for; False accepts relays older than scheme v2.
         self.require_signed_headers = require_signed_headers
         self.max_body = max_body
+        #: A body over max_body is read to its end and thrown away before the 413 (a
+        #: connection closed with bytes unread is reset, and the sender loses the answer),
+        #: within body_timeout and while bytes keep coming (a pause of _DRAIN_IDLE ends it),
+        #: unless it is longer than this: then the 413 comes at once, the body unread.
+        self.max_drain = max(_MAX_DRAIN, 4 * max_body)
         #: Seconds to read a request's whole body (408, connection closed, past it); None:
         #: no bound. Bodies are read before a session is taken, so a slow one holds no
         #: session, but a server's graceful shutdown waits for it.
@@ -290,8 +303,19 @@ class WebhookReceiver:
             await _respond(send, 405, {"error": "webhooks are POSTed"}, {"allow": "POST"})
             return
         length = headers.get("content-length")
+        announced = int(length) if length is not None and length.isdigit() else 0  # 0: none
         too_large = {"error": f"body over {self.max_body} bytes"}
-        if length is not None and length.isdigit() and int(length) > self.max_body:
+        # A body over max_body is read and thrown away before the 413 (see max_drain): closed
+        # with bytes of it unread, the connection was reset by the receiver's kernel, which
+        # made the sender lose the 413; outboxer's relay saw a connection reset, retried,
+        # and spent every attempt on a message this receiver never takes.
+        over = announced > self.max_body
+        if over and (
+            announced > self.max_drain
+            or self._stopping.is_set()
+            # The client waits for a 100 Continue before it sends the body: none is sent.
+            or headers.get("expect", "").strip().lower() == "100-continue"
+        ):
             # Refused before a byte of it is read (the connection closes: its body is unread).
             await _respond(send, 413, too_large, _CLOSE)
             return
@@ -299,27 +323,43 @@ class WebhookReceiver:
             await _respond(send, *_closing_now())
             return
         body = bytearray()
+        received = 0  # the body's bytes, those thrown away included
         # One timer for the whole body (none with body_timeout=None): a client trickling it,
         # or stalling after its headers, holds no session (taken after the body), but would
         # hold its connection, its memory and a server's graceful shutdown for ever.
         loop = asyncio.get_running_loop()
         when = None if self.body_timeout is None else loop.time() + self.body_timeout
         deadline = asyncio.timeout_at(when)
-        complete = over = False
+        complete = False
         self._reading.add(deadline)
         try:
             async with deadline:
                 while True:
-                    event = await receive()
+                    if over:
+                        # Thrown away: a sender going silent is not waited for.
+                        try:
+                            async with asyncio.timeout(_DRAIN_IDLE) as idle:
+                                event = await receive()
+                        except TimeoutError:
+                            if not idle.expired():
+                                raise
+                            break
+                    else:
+                        event = await receive()
                     if event.get("type") == "http.disconnect":
                         # The client went away mid-body: applied and recorded in the inbox, a
                         # part of the message would make the sender's full retry a duplicate,
                         # never applied.
                         return
-                    body += event.get("body", b"")
-                    if len(body) > self.max_body:
-                        over = True
-                        break
+                    chunk = event.get("body", b"")
+                    received += len(chunk)
+                    if not over:
+                        body += chunk
+                        if len(body) > self.max_body:
+                            over = True
+                            body = bytearray()  # never kept
+                    if over and received > self.max_drain:
+                        break  # closed unread, as a body announced that long is
                     if not event.get("more_body"):
                         complete = True
                         break
@@ -329,6 +369,8 @@ class WebhookReceiver:
         finally:
             self._reading.discard(deadline)
         if over:
+            # Read to its end, or as far as body_timeout, close(), a silent sender or
+            # max_drain let it be: the connection closes all the same.
             await _respond(send, 413, too_large, _CLOSE)
             return
         if not complete:
