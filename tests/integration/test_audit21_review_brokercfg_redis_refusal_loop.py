@@ -1,3 +1,4 @@
+# ruff: noqa: F811 -- the fixtures imported from the first Redis file are its parameters
 """A write refusal the connect probe does not see: the relay reconnected at once, claimed,
 sent and gave the same batch back, in a hot loop, no attempt counted and no back-off.
 
@@ -18,10 +19,7 @@ Private redis-servers (a primary to make the node a replica of), on free ports.
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 import uuid
-from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -30,35 +28,11 @@ from outboxer import Outbox, Relay, create_store, load_settings
 from outboxer.brokers.redis import RedisPublisher
 from outboxer.errors import PublishError
 from outboxer.testing import make_message
-from tests.integration.test_audit21_brokercfg_redis_write_refusals import _start
+from tests.integration.test_audit21_brokercfg_redis_write_refusals import (  # noqa: F401
+    node,  # fixtures: the private servers, the one under test reset after each test
+    servers,
+)
 from tests.integration.test_http_api import connect_sync
-
-
-@pytest.fixture(scope="module")
-def servers() -> Iterator[tuple[int, int]]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
-    with tempfile.TemporaryDirectory() as first, tempfile.TemporaryDirectory() as second:
-        started = [_start(first)]
-        try:
-            started.append(_start(second))
-            yield started[0][1], started[1][1]
-        finally:
-            for server, _ in started:
-                server.terminate()
-                server.wait(10)
-
-
-@pytest.fixture
-async def node(servers: tuple[int, int]) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis(port=servers[0])
-    try:
-        yield client
-    finally:
-        await client.replicaof("NO", "ONE")
-        await client.config_set("maxmemory", "0")
-        await client.flushall()
-        await client.aclose()
 
 
 async def _stream_user(node: aioredis.Redis) -> str:
